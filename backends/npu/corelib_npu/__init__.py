@@ -1,0 +1,1 @@
+"""corelib backend plugin for npu devices (native, or the stream emulator with the npu profile)."""

@@ -1,0 +1,1 @@
+"""Hydra config tree of corelib, importable as ``corelib.conf`` from any install."""

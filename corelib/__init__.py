@@ -1,0 +1,13 @@
+"""corelib: one LLM decode engine for CUDA GPUs, Ascend NPUs and Cambricon MLUs."""
+
+from __future__ import annotations
+
+import os
+
+# PyTorch imports every installed device extension at `import torch` (device-backend
+# autoload). A vendor extension without its driver libraries then breaks torch itself, so
+# corelib turns autoload off unless the user chose, and each plugin imports its extension
+# explicitly inside its probe, where a failure becomes that plugin's unavailability reason.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+__version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""The backend plugin base class and the choice of runtime (native or emulated).
+
+A backend subclass sets ``name``, implements ``_probe_native`` (import the vendor SDK, look
+for a device) and ``_open_native``. Everything else (error wrapping, the emulated runtime,
+narrowing the declared capabilities) happens here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from corelib.config import BackendConfig, EmulatorConfig, RuntimeMode
+from corelib.device import Availability, Capabilities, Device, Runtime
+from corelib.errors import BackendUnavailable, ConfigError, one_line
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Everything a backend needs to open a device; built once at start."""
+
+    backend: str
+    runtime: Runtime
+    capabilities: Capabilities
+    device_index: int = 0
+    emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
+    timeout_s: float = 60.0
+
+
+class Backend(ABC):
+    """A backend plugin: probes its hardware and opens devices."""
+
+    name: ClassVar[str]
+    #: whether the stream emulator can stand in when the hardware is missing
+    can_emulate: ClassVar[bool] = True
+
+    def probe(self) -> Availability:
+        """Can this backend run natively here? Never raises: a failure becomes the reason."""
+        try:
+            return self._probe_native()
+        except Exception as error:  # noqa: BLE001 - any import or driver failure is a reason
+            return Availability(native=False, reason=one_line(error))
+
+    def open(self, spec: DeviceSpec) -> Device:
+        if spec.runtime is Runtime.native:
+            return self._open_native(spec)
+        return self._open_emulated(spec)
+
+    @abstractmethod
+    def _probe_native(self) -> Availability:
+        """Import the vendor SDK and look for a device. May narrow the declared capabilities."""
+
+    @abstractmethod
+    def _open_native(self, spec: DeviceSpec) -> Device: ...
+
+    def _open_emulated(self, spec: DeviceSpec) -> Device:
+        from corelib.emulator import EmulatedDevice
+
+        return EmulatedDevice(spec)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The runtime chosen for a backend, with the capabilities it will run with."""
+
+    spec: DeviceSpec
+    message: str
+
+
+def resolve_runtime(backend: Backend, cfg: BackendConfig, timeout_s: float) -> Resolution:
+    """Pick native or emulated per ``backend.runtime`` and narrow the declared capabilities."""
+    try:
+        declared = Capabilities.from_mapping(dict(cfg.capabilities))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"backend.capabilities: {error}") from None
+    mode = RuntimeMode(cfg.runtime)
+    availability = backend.probe() if mode is not RuntimeMode.emulated else None
+    if availability is not None and availability.native:
+        try:
+            capabilities = declared.narrow(**availability.narrow)
+        except ValueError as error:
+            raise ConfigError(f"backend {backend.name}: probe is invalid: {error}") from None
+        runtime = Runtime.native
+        message = f"{backend.name}: native ({availability.reason})"
+    elif availability is not None and mode is RuntimeMode.native:
+        raise BackendUnavailable(
+            f"backend {backend.name}: backend.runtime=native refused: {availability.reason}"
+        )
+    elif not backend.can_emulate:
+        reason = availability.reason if availability is not None else "emulation requested"
+        raise BackendUnavailable(f"backend {backend.name}: unavailable ({reason}) and it cannot be emulated")
+    else:
+        capabilities = declared
+        runtime = Runtime.emulated
+        why = f" because {availability.reason}" if availability is not None else ""
+        message = f"{backend.name}: running on the stream emulator with the {backend.name} profile{why}"
+    spec = DeviceSpec(
+        backend=backend.name,
+        runtime=runtime,
+        capabilities=capabilities,
+        device_index=cfg.device_index,
+        emulator=cfg.emulator,
+        timeout_s=timeout_s,
+    )
+    return Resolution(spec=spec, message=message)

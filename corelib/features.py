@@ -1,0 +1,221 @@
+"""Feature gates as data: evaluate ``conf/features/*.yaml`` into a Plan.
+
+A requirement is a comparison over one fact. Facts come from four namespaces:
+``capabilities.*`` (the opened backend), ``config.*`` (the resolved config), ``model.*``
+(what the model declares) and ``features.*`` (earlier decisions, true when enabled).
+Step-scoped requirements use ``request.*`` and are checked per scheduled batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from corelib.config import FeatureConfig, Mode, Op, RequirementConfig, Scope
+from corelib.errors import ConfigError, PlanRefused
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Requirement:
+    feature: str
+    fact: str
+    op: Op
+    value: Any
+    reason: str
+    scope: Scope
+    auto_only: bool
+
+    @classmethod
+    def from_config(cls, feature: str, cfg: RequirementConfig) -> Requirement:
+        return cls(feature, cfg.fact, Op(cfg.op), _plain(cfg.value), cfg.reason, Scope(cfg.scope), cfg.auto_only)
+
+    def holds(self, facts: Mapping[str, Any]) -> bool:
+        actual = _lookup(facts, self.fact)
+        if actual is _MISSING:
+            raise ConfigError(
+                f"feature {self.feature!r}: requirement names unknown fact {self.fact!r} "
+                f"(known namespaces: {', '.join(sorted(facts))})"
+            )
+        return _compare(self.op, _plain(actual), self.value)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether one feature is enabled, and the reasons."""
+
+    feature: str
+    mode_key: str
+    mode_value: str
+    mode: Mode
+    enabled: bool
+    reasons: tuple[str, ...]
+    step_requirements: tuple[Requirement, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "feature": self.feature,
+            "mode_key": self.mode_key,
+            "mode": self.mode_value,
+            "enabled": self.enabled,
+            "reasons": list(self.reasons),
+            "per_step": [r.reason for r in self.step_requirements],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every feature's decision, in evaluation order."""
+
+    decisions: Mapping[str, Decision] = field(default_factory=dict)
+
+    def is_enabled(self, feature: str) -> bool:
+        decision = self.decisions.get(feature)
+        return decision is not None and decision.enabled
+
+    def step_blockers(self, feature: str, request_facts: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Reasons the per-step requirements of ``feature`` fail for a batch (empty: none fail)."""
+        decision = self.decisions.get(feature)
+        if decision is None or not decision.enabled:
+            return []
+        failed: list[str] = []
+        for requirement in decision.step_requirements:
+            for facts in request_facts:
+                if not requirement.holds({"request": facts}):
+                    failed.append(requirement.reason)
+                    break
+        return failed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: d.as_dict() for name, d in self.decisions.items()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+
+def evaluate(
+    features: Mapping[str, FeatureConfig] | DictConfig,
+    config: DictConfig,
+    capabilities: Mapping[str, Any],
+    model_facts: Mapping[str, Any],
+) -> Plan:
+    """Decide every feature. Raises PlanRefused listing every unmet requirement of every `on`."""
+    specs: dict[str, FeatureConfig] = {name: spec for name, spec in features.items()}  # type: ignore[misc]
+    resolved = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
+    facts: dict[str, Any] = {
+        "capabilities": dict(capabilities),
+        "config": resolved,
+        "model": dict(model_facts),
+        "features": {},
+    }
+    decisions: dict[str, Decision] = {}
+    refusals: list[tuple[str, list[str]]] = []
+    for name in _dependency_order(specs):
+        decision, unmet = _decide(name, specs[name], config, facts)
+        if unmet:
+            refusals.append((f"{decision.mode_key}={decision.mode_value}", unmet))
+        decisions[name] = decision
+        facts["features"][name] = decision.enabled
+    if refusals:
+        raise PlanRefused([(setting, reason) for setting, unmet in refusals for reason in unmet])
+    return Plan(decisions)
+
+
+def _decide(
+    name: str, spec: FeatureConfig, config: DictConfig, facts: Mapping[str, Any]
+) -> tuple[Decision, list[str]]:
+    raw = OmegaConf.select(config, spec.mode_key, default=_MISSING)
+    if raw is _MISSING:
+        raise ConfigError(f"feature {name!r}: mode_key {spec.mode_key!r} is not a config key")
+    mode_value = str(_plain(raw)).lower()
+    mapped = dict(spec.mode_map).get(mode_value, mode_value)
+    try:
+        mode = Mode(mapped)
+    except ValueError:
+        raise ConfigError(
+            f"{spec.mode_key}={mode_value}: expected one of "
+            f"{sorted(dict(spec.mode_map) or [m.value for m in Mode])}"
+        ) from None
+    requirements = [Requirement.from_config(name, r) for r in spec.requirements]
+    at_start = [r for r in requirements if r.scope is Scope.start]
+    per_step = tuple(r for r in requirements if r.scope is Scope.step)
+
+    def decision(enabled: bool, reasons: list[str]) -> Decision:
+        return Decision(name, spec.mode_key, mode_value, mode, enabled, tuple(reasons), per_step)
+
+    if mode is Mode.off:
+        return decision(False, [f"{spec.mode_key}={mode_value}"]), []
+    failed = [r for r in at_start if not r.holds(facts)]
+    if mode is Mode.on:
+        unmet = [r.reason for r in failed if not r.auto_only]
+        if unmet:
+            return decision(False, unmet), unmet
+        notes = [f"forced by {spec.mode_key}={mode_value}"]
+        notes += [f"{r.reason} (not required when forced)" for r in failed]
+        return decision(True, notes), []
+    if failed:
+        return decision(False, [r.reason for r in failed]), []
+    return decision(True, [f"all {len(at_start)} requirements hold"]), []
+
+
+def _dependency_order(specs: Mapping[str, FeatureConfig]) -> list[str]:
+    order: list[str] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "visiting":
+            raise ConfigError(f"feature gates depend on each other in a cycle: {' -> '.join([*path, name])}")
+        state[name] = "visiting"
+        for requirement in specs[name].requirements:
+            head, _, dep = requirement.fact.partition(".")
+            if head == "features":
+                if dep not in specs:
+                    raise ConfigError(f"feature {name!r} depends on unknown feature {dep!r}")
+                visit(dep, [*path, name])
+        state[name] = "done"
+        order.append(name)
+
+    for name in specs:
+        visit(name, [])
+    return order
+
+
+def _lookup(facts: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = facts
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+    return value
+
+
+def _compare(op: Op, actual: Any, expected: Any) -> bool:
+    if op is Op.eq:
+        return bool(actual == expected)
+    if op is Op.ne:
+        return bool(actual != expected)
+    if op is Op.is_in:
+        return actual in expected
+    if op is Op.not_in:
+        return actual not in expected
+    if op is Op.ge:
+        return bool(actual >= expected)
+    if op is Op.le:
+        return bool(actual <= expected)
+    raise ConfigError(f"unknown requirement operator {op!r}")
