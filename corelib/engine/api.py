@@ -1,0 +1,290 @@
+"""The public engine: build once from a config, generate, close.
+
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on"]) as engine:
+        outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+from omegaconf import DictConfig
+
+from corelib.device import Device
+from corelib.engine.block_manager import BlockManager, blocks_for
+from corelib.engine.buckets import BucketPolicy
+from corelib.engine.core import EngineCore
+from corelib.engine.forward_input import InputBuilder, prefill_layout
+from corelib.engine.handoff import StagingPool
+from corelib.engine.runner import ModelRunner
+from corelib.engine.scheduler import Scheduler, SchedulerLimits
+from corelib.engine.sequence import FinishReason, SamplingParams
+from corelib.engine.sequence import Sequence as Seq
+from corelib.errors import ConfigError, RequestError
+from corelib.features import Plan
+from corelib.models.llama import ModelShape, ModelWeights, build_weights, random_state_dict
+from corelib.rundir import RequestRecord
+from corelib.startup import Startup
+
+STAGING_BUFFERS = 4  # a step in flight, the next one, and room for the host to pack ahead
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a finished request produced."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    text: str | None = None
+    error: str | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def record(self) -> RequestRecord:
+        return RequestRecord(
+            id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            finish_reason=self.finish_reason,
+            text=self.text,
+            error=self.error,
+        )
+
+
+def _output(seq: Seq) -> RequestOutput:
+    ttft = tpot = None
+    if seq.first_token_time is not None:
+        ttft = (seq.first_token_time - seq.arrival_time) * 1e3
+        if seq.finish_time is not None and len(seq.output_token_ids) > 1:
+            tpot = (seq.finish_time - seq.first_token_time) * 1e3 / (len(seq.output_token_ids) - 1)
+    reason = seq.finish_reason.value if seq.finish_reason is not None else FinishReason.cancelled.value
+    return RequestOutput(
+        seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), reason,
+        seq.text or None, seq.error, ttft, tpot,
+    )
+
+
+def model_weights(startup: Startup, device: Device) -> ModelWeights:
+    """Random seeded weights, or a checkpoint when ``model.path`` is set."""
+    cfg = startup.config.model
+    shape = ModelShape.from_config(cfg)
+    if cfg.path:
+        from corelib.models.checkpoint import load_checkpoint
+
+        return load_checkpoint(cfg, device.torch_device)
+    return build_weights(shape, random_state_dict(shape, cfg.seed), device.torch_device)
+
+
+class Engine:
+    """A decode engine on one device. Build it once; it owns threads and device memory until closed."""
+
+    def __init__(
+        self, startup: Startup, weights_factory: Callable[[Startup, Device], ModelWeights] = model_weights
+    ) -> None:
+        self.startup = startup
+        self.plan: Plan = startup.plan
+        cfg = startup.config
+        engine_cfg, model_cfg = cfg.engine, cfg.model
+        self._ids = itertools.count()
+        self.sequences: list[Seq] = []
+        self._closed = False
+        self.device = startup.backend.open(startup.spec)
+        try:
+            torch.manual_seed(0)
+            self.weights = weights_factory(startup, self.device)
+            shape = self.weights.shape
+            self.vocab_size = shape.vocab_size
+            block_size = engine_cfg.block_size
+            max_blocks = blocks_for(model_cfg.max_model_len, block_size)
+            num_blocks = engine_cfg.num_kv_blocks or engine_cfg.max_num_seqs * max_blocks + 1
+            if num_blocks - 1 < max_blocks:
+                raise ConfigError(
+                    f"engine.num_kv_blocks={num_blocks} holds {(num_blocks - 1) * block_size} tokens; "
+                    f"one request of model.max_model_len={model_cfg.max_model_len} needs {max_blocks} blocks "
+                    f"of {block_size} (+1 null block): raise engine.num_kv_blocks or lower model.max_model_len"
+                )
+            rows = engine_cfg.max_num_seqs
+            caps = self.device.capabilities
+            graphs = self.plan.is_enabled("graph")
+            self.buckets = BucketPolicy.build(graphs, engine_cfg.graph_batch_sizes, rows, max_blocks,
+                                              caps.graph_param_update)
+            self.builder = InputBuilder(rows, max_blocks, block_size, rows, model_cfg.max_model_len)
+            self.scheduler = Scheduler(
+                SchedulerLimits(rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len,
+                                model_cfg.eos_token_id),
+                BlockManager(num_blocks, block_size),
+                num_slots=rows,
+                detokenize=self._detokenize,
+            )
+            self.runner = ModelRunner(self.device, self.weights, self.builder, self.buckets, num_blocks, rows)
+            if graphs:
+                self.runner.capture()
+            longest_prefill = max(engine_cfg.max_num_batched_tokens, model_cfg.max_model_len)
+            staging_bytes = max(self.builder.decode.nbytes,
+                                prefill_layout(longest_prefill, rows, model_cfg.max_model_len).nbytes)
+            self.staging = StagingPool(self.device, staging_bytes, STAGING_BUFFERS, engine_cfg.timeout_s)
+            self.async_handoff = self.plan.is_enabled("async_token_handoff")
+            self.core = EngineCore(
+                self.scheduler, self.builder, self.buckets, self.runner, self.staging, self.async_handoff,
+                self._sync_reasons, engine_cfg.timeout_s,
+            )
+        except BaseException:
+            self.device.close()
+            raise
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_overrides(cls, overrides: Sequence[str] = ()) -> Engine:
+        """Compose corelib's config with Hydra-style overrides and build an engine."""
+        from corelib.compose import compose_config, prepare_config_store
+        from corelib.plugins import PluginRegistry
+        from corelib.startup import start
+
+        registry = PluginRegistry()
+        prepare_config_store(registry)
+        return cls(start(compose_config(overrides), registry))
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> Engine:
+        """Build from an already composed config (e.g. inside your own @hydra.main)."""
+        from corelib.compose import prepare_config_store
+        from corelib.plugins import PluginRegistry
+        from corelib.startup import start
+
+        registry = PluginRegistry()
+        prepare_config_store(registry)
+        return cls(start(cfg, registry))
+
+    # ------------------------------------------------------------------ requests
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+    def _sync_reasons(self, seqs: list[Seq]) -> list[str]:
+        facts = [{"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)} for s in seqs]
+        return self.plan.step_blockers("async_token_handoff", facts)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        multimodal: bool = False,
+    ) -> str:
+        """Queue a request. An invalid one is finished at once with finish_reason 'error'."""
+        self._check_open()
+        sampling = sampling or SamplingParams()
+        number = next(self._ids)
+        seq = Seq(number, request_id or str(number), list(prompt_token_ids), sampling, multimodal=multimodal,
+                  arrival_time=time.perf_counter())
+        self.sequences.append(seq)
+        try:
+            self._validate(seq)
+        except RequestError as error:
+            self.scheduler.finish(seq, FinishReason.error, error=str(error))
+            self.core.finished.append(seq)
+            return seq.request_id
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _validate(self, seq: Seq) -> None:
+        limit = self.startup.config.model.max_model_len
+        if not seq.prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        if len(seq.prompt_token_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(seq.prompt_token_ids)} tokens; model.max_model_len={limit} leaves no room "
+                "for output"
+            )
+        bad = [t for t in seq.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        seq.sampling.validate(self.vocab_size)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or self.core.num_in_flight > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Advance the loop once; returns requests that finished meanwhile."""
+        self._check_open()
+        try:
+            self.core.iterate()
+        except BaseException:
+            self._fail()
+            raise
+        return self.take_finished()
+
+    def take_finished(self) -> list[RequestOutput]:
+        done, self.core.finished = self.core.finished, []
+        return [_output(seq) for seq in done]
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Run until every queued request is done, yielding each as it finishes."""
+        yield from self.take_finished()
+        while self.has_unfinished:
+            yield from self.step()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        multimodal: Sequence[bool] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        flags = list(multimodal) if multimodal is not None else [False] * len(prompts)
+        ids = [
+            self.add_request(prompt, p, multimodal=flag) for prompt, p, flag in zip(prompts, params, flags, strict=True)
+        ]
+        results: dict[str, RequestOutput] = {}
+        for output in self.stream():
+            results[output.request_id] = output
+            if on_finish is not None:
+                on_finish(output)
+        return [results[i] for i in ids]
+
+    def metrics(self, wall_s: float) -> dict[str, object]:
+        """Run-level figures over every request added so far."""
+        return self.core.metrics.summary(self.sequences, wall_s)
+
+    # ------------------------------------------------------------------ shutdown
+    def _fail(self) -> None:
+        """A step failed: end every request and stop; close() still releases everything."""
+        for seq in self.scheduler.abort_all(FinishReason.error, error="the engine stopped after a device error"):
+            self.core.finished.append(seq)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def close(self) -> None:
+        """Drain in-flight steps (bounded), stop threads, release device memory. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            try:
+                self.core.cancel_in_flight()
+            finally:
+                self.core.close()
+                self.runner.close()
+        finally:
+            self.device.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

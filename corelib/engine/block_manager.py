@@ -1,0 +1,92 @@
+"""Paged KV-cache bookkeeping: which blocks each sequence holds. Pure Python, no tensors.
+
+Block 0 is never handed out: padded rows of a captured batch write their K/V there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from corelib.engine.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Allocates KV blocks with reference counts (a block may be shared by several sequences)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks (one is the null block), got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds when every usable block is in use."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def num_missing(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``seq`` still needs to hold ``num_tokens`` tokens."""
+        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens, self.block_size) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give a sequence without blocks enough for ``num_tokens`` tokens."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.request_id} already holds blocks")
+        self.append(seq, num_tokens)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_missing(seq, num_tokens) <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq``'s block table to hold ``num_tokens`` tokens."""
+        missing = self.num_missing(seq, num_tokens)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(
+                f"sequence {seq.request_id} needs {missing} more KV blocks, {self.num_free_blocks} are free"
+            )
+        for _ in range(missing):
+            block = self._free.popleft()
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks beyond ``num_tokens`` tokens (roll back a reservation)."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
+    def share(self, source: Sequence, target: Sequence) -> None:
+        """Let ``target`` start with ``source``'s blocks (a shared prefix); counts go up."""
+        if target.block_table:
+            raise ValueError(f"sequence {target.request_id} already holds blocks")
+        for block in source.block_table:
+            self.ref_counts[block] += 1
+        target.block_table = list(source.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop every block of ``seq``; a block returns to the pool when no one holds it."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+
+    def _release(self, block: int) -> None:
+        if self.ref_counts[block] <= 0:
+            raise RuntimeError(f"KV block {block} released more often than allocated")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free.append(block)

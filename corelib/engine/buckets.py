@@ -1,0 +1,57 @@
+"""Which captured graph serves a decode batch: batch-size and KV-width buckets.
+
+A pure function of the config and the device's capabilities, so the scheduler side (which
+packs the inputs) and the device side (which replays the graph) agree without talking.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def powers_of_two_upto(limit: int) -> list[int]:
+    values = []
+    value = 1
+    while value < limit:
+        values.append(value)
+        value *= 2
+    values.append(limit)
+    return values
+
+
+@dataclass(frozen=True)
+class BucketPolicy:
+    """Graph shapes. Without captured-parameter update, one graph per (batch, KV width) pair."""
+
+    batch_buckets: tuple[int, ...]  # empty: graphs off, every decode step runs eagerly
+    kv_buckets: tuple[int, ...]
+    max_blocks: int
+    param_update: bool
+
+    @classmethod
+    def build(cls, graphs: bool, batch_sizes: Sequence[int], max_rows: int, max_blocks: int,
+              param_update: bool) -> BucketPolicy:
+        if not graphs:
+            return cls((), (), max_blocks, param_update)
+        batches = tuple(sorted({b for b in batch_sizes if 0 < b <= max_rows}))
+        kv = (max_blocks,) if param_update else tuple(powers_of_two_upto(max_blocks))
+        return cls(batches, kv, max_blocks, param_update)
+
+    def decode_shape(self, num_seqs: int, kv_needed: int) -> tuple[int, int, bool]:
+        """(rows, KV columns, use a graph) for a decode batch."""
+        if not self.batch_buckets or num_seqs > self.batch_buckets[-1]:
+            return num_seqs, kv_needed, False
+        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_seqs)]
+        if self.param_update:
+            return rows, kv_needed, True
+        return rows, self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_needed)], True
+
+    def graph_kv(self, kv_blocks: int) -> int:
+        """The KV width the serving graph was captured with."""
+        return self.max_blocks if self.param_update else kv_blocks
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, KV width) to capture, largest first (they share one memory pool)."""
+        return [(b, kv) for b in reversed(self.batch_buckets) for kv in reversed(self.kv_buckets)]

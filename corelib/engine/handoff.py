@@ -1,0 +1,114 @@
+"""Async token handoff plumbing: staging buffers, the submission thread, step futures."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from corelib.device import Device
+from corelib.engine.forward_input import ForwardInput
+from corelib.engine.runner import ModelRunner, StepHandle
+from corelib.errors import DeviceTimeout
+
+
+class StagingPool:
+    """Pinned host arenas reused once the step that read them has completed."""
+
+    def __init__(self, device: Device, nbytes: int, count: int, timeout_s: float) -> None:
+        self._free: deque[torch.Tensor] = deque(
+            device.host_empty((nbytes,), torch.uint8, pinned=True) for _ in range(count)
+        )
+        self._cond = threading.Condition()
+        self._timeout = timeout_s
+        self.nbytes = nbytes
+
+    def acquire(self) -> torch.Tensor:
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while not self._free:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    raise DeviceTimeout(
+                        f"no free input staging buffer within {self._timeout:g} s: "
+                        "every buffer still belongs to a step whose tokens were not read"
+                    )
+            return self._free.popleft()
+
+    def release(self, arena: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._cond.notify()
+
+
+class StepFuture:
+    """A step submitted for the device: first the submission, then its tokens."""
+
+    def __init__(self, submitted: Future[StepHandle]) -> None:
+        self._submitted = submitted
+        self.handle: StepHandle | None = None
+
+    @classmethod
+    def done(cls, handle: StepHandle) -> StepFuture:
+        future: Future[StepHandle] = Future()
+        future.set_result(handle)
+        return cls(future)
+
+    def result(self, timeout: float) -> list[int]:
+        """The step's tokens; re-raises a submission error with its original traceback."""
+        try:
+            self.handle = self._submitted.result(timeout)
+        except TimeoutError:
+            raise DeviceTimeout(f"the submission thread did not submit a step within {timeout:g} s") from None
+        return self.handle.wait(timeout)
+
+
+class SubmissionThread:
+    """Launches steps on the device from its own thread, in order.
+
+    The scheduler hands over packed inputs and goes on with the previous step's tokens;
+    an exception here reaches the caller through the step's future, and stops the thread.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+        self._queue: queue.SimpleQueue[tuple[ForwardInput, Future[StepHandle]] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="corelib-submit", daemon=True)
+        self._thread.start()
+
+    def submit(self, fi: ForwardInput) -> Future[StepHandle]:
+        future: Future[StepHandle] = Future()
+        if self._error is not None:
+            future.set_exception(RuntimeError(f"the submission thread stopped after an error: {self._error!r}"))
+            return future
+        self._queue.put((fi, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fi, future = item
+            if self._error is not None:
+                future.set_exception(RuntimeError(f"the submission thread stopped after an error: {self._error!r}"))
+                continue
+            try:
+                future.set_result(self._runner.submit(fi))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller with its traceback
+                self._error = error
+                future.set_exception(error)
+
+    def close(self, timeout: float) -> None:
+        """Stop after the queued steps; raise if the thread does not end in time."""
+        if not self._thread.is_alive():
+            return
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise DeviceTimeout(f"the submission thread did not stop within {timeout:g} s")

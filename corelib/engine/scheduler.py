@@ -1,0 +1,229 @@
+"""Continuous batching: FIFO admission by free KV blocks, decode batches, preemption by recompute.
+
+Pure Python: no tensors, no device. With async token handoff the scheduler runs one step
+ahead: a sequence may have sampled tokens the host has not seen (``num_pending``). Such a
+sequence's next input comes from the device relay, and a sequence that stops while a step
+is in flight has that step's token dropped and its blocks returned.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from corelib.engine.block_manager import BlockManager, blocks_for
+from corelib.engine.sequence import FinishReason, Sequence, Status
+
+
+class StepKind(str, enum.Enum):
+    prefill = "prefill"
+    decode = "decode"
+
+
+@dataclass
+class ScheduledStep:
+    """The sequences of one forward step and what the host knew when it was scheduled."""
+
+    kind: StepKind
+    seqs: list[Sequence]
+    positions: list[int]  # decode: the position fed for each sequence
+    from_relay: list[bool]  # decode: the input token is still on the device
+    synchronous: bool = False  # the host waits for this step's tokens before the next one
+    sync_reasons: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+class Drain(enum.Enum):
+    """The scheduler needs every in-flight step's tokens before it can decide the next step."""
+
+    token = "drain"
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_id: int | None
+
+
+SyncCheck = Callable[[list[Sequence]], list[str]]
+
+
+class Scheduler:
+    """Decides each step's batch. The engine calls schedule, then postprocess with the tokens."""
+
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        blocks: BlockManager,
+        num_slots: int,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots: deque[int] = deque(range(num_slots))
+        self._detokenize = detokenize
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def has_pending(self) -> bool:
+        return any(seq.num_pending for seq in self.running)
+
+    def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | Drain | None:
+        """The next step, ``Drain`` if in-flight tokens are needed first, or None if idle."""
+        chosen = self._choose_prefill()
+        kind = StepKind.prefill if chosen else StepKind.decode
+        if not chosen:
+            chosen = [seq for seq in self.running if self._can_continue(seq)]
+        if not chosen:
+            return Drain.token if in_flight else None
+        reasons = sync_check(chosen)
+        if in_flight and (reasons or (kind is StepKind.decode and self._needs_preemption(chosen))):
+            return Drain.token
+        step = self._admit(chosen) if kind is StepKind.prefill else self._decode(chosen)
+        step.synchronous = bool(reasons)
+        step.sync_reasons = reasons
+        return step
+
+    def _choose_prefill(self) -> list[Sequence]:
+        chosen: list[Sequence] = []
+        tokens = blocks = 0
+        for seq in self.waiting:
+            if len(self.running) + len(chosen) >= self.limits.max_num_seqs:
+                break
+            if len(chosen) >= len(self._free_slots):
+                break
+            if chosen and tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
+                break
+            need = blocks_for(seq.num_tokens, self.blocks.block_size)
+            if blocks + need > self.blocks.num_free_blocks:
+                break
+            chosen.append(seq)
+            tokens += seq.num_tokens
+            blocks += need
+        return chosen
+
+    def _admit(self, seqs: list[Sequence]) -> ScheduledStep:
+        for seq in seqs:
+            self.waiting.remove(seq)
+            self.blocks.allocate(seq, seq.num_tokens)
+            seq.slot = self._free_slots.popleft()
+            seq.status = Status.RUNNING
+            seq.num_pending += 1
+            self.running.append(seq)
+        return ScheduledStep(StepKind.prefill, list(seqs), [], [])
+
+    def _can_continue(self, seq: Sequence) -> bool:
+        return (
+            not seq.is_finished
+            and seq.num_outputs_committed < seq.sampling.max_tokens
+            and seq.num_scheduled_tokens < self.limits.max_model_len
+        )
+
+    def _needs_preemption(self, seqs: list[Sequence]) -> bool:
+        missing = sum(self.blocks.num_missing(seq, seq.num_scheduled_tokens) for seq in seqs)
+        return missing > self.blocks.num_free_blocks
+
+    def _decode(self, candidates: list[Sequence]) -> ScheduledStep:
+        scheduled: list[Sequence] = []
+        preempted = 0
+        queue = list(candidates)
+        while queue:
+            seq = queue.pop(0)
+            while not self.blocks.can_append(seq, seq.num_scheduled_tokens):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append(seq, seq.num_scheduled_tokens)
+                scheduled.append(seq)
+        positions = [seq.num_scheduled_tokens - 1 for seq in scheduled]
+        from_relay = [seq.num_pending > 0 for seq in scheduled]
+        for seq in scheduled:
+            seq.num_pending += 1
+        return ScheduledStep(StepKind.decode, scheduled, positions, from_relay, num_preempted=preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the KV blocks and put the sequence first in line."""
+        if seq.num_pending:
+            raise RuntimeError(f"cannot preempt {seq.request_id} while its tokens are in flight")
+        self.blocks.free(seq)
+        self._release_slot(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ results
+    def postprocess(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Sequence]:
+        """Take one step's sampled tokens; returns the sequences that finished."""
+        now = time.perf_counter()
+        finished: list[Sequence] = []
+        for seq, token in zip(step.seqs, tokens, strict=True):
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue  # a token sampled after the stop, while the stop was not yet known
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, now)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sampling = seq.sampling
+        if token == self.limits.eos_token_id and not sampling.ignore_eos:
+            return FinishReason.stop
+        if token in sampling.stop_token_ids:
+            return FinishReason.stop
+        if seq.needs_host_checks and self._detokenize is not None:
+            seq.text = self._detokenize(seq.output_token_ids)
+            if any(stop in seq.text for stop in sampling.stop_strings):
+                return FinishReason.stop
+        if len(seq.output_token_ids) >= sampling.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            return FinishReason.length
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None, error: str | None = None) -> None:
+        """End a sequence: its blocks and slot go back at once (later device work is stream-ordered)."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.finish_time = time.perf_counter() if now is None else now
+        self.blocks.free(seq)
+        self._release_slot(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def abort_all(self, reason: FinishReason, error: str | None = None) -> list[Sequence]:
+        """Finish every unfinished sequence (shutdown or a fatal device error)."""
+        victims = [*self.running, *self.waiting]
+        for seq in victims:
+            self.finish(seq, reason, error=error)
+        return victims
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self._free_slots.append(seq.slot)
+            seq.slot = None

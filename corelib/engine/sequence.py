@@ -1,0 +1,105 @@
+"""Per-request state: sampling values, tokens, KV blocks and timings. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from corelib.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0  # 1: no cut
+    seed: int = 0  # makes sampling reproducible whatever the batch
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()  # checked on the host; such steps run synchronously
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise a RequestError naming the first invalid field."""
+        if self.max_tokens < 1:
+            raise RequestError(f"sampling.max_tokens={self.max_tokens}: must be at least 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"sampling.temperature={self.temperature}: must be a finite number >= 0")
+        if self.top_k < 0:
+            raise RequestError(f"sampling.top_k={self.top_k}: must be >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1 or not math.isfinite(self.top_p):
+            raise RequestError(f"sampling.top_p={self.top_p}: must be in (0, 1]")
+        if not 0 <= self.seed < 2**62:
+            raise RequestError(f"sampling.seed={self.seed}: must be in [0, 2**62)")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"sampling.stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    stop = "stop"  # EOS, a stop token id or a stop string
+    length = "length"  # max_tokens or the model's maximum length
+    error = "error"  # the request was invalid or its work failed
+    cancelled = "cancelled"  # the engine shut down first
+
+
+@dataclass
+class Sequence:
+    """One request as the scheduler sees it."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    multimodal: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    # Tokens sampled on the device whose values the host has not seen yet (async handoff).
+    num_pending: int = 0
+    slot: int | None = None  # per-sequence state index: token relay and recurrent state
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    text: str = ""  # decoded output when the host checks stop strings or has a tokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the host knows: prompt plus outputs seen so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens that exist once every submitted step has finished."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def num_outputs_committed(self) -> int:
+        """Outputs seen plus outputs in flight."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def needs_host_checks(self) -> bool:
+        return bool(self.sampling.stop_strings)
+
+    def token_at(self, position: int) -> int:
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < prompt else self.output_token_ids[position - prompt]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
