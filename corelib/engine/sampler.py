@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import torch
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-_POSITION_KEY = 0x632BE59BD9B4E019 - (1 << 64)
+
+
+def _int64(constant: int) -> int:
+    """A 64-bit constant as the signed value torch's int64 arithmetic wraps around."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)
+_MIX1 = _int64(0xBF58476D1CE4E5B9)
+_MIX2 = _int64(0x94D049BB133111EB)
+_POSITION_KEY = _int64(0x632BE59BD9B4E019)
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:

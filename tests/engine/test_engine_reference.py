@@ -1,0 +1,50 @@
+"""The batched, paged (graph-captured where possible) greedy path gives the reference's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from corelib.engine import Engine, SamplingParams
+from corelib.models.reference import reference_generate
+from tests.conftest import EngineFactory
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, list(range(200, 217)), [3, 4], list(range(300, 301))]
+MAX_TOKENS = [20, 33, 5, 1, 40, 12]
+
+
+def check_against_reference(make_engine: EngineFactory, overrides: list[str]) -> Engine:
+    engine = make_engine(overrides)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = engine.generate(PROMPTS, params)
+    for prompt, p, out in zip(PROMPTS, params, outputs, strict=True):
+        expected = reference_generate(engine.weights, prompt, p.max_tokens)
+        assert out.output_token_ids == expected, f"prompt {prompt[:4]}...: engine and reference disagree"
+        assert out.finish_reason == "length"
+    return engine
+
+
+@pytest.mark.parametrize("model", ["tiny", "hybrid-tiny"])
+def test_cpu_matches_reference(make_engine: EngineFactory, model: str) -> None:
+    check_against_reference(make_engine, ["backend=cpu", f"model={model}"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_architecture_flags_match_reference(make_engine: EngineFactory, arch: str) -> None:
+    check_against_reference(make_engine, ["backend=cpu", f"model.architecture={arch}"])
+
+
+def test_preemption_keeps_tokens_exact(make_engine: EngineFactory) -> None:
+    overrides = ["backend=cpu", "engine.max_num_seqs=4", "engine.num_kv_blocks=6", "model.max_model_len=80"]
+    engine = check_against_reference(make_engine, overrides)
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for all requests at once"
+
+
+def test_eos_stops_the_request(make_engine: EngineFactory) -> None:
+    probe = make_engine(["backend=cpu"])
+    prompt = [9, 8, 7, 6]
+    free_run = reference_generate(probe.weights, prompt, 12)
+    eos = free_run[5]
+    engine = make_engine(["backend=cpu", f"model.eos_token_id={eos}"])
+    out = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert out.output_token_ids == free_run[: free_run.index(eos) + 1]
+    assert out.finish_reason == "stop"
