@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 
-
 def _int64(constant: int) -> int:
     """A 64-bit constant as the signed value torch's int64 arithmetic wraps around."""
     return constant - (1 << 64) if constant >= 1 << 63 else constant
