@@ -258,9 +258,9 @@ class ModelRunner:
             if self.decode_arena is None:
                 views = fi.views()
             else:
-                arena = self.device.empty((fi.layout.nbytes,), torch.uint8)
-                compute.copy(arena, fi.arena[: fi.layout.nbytes])
-                views, keep = fi.layout.views(arena), (arena,)
+                prefill_arena = self.device.empty((fi.layout.nbytes,), torch.uint8)
+                compute.copy(prefill_arena, fi.arena[: fi.layout.nbytes])
+                views, keep = fi.layout.views(prefill_arena), (prefill_arena,)
             compute.launch(lambda: self._prefill(views, fi.num_seqs, fi.sample))
             return keep
         arena = self.decode_arena
