@@ -397,10 +397,14 @@ class Device(ABC):
         if self._closed:
             return
         self._closed = True
-        for registration in self._registrations:
-            registration.close()
-        self._registrations.clear()
-        self._close()
+        try:
+            self._quiesce()
+        finally:
+            # Registrations go after queued work has run: a copy still in flight may read them.
+            for registration in self._registrations:
+                registration.close()
+            self._registrations.clear()
+            self._close()
 
     def __enter__(self) -> Device:
         return self
@@ -434,6 +438,10 @@ class Device(ABC):
 
     @abstractmethod
     def _synchronize(self, timeout: float) -> None: ...
+
+    def _quiesce(self) -> None:
+        """Let queued work finish (or cancel it) before registrations are released."""
+        return None
 
     def _close(self) -> None:
         return None

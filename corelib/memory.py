@@ -1,0 +1,84 @@
+"""Bookkeeping of the memory a device handed out or pinned, keyed by tensor storage.
+
+Keyed by storage, not by tensor, so a view of a registered buffer counts as registered and
+an entry disappears when the last tensor using the storage is freed (storage Python objects
+are preserved by torch while the storage lives, so a weak reference to one dies exactly when
+the memory is released).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+class MemoryKind(str, enum.Enum):
+    """What a block of memory is, as far as copies are concerned."""
+
+    device = "device"  # handed out by Device.empty (on the emulator: CPU tensors it owns)
+    pinned = "pinned"  # page-locked host memory allocated pinned
+    registered = "registered"  # existing host memory pinned in place
+    claims_pinned = "claims_pinned"  # host memory that says it is pinned and is not (emulator only)
+    pageable = "pageable"  # any other host memory
+
+
+@dataclass(frozen=True)
+class _Entry:
+    kind: MemoryKind
+    nbytes: int
+    token: int
+
+
+class MemoryLedger:
+    """Thread-safe map from a storage to its kind and size."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._tokens = itertools.count(1)
+
+    @staticmethod
+    def key(tensor: torch.Tensor) -> int:
+        return int(tensor.untyped_storage().data_ptr())
+
+    def add(self, tensor: torch.Tensor, kind: MemoryKind) -> int:
+        """Track the storage of ``tensor`` as ``kind``; returns a token for :meth:`remove`."""
+        storage = tensor.untyped_storage()
+        key, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+        if nbytes == 0:
+            return 0
+        with self._lock:
+            known = self._entries.get(key)
+            if known is not None:
+                raise ValueError(f"this host memory is already tracked as {known.kind.value} memory")
+            token = next(self._tokens)
+            self._entries[key] = _Entry(kind, nbytes, token)
+        weakref.finalize(storage, self.remove, token, key)
+        return token
+
+    def remove(self, token: int, key: int | None = None) -> None:
+        """Forget the entry made with ``token`` (a no-op if it is already gone)."""
+        with self._lock:
+            keys = [key] if key is not None else list(self._entries)
+            for candidate in keys:
+                entry = self._entries.get(candidate)
+                if entry is not None and entry.token == token:
+                    del self._entries[candidate]
+                    return
+
+    def kind_of(self, tensor: torch.Tensor) -> MemoryKind:
+        """The kind of memory ``tensor`` lives in; untracked CPU memory is pageable."""
+        if tensor.device.type != "cpu":
+            return MemoryKind.device
+        with self._lock:
+            entry = self._entries.get(self.key(tensor))
+        return entry.kind if entry is not None else MemoryKind.pageable
+
+    def nbytes(self, kind: MemoryKind) -> int:
+        with self._lock:
+            return sum(entry.nbytes for entry in self._entries.values() if entry.kind is kind)

@@ -1,0 +1,227 @@
+"""Devices driven through a torch device module: ``torch.cuda``, ``torch_npu.npu`` or ``torch_mlu.mlu``.
+
+torch_npu and torch_mlu mirror torch.cuda's Python API (``Stream``, ``Event``, ``graph``,
+``graph_pool_handle``, ``stream``, ``device``, ``current_stream``, ``memory_allocated``), so
+one implementation serves all three. A backend subclasses :class:`TorchDevice`, names its
+graph class and capture mode, and overrides host registration or graph update where its
+vendor offers them. The vendor module is passed in: corelib never imports one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from corelib.backend import DeviceSpec
+from corelib.device import (
+    Device,
+    DeviceFn,
+    Event,
+    Graph,
+    HostRegistration,
+    MemoryStats,
+    Runtime,
+    Stream,
+    poll_until,
+)
+from corelib.errors import DeviceTimeout, UnsupportedOperation
+from corelib.memory import MemoryKind, MemoryLedger
+
+
+class TorchStream(Stream):
+    """A native stream; device work is issued at once, under the stream."""
+
+    def __init__(self, device: TorchDevice, name: str, native: Any) -> None:
+        super().__init__(device, name)
+        self._module: Any = device.module
+        self._native: Any = native
+        self._redirect: Any = None
+
+    @property
+    def native(self) -> object:
+        """The vendor stream object (``torch.cuda.Stream`` and its mirrors)."""
+        return self._native
+
+    def target(self) -> Any:
+        return self._redirect if self._redirect is not None else self._native
+
+    @contextmanager
+    def redirected(self, native: object) -> Iterator[None]:
+        """Issue this stream's work on ``native`` for a while (a graph update stream)."""
+        previous, self._redirect = self._redirect, native
+        try:
+            yield
+        finally:
+            self._redirect = previous
+
+    def _launch(self, fn: DeviceFn) -> None:
+        with self._module.stream(self.target()):
+            fn()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._module.stream(self.target()):
+            dst.copy_(src, non_blocking=True)
+
+    @contextmanager
+    def _as_current(self) -> Iterator[None]:
+        with self._module.stream(self.target()):
+            yield
+
+
+class TorchEvent(Event):
+    def __init__(self, device: TorchDevice, name: str, *, blocking: bool, timing: bool) -> None:
+        super().__init__(device, name)
+        self._native: Any = device.module.Event(enable_timing=timing, blocking=blocking)
+
+    def _record(self, stream: Stream) -> None:
+        self._native.record(native_stream(stream).target())
+
+    def _wait(self, stream: Stream) -> None:
+        self._native.wait(native_stream(stream).target())
+
+    def _query(self) -> bool:
+        return bool(self._native.query())
+
+    def _synchronize(self, timeout: float) -> bool:
+        # The vendor's synchronize() cannot time out; polling query() can, and backs off
+        # to short sleeps so a long wait costs no CPU.
+        return poll_until(self._query, timeout)
+
+    def _elapsed_ms(self, end: Event) -> float:
+        if not isinstance(end, TorchEvent):
+            raise TypeError(f"elapsed_ms needs two events of the same device, got {type(end).__name__}")
+        return float(self._native.elapsed_time(end._native))
+
+
+class TorchGraph(Graph):
+    """A vendor graph captured with the device's shared memory pool."""
+
+    def __init__(self, device: TorchDevice, name: str) -> None:
+        super().__init__(device, name)
+        self.torch_device = device
+        self._native: Any = None
+
+    def _capture(self, fn: DeviceFn, stream: Stream) -> None:
+        device = self.torch_device
+        graph = device.new_native_graph()
+        with device.module.device(device.index), device.capturing(graph, native_stream(stream)):
+            fn()
+        self._native = graph
+
+    def _replay(self, stream: Stream) -> None:
+        with self.torch_device.module.stream(native_stream(stream).target()):
+            self._native.replay()
+
+    def _reset(self) -> None:
+        if self._native is not None:
+            self._native.reset()
+        self._native = None
+
+
+class TorchDevice(Device):
+    """One device of a torch device module. Subclasses set the class attributes below."""
+
+    #: attribute of the module holding the graph class (CUDAGraph, NPUGraph, MLUGraph)
+    graph_class: ClassVar[str] = "CUDAGraph"
+    #: capture mode: thread_local lets other threads (an engine's pollers) keep querying events
+    capture_error_mode: ClassVar[str] = "thread_local"
+
+    def __init__(self, spec: DeviceSpec, module: ModuleType, device_type: str) -> None:
+        super().__init__(
+            name=spec.backend,
+            runtime=Runtime.native,
+            capabilities=spec.capabilities,
+            torch_device=torch.device(device_type, spec.device_index),
+            default_timeout_s=spec.timeout_s,
+        )
+        self.module: Any = module
+        self.index = spec.device_index
+        self.memory = MemoryLedger()
+        self._streams: list[TorchStream] = []
+        self._pool: object | None = None
+
+    def graph_pool(self) -> object:
+        """One memory pool shared by every graph of this device (graphs replay one at a time)."""
+        if self._pool is None:
+            with self.module.device(self.index):
+                self._pool = self.module.graph_pool_handle()
+        return self._pool
+
+    def new_native_graph(self) -> Any:
+        return getattr(self.module, self.graph_class)()
+
+    def capturing(self, graph: Any, stream: TorchStream) -> Any:
+        """The vendor's capture context (``torch.cuda.graph`` and its mirrors)."""
+        return self.module.graph(
+            graph, pool=self.graph_pool(), stream=stream.target(), capture_error_mode=self.capture_error_mode
+        )
+
+    def memory_stats(self) -> MemoryStats:
+        return MemoryStats(
+            device_bytes=int(self.module.memory_allocated(self.index)),
+            pinned_bytes=self.memory.nbytes(MemoryKind.pinned),
+            registered_bytes=self.memory.nbytes(MemoryKind.registered),
+        )
+
+    def _stream(self, name: str) -> Stream:
+        stream = TorchStream(self, name, self.module.Stream(device=self.index))
+        self._streams.append(stream)
+        return stream
+
+    def _event(self, *, blocking: bool, timing: bool, name: str) -> Event:
+        with self.module.device(self.index):
+            return TorchEvent(self, name, blocking=blocking, timing=timing)
+
+    def _graph(self, name: str) -> Graph:
+        return TorchGraph(self, name)
+
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+        if pinned:
+            self.memory.add(tensor, MemoryKind.pinned)
+        return tensor
+
+    def _register_host(self, tensor: torch.Tensor) -> HostRegistration:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        key = self.memory.key(tensor)
+        token = self.memory.add(tensor, MemoryKind.registered)
+        try:
+            self._pin(ptr, nbytes)
+        except BaseException:
+            self.memory.remove(token, key)
+            raise
+
+        def release() -> None:
+            self.memory.remove(token, key)
+            self._unpin(ptr)
+
+        return HostRegistration(tensor, release)
+
+    def _pin(self, ptr: int, nbytes: int) -> None:
+        """Page-lock ``nbytes`` of host memory at ``ptr`` in place."""
+        raise UnsupportedOperation(f"{self.name}: host registration is not implemented")
+
+    def _unpin(self, ptr: int) -> None:
+        raise UnsupportedOperation(f"{self.name}: host registration is not implemented")
+
+    def _synchronize(self, timeout: float) -> None:
+        streams = [stream._native for stream in self._streams]
+        streams += [self.module.current_stream(self.index), self.module.default_stream(self.index)]
+        if not poll_until(lambda: all(stream.query() for stream in streams), timeout):
+            busy = [s.name for s in self._streams if not s._native.query()] or ["the current/default stream"]
+            raise DeviceTimeout(
+                f"{self.name}: device synchronize gave up after {timeout:g} s; still busy: {busy}"
+            )
+
+    def _quiesce(self) -> None:
+        self._synchronize(self.default_timeout_s)
+
+
+def native_stream(stream: Stream) -> TorchStream:
+    if not isinstance(stream, TorchStream):
+        raise TypeError(f"stream {stream.name!r} does not belong to a native torch device")
+    return stream
