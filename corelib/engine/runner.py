@@ -116,7 +116,6 @@ class ModelRunner:
         self.relay = device.zeros((2, rows), torch.int64)
         self.host_tokens = device.host_empty((2, rows), torch.int64, pinned=True)
         self._busy = [False, False]
-        self._d2h_done: list[Event | None] = [None, None]
         self._parity = 0
         self._lock = threading.Lock()
         layout = builder.decode
@@ -233,16 +232,14 @@ class ModelRunner:
         compute, n = self.compute, fi.num_seqs
         start = compute.record(self.device.event(timing=True, name=f"step{fi.step_id}.start")) if self.timing else None
         keep = self._launch(fi)
-        done = self._d2h_done[parity]
-        if done is not None:
-            compute.wait(done)  # relay[parity] is read by the D2H of the step two back
+        # relay[parity] was last read by the D2H of the step two back; its tokens were read on the
+        # host (the busy check above), so that copy has finished and the buffer is free.
         compute.copy(self.relay[parity, :n], self.next_tokens[:n])
         end = compute.record(self.device.event(timing=self.timing, name=f"step{fi.step_id}.end"))
         if self.d2h is not compute:
             self.d2h.wait(end)
         self.d2h.copy(self.host_tokens[parity, :n], self.relay[parity, :n])
         out = self.d2h.record(self.device.event(blocking=True, name=f"step{fi.step_id}.tokens"))
-        self._d2h_done[parity] = out
 
         def release() -> None:
             self._busy[parity] = False
