@@ -95,6 +95,7 @@ class Engine:
         self._ids = itertools.count()
         self.sequences: list[Seq] = []
         self._closed = False
+        self._failure: BaseException | None = None
         self.device = startup.backend.open(startup.spec)
         try:
             torch.manual_seed(0)
@@ -216,8 +217,8 @@ class Engine:
         self._check_open()
         try:
             self.core.iterate()
-        except BaseException:
-            self._fail()
+        except BaseException as error:
+            self._fail(error)
             raise
         return self.take_finished()
 
@@ -258,14 +259,17 @@ class Engine:
         return self.core.metrics.summary(self.sequences, wall_s)
 
     # ------------------------------------------------------------------ shutdown
-    def _fail(self) -> None:
+    def _fail(self, error: BaseException) -> None:
         """A step failed: end every request and stop; close() still releases everything."""
+        self._failure = error
         for seq in self.scheduler.abort_all(FinishReason.error, error="the engine stopped after a device error"):
             self.core.finished.append(seq)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self._failure!r}") from self._failure
 
     def close(self) -> None:
         """Drain in-flight steps (bounded), stop threads, release device memory. Safe to call twice."""
@@ -275,6 +279,9 @@ class Engine:
         try:
             try:
                 self.core.cancel_in_flight()
+            except Exception:
+                if self._failure is None:
+                    raise  # a new error; one already reported to the caller is not raised twice
             finally:
                 self.core.close()
                 self.runner.close()

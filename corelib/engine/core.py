@@ -13,8 +13,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.buckets import BucketPolicy
 from corelib.engine.forward_input import InputBuilder
@@ -31,7 +29,6 @@ SyncCheck = Callable[[list[Sequence]], list[str]]
 class InFlight:
     step: ScheduledStep
     future: StepFuture
-    arena: torch.Tensor
     path: str
 
 
@@ -103,6 +100,7 @@ class EngineCore:
         arena = self.staging.acquire()
         try:
             fi = self.builder.fill(step_id, step, arena, rows, kv)
+            fi.on_release = lambda: self.staging.release(arena)
             if self.submitter is not None:
                 future = StepFuture(self.submitter.submit(fi))
             else:
@@ -111,12 +109,11 @@ class EngineCore:
             self.staging.release(arena)
             raise
         path = "async" if self.async_handoff and not step.synchronous else "sync"
-        self._in_flight.append(InFlight(step, future, arena, path))
+        self._in_flight.append(InFlight(step, future, path))
 
     def _complete_oldest(self) -> None:
         item = self._in_flight.popleft()
         tokens = item.future.result(self.timeout_s)
-        self.staging.release(item.arena)
         if item.future.handle is not None:
             self.metrics.record(item.future.handle, item.path, item.step.sync_reasons)
         self.finished.extend(self.scheduler.postprocess(item.step, tokens))
@@ -134,13 +131,9 @@ class EngineCore:
         return True
 
     def cancel_in_flight(self) -> None:
-        """Wait (bounded) for in-flight steps so their buffers are free; drop their tokens."""
+        """Wait (bounded) for in-flight steps so the device no longer reads their inputs; drop their tokens."""
         while self._in_flight:
-            item = self._in_flight.popleft()
-            try:
-                item.future.result(self.timeout_s)
-            finally:
-                self.staging.release(item.arena)
+            self._in_flight.popleft().future.result(self.timeout_s)
 
     def close(self) -> None:
         if self.submitter is not None:

@@ -8,7 +8,7 @@ prefill layouts are sized per step (prefill runs eagerly).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +135,13 @@ class ForwardInput:
     sample: bool  # some row samples (temperature > 0); else greedy
     layout: ArenaLayout
     arena: torch.Tensor  # uint8 host buffer holding layout.nbytes bytes
+    # Called once the device can no longer read ``arena`` (the step's output event completed).
+    on_release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        callback, self.on_release = self.on_release, None
+        if callback is not None:
+            callback()
 
     def views(self) -> dict[str, torch.Tensor]:
         return self.layout.views(self.arena)

@@ -58,6 +58,7 @@ class StepHandle:
         self._host_tokens = host_tokens
         # Inputs stay referenced until the output event completes: the device may still read them.
         self._keepalive: tuple[object, ...] | None = (fi, *keepalive)
+        self._release_inputs = fi.release
         self._release = release
         self.tokens: list[int] | None = None
 
@@ -71,6 +72,7 @@ class StepHandle:
             self.tokens = self._host_tokens[: self.num_seqs].tolist()
             self._keepalive = None
             self._release()
+            self._release_inputs()
         return self.tokens
 
 

@@ -1,0 +1,88 @@
+"""Start, stop and failure paths of the engine leave no thread behind and name what went wrong."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+
+import pytest
+
+from corelib.engine import Engine, SamplingParams
+from corelib.engine.runner import ModelRunner
+from corelib.errors import DeviceError, DeviceTimeout
+
+ASYNC = ["backend=npu", "engine.async_token_handoff=on", "backend.emulator.chaos=0.2"]
+
+
+@pytest.fixture
+def no_new_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not extra:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"threads left behind: {[t.name for t in extra]}")
+
+
+def test_failed_graph_capture_leaves_no_thread(monkeypatch: pytest.MonkeyPatch, no_new_threads: None) -> None:
+    def broken(self: ModelRunner, *args: object) -> None:
+        raise RuntimeError("capture exploded")
+
+    monkeypatch.setattr(ModelRunner, "_capture", broken)
+    with pytest.raises(RuntimeError, match="capture exploded"):
+        Engine.from_overrides(ASYNC)
+
+
+def test_close_with_steps_in_flight(no_new_threads: None) -> None:
+    engine = Engine.from_overrides(ASYNC)
+    for i in range(8):
+        engine.add_request([i + 2, i + 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.core.num_in_flight == 1, "async handoff keeps one step in flight between iterations"
+    engine.close()
+    engine.close()  # twice is fine
+    assert engine.device.is_closed
+
+
+def test_submission_thread_error_reaches_caller_with_its_traceback(
+    monkeypatch: pytest.MonkeyPatch, no_new_threads: None
+) -> None:
+    calls = {"n": 0}
+    original = ModelRunner.submit
+
+    def flaky_submit(self: ModelRunner, fi: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise ValueError("injected failure in submit")
+        return original(self, fi)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModelRunner, "submit", flaky_submit)
+    with Engine.from_overrides(ASYNC) as engine:
+        with pytest.raises(ValueError, match="injected failure") as caught:
+            engine.generate([[2, 3], [4, 5]], SamplingParams(max_tokens=20, ignore_eos=True))
+        frames = [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
+        assert "flaky_submit" in frames and "_run" in frames  # raised on the submission thread
+        with pytest.raises(RuntimeError, match="stopped after an error"):
+            engine.step()
+
+
+def test_stalled_device_times_out_naming_the_event(monkeypatch: pytest.MonkeyPatch, no_new_threads: None) -> None:
+    original = ModelRunner._decode
+
+    def stalled(self: ModelRunner, *args: object) -> None:
+        time.sleep(1.5)
+        original(self, *args)  # type: ignore[arg-type]
+
+    engine = Engine.from_overrides(["backend=npu", "engine.graph=off", "engine.timeout_s=0.3"])
+    monkeypatch.setattr(ModelRunner, "_decode", stalled)
+    with pytest.raises((DeviceError, DeviceTimeout), match=r"event 'step1\.(end|tokens)' on stream '\w+'.* did not complete"):
+        engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    # The stalled closure cannot be interrupted; close says which stream it could not stop.
+    with pytest.raises(DeviceTimeout, match="could not stop streams 'compute'"):
+        engine.close()
