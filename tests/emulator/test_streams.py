@@ -63,7 +63,7 @@ def test_failure_propagates_through_a_cross_stream_wait(emulated: OpenDevice) ->
 def test_a_wait_that_never_completes_times_out_naming_both_streams(emulated: OpenDevice) -> None:
     device = emulated("npu", timeout_s=0.2)
     slow, waiter = device.stream("slow"), device.stream("waiter")
-    slow.launch(lambda: _sleep(0.5))
+    slow.launch(lambda: _sleep(0.3))
     waiter.wait(slow.record(device.event(name="slow-done")))
     with pytest.raises(DeviceError) as caught:
         waiter.synchronize(timeout=2.0)
