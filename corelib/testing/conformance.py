@@ -18,23 +18,19 @@ import torch
 from corelib.device import Device, Stream
 from corelib.errors import DeviceError, DeviceTimeout, UnsupportedOperation
 from corelib.memory import MemoryKind
-from corelib.testing.helpers import Busy, page_aligned_zeros, require, to_host
+from corelib.testing.helpers import (
+    Busy,
+    busy_or_skip,
+    page_aligned_zeros,
+    reads_late,
+    require,
+    settle,
+    to_host,
+    warm_up,
+)
 
 #: how long a busy stream stays busy: far longer than the host needs to act meanwhile
 BUSY_S = 0.1
-
-
-def _settle(device: Device) -> None:
-    """Finish set-up work (allocation fills run on the current stream of a native device)."""
-    device.synchronize()
-
-
-def _busy_or_skip(busy: Busy | None, device: Device) -> Busy:
-    if busy is None:
-        pytest.skip(
-            f"{device.name} ({device.runtime.value}) runs work synchronously: nothing is ever pending"
-        )
-    return busy
 
 
 # -- streams ---------------------------------------------------------------------------------
@@ -47,7 +43,7 @@ def _step(x: torch.Tensor, k: int) -> None:
 def test_stream_runs_work_in_fifo_order(conformance_device: Device) -> None:
     device = conformance_device
     x = device.zeros((8,), torch.int64)
-    _settle(device)
+    settle(device)
     stream = device.stream("fifo")
     expected = 0
     for k in range(1, 13):
@@ -60,7 +56,7 @@ def test_stream_runs_work_in_fifo_order(conformance_device: Device) -> None:
 def test_wait_orders_work_across_streams(conformance_device: Device, conformance_busy: Busy | None) -> None:
     device = conformance_device
     x, y = device.zeros((4,), torch.float32), device.zeros((4,), torch.float32)
-    _settle(device)
+    settle(device)
     producer, consumer = device.stream("producer"), device.stream("consumer")
     if conformance_busy is not None:
         conformance_busy(producer, BUSY_S)  # without the wait, the consumer would read x first
@@ -77,7 +73,7 @@ def test_device_synchronize_waits_for_every_stream(
 ) -> None:
     device = conformance_device
     outputs = [device.zeros((4,), torch.float32) for _ in range(3)]
-    _settle(device)
+    settle(device)
     for index, out in enumerate(outputs):
         stream = device.stream(f"worker{index}")
         if conformance_busy is not None:
@@ -126,7 +122,7 @@ def test_event_synchronize_times_out_naming_event_and_stream(
     conformance_device: Device, conformance_busy: Busy | None
 ) -> None:
     device = conformance_device
-    busy = _busy_or_skip(conformance_busy, device)
+    busy = busy_or_skip(conformance_busy, device)
     stream = device.stream("slow-stream")
     busy(stream, 2 * BUSY_S)
     late = stream.record(device.event(name="late-event"))
@@ -143,7 +139,7 @@ def test_elapsed_time_is_monotonic(conformance_device: Device, conformance_busy:
     stream = device.stream("timed")
     marks = [device.event(timing=True, name=f"t{i}") for i in range(3)]
     x = device.zeros((16,), torch.float32)
-    _settle(device)
+    settle(device)
     for index, mark in enumerate(marks):
         stream.record(mark)
         if index < len(marks) - 1:
@@ -172,9 +168,10 @@ def test_graph_replays_captured_work_on_static_buffers(conformance_device: Devic
     require(device, "graphs")
     stream = device.stream("graph")
     static_in, static_out = device.zeros((8,), torch.float32), device.zeros((8,), torch.float32)
+    warm_up(stream, partial(_affine, static_in, static_out))
     stream.launch(lambda: static_out.fill_(-1.0))
     stream.synchronize()
-    _settle(device)
+    settle(device)
     graph = device.graph("affine")
     graph.capture(lambda: stream.launch(partial(_affine, static_in, static_out)), stream)
     stream.synchronize()
@@ -196,7 +193,8 @@ def test_graph_capture_while_another_stream_works(
     capture_stream, other = device.stream("capture"), device.stream("other")
     static_in, static_out = device.zeros((4,), torch.float32), device.zeros((4,), torch.float32)
     side = device.zeros((4,), torch.float32)
-    _settle(device)
+    settle(device)
+    warm_up(capture_stream, partial(_affine, static_in, static_out))
     if conformance_busy is not None:
         conformance_busy(other, BUSY_S)
     other.launch(lambda: side.fill_(9.0))
@@ -218,7 +216,8 @@ def test_graph_update_is_ordered_between_replays(
     static_in, static_out = device.zeros((4,), torch.float32), device.zeros((4,), torch.float32)
     stream.launch(lambda: static_in.fill_(3.0))
     stream.synchronize()
-    _settle(device)
+    settle(device)
+    warm_up(stream, lambda: torch.mul(static_in, 2, out=static_out))
     graph = device.graph("scaled")
 
     def scaled() -> None:
@@ -226,7 +225,7 @@ def test_graph_update_is_ordered_between_replays(
 
     graph.capture(lambda: stream.launch(scaled), stream, params={"scale": 2})
     before, after = device.zeros((4,), torch.float32), device.zeros((4,), torch.float32)
-    _settle(device)
+    settle(device)
     if conformance_busy is not None:
         conformance_busy(stream, BUSY_S)  # an update applied at once, not in stream order, would leak back
     graph.replay(stream)
@@ -248,11 +247,11 @@ def test_pinned_d2h_result_is_valid_only_after_its_event(
 ) -> None:
     device = conformance_device
     require(device, "pinned_host", "async_d2h")
-    busy = _busy_or_skip(conformance_busy, device)
+    busy = busy_or_skip(conformance_busy, device)
     src = device.zeros((64,), torch.float32)
     host = device.host_empty((64,), torch.float32, pinned=True)
     host.zero_()
-    _settle(device)
+    settle(device)
     stream = device.stream("d2h")
     busy(stream, BUSY_S)
     stream.launch(partial(src.fill_, 42.0))
@@ -264,18 +263,6 @@ def test_pinned_d2h_result_is_valid_only_after_its_event(
 
 
 _SOURCE_KINDS = ["pinned", "registered", "pageable", "claims_pinned"]
-
-
-def _reads_late(device: Device, kind: MemoryKind) -> bool:
-    """Does a non-blocking H2D read its host source when it runs, not when it is issued?"""
-    caps = device.capabilities
-    if not caps.streams or caps.device_is_host:
-        return False  # the copy runs when issued
-    if kind in (MemoryKind.pinned, MemoryKind.registered):
-        return True  # DMA straight from page-locked memory
-    # pageable or claims-pinned: a staging runtime copies it at once; one that trusts the
-    # buffer's claim (torch_npu) issues DMA on it, read late.
-    return not caps.pageable_h2d_is_staged
 
 
 @pytest.mark.parametrize("kind", _SOURCE_KINDS)
@@ -306,11 +293,11 @@ def test_overwriting_a_host_source_after_its_copy(
         if mark is None:
             pytest.skip("only the emulator can make memory claim to be pinned")
         mark(source)
-    late = _reads_late(device, memory_kind)
+    late = reads_late(device, memory_kind)
     if late and conformance_busy is None:
         pytest.skip(f"{device.name}: no way to keep a stream busy, so the late read cannot be shown")
     dst = device.zeros((256,), torch.float32)
-    _settle(device)
+    settle(device)
     stream = device.stream("h2d")
     if conformance_busy is not None:
         conformance_busy(stream, BUSY_S)
@@ -367,7 +354,8 @@ def test_missing_capabilities_are_refused(conformance_device: Device) -> None:
     if update_refused:
         stream = device.stream("graph")
         x = device.zeros((4,), torch.float32)
-        _settle(device)
+        settle(device)
+        warm_up(stream, partial(x.add_, 1.0))
         graph = device.graph()
         graph.capture(lambda: stream.launch(partial(x.add_, 1.0)), stream, params={"n": 1})
         with pytest.raises(UnsupportedOperation, match="graph"):
@@ -380,7 +368,7 @@ def test_close_finishes_queued_work_and_joins_every_thread(
     device = conformance_device
     before = set(threading.enumerate())
     x = device.zeros((4,), torch.float32)
-    _settle(device)
+    settle(device)
     streams: list[Stream] = [device.stream(f"s{i}") for i in range(3)]
     for stream in streams:
         if conformance_busy is not None:

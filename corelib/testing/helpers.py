@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from corelib.device import Device, Runtime, Stream
+from corelib.memory import MemoryKind
 
 #: queue device work on ``stream`` that keeps it busy for about ``seconds``
 Busy = Callable[[Stream, float], None]
@@ -81,3 +82,35 @@ def _cycles_per_second(device: Device, sleep: Callable[[int], None]) -> float:
         end.synchronize()
         _cycle_rates[key] = cycles / max(start.elapsed_ms(end) / 1e3, 1e-6)
     return _cycle_rates[key]
+
+
+def settle(device: Device) -> None:
+    """Finish set-up work (allocation fills run on the current stream of a native device)."""
+    device.synchronize()
+
+
+def busy_or_skip(busy: Busy | None, device: Device) -> Busy:
+    if busy is None:
+        pytest.skip(
+            f"{device.name} ({device.runtime.value}) runs work synchronously: nothing is ever pending"
+        )
+    return busy
+
+
+def warm_up(stream: Stream, fn: Callable[[], object]) -> None:
+    """Run the work once for real before capturing it, as torch.cuda's graph docs ask:
+    lazily loaded kernels and library handles must not first appear inside a capture."""
+    stream.launch(fn)
+    stream.synchronize()
+
+
+def reads_late(device: Device, kind: MemoryKind) -> bool:
+    """Does a non-blocking H2D read its host source when it runs, not when it is issued?"""
+    caps = device.capabilities
+    if not caps.streams or caps.device_is_host:
+        return False  # the copy runs when issued
+    if kind in (MemoryKind.pinned, MemoryKind.registered):
+        return True  # DMA straight from page-locked memory
+    # pageable or claims-pinned: a staging runtime copies it at once; one that trusts the
+    # buffer's claim (torch_npu) issues DMA on it, read late.
+    return not caps.pageable_h2d_is_staged
