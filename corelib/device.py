@@ -22,7 +22,9 @@ import torch
 
 from corelib.errors import DeviceTimeout, UnsupportedOperation
 
-DeviceFn = Callable[[], None]
+#: device work: a closure over device tensors. Its return value is ignored, so in-place tensor
+#: ops (which return their tensor) can be launched directly.
+DeviceFn = Callable[[], object]
 
 
 class Runtime(str, enum.Enum):

@@ -47,9 +47,12 @@ class MemoryLedger:
         return int(tensor.untyped_storage().data_ptr())
 
     def add(self, tensor: torch.Tensor, kind: MemoryKind) -> int:
-        """Track the storage of ``tensor`` as ``kind``; returns a token for :meth:`remove`."""
+        """Track the storage of ``tensor`` as ``kind``, counting the bytes ``tensor`` spans.
+
+        Returns a token for :meth:`remove`.
+        """
         storage = tensor.untyped_storage()
-        key, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+        key, nbytes = int(storage.data_ptr()), tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return 0
         with self._lock:

@@ -147,4 +147,5 @@ def _stop_forgotten_devices() -> None:
     # A device nobody closed: its queued work is abandoned, not drained, so exit stays quick.
     for device in list(_open_devices):
         device._closed = True
+        _open_devices.discard(device)
         device._cancel_and_join("the interpreter is exiting and the device was never closed")

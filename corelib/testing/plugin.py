@@ -1,0 +1,128 @@
+"""pytest plugin of the backend conformance suite: command-line options, targets, fixtures.
+
+Load it with ``-p corelib.testing.plugin`` (corelib's own pyproject does so in ``addopts``).
+Every test that asks for ``conformance_device`` runs once per target: each requested
+backend on each runtime it has here (see :func:`corelib.testing.targets.discover_targets`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from corelib.backend import DeviceSpec
+from corelib.config import RuntimeMode
+from corelib.device import Device
+from corelib.errors import BackendUnavailable
+from corelib.plugins import PluginRegistry
+from corelib.testing.helpers import Busy, default_busy
+from corelib.testing.targets import HARDWARE_MARKS, Target, discover_targets, resolve_spec
+
+# Plain asserts in the suite get pytest's explanations although its module is not test_*.py.
+pytest.register_assert_rewrite("corelib.testing.conformance")
+
+_registry_key = pytest.StashKey[PluginRegistry]()
+_targets_key = pytest.StashKey[list[Target]]()
+_specs_key = pytest.StashKey[dict[Target, DeviceSpec | str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("corelib", "corelib backend conformance suite")
+    group.addoption(
+        "--corelib-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run the conformance suite against this backend (repeatable; default: every installed one)",
+    )
+    group.addoption(
+        "--corelib-runtime",
+        choices=[RuntimeMode.native.value, RuntimeMode.emulated.value],
+        default=None,
+        help="only this runtime (default: emulated where possible, native where the hardware is present)",
+    )
+    group.addoption(
+        "--corelib-chaos",
+        type=float,
+        default=0.5,
+        help="chaos of the extra emulated run of each backend (0 skips that run; default 0.5)",
+    )
+    group.addoption("--corelib-seed", type=int, default=0, help="seed of the emulator's chaos delays")
+    group.addoption(
+        "--corelib-timeout", type=float, default=10.0, help="longest wait of any device operation, in s"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for backend, mark in HARDWARE_MARKS.items():
+        config.addinivalue_line("markers", f"{mark}: needs real {backend} hardware; skipped elsewhere")
+
+
+def _registry(config: pytest.Config) -> PluginRegistry:
+    if _registry_key not in config.stash:
+        config.stash[_registry_key] = PluginRegistry()
+    return config.stash[_registry_key]
+
+
+def _targets(config: pytest.Config) -> list[Target]:
+    if _targets_key not in config.stash:
+        runtime = config.getoption("--corelib-runtime")
+        config.stash[_targets_key] = discover_targets(
+            _registry(config),
+            backends=config.getoption("--corelib-backend"),
+            runtime=RuntimeMode(runtime) if runtime else None,
+            chaos=config.getoption("--corelib-chaos"),
+            seed=config.getoption("--corelib-seed"),
+        )
+    return config.stash[_targets_key]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "conformance_target" not in metafunc.fixturenames:
+        return
+    params = []
+    for target in _targets(metafunc.config):
+        marks = [getattr(pytest.mark, target.hardware_mark)] if target.hardware_mark else []
+        params.append(pytest.param(target, id=target.id, marks=marks))
+    metafunc.parametrize("conformance_target", params)
+
+
+@pytest.fixture
+def conformance_spec(conformance_target: Target, request: pytest.FixtureRequest) -> DeviceSpec:
+    """The device spec of the target; the test skips when the runtime cannot be had here."""
+    config = request.config
+    if _specs_key not in config.stash:
+        config.stash[_specs_key] = {}
+    specs = config.stash[_specs_key]
+    if conformance_target not in specs:
+        try:
+            specs[conformance_target] = resolve_spec(
+                conformance_target, _registry(config), config.getoption("--corelib-timeout")
+            )
+        except BackendUnavailable as error:
+            specs[conformance_target] = str(error)
+    spec = specs[conformance_target]
+    if isinstance(spec, str):
+        pytest.skip(spec)
+    return spec
+
+
+@pytest.fixture
+def conformance_device(conformance_spec: DeviceSpec, request: pytest.FixtureRequest) -> Iterator[Device]:
+    """An open device of the target, closed after the test; the test fails if a thread leaks."""
+    before = set(threading.enumerate())
+    device = _registry(request.config).get(conformance_spec.backend).open(conformance_spec)
+    try:
+        yield device
+    finally:
+        device.close()
+    leaked = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("corelib-")]
+    assert not leaked, f"{device.name}: threads still alive after close(): {leaked}"
+
+
+@pytest.fixture
+def conformance_busy(conformance_device: Device) -> Busy | None:
+    """How to keep a stream busy on this device; override it for a backend the default cannot drive."""
+    return default_busy(conformance_device)

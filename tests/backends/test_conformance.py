@@ -1,0 +1,3 @@
+"""The backend conformance suite, run against every backend and runtime installed here."""
+
+from corelib.testing.conformance import *  # noqa: F403

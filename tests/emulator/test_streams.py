@@ -1,0 +1,170 @@
+"""Streams, events, failures and shutdown of the stream emulator."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from corelib.emulator import EmulatedDevice
+from corelib.emulator.device import _stop_forgotten_devices
+from corelib.errors import DeviceError, DeviceTimeout
+
+OpenDevice = Callable[..., EmulatedDevice]
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_failure_poisons_the_stream_and_names_it(emulated: OpenDevice) -> None:
+    device = emulated("npu")
+    stream, healthy = device.stream("doomed"), device.stream("healthy")
+    ran_after: list[int] = []
+
+    def broken() -> None:
+        raise ZeroDivisionError("kernel divided by zero")
+
+    stream.launch(broken)
+    stream.launch(lambda: ran_after.append(1))
+    with pytest.raises(DeviceError, match="doomed") as caught:
+        stream.synchronize()
+    cause = caught.value.__cause__
+    assert isinstance(cause, ZeroDivisionError) and cause.__traceback__ is not None
+    assert ran_after == [], "work queued behind a failure never runs"
+    with pytest.raises(DeviceError, match="doomed"):
+        device.synchronize()
+    healthy.launch(lambda: ran_after.append(2))
+    healthy.synchronize()
+    assert ran_after == [2], "other streams keep working"
+
+
+def test_failure_propagates_through_a_cross_stream_wait(emulated: OpenDevice) -> None:
+    device = emulated("npu")
+    producer, consumer = device.stream("producer"), device.stream("consumer")
+
+    def broken() -> None:
+        raise ValueError("bad input")
+
+    producer.launch(broken)
+    ready = producer.record(device.event(name="ready"))
+    consumer.wait(ready)
+    with pytest.raises(DeviceError, match="consumer") as caught:
+        consumer.synchronize()
+    root = caught.value
+    while root.__cause__ is not None:
+        root = root.__cause__  # type: ignore[assignment]
+    assert isinstance(root, ValueError)
+
+
+def test_a_wait_that_never_completes_times_out_naming_both_streams(emulated: OpenDevice) -> None:
+    device = emulated("npu", timeout_s=0.2)
+    slow, waiter = device.stream("slow"), device.stream("waiter")
+    slow.launch(lambda: _sleep(0.3))
+    waiter.wait(slow.record(device.event(name="slow-done")))
+    with pytest.raises(DeviceError) as caught:
+        waiter.synchronize(timeout=2.0)
+    message = str(caught.value)
+    assert "waiter" in message and "slow-done" in message and "'slow'" in message
+    assert isinstance(caught.value.__cause__, DeviceTimeout)
+
+
+def test_wait_is_for_the_record_made_before_it(emulated: OpenDevice) -> None:
+    device = emulated("npu")
+    a, b = device.stream("a"), device.stream("b")
+    event = device.event(name="reused")
+    b.wait(event)  # never recorded yet: a no-op, like cudaStreamWaitEvent
+    b.synchronize(timeout=1.0)
+    assert event.query()
+    seen: list[str] = []
+    a.launch(lambda: _sleep(0.05))
+    a.launch(lambda: seen.append("first"))
+    a.record(event)
+    b.wait(event)
+    a.launch(lambda: _sleep(0.1))
+    a.launch(lambda: seen.append("second"))
+    a.record(event)  # a later record does not move the earlier wait
+    b.launch(lambda: seen.append("b"))
+    device.synchronize()
+    assert seen == ["first", "b", "second"]
+
+
+def test_without_independent_streams_all_work_runs_in_issue_order(emulated: OpenDevice) -> None:
+    device = emulated("cuda", streams=False)
+    a, b = device.stream("a"), device.stream("b")
+    order: list[str] = []
+    a.launch(lambda: _sleep(0.05))
+    a.launch(lambda: order.append("a"))
+    b.launch(lambda: order.append("b"))
+    b.synchronize()
+    assert order == ["a", "b"]
+
+
+def test_elapsed_time_needs_completed_events(emulated: OpenDevice) -> None:
+    device = emulated("npu")
+    stream = device.stream("s")
+    start = stream.record(device.event(timing=True, name="start"))
+    stream.launch(lambda: _sleep(0.1))
+    end = stream.record(device.event(timing=True, name="end"))
+    with pytest.raises(RuntimeError, match="completed"):
+        start.elapsed_ms(end)
+    end.synchronize()
+    assert start.elapsed_ms(end) > 0.0
+
+
+def test_close_drains_queued_work(emulated: OpenDevice) -> None:
+    device = emulated("npu")
+    done: list[int] = []
+    for index in range(3):
+        stream = device.stream(f"s{index}")
+        stream.launch(lambda: _sleep(0.02))
+        stream.launch(lambda index=index: done.append(index))  # type: ignore[misc]
+    device.close()
+    assert sorted(done) == [0, 1, 2]
+    assert device.threads_alive() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.launch(lambda: None)
+
+
+def test_close_cancels_work_stuck_past_the_timeout(emulated: OpenDevice) -> None:
+    device = emulated("npu", timeout_s=0.1)
+    stuck, other = device.stream("stuck"), device.stream("other")
+    stuck.launch(lambda: _sleep(0.6))
+    stuck.launch(lambda: None)
+    behind = stuck.record(device.event(name="behind"))
+    with pytest.raises(DeviceTimeout, match="stuck"):
+        device.close()  # the sleeping closure cannot be interrupted: close says which stream
+    with pytest.raises(DeviceError, match="cancelled"):
+        behind.synchronize(timeout=0.1)
+    deadline = time.monotonic() + 2.0
+    while device.threads_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert device.threads_alive() == [], "the worker exits once its closure returns"
+    del other
+
+
+def test_devices_never_closed_are_stopped_at_exit(emulated: OpenDevice) -> None:
+    device = emulated("mlu")
+    device.stream("forgotten").launch(lambda: _sleep(0.01))
+    _stop_forgotten_devices()
+    assert device.threads_alive() == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("corelib-emu-") and t.is_alive()]
+
+
+def test_device_memory_is_tracked_apart_from_host_memory(emulated: OpenDevice) -> None:
+    device = emulated("npu")
+    baseline = device.memory_stats()
+    x = device.empty((256,), torch.float32)
+    pinned = device.host_empty((128,), torch.float32, pinned=True)
+    pageable = device.host_empty((128,), torch.float32, pinned=False)
+    registration = device.register_host(torch.zeros(64))
+    stats = device.memory_stats()
+    assert stats.device_bytes == baseline.device_bytes + 1024
+    assert stats.pinned_bytes == baseline.pinned_bytes + 512
+    assert stats.registered_bytes == baseline.registered_bytes + 256
+    del x, pinned, pageable
+    registration.close()
+    assert device.memory_stats() == baseline, "freed and unregistered memory leaves the books"
