@@ -50,12 +50,12 @@ class MetricsCollector:
         self.sync_reasons.update(sync_reasons)
         self._prev_end = timing.end
 
-    def device_summary(self) -> dict[str, Any]:
-        """Occupancy and idle gaps over consecutive decode steps (steady decode)."""
+    def device_summary(self, first_step: int = 0) -> dict[str, Any]:
+        """Occupancy and idle gaps over consecutive decode steps (steady decode) from ``first_step`` on."""
         busy = gaps = 0.0
         gap_list: list[float] = []
         previous: StepRecord | None = None
-        for record in self.steps:
+        for record in self.steps[first_step:]:
             if record.kind is StepKind.decode and record.busy_ms is not None:
                 busy += record.busy_ms
                 if previous is not None and previous.kind is StepKind.decode and record.gap_ms is not None:

@@ -10,6 +10,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import PlanRefused
@@ -55,19 +56,25 @@ def frequent_token(make_engine: EngineFactory, requests: list[tuple[list[int], S
     return counts.most_common(1)[0][0]
 
 
+TARGETS = [
+    pytest.param("cuda", "emulated", id="cuda-emulated-chaos"),
+    pytest.param("npu", "emulated", id="npu-emulated-chaos"),
+    pytest.param("mlu", "emulated", id="mlu-emulated-chaos"),
+    pytest.param("cuda", "native", id="cuda-native", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cuda", "npu", "mlu"])
-def test_async_matches_sync_under_chaos(make_engine: EngineFactory, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "runtime"), TARGETS)
+def test_async_matches_sync_under_chaos(make_engine: EngineFactory, backend: str, runtime: str) -> None:
     requests = mixed_requests(300, seed=7)
     eos = frequent_token(make_engine, requests)
-    common = [*POOL, f"model.eos_token_id={eos}"]
-    sync = make_engine(["backend=cpu", *common])
+    common = [*POOL, f"model.eos_token_id={eos}", f"backend={backend}", f"backend.runtime={runtime}"]
+    sync = make_engine([*common, "engine.async_token_handoff=off"])
     expected = run_with_arrivals(sync, requests)
-    engine = make_engine(
-        [f"backend={backend}", "backend.runtime=emulated", "backend.emulator.chaos=0.2",
-         "backend.emulator.chaos_max_ms=0.5", f"backend.emulator.seed={len(backend)}",
-         "engine.async_token_handoff=on", *common]
-    )
+    chaos = ["backend.emulator.chaos=0.2", "backend.emulator.chaos_max_ms=0.5"] if runtime == "emulated" else []
+    engine = make_engine([*common, *chaos, "engine.async_token_handoff=on"])
     got = run_with_arrivals(engine, requests)
     assert got == expected
     summary = engine.metrics(1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from corelib.engine import Engine, SamplingParams
 from corelib.models.reference import reference_generate
@@ -48,3 +49,26 @@ def test_eos_stops_the_request(make_engine: EngineFactory) -> None:
     out = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
     assert out.output_token_ids == free_run[: free_run.index(eos) + 1]
     assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["backend=npu", "backend.emulator.chaos=0.3"], id="npu-emulated-chaos"),
+        pytest.param(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.3"],
+                     id="cuda-emulated-chaos"),
+        pytest.param(["backend=cuda", "backend.runtime=native"], id="cuda-native",
+                     marks=[pytest.mark.gpu,
+                            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+        pytest.param(["backend=cuda", "backend.runtime=native", "model.hidden_size=512", "model.num_layers=6",
+                      "model.num_heads=8", "model.num_kv_heads=4", "model.intermediate_size=1536"],
+                     id="cuda-native-wider",
+                     marks=[pytest.mark.gpu,
+                            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+    ],
+)
+@pytest.mark.parametrize("handoff", ["off", "on"])
+def test_graphs_and_handoff_match_reference(make_engine: EngineFactory, overrides: list[str], handoff: str) -> None:
+    engine = check_against_reference(make_engine, [*overrides, f"engine.async_token_handoff={handoff}"])
+    assert engine.runner.num_graph_steps > 0, "decode steps were meant to replay graphs"
+    assert engine.async_handoff is (handoff == "on")

@@ -1,0 +1,187 @@
+"""`python -m corelib bench`: sweep batch size, handoff, transport, materialization and backend.
+
+Every point runs in this one process, one after another, so every ratio in the table is
+measured side by side. One engine is built per (backend, transport, materialization,
+handoff) and reused across batch sizes; each batch size first runs a warm-up round.
+A point decodes ``batch_size`` requests of ``prompt_len`` tokens for ``output_len`` new
+tokens each (EOS ignored), so every decode step has exactly ``batch_size`` sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from corelib.compose import compose_config
+from corelib.engine.api import Engine
+from corelib.engine.sequence import SamplingParams
+from corelib.errors import ConfigError
+from corelib.plugins import PluginRegistry
+from corelib.rundir import RunDir
+from corelib.startup import start
+
+
+@dataclass
+class BenchPoint:
+    backend: str
+    runtime: str
+    transport: str
+    materialization: str
+    handoff: str
+    batch_size: int
+    tpot_ms: float
+    tokens_per_s: float
+    occupancy: float | None
+    idle_gap_median_us: float | None
+    decode_steps: int
+    steps_async: int
+    repeats_tpot_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def _overrides(cfg: DictConfig) -> list[str]:
+    """The overrides this bench was started with, minus the bench's own and hydra's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        task = list(HydraConfig.get().overrides.task)
+    except ValueError:
+        task = []
+    return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=",
+                                                   "engine.transport=", "engine.shm.materialization="))]
+
+
+def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
+    """(median TPOT ms, output tokens/s) for one batch decoded to the end."""
+    vocab = engine.vocab_size
+    prompts = [[(seed * 7919 + i * 131 + j * 17) % (vocab - 2) + 2 for j in range(prompt_len)]
+               for i in range(batch_size)]
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, sampling)
+    wall = time.perf_counter() - start
+    tpots = [o.tpot_ms for o in outputs if o.tpot_ms is not None]
+    return statistics.median(tpots), batch_size * output_len / wall
+
+
+def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: Console) -> list[BenchPoint]:
+    spec = cfg.bench
+    base = _overrides(cfg)
+    backends = list(spec.backends) or [None]
+    points: list[BenchPoint] = []
+    largest = max(spec.batch_sizes)
+    for backend, transport, materialization, handoff in itertools.product(
+        backends, spec.transport, spec.materialization, spec.handoff
+    ):
+        if transport == "inproc" and materialization != spec.materialization[0]:
+            continue  # materialization only matters for shm
+        overrides = [
+            *base,
+            *([f"backend={backend}"] if backend else []),
+            f"engine.transport={transport}",
+            f"engine.shm.materialization={materialization}",
+            f"engine.async_token_handoff={handoff}",
+            f"engine.max_num_seqs={max(largest, 1)}",
+            f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, 256)}",
+        ]
+        try:
+            startup = start(compose_config(overrides), registry)
+        except ConfigError as error:
+            console.print(f"corelib: bench: skipping {backend or 'default'}/{transport}/{materialization}/"
+                          f"{handoff}: {error}")
+            continue
+        with Engine(startup) as engine:
+            label = f"{startup.spec.backend}/{startup.spec.runtime.value} {transport} {materialization} {handoff}"
+            for batch_size in spec.batch_sizes:
+                _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
+                first_step = len(engine.core.metrics.steps)
+                repeats = [_measure(engine, batch_size, spec.prompt_len, spec.output_len, seed=2 + r)
+                           for r in range(spec.repeats)]
+                device = engine.core.metrics.device_summary(first_step)
+                steps = engine.core.metrics.steps[first_step:]
+                tpot = statistics.median(r[0] for r in repeats)
+                point = BenchPoint(
+                    backend=startup.spec.backend,
+                    runtime=startup.spec.runtime.value,
+                    transport=transport,
+                    materialization=materialization if transport == "shm" else "-",
+                    handoff="on" if engine.async_handoff else "off",
+                    batch_size=batch_size,
+                    tpot_ms=tpot,
+                    tokens_per_s=statistics.median(r[1] for r in repeats),
+                    occupancy=device["occupancy"],
+                    idle_gap_median_us=device["idle_gap_median_us"],
+                    decode_steps=sum(1 for s in steps if s.kind.value == "decode"),
+                    steps_async=sum(1 for s in steps if s.path == "async"),
+                    repeats_tpot_ms=[r[0] for r in repeats],
+                )
+                points.append(point)
+                console.print(f"corelib: bench {label} bs={batch_size}: TPOT {tpot:.3f} ms")
+    table = bench_table(points)
+    console.print(table)
+    payload = {
+        "machine": _machine(),
+        "overrides": base,
+        "bench": {k: list(v) if isinstance(v, list | tuple) else v for k, v in dict(spec).items()},
+        "points": [asdict(p) for p in points],
+        "ratios": ratios(points),
+    }
+    (run_dir.path / "bench.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    console.print(f"corelib: wrote {run_dir.path / 'bench.json'}")
+    return points
+
+
+def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
+    """Async/sync TPOT at equal everything else, from the same run."""
+    out = []
+    index = {(p.backend, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
+    for (backend, transport, materialization, handoff, batch_size), point in index.items():
+        if handoff != "on":
+            continue
+        sync = index.get((backend, transport, materialization, "off", batch_size))
+        if sync is not None:
+            out.append({"backend": backend, "transport": transport, "materialization": materialization,
+                        "batch_size": batch_size, "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
+    return out
+
+
+def bench_table(points: list[BenchPoint]) -> Table:
+    table = Table(title="corelib bench (one process, side by side)")
+    for column in ("backend", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy", "gap µs",
+                   "async/sync"):
+        table.add_column(column, justify="right")
+    ratio = {(r["backend"], r["transport"], r["materialization"], r["batch_size"]): r["async_over_sync_tpot"]
+             for r in ratios(points)}
+    for p in points:
+        r = ratio.get((p.backend, p.transport, p.materialization, p.batch_size)) if p.handoff == "on" else None
+        table.add_row(
+            f"{p.backend}/{p.runtime}", p.transport, p.materialization, p.handoff, str(p.batch_size),
+            f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
+            "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
+            "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",
+            "-" if r is None else f"{r:.3f}",
+        )
+    return table
+
+
+def _machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
