@@ -83,6 +83,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+        seq.blocks_epoch += 1
 
     def _release(self, block: int) -> None:
         if self.ref_counts[block] <= 0:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from corelib.engine.scheduler import ScheduledStep, StepKind
+from corelib.engine.sequence import Sequence
 
 ALIGN = 64
 
@@ -148,7 +149,11 @@ class ForwardInput:
 
 
 class InputBuilder:
-    """Packs a ScheduledStep into an arena. Runs on the scheduler side: no device needed."""
+    """Packs a ScheduledStep into an arena. Runs on the scheduler side: no device needed.
+
+    Per-slot values that change rarely (block tables, sampling settings) live in host
+    tables updated only when they change, so packing a decode step is a few vector ops.
+    """
 
     def __init__(
         self, max_rows: int, max_blocks: int, block_size: int, pad_slot: int, max_model_len: int
@@ -159,6 +164,12 @@ class InputBuilder:
         self.pad_slot = pad_slot
         self.max_model_len = max_model_len
         self.decode = decode_layout(max_rows, max_blocks)
+        slots = pad_slot + 1
+        self.slot_tables = torch.zeros((slots, max_blocks), dtype=torch.int32)
+        self.slot_ints = torch.zeros((2, slots), dtype=torch.int64)  # top_k, seed
+        self.slot_floats = torch.zeros((2, slots), dtype=torch.float32)  # temperature, top_p
+        self.slot_floats[1] = 1.0
+        self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * slots  # seq_id, blocks_epoch, blocks written
 
     def prefill_layout(self, step: ScheduledStep) -> ArenaLayout:
         lengths = [seq.num_tokens for seq in step.seqs]
@@ -169,6 +180,22 @@ class InputBuilder:
 
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _sync_slot(self, seq: Sequence, slot: int) -> None:
+        """Bring the slot's cached block table and sampling values up to date with ``seq``."""
+        owner, epoch, written = self._owners[slot]
+        table = seq.block_table
+        if owner != seq.seq_id or epoch != seq.blocks_epoch:
+            sampling = seq.sampling
+            self.slot_ints[0, slot] = sampling.top_k
+            self.slot_ints[1, slot] = sampling.seed
+            self.slot_floats[0, slot] = sampling.temperature
+            self.slot_floats[1, slot] = sampling.top_p
+            written = 0
+        if written < len(table):
+            self.slot_tables[slot, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
+            written = len(table)
+        self._owners[slot] = (seq.seq_id, seq.blocks_epoch, written)
 
     def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int) -> ForwardInput:
         if step.kind is StepKind.decode:
@@ -181,24 +208,24 @@ class InputBuilder:
         n = len(step.seqs)
         views = self.decode.views(arena)
         ints, floats, tables = views["ints"], views["floats"], views["block_tables"]
-        rows: list[list[int]] = [[] for _ in DECODE_INT_ROWS]
+        slots: list[int] = []
+        ids: list[int] = []
         for seq, position, relay in zip(step.seqs, step.positions, step.from_relay, strict=True):
-            table = seq.block_table
-            rows[0].append(RELAY if relay else seq.token_at(position))
-            rows[1].append(position)
-            rows[2].append(self._slot(table, position))
-            rows[3].append(position + 1)
-            rows[4].append(seq.slot if seq.slot is not None else self.pad_slot)
-            rows[5].append(seq.sampling.top_k)
-            rows[6].append(seq.sampling.seed)
-        ints[:, :n] = torch.tensor(rows, dtype=torch.int64)
-        floats[:, :n] = torch.tensor(
-            [[s.sampling.temperature for s in step.seqs], [s.sampling.top_p for s in step.seqs]],
-            dtype=torch.float32,
-        )
-        tables[:n, :kv_blocks] = torch.tensor(
-            [(seq.block_table + [0] * kv_blocks)[:kv_blocks] for seq in step.seqs], dtype=torch.int32
-        )
+            slot = seq.slot if seq.slot is not None else self.pad_slot
+            self._sync_slot(seq, slot)
+            slots.append(slot)
+            ids.append(RELAY if relay else seq.token_at(position))
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        positions = torch.tensor(step.positions, dtype=torch.int64)
+        ints[0, :n] = torch.tensor(ids, dtype=torch.int64)
+        ints[1, :n] = positions
+        block = self.slot_tables[slot_t, positions // self.block_size].to(torch.int64)
+        ints[2, :n] = block * self.block_size + positions % self.block_size
+        ints[3, :n] = positions + 1
+        ints[4, :n] = slot_t
+        ints[5:7, :n] = self.slot_ints[:, slot_t]
+        floats[:, :n] = self.slot_floats[:, slot_t]
+        tables[:n, :kv_blocks] = self.slot_tables[slot_t, :kv_blocks]
         if bucket > n:  # padded rows: token 0 at position 0, written to the null block
             ints[:, n:bucket] = 0
             ints[3, n:bucket] = 1

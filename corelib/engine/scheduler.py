@@ -130,33 +130,45 @@ class Scheduler:
 
     def _can_continue(self, seq: Sequence) -> bool:
         return (
-            not seq.is_finished
-            and seq.num_outputs_committed < seq.sampling.max_tokens
+            seq.status is Status.RUNNING
+            and len(seq.output_token_ids) + seq.num_pending < seq.sampling.max_tokens
             and seq.num_scheduled_tokens < self.limits.max_model_len
         )
 
     def _needs_preemption(self, seqs: list[Sequence]) -> bool:
-        missing = sum(self.blocks.num_missing(seq, seq.num_scheduled_tokens) for seq in seqs)
+        size = self.blocks.block_size
+        missing = 0
+        for seq in seqs:
+            have = len(seq.block_table) * size
+            need = seq.num_scheduled_tokens
+            if need > have:
+                missing += -(-(need - have) // size)
         return missing > self.blocks.num_free_blocks
 
     def _decode(self, candidates: list[Sequence]) -> ScheduledStep:
         scheduled: list[Sequence] = []
+        positions: list[int] = []
+        from_relay: list[bool] = []
         preempted = 0
-        queue = list(candidates)
+        size = self.blocks.block_size
+        queue = deque(candidates)
         while queue:
-            seq = queue.pop(0)
-            while not self.blocks.can_append(seq, seq.num_scheduled_tokens):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim)
-                preempted += 1
-                if victim is seq:
-                    break
-            else:
-                self.blocks.append(seq, seq.num_scheduled_tokens)
-                scheduled.append(seq)
-        positions = [seq.num_scheduled_tokens - 1 for seq in scheduled]
-        from_relay = [seq.num_pending > 0 for seq in scheduled]
-        for seq in scheduled:
+            seq = queue.popleft()
+            need = seq.num_scheduled_tokens  # the token fed this step needs its KV slot
+            if need > len(seq.block_table) * size:
+                while not self.blocks.can_append(seq, need):
+                    victim = queue.pop() if queue else seq
+                    self._preempt(victim)
+                    preempted += 1
+                    if victim is seq:
+                        break
+                else:
+                    self.blocks.append(seq, need)
+                if seq.status is not Status.RUNNING:
+                    continue
+            scheduled.append(seq)
+            positions.append(need - 1)
+            from_relay.append(seq.num_pending > 0)
             seq.num_pending += 1
         return ScheduledStep(StepKind.decode, scheduled, positions, from_relay, num_preempted=preempted)
 

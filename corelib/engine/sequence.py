@@ -66,6 +66,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     block_table: list[int] = field(default_factory=list)
+    # Bumped whenever the block table is dropped, so cached copies of it know to start over.
+    blocks_epoch: int = 0
     # Tokens sampled on the device whose values the host has not seen yet (async handoff).
     num_pending: int = 0
     slot: int | None = None  # per-sequence state index: token relay and recurrent state
