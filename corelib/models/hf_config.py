@@ -41,7 +41,7 @@ class CheckpointConfig:
     dtype: str  # the weights' dtype as config.json names it
 
     def apply(self, cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
-        """``cfg`` with the checkpoint's values, and a note for each value the user's config lost."""
+        """``cfg`` with the checkpoint's values, and a note when max_model_len had to be capped."""
         notes = []
         max_len = cfg.max_model_len
         if max_len > self.max_position_embeddings:

@@ -132,3 +132,22 @@ def test_run_prints_each_answer_of_several_prompts(
     assert [r["id"] for r in records] == ["0", "1", "2"]
     for record, prompt in zip(records, ["Hello world", "crème brûlée", "The lazy dog"], strict=True):
         assert f"request {record['id']}" in shown and prompt + record["text"] + "\n" in shown
+
+
+def test_streaming_on_the_async_path_gives_the_synchronous_tokens_and_text(model_dir: Path) -> None:
+    prompts = ["The quick brown", "crème brûlée", "Hello world, 世界"]
+    params = SamplingParams(max_tokens=20)
+    with engine_for(model_dir) as engine:
+        expected = engine.generate(prompts, params)
+    overrides = ["backend=npu", "backend.runtime=emulated", "backend.emulator.chaos=0.2",
+                 "backend.emulator.chaos_max_ms=0.5", "engine.async_token_handoff=on", "engine.max_num_seqs=4",
+                 f"model.path={model_dir}"]
+    with Engine.from_overrides(overrides) as engine:
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        grouped = by_request(list(engine.stream_tokens()))
+        async_steps = engine.metrics(1.0)["steps_async"]
+        assert isinstance(async_steps, int) and async_steps > 0, "the run should take the async path"
+    for want, deltas in zip(expected, (grouped[str(i)] for i in range(len(prompts))), strict=True):
+        assert [t for d in deltas for t in d.token_ids] == want.output_token_ids
+        assert "".join(d.text for d in deltas) == want.text
