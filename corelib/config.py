@@ -91,15 +91,17 @@ class ModelConfig:
     max_model_len: int = 512  # longest prompt + output a request may have
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-    dtype: str = "float32"  # float32, bfloat16 or float16
+    dtype: str = "float32"  # float32, bfloat16, float16, or auto: the checkpoint's dtype (float32 without one)
     seed: int = 0  # seed of the random weights
     eos_token_id: int = 1
+    extra_eos_token_ids: list[int] = field(default_factory=list)  # more ids that end a request like eos_token_id
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qkv bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     conv_kernel: int = 4  # hybrid only: width of the causal convolution state
     multimodal: bool = False  # the model takes non-text inputs
     path: Optional[str] = None  # a Hugging Face checkpoint directory; None means random weights
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # config.json's rope_scaling; {}: plain RoPE
 
 
 @dataclass

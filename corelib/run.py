@@ -1,4 +1,8 @@
-"""`python -m corelib run`: the workload through the engine, a progress bar, a table, the files."""
+"""`python -m corelib run`: the workload through the engine, a progress bar, a table, the files.
+
+Text prompts (``workload.prompts``) stream their output instead of the progress bar: one
+prompt prints its text as it is generated; several print each answer when it is complete.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from rich.table import Table
 from corelib.engine.api import Engine, RequestOutput
 from corelib.rundir import RunDir
 from corelib.startup import Startup
-from corelib.workload import build_workload
+from corelib.text import Tokenizer
+from corelib.workload import Request, build_workload
 
 
 def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
@@ -47,25 +52,58 @@ def summary_table(metrics: dict[str, Any]) -> Table:
     return table
 
 
+def _with_progress(engine: Engine, total: int, console: Console) -> dict[str, RequestOutput]:
+    outputs: dict[str, RequestOutput] = {}
+    columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("requests", total=total)
+        for output in engine.stream():
+            outputs[output.request_id] = output
+            progress.advance(task)
+    return outputs
+
+
+def _stream_text(engine: Engine, requests: dict[str, Request], console: Console) -> dict[str, RequestOutput]:
+    outputs: dict[str, RequestOutput] = {}
+    live = len(requests) == 1
+
+    def write(text: str, style: str | None = None) -> None:
+        console.print(text, style=style, end="", markup=False, highlight=False, soft_wrap=True)
+
+    if live:
+        write(next(iter(requests.values())).prompt or "", "dim")
+    for delta in engine.stream_tokens():
+        if live:
+            write(delta.text)
+        if delta.output is None:
+            continue
+        output = outputs[delta.request_id] = delta.output
+        if live:
+            write("\n")
+        else:
+            console.rule(f"request {delta.request_id}", style="dim")
+            write(requests[delta.request_id].prompt or "", "dim")
+            write((output.text or "") + "\n")
+        if output.error:
+            console.print(f"corelib: request {delta.request_id} failed: {output.error}", markup=False)
+    return outputs
+
+
 def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     """Run the configured workload; returns the metrics it wrote."""
     run_dir.write_config(startup.raw)
     run_dir.write_plan(startup.plan, startup.messages)
     cfg = startup.config
-    requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.model.eos_token_id)
+    tokenizer = Tokenizer.from_directory(cfg.model.path)
+    requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.model.eos_token_id, tokenizer)
     with Engine(startup) as engine:
-        outputs: dict[str, RequestOutput] = {}
-        columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("requests", total=len(requests))
-            ids = [
-                engine.add_request(r.prompt_token_ids, r.sampling, multimodal=r.multimodal) for r in requests
-            ]
-            start = time.perf_counter()
-            for output in engine.stream():
-                outputs[output.request_id] = output
-                progress.advance(task)
-            wall = time.perf_counter() - start
+        ids = [engine.add_request(r.prompt_token_ids, r.sampling, multimodal=r.multimodal) for r in requests]
+        start = time.perf_counter()
+        if any(r.prompt is not None for r in requests):
+            outputs = _stream_text(engine, dict(zip(ids, requests, strict=True)), console)
+        else:
+            outputs = _with_progress(engine, len(requests), console)
+        wall = time.perf_counter() - start
         metrics = dict(engine.metrics(wall))
         metrics.update(
             graph_steps=engine.runner.num_graph_steps,

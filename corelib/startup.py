@@ -15,6 +15,7 @@ from corelib.config import BackendConfig, CorelibConfig
 from corelib.errors import ConfigError, PluginError
 from corelib.features import Plan, evaluate
 from corelib.models import model_facts
+from corelib.models.hf_config import resolve_checkpoint
 from corelib.plugins import PluginRegistry
 
 
@@ -33,7 +34,7 @@ class Startup:
 def start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     """Choose the backend and runtime, then evaluate every feature gate."""
     raw = raw.copy()
-    messages: list[str] = []
+    messages: list[str] = resolve_checkpoint(raw)  # model.path: config.json's values replace the preset's
     name = str(raw.backend.name)
     if name == "auto":
         name, why = _choose_auto(raw, registry)

@@ -1,4 +1,9 @@
-"""Synthetic workloads for `run` and `bench`: seeded prompts, lengths and sampling values."""
+"""Workloads for `run` and `bench`: seeded prompts, lengths and sampling values.
+
+Prompts are random token ids, or the texts of ``workload.prompts``, which need a tokenizer:
+one request each, generating up to ``output_len_max`` tokens (``num_requests``, the prompt
+lengths and ``output_len_min`` then do not apply).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass
 from corelib.config import WorkloadConfig
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
+from corelib.text import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -15,14 +21,25 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     multimodal: bool = False
+    prompt: str | None = None  # the text the ids encode, for text workloads
 
 
-def build_workload(cfg: WorkloadConfig, vocab_size: int, eos_token_id: int | None) -> list[Request]:
+def build_workload(
+    cfg: WorkloadConfig, vocab_size: int, eos_token_id: int | None, tokenizer: Tokenizer | None = None
+) -> list[Request]:
     """Requests drawn from the workload config; the same seed gives the same requests."""
+    if cfg.prompts and tokenizer is None:
+        raise ConfigError(
+            "workload.prompts are text and need a tokenizer: set model.path to a checkpoint directory "
+            "with tokenizer.json, or leave workload.prompts empty for random token ids"
+        )
     if cfg.num_requests < 0:
         raise ConfigError(f"workload.num_requests={cfg.num_requests}: must be >= 0")
-    for low, high, name in ((cfg.prompt_len_min, cfg.prompt_len_max, "prompt_len"),
-                            (cfg.output_len_min, cfg.output_len_max, "output_len")):
+    lengths = ((cfg.prompt_len_min, cfg.prompt_len_max, "prompt_len"),
+               (cfg.output_len_min, cfg.output_len_max, "output_len"))
+    if cfg.prompts and cfg.output_len_max < 1:
+        raise ConfigError(f"workload.output_len_max={cfg.output_len_max}: must be >= 1")
+    for low, high, name in () if cfg.prompts else lengths:
         if not 1 <= low <= high:
             raise ConfigError(f"workload.{name}_min={low}, workload.{name}_max={high}: need 1 <= min <= max")
     for name in ("stop_string_fraction", "multimodal_fraction"):
@@ -32,12 +49,17 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, eos_token_id: int | Non
     rng = random.Random(cfg.seed)
     avoid = {eos_token_id} if eos_token_id is not None else set()
     requests = []
-    for index in range(cfg.num_requests):
-        length = rng.randint(cfg.prompt_len_min, cfg.prompt_len_max)
-        prompt = [t for t in (rng.randrange(vocab_size) for _ in range(length * 2)) if t not in avoid][:length]
+    texts: list[str | None] = list(cfg.prompts) if cfg.prompts else [None] * cfg.num_requests
+    for index, text in enumerate(texts):
+        if text is not None and tokenizer is not None:
+            prompt = tokenizer.encode(text)
+        else:
+            length = rng.randint(cfg.prompt_len_min, cfg.prompt_len_max)
+            prompt = [t for t in (rng.randrange(vocab_size) for _ in range(length * 2)) if t not in avoid][:length]
         stop_strings = ("<never>",) if rng.random() < cfg.stop_string_fraction else ()
+        max_tokens = cfg.output_len_max if text is not None else rng.randint(cfg.output_len_min, cfg.output_len_max)
         sampling = SamplingParams(
-            max_tokens=rng.randint(cfg.output_len_min, cfg.output_len_max),
+            max_tokens=max_tokens,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
@@ -46,5 +68,5 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, eos_token_id: int | Non
             ignore_eos=cfg.ignore_eos,
             stop_strings=stop_strings,
         )
-        requests.append(Request(prompt, sampling, multimodal=rng.random() < cfg.multimodal_fraction))
+        requests.append(Request(prompt, sampling, rng.random() < cfg.multimodal_fraction, text))
     return requests

@@ -2,6 +2,13 @@
 
     with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on"]) as engine:
         outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
+
+With a checkpoint that has a tokenizer, prompts may be text and outputs carry text:
+
+    with Engine.from_overrides(["model.path=/models/qwen3-0.6b"]) as engine:
+        engine.add_request("The capital of France is", SamplingParams(max_tokens=32))
+        for delta in engine.stream_tokens():
+            print(delta.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
+from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import ConfigError, RequestError
 from corelib.features import Plan
 from corelib.models.llama import ModelShape, ModelWeights, build_weights, random_state_dict
 from corelib.rundir import RequestRecord
 from corelib.startup import Startup
+from corelib.text import Tokenizer
 
 STAGING_BUFFERS = 4  # a step in flight, the next one, and room for the host to pack ahead
 
@@ -58,7 +67,10 @@ class RequestOutput:
         )
 
 
-def _output(seq: Seq) -> RequestOutput:
+Prompt = str | Sequence[int]  # text needs the checkpoint's tokenizer
+
+
+def _output(seq: Seq, text: str | None) -> RequestOutput:
     ttft = tpot = None
     if seq.first_token_time is not None:
         ttft = (seq.first_token_time - seq.arrival_time) * 1e3
@@ -67,8 +79,16 @@ def _output(seq: Seq) -> RequestOutput:
     reason = seq.finish_reason.value if seq.finish_reason is not None else FinishReason.cancelled.value
     return RequestOutput(
         seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), reason,
-        seq.text or None, seq.error, ttft, tpot,
+        text, seq.error, ttft, tpot,
     )
+
+
+def _cut_at_stop(text: str, seq: Seq) -> str:
+    """A request stopped by a stop string returns the text before it."""
+    if seq.finish_reason is not FinishReason.stop or not seq.sampling.stop_strings:
+        return text
+    cuts = [i for i in (text.find(s) for s in seq.sampling.stop_strings) if i >= 0]
+    return text[: min(cuts)] if cuts else text
 
 
 def model_weights(startup: Startup, device: Device) -> ModelWeights:
@@ -99,6 +119,7 @@ class Engine:
         self.device = startup.backend.open(startup.spec)
         try:
             torch.manual_seed(0)
+            self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
             self.weights = weights_factory(startup, self.device)
             shape = self.weights.shape
             self.vocab_size = shape.vocab_size
@@ -119,7 +140,7 @@ class Engine:
             self.builder = InputBuilder(rows, max_blocks, block_size, rows, model_cfg.max_model_len)
             self.scheduler = Scheduler(
                 SchedulerLimits(rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len,
-                                model_cfg.eos_token_id),
+                                model_cfg.eos_token_id, frozenset(model_cfg.extra_eos_token_ids)),
                 BlockManager(num_blocks, block_size),
                 num_slots=rows,
                 detokenize=self._detokenize,
@@ -165,7 +186,19 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(token_ids)
         return "".join(f"<{t}>" for t in token_ids)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt; text needs the checkpoint's tokenizer."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            path = self.startup.config.model.path
+            where = f"model.path={path} has no tokenizer.json" if path else "model.path is not set"
+            raise ConfigError(f"a text prompt needs a tokenizer, but {where}; pass token ids instead")
+        return self.tokenizer.encode(prompt)
 
     def _sync_reasons(self, seqs: list[Seq]) -> list[str]:
         facts = [{"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)} for s in seqs]
@@ -173,16 +206,17 @@ class Engine:
 
     def add_request(
         self,
-        prompt_token_ids: Sequence[int],
+        prompt: Prompt,
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         multimodal: bool = False,
     ) -> str:
-        """Queue a request. An invalid one is finished at once with finish_reason 'error'."""
+        """Queue a request (token ids, or text). An invalid one is finished at once with finish_reason 'error'."""
         self._check_open()
         sampling = sampling or SamplingParams()
+        prompt_token_ids = self.encode(prompt)
         number = next(self._ids)
-        seq = Seq(number, request_id or str(number), list(prompt_token_ids), sampling, multimodal=multimodal,
+        seq = Seq(number, request_id or str(number), prompt_token_ids, sampling, multimodal=multimodal,
                   arrival_time=time.perf_counter())
         self.sequences.append(seq)
         try:
@@ -214,17 +248,28 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Advance the loop once; returns requests that finished meanwhile."""
+        self._advance()
+        return self.take_finished()
+
+    def _advance(self) -> None:
         self._check_open()
         try:
             self.core.iterate()
         except BaseException as error:
             self._fail(error)
             raise
-        return self.take_finished()
 
     def take_finished(self) -> list[RequestOutput]:
+        return [output for _, output in self._take_finished()]
+
+    def _take_finished(self) -> list[tuple[Seq, RequestOutput]]:
         done, self.core.finished = self.core.finished, []
-        return [_output(seq) for seq in done]
+        return [(seq, _output(seq, self._final_text(seq))) for seq in done]
+
+    def _final_text(self, seq: Seq) -> str | None:
+        if self.tokenizer is None:
+            return seq.text or None
+        return _cut_at_stop(self.tokenizer.decode(seq.output_token_ids), seq)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Run until every queued request is done, yielding each as it finishes."""
@@ -232,9 +277,22 @@ class Engine:
         while self.has_unfinished:
             yield from self.step()
 
+    def stream_tokens(self) -> Iterator[TokenDelta]:
+        """Run until every queued request is done, yielding each request's new tokens (and text) as they come.
+
+        A request's last delta carries its RequestOutput. Costs nothing when unused: the plain loop
+        (``stream``, ``step``) never looks at deltas.
+        """
+        tracker = DeltaTracker(self.tokenizer)
+        yield from tracker.finished(self._take_finished())
+        while self.has_unfinished:
+            self._advance()
+            yield from tracker.running(self.scheduler.running)
+            yield from tracker.finished(self._take_finished())
+
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Prompt],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         multimodal: Sequence[bool] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,

@@ -48,6 +48,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_id: int | None
+    extra_eos_token_ids: frozenset[int] = frozenset()  # a checkpoint may end turns with several ids
 
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
@@ -203,7 +204,8 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sampling = seq.sampling
-        if token == self.limits.eos_token_id and not sampling.ignore_eos:
+        limits = self.limits
+        if (token == limits.eos_token_id or token in limits.extra_eos_token_ids) and not sampling.ignore_eos:
             return FinishReason.stop
         if token in sampling.stop_token_ids:
             return FinishReason.stop

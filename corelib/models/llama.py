@@ -13,7 +13,7 @@ block table (the live ones, rounded up to a bucket), never the whole cache.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.models.rope import RopeScaling, inv_freq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -50,6 +51,7 @@ class ModelShape:
     qk_norm: bool
     tie_word_embeddings: bool
     conv_kernel: int  # 0: no recurrent state
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
@@ -69,11 +71,13 @@ class ModelShape:
             max_model_len=cfg.max_model_len,
             rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps,
-            dtype=torch_dtype(cfg.dtype),
+            # "auto" (the checkpoint's dtype) is resolved at startup; random weights have none
+            dtype=torch_dtype("float32" if cfg.dtype == "auto" else cfg.dtype),
             attention_bias=cfg.attention_bias or cfg.architecture == "qwen2",
             qk_norm=cfg.qk_norm or cfg.architecture == "qwen3",
             tie_word_embeddings=cfg.tie_word_embeddings,
             conv_kernel=cfg.conv_kernel if cfg.architecture == "hybrid" else 0,
+            rope_scaling=RopeScaling.parse(cfg.rope_scaling, cfg.max_model_len),
         )
 
 
@@ -163,9 +167,14 @@ def build_weights(
     for name, dims in expected.items():
         if tuple(state[name].shape) != dims:
             raise ConfigError(f"tensor {name!r} has shape {tuple(state[name].shape)}; expected {dims}")
+    return assemble_weights(shape, lambda name: state[name].to(device=device, dtype=shape.dtype), device)
 
-    def get(name: str) -> torch.Tensor:
-        return state[name].to(device=device, dtype=shape.dtype)
+
+def assemble_weights(shape: ModelShape, get: Callable[[str], torch.Tensor], device: torch.device) -> ModelWeights:
+    """Build the model from ``get(hf_name)``, which returns each checked tensor on ``device`` in the model dtype.
+
+    Tensors are asked for one at a time, so a loader can read each straight from its file.
+    """
 
     def cat(*names: str) -> torch.Tensor:
         return torch.cat([get(n) for n in names], dim=0).contiguous()
@@ -204,10 +213,9 @@ def build_weights(
 
 
 def rope_table(shape: ModelShape, device: torch.device) -> torch.Tensor:
-    half = shape.head_dim // 2
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
-    angles = torch.outer(torch.arange(shape.max_model_len, dtype=torch.float64), inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+    frequencies, scale = inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+    angles = torch.outer(torch.arange(shape.max_model_len, dtype=torch.float64), frequencies)
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).to(device=device, dtype=torch.float32)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Load a Hugging Face checkpoint directory: ``config.json`` and ``*.safetensors``, one file or sharded.
+
+Tensors go from their file to the device one at a time through ``safetensors.safe_open``
+(memory-mapped), so the host never holds a second full copy of the weights. Names, shapes and
+dtypes are checked from the file headers before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from corelib.config import ModelConfig
+from corelib.errors import ConfigError
+from corelib.models.hf_config import checkpoint_directory, resolved_model_config
+from corelib.models.llama import ModelShape, ModelWeights, assemble_weights, hf_parameter_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+
+_FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+class _SafeFile(Protocol):
+    """The part of safetensors' ``safe_open`` handle used here."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+    def get_slice(self, name: str) -> Any: ...
+
+
+def load_checkpoint(cfg: ModelConfig, device: torch.device) -> ModelWeights:
+    """The weights of ``cfg.path`` on ``device`` in the model dtype; a ConfigError names what does not fit."""
+    if not cfg.path:
+        raise ConfigError("model.path is not set; point it at a Hugging Face checkpoint directory")
+    directory = checkpoint_directory(cfg.path)
+    cfg = resolved_model_config(cfg)
+    shape = ModelShape.from_config(cfg)
+    files = tensor_files(directory)
+    expected = hf_parameter_shapes(shape)
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{directory} lacks tensor {missing[0]!r}{more}, which config.json implies "
+            f"({cfg.architecture}, tie_word_embeddings={str(cfg.tie_word_embeddings).lower()})"
+        )
+    with _open_all(directory, sorted({files[name] for name in expected}), device) as handles:
+        for name, dims in expected.items():
+            _check_tensor(handles[files[name]], name, dims, files[name])
+
+        def get(name: str) -> torch.Tensor:
+            tensor = handles[files[name]].get_tensor(name)
+            moved = tensor.to(device=device, dtype=shape.dtype)
+            # On the CPU that may still be a view of the memory-mapped file: unaligned (slower,
+            # and matmuls round differently) and tied to the file staying unchanged. Own it.
+            return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved
+
+        return assemble_weights(shape, get, device)
+
+
+def tensor_files(directory: Path) -> dict[str, str]:
+    """Every tensor name of the checkpoint and the file that holds it."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return _index_map(index, directory)
+    shards = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not shards:
+        bins = sorted(p.name for p in directory.glob("*.bin"))
+        hint = (f" (found {bins[0]}: pickled PyTorch weights are not loaded; save with safe_serialization=True)"
+                if bins else "")
+        raise ConfigError(f"{directory} has no *.safetensors files; expected model.safetensors or shards "
+                          f"with {INDEX_FILE}{hint}")
+    files: dict[str, str] = {}
+    for shard in shards:
+        with _safe_open(directory / shard, "cpu") as handle:
+            names = handle.keys()
+        for name in names:
+            files.setdefault(name, shard)
+    return files
+
+
+def _index_map(index: Path, directory: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, json.JSONDecodeError, AttributeError) as error:
+        raise ConfigError(f"{index} cannot be read: {' '.join(str(error).split())}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index} has no weight_map; expected {{\"weight_map\": {{tensor name: shard file}}}}")
+    for shard in sorted(set(weight_map.values())):
+        if not (directory / shard).is_file():
+            raise ConfigError(f"{index} names shard {shard}, which is missing from {directory}")
+    return {str(name): str(shard) for name, shard in weight_map.items()}
+
+
+@contextmanager
+def _open_all(directory: Path, shards: list[str], device: torch.device) -> Iterator[dict[str, _SafeFile]]:
+    target = _safetensors_device(device)
+    with ExitStack() as stack:
+        yield {shard: stack.enter_context(_safe_open(directory / shard, target)) for shard in shards}
+
+
+def _safe_open(path: Path, device: str) -> Any:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except SafetensorError as error:
+        if device != "cpu" and "device" in str(error):  # an older safetensors that does not know this device
+            return safe_open(str(path), framework="pt", device="cpu")
+        raise ConfigError(f"{path} is not a readable safetensors file: {' '.join(str(error).split())}") from None
+
+
+def _safetensors_device(device: torch.device) -> str:
+    # safetensors places tensors itself on the devices it knows; others get each tensor on the
+    # CPU first and move it on, still one at a time.
+    if device.type in ("cpu", "cuda", "npu", "mlu", "xpu", "mps"):
+        return str(device) if device.index is not None or device.type == "cpu" else f"{device.type}:0"
+    return "cpu"
+
+
+def _check_tensor(handle: _SafeFile, name: str, dims: tuple[int, ...], shard: str) -> None:
+    view = handle.get_slice(name)
+    actual = tuple(view.get_shape())
+    if actual != dims:
+        raise ConfigError(
+            f"tensor {name!r} in {shard} has shape {actual}; config.json implies {dims}"
+        )
+    dtype = view.get_dtype()
+    if dtype not in _FLOAT_DTYPES:
+        raise ConfigError(
+            f"tensor {name!r} in {shard} has dtype {dtype}; expected one of {', '.join(_FLOAT_DTYPES)} "
+            "(quantized checkpoints are not supported)"
+        )

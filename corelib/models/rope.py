@@ -1,0 +1,131 @@
+"""RoPE frequencies, plain or scaled the way Hugging Face configs describe it.
+
+A checkpoint's ``rope_scaling`` (``rope_parameters`` since transformers 5) names a
+``rope_type`` and its parameters. The types here give the same inverse frequencies and
+attention factor as transformers' ``ROPE_INIT_FUNCTIONS``; the others are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from corelib.errors import ConfigError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """One ``rope_scaling`` entry, validated (``original_max_position_embeddings`` is 0 only for linear)."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None: derived from factor and mscale
+    mscale: float = 0.0  # yarn
+    mscale_all_dim: float = 0.0  # yarn
+    truncate: bool = True  # yarn
+
+    @classmethod
+    def parse(cls, entry: Mapping[str, Any], max_model_len: int) -> RopeScaling | None:
+        """None for plain RoPE; a ConfigError naming the rope_type or the field that is wrong."""
+        if not entry:
+            return None
+        rope_type = str(entry.get("rope_type", entry.get("type", "default")))
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"model.rope_scaling rope_type={rope_type}: not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            return None
+        original = int(entry.get("original_max_position_embeddings") or 0)
+        if original <= 0 and rope_type != "linear":
+            raise ConfigError(
+                f"model.rope_scaling rope_type={rope_type} needs original_max_position_embeddings (a positive int)"
+            )
+        factor = entry.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1:
+            raise ConfigError(f"model.rope_scaling rope_type={rope_type} needs factor >= 1 (got {factor!r})")
+        if rope_type == "dynamic" and max_model_len > original:
+            # Dynamic NTK re-derives the frequencies from the longest sequence in the batch once it
+            # passes the original length; a fixed table cannot do that, and below it RoPE is plain.
+            raise ConfigError(
+                f"model.rope_scaling rope_type=dynamic rescales past {original} positions, which a fixed RoPE "
+                f"table cannot follow; set model.max_model_len<={original} (it is {max_model_len})"
+            )
+        optional: dict[str, Any] = {}
+        for key in _OPTIONAL_FLOATS:
+            value = entry.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"model.rope_scaling {key}={value!r}: expected a number")
+            optional[key] = float(value)
+        return cls(rope_type, float(factor), original, truncate=bool(entry.get("truncate", True)), **optional)
+
+
+_OPTIONAL_FLOATS = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                    "mscale_all_dim")
+
+
+def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (float64) and the factor cos/sin are multiplied by."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    plain = 1.0 / theta**exponents
+    if scaling is None or scaling.rope_type == "dynamic":
+        return plain, 1.0
+    if scaling.rope_type == "linear":
+        return plain / scaling.factor, 1.0
+    if scaling.rope_type == "llama3":
+        return _llama3(plain, scaling), 1.0
+    return _yarn(plain, head_dim, theta, scaling)
+
+
+def _llama3(plain: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are divided by factor, short ones kept, the band between blended.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / plain
+    scaled = torch.where(wavelen > low_wavelen, plain / s.factor, plain)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn(plain: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attention = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+    else:
+        attention = mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # the ramp would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency, unchanged), 0: interpolate (divided by factor)
+    return plain / s.factor * (1 - keep) + plain * keep, attention

@@ -1,0 +1,77 @@
+"""Text in and out: a checkpoint's ``tokenizer.json`` through the ``tokenizers`` library.
+
+Without a tokenizer the engine works on token ids only. Output text is decoded with special
+tokens skipped. Streaming decodes incrementally: a few tokens of context are re-decoded with
+each new token, so the pieces concatenate to the full decode even where one character spans
+several byte-level tokens or a word-start marker depends on its neighbour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from corelib.errors import ConfigError
+
+TOKENIZER_FILE = "tokenizer.json"
+_INCOMPLETE = "\ufffd"  # what a decoder yields for a character whose bytes have not all arrived
+
+
+class Tokenizer:
+    """Encode prompts and decode outputs with a Hugging Face ``tokenizer.json``."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise ConfigError(
+                f"{path} needs the tokenizers package: pip install 'tokenizers>=0.15'"
+            ) from None
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as error:  # noqa: BLE001 - the library raises plain Exception for a bad file
+            raise ConfigError(f"{path} cannot be read as a tokenizer: {' '.join(str(error).split())}") from None
+        self.path = path
+
+    @classmethod
+    def from_directory(cls, directory: str | Path | None) -> Tokenizer | None:
+        """The tokenizer of a checkpoint directory, or None when it has no ``tokenizer.json``."""
+        if not directory:
+            return None
+        path = Path(directory).expanduser() / TOKENIZER_FILE
+        return cls(path) if path.is_file() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (a BOS, for Llama)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def stream(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self)
+
+
+class IncrementalDecoder:
+    """Turns one request's tokens, as they arrive, into text pieces that add up to the full decode."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window that is decoded again for each new token
+        self._read = 0  # tokens before this index have been turned into text
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The new text that ``token_ids`` complete ('' while a character is still incomplete)."""
+        self._ids.extend(token_ids)
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read])
+        after = decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith(_INCOMPLETE):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
