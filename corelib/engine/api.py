@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -312,7 +313,7 @@ class Engine:
                 on_finish(output)
         return [results[i] for i in ids]
 
-    def metrics(self, wall_s: float) -> dict[str, object]:
+    def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far."""
         return self.core.metrics.summary(self.sequences, wall_s)
 

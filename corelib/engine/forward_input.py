@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from corelib.engine.scheduler import ScheduledStep, StepKind
-from corelib.engine.sequence import Sequence
+from corelib.engine.sequence import Sequence as EngineSequence
 
 ALIGN = 64
 
@@ -181,7 +181,7 @@ class InputBuilder:
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _sync_slot(self, seq: Sequence, slot: int) -> None:
+    def _sync_slot(self, seq: EngineSequence, slot: int) -> None:
         """Bring the slot's cached block table and sampling values up to date with ``seq``."""
         owner, epoch, written = self._owners[slot]
         table = seq.block_table

@@ -81,7 +81,8 @@ def test_stalled_device_times_out_naming_the_event(monkeypatch: pytest.MonkeyPat
 
     engine = Engine.from_overrides(["backend=npu", "engine.graph=off", "engine.timeout_s=0.3"])
     monkeypatch.setattr(ModelRunner, "_decode", stalled)
-    with pytest.raises((DeviceError, DeviceTimeout), match=r"event 'step1\.(end|tokens)' on stream '\w+'.* did not complete"):
+    stalled_event = r"event 'step1\.(end|tokens)' on stream '\w+'.* did not complete"
+    with pytest.raises((DeviceError, DeviceTimeout), match=stalled_event):
         engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
     # The stalled closure cannot be interrupted; close says which stream it could not stop.
     with pytest.raises(DeviceTimeout, match="could not stop streams 'compute'"):

@@ -19,7 +19,9 @@ from corelib.engine.runner import StepHandle
 from corelib.errors import DeviceError
 from tests.conftest import EngineFactory
 
-OVERRIDES = ["backend=npu", "backend.emulator.chaos=0.3", "backend.emulator.chaos_max_ms=1", "engine.async_token_handoff=on"]
+OVERRIDES = [
+    "backend=npu", "backend.emulator.chaos=0.3", "backend.emulator.chaos_max_ms=1", "engine.async_token_handoff=on"
+]
 
 
 @pytest.fixture
