@@ -146,7 +146,8 @@ class Engine:
                 num_slots=rows,
                 detokenize=self._detokenize,
             )
-            self.runner = ModelRunner(self.device, self.weights, self.builder, self.buckets, num_blocks, rows)
+            self.runner = ModelRunner(self.device, self.weights, self.builder, self.buckets, num_blocks, rows,
+                                      compile_decode=engine_cfg.compile)
             if graphs:
                 self.runner.capture()
             longest_prefill = max(engine_cfg.max_num_batched_tokens, model_cfg.max_model_len)

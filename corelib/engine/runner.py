@@ -27,7 +27,16 @@ from corelib.engine.forward_input import (
 )
 from corelib.engine.sampler import greedy, sample
 from corelib.engine.scheduler import StepKind
-from corelib.models.llama import ConvState, KVCache, ModelWeights, decode_forward, prefill_forward
+from corelib.models.llama import (
+    ConvState,
+    DecodeLayer,
+    KVCache,
+    ModelWeights,
+    compiled_decode_layer,
+    decode_forward,
+    decode_layer,
+    prefill_forward,
+)
 
 
 @dataclass
@@ -88,6 +97,7 @@ class ModelRunner:
         num_blocks: int,
         num_slots: int,
         timing: bool = True,
+        compile_decode: bool = False,
     ) -> None:
         self.device = device
         self.weights = weights
@@ -125,6 +135,7 @@ class ModelRunner:
             self.decode_arena: torch.Tensor | None = None
         else:
             self.decode_arena = device.empty((layout.nbytes,), torch.uint8)
+        self.decode_layer: DecodeLayer = compiled_decode_layer() if compile_decode else decode_layer
         self.graphs: dict[tuple[int, int, bool], Graph] = {}
         self._graph_shapes = set(buckets.shapes())
         self.num_graph_steps = 0
@@ -179,6 +190,7 @@ class ModelRunner:
             views["block_tables"][:rows, :kv],
             ints["seq_lens"][:rows],
             slots,
+            self.decode_layer,
         )
         self._emit(logits, rows, slots, floats, ints["top_k"][:rows], ints["seeds"][:rows], positions + 1, sampled)
 

@@ -13,6 +13,7 @@ block table (the live ones, rounded up to a bucket), never the whole cache.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H]
-    cos_sin: torch.Tensor  # [max_len, hd] first half cos, second half sin (float32)
+    cos_sin: torch.Tensor  # [max_len, 2, hd] full-width cos and sin, model dtype
 
 
 def hf_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
@@ -213,26 +214,23 @@ def assemble_weights(shape: ModelShape, get: Callable[[str], torch.Tensor], devi
 
 
 def rope_table(shape: ModelShape, device: torch.device) -> torch.Tensor:
+    """[max_len, 2, hd]: full-width cos and sin per position, in the model dtype as in Hugging Face."""
     frequencies, scale = inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling)
     angles = torch.outer(torch.arange(shape.max_model_len, dtype=torch.float64), frequencies)
-    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).to(device=device, dtype=torch.float32)
+    angles = torch.cat([angles, angles], dim=-1).to(torch.float32)
+    table = torch.stack([angles.cos() * scale, angles.sin() * scale], dim=1)
+    return table.to(device=device, dtype=shape.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # [..., H]; statistics in float32 as in the Hugging Face reference
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # [..., H]; statistics in float32, then the weight in the model dtype, as in Hugging Face
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, n, hd]; cos_sin: [T, hd] -> rotate-half RoPE as in Hugging Face Llama
-    half = x.shape[-1] // 2
-    cos = cos_sin[:, None, :half]
-    sin = cos_sin[:, None, half:]
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    # x: [T, n, hd]; rope: [T, 2, hd] (cos, sin) -> rotate-half RoPE as in Hugging Face Llama
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * rope[:, 0:1] + torch.cat((-x2, x1), dim=-1) * rope[:, 1:2]
 
 
 def _qkv(
@@ -240,15 +238,15 @@ def _qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # x: [T, H] -> q [T, nh, hd], k/v [T, nkv, hd], RoPE applied
     qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-    nq, nkv, hd = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.head_dim
-    q = qkv[:, :nq].view(-1, shape.num_heads, hd)
-    k = qkv[:, nq : nq + nkv].view(-1, shape.num_kv_heads, hd)
-    v = qkv[:, nq + nkv :].view(-1, shape.num_kv_heads, hd)
-    if layer.q_norm is not None and layer.k_norm is not None:
-        q = rms_norm(q, layer.q_norm, shape.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, shape.rms_norm_eps)
+    nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
     rope = cos_sin[positions]
-    return apply_rope(q, rope), apply_rope(k, rope), v
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q = rms_norm(qkv[:, : nh * hd].view(-1, nh, hd), layer.q_norm, shape.rms_norm_eps)
+        k = rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(-1, nkv, hd), layer.k_norm, shape.rms_norm_eps)
+        return apply_rope(q, rope), apply_rope(k, rope), v
+    qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd), rope)  # q and k rotated together
+    return qk[:, :nh], qk[:, nh:], v
 
 
 def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -357,6 +355,43 @@ def prefill_forward(
     return F.linear(rms_norm(last, weights.norm, shape.rms_norm_eps), weights.lm_head).float()
 
 
+def decode_layer(
+    layer: LayerWeights,
+    shape: ModelShape,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer for one new token per sequence: h [B, H] -> [B, H].
+
+    Separate so that ``torch.compile`` can compile it once and reuse it for every layer.
+    """
+    batch, kv_blocks = block_tables.shape
+    span = kv_blocks * k_cache.shape[1]
+    x = rms_norm(h, layer.input_norm, shape.rms_norm_eps)
+    q, k, v = _qkv(layer, shape, x, positions, cos_sin)
+    k_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, v)
+    # [B, kv_blocks, bs, nkv, hd] -> [B, nkv, S, hd]: only the live blocks of each table
+    keys = k_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
+    values = v_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
+    attn = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
+    h = h + F.linear(attn.reshape(batch, shape.num_heads * shape.head_dim), layer.o)
+    return h + _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+
+
+DecodeLayer = Callable[
+    [LayerWeights, ModelShape, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+     torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+
+
 def decode_forward(
     weights: ModelWeights,
     cache: KVCache,
@@ -367,26 +402,28 @@ def decode_forward(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     state_indices: torch.Tensor,
+    layer_fn: DecodeLayer = decode_layer,
 ) -> torch.Tensor:
     """One new token per sequence. block_tables: [B, kv_blocks] live blocks only; returns [B, V] logits."""
     shape = weights.shape
-    batch, kv_blocks = block_tables.shape
-    span = kv_blocks * cache.block_size
+    span = block_tables.shape[1] * cache.block_size
     h = weights.embed[token_ids]  # [B, H]
     key_pos = torch.arange(span, device=h.device)
     mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
     for i, layer in enumerate(weights.layers):
         if conv_state is not None:
             h = h + _conv_decode(layer, conv_state.data[i], state_indices, h, shape.rms_norm_eps)
-        x = rms_norm(h, layer.input_norm, shape.rms_norm_eps)
-        q, k, v = _qkv(layer, shape, x, positions, weights.cos_sin)
         k_cache, v_cache = cache.layer(i)
-        k_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, v)
-        # [B, kv_blocks, bs, nkv, hd] -> [B, nkv, S, hd]
-        keys = k_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-        values = v_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
-        h = h + F.linear(attn.reshape(batch, shape.num_heads * shape.head_dim), layer.o)
-        h = h + _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+        h = layer_fn(layer, shape, h, positions, slot_mapping, block_tables, mask, k_cache, v_cache, weights.cos_sin)
     return F.linear(rms_norm(h, weights.norm, shape.rms_norm_eps), weights.lm_head).float()
+
+
+@functools.cache
+def compiled_decode_layer() -> DecodeLayer:
+    """``decode_layer`` through ``torch.compile``, shared by every engine of the process.
+
+    Dynamic shapes, so batch and KV-width buckets reuse one compilation (sizes 0 and 1 are
+    specialised by torch, hence a few compilations at most); no CUDA graphs of its own
+    (mode default): the engine captures the compiled kernels in its own graphs.
+    """
+    return torch.compile(decode_layer, dynamic=True)  # type: ignore[no-any-return]
