@@ -75,7 +75,7 @@ class Capabilities:
                 raise ValueError(f"{key!r} is a fact of the backend's profile and cannot be narrowed")
             if value and not getattr(self, key):
                 raise ValueError(f"a probe may only narrow capabilities; it tried to enable {key!r}")
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def as_dict(self) -> dict[str, bool | str]:
         return dataclasses.asdict(self)
