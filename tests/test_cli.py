@@ -68,7 +68,7 @@ def test_plan_help_lists_the_config_groups(cli: Cli) -> None:
 
 
 def test_cfg_job_prints_the_composed_config_without_running(cli: Cli, tmp_path: Path) -> None:
-    result = cli("plan", "--cfg", "job", "backend=npu", f"hydra.run.dir={tmp_path / 'run'}")
+    result = cli("plan", "backend=npu", "--cfg", "job", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr
     assert OmegaConf.create(result.stdout).backend.name == "npu"
     assert not (tmp_path / "run").exists()
