@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-from importlib.resources.abc import Traversable
+from typing import TYPE_CHECKING
 
 import pytest
 from hydra.core.config_store import ConfigStore
@@ -15,6 +15,9 @@ from corelib.compose import compose_config
 from corelib.config import CorelibConfig, register_schemas
 from corelib.device import Capabilities
 from corelib.errors import ConfigError
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 CONF = importlib.resources.files("corelib.conf")
 
