@@ -46,7 +46,6 @@ def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     assert plan["capabilities"]["pageable_h2d_is_staged"] is False
     assert set(plan["features"]) == {"graph", "async_token_handoff", "shm_ordered_materialization"}
     assert all(plan["features"][name]["enabled"] for name in plan["features"])
-    assert not list(Path.cwd().glob("outputs"))  # nothing lands where the tests were started
 
 
 def test_multirun_plans_every_job_in_its_own_directory(cli: Cli, tmp_path: Path) -> None:
@@ -134,11 +133,6 @@ def test_on_for_a_feature_the_backend_cannot_do_lists_every_unmet_requirement(cl
     )
 
 
-def test_a_blocked_plugin_selected_through_the_environment(cli: Cli) -> None:
-    result = cli("plan", "backend=npu", env={"CORELIB_BLOCK_PLUGINS": "npu"})
-    assert_user_error(result, "plugin 'npu' is not loaded (blocked by CORELIB_BLOCK_PLUGINS)")
-
-
 def test_a_failing_job_of_a_multirun_is_named(cli: Cli, tmp_path: Path) -> None:
     result = cli("plan", "-m", "backend=cpu,npu", "engine.graph=on", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert_user_error(result, "job [backend=cpu engine.graph=on]: engine.graph=on refused", lines=2)
@@ -167,17 +161,3 @@ def test_selecting_a_plugin_that_failed_to_load(cli: Cli, tmp_path: Path) -> Non
     assert_user_error(
         result, "plugin 'broken'", "failed to load", "libtoy.so: cannot open shared object file"
     )
-
-
-def test_selecting_a_backend_two_plugins_claim(cli: Cli, tmp_path: Path) -> None:
-    path = install_fixture_plugins(tmp_path / "site", "second_cpu")
-    result = cli("plan", "backend=cpu", pythonpath=path)
-    assert_user_error(result, "backend 'cpu' is claimed by two plugins", "'cpu' (corelib-cpu", "'second_cpu'")
-
-
-def test_a_target_in_a_plugin_yaml_is_refused(cli: Cli, tmp_path: Path) -> None:
-    path = install_fixture_plugins(tmp_path / "site", "evil")
-    marker = tmp_path / "ran"
-    result = cli("plan", "backend=evil", pythonpath=path, env={"CORELIB_TEST_MARKER": str(marker)})
-    assert_user_error(result, "backend.capabilities.comm_backend._target_: _target_ 'os.system' is refused")
-    assert not marker.exists()
