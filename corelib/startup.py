@@ -87,12 +87,10 @@ def _choose_auto(raw: DictConfig, registry: PluginRegistry) -> tuple[str, str]:
     auto: BackendConfig = raw.backend
     refusals: list[str] = []
     for candidate in auto.candidates:
-        try:
-            backend = registry.get(candidate)
-        except PluginError as error:
-            refusals.append(f"{candidate}: {error}")
+        if not registry.has(candidate):
+            refusals.append(f"{candidate}: {_not_selectable(registry, candidate)}")
             continue
-        availability = backend.probe()
+        availability = registry.get(candidate).probe()
         if availability.native:
             return candidate, f"it runs natively ({availability.reason})"
         refusals.append(f"{candidate}: {availability.reason}")
@@ -102,6 +100,16 @@ def _choose_auto(raw: DictConfig, registry: PluginRegistry) -> tuple[str, str]:
             "choose a backend"
         )
     return auto.fallback, f"no candidate runs natively here ({'; '.join(refusals)})"
+
+
+def _not_selectable(registry: PluginRegistry, name: str) -> str:
+    """Why ``name`` cannot be selected, short enough for the one line backend=auto prints."""
+    if name in registry.conflicts:
+        return f"claimed by plugins {' and '.join(registry.conflicts[name])}"
+    record = registry.records.get(name)
+    if record is not None:
+        return f"plugin {record.status} ({record.error})"
+    return "no plugin installed"
 
 
 def _with_user_changes(chosen: DictConfig, auto: DictConfig) -> DictConfig:

@@ -133,3 +133,11 @@ def test_a_bad_capability_is_refused_naming_the_key(override: str, message: str)
     with pytest.raises(ConfigError) as refused:
         _start(["backend=npu", override])
     assert message in str(refused.value)
+
+
+def test_auto_says_why_a_candidate_plugin_is_not_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORELIB_BLOCK_PLUGINS", "mlu")
+    registry = _builtin_registry(without="cuda")
+    startup = _start([], registry)
+    assert "cuda: no plugin installed" in startup.messages[0]
+    assert "mlu: plugin blocked (blocked by CORELIB_BLOCK_PLUGINS)" in startup.messages[0]
