@@ -53,6 +53,10 @@ _FLAGS_WITH_VALUE = frozenset(
      "--config-dir", "-cd", "--experimental-rerun"}
 )
 _INFO_FLAGS = frozenset({"--info", "-i"})
+_PLAIN_FLAGS = frozenset(
+    {"-h", "--help", "--hydra-help", "--version", "--resolve", "-m", "--multirun", "--run",
+     "-sc", "--shell-completion"}
+)
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
 _COMMANDS = ("run", "plan", "backends", "bench")
 # Flags that leave the config tree as it is, so composing without them gives the same result.
@@ -81,6 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("corelib: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (``| head``); say nothing more, and keep Python's exit-time
+        # flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _report(error: CorelibError) -> int:
@@ -164,13 +173,18 @@ def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
         if not arg.startswith("-"):
             overrides.append(arg)
             continue
+        name = arg.split("=", 1)[0]
+        if name not in _FLAGS_WITH_VALUE | _INFO_FLAGS | _PLAIN_FLAGS:
+            raise ConfigError(f"unknown flag {name}; Hydra's flags are listed by --hydra-help")
         flags.append(arg)
         if "=" in arg:
             continue
-        has_value = index < len(args) and (
-            arg in _FLAGS_WITH_VALUE or (arg in _INFO_FLAGS and args[index] in _INFO_VALUES)
-        )
-        if has_value:
+        if arg in _FLAGS_WITH_VALUE:
+            if index == len(args) or args[index].startswith("-"):
+                raise ConfigError(f"{arg} needs a value (for --cfg: job, hydra or all)")
+            flags.append(args[index])
+            index += 1
+        elif arg in _INFO_FLAGS and index < len(args) and args[index] in _INFO_VALUES:
             flags.append(args[index])
             index += 1
     return overrides, flags

@@ -41,6 +41,20 @@ def test_plugin_keys_are_read_from_the_overrides_before_plugins_load(
     assert cli._plugin_restrictions(overrides) == (allow, block)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cfg"], "--cfg needs a value"),
+        (["--cfg", "-m"], "--cfg needs a value"),
+        (["--frobnicate", "a=1"], "unknown flag --frobnicate"),
+        (["--cfgg=job"], "unknown flag --cfgg"),
+    ],
+)
+def test_a_malformed_flag_is_one_line(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cli.split_arguments(args)
+
+
 def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     def interrupted(command: str, rest: list[str]) -> int:
         raise KeyboardInterrupt
