@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests; the plain helpers live in helpers.py."""
+"""Fixtures shared by the tests; the plain functions live in support.py."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import HERMETIC_VARIABLES, PLUGIN_FIXTURES, Cli, CliResult, run_python
 from hydra.core.config_store import ConfigStore
+from support import HERMETIC_VARIABLES, PLUGIN_FIXTURES, Cli, CliResult, run_python
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import BROKEN_VENDOR, Cli, assert_user_error, run_python, write_dist_info
+from support import BROKEN_VENDOR, Cli, assert_user_error, run_python, write_dist_info
 
 CAUSE = "libhccl.so: cannot open shared object file"
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import Cli, assert_user_error, install_fixture_plugins
 from omegaconf import OmegaConf
+from support import Cli, assert_user_error, install_fixture_plugins
 
 # -- what works -------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import importlib.metadata
 from pathlib import Path
 
 import pytest
-from helpers import builtin_entry_points, fixture_entry_points
+from support import builtin_entry_points, fixture_entry_points
 
 import corelib
 from corelib.compose import compose_config, prepare_config_store

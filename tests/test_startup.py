@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pytest
-from helpers import builtin_entry_points
+from support import builtin_entry_points
 
 from corelib.backend import Backend, DeviceSpec
 from corelib.compose import compose_config, prepare_config_store

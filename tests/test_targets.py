@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import builtin_entry_points, fixture_entry_points
 from omegaconf import DictConfig, OmegaConf
+from support import builtin_entry_points, fixture_entry_points
 
 from corelib.compose import check_targets, compose_config, prepare_config_store
 from corelib.errors import ConfigError

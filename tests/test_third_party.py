@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Cli, fixture_entry_points, install_fixture_plugins
+from support import Cli, fixture_entry_points, install_fixture_plugins
 
 from corelib.backend import DeviceSpec, resolve_runtime
 from corelib.compose import compose_config, prepare_config_store

@@ -1,4 +1,4 @@
-"""Helpers for the tests: the CLI in a subprocess, fake installed distributions, fixture plugins."""
+"""Support for the tests: the CLI in a subprocess, fake installed distributions, fixture plugins."""
 
 from __future__ import annotations
 
