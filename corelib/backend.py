@@ -7,7 +7,11 @@ narrowing the declared capabilities) happens here.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,7 +61,8 @@ class Backend(ABC):
     def _open_emulated(self, spec: DeviceSpec) -> Device:
         from corelib.emulator import EmulatedDevice
 
-        return EmulatedDevice(spec)
+        device: Device = EmulatedDevice(spec)
+        return device
 
 
 @dataclass(frozen=True)
@@ -68,32 +73,58 @@ class Resolution:
     message: str
 
 
+def declared_capabilities(backend: str, values: Mapping[str, object]) -> Capabilities:
+    """The capabilities a backend's YAML declares, each key and type checked."""
+    types = typing.get_type_hints(Capabilities)
+    known = [f.name for f in dataclasses.fields(Capabilities)]
+    for key, value in values.items():
+        where = f"backend.capabilities.{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the capabilities are: {', '.join(known)}"
+            raise ConfigError(
+                f"{where}: not a capability; fix backend/{backend}.yaml or the override ({hint})"
+            )
+        expected = types[key]
+        if type(value) is not expected:
+            wanted = "true or false" if expected is bool else f"a {expected.__name__}"
+            raise ConfigError(
+                f"{where}: expected {wanted}, got {value!r}; fix backend/{backend}.yaml or the override"
+            )
+    return Capabilities.from_mapping(values)
+
+
 def resolve_runtime(backend: Backend, cfg: BackendConfig, timeout_s: float) -> Resolution:
     """Pick native or emulated per ``backend.runtime`` and narrow the declared capabilities."""
-    try:
-        declared = Capabilities.from_mapping(dict(cfg.capabilities))
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"backend.capabilities: {error}") from None
+    declared = declared_capabilities(backend.name, cfg.capabilities)
     mode = RuntimeMode(cfg.runtime)
+    if mode is RuntimeMode.emulated and not backend.can_emulate:
+        raise BackendUnavailable(
+            f"backend {backend.name} cannot run on the stream emulator; use backend.runtime=auto or native"
+        )
     availability = backend.probe() if mode is not RuntimeMode.emulated else None
     if availability is not None and availability.native:
         try:
             capabilities = declared.narrow(**availability.narrow)
         except ValueError as error:
-            raise ConfigError(f"backend {backend.name}: probe is invalid: {error}") from None
+            raise ConfigError(
+                f"backend {backend.name}: its probe is invalid ({error}); report it to the plugin"
+            ) from None
         runtime = Runtime.native
         message = f"{backend.name}: native ({availability.reason})"
     elif availability is not None and mode is RuntimeMode.native:
         raise BackendUnavailable(
-            f"backend {backend.name}: backend.runtime=native refused: {availability.reason}"
+            f"backend {backend.name}: backend.runtime=native refused: {availability.reason}; "
+            "use backend.runtime=auto to fall back to the stream emulator"
         )
-    elif not backend.can_emulate:
-        reason = availability.reason if availability is not None else "emulation requested"
-        raise BackendUnavailable(f"backend {backend.name}: unavailable ({reason}) and it cannot be emulated")
+    elif availability is not None and not backend.can_emulate:
+        raise BackendUnavailable(
+            f"backend {backend.name} is unavailable here ({availability.reason}) and cannot be emulated"
+        )
     else:
         capabilities = declared
         runtime = Runtime.emulated
-        why = f" because {availability.reason}" if availability is not None else ""
+        why = f" because {availability.reason}" if availability is not None else " (backend.runtime=emulated)"
         message = f"{backend.name}: running on the stream emulator with the {backend.name} profile{why}"
     spec = DeviceSpec(
         backend=backend.name,

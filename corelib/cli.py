@@ -6,20 +6,22 @@ Ctrl-C. A user error prints one line (``HYDRA_FULL_ERROR=1`` shows the traceback
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from corelib.errors import ConfigError, CorelibError
+from corelib.errors import ConfigError, CorelibError, UnknownOption, one_line
 
 if TYPE_CHECKING:
     from corelib.plugins import PluginRegistry
 
-USAGE = """usage: python -m corelib COMMAND [hydra overrides] [--help] [--cfg job] [-m]
+USAGE = """usage: python -m corelib COMMAND [group=option ...] [key=value ...] [--help] [--cfg job] [-m]
 
 commands:
   run       run the workload through the engine and write outputs into the run directory
@@ -27,38 +29,67 @@ commands:
   backends  list installed backend plugins and whether they run natively, emulated, or not at all
   bench     sweep batch size, handoff, transport and backend; print a table, write bench.json
 
+Every command but backends takes Hydra overrides: pick an option per group (backend=npu,
+model=small-0.6b) and set any key (engine.async_token_handoff=on). COMMAND --help lists them.
+
 examples:
   python -m corelib run backend=npu engine.async_token_handoff=on workload.num_requests=64
   python -m corelib plan backend=cuda backend.runtime=emulated
-  python -m corelib run --help"""
+  python -m corelib plan -m backend=cpu,npu
+  python -m corelib run --help
 
-_HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--cfg", "-c", "--info", "-i", "-m", "--multirun",
-                "--resolve", "--package", "-p", "--version", "--shell-completion", "-sc",
-                "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
-                "--experimental-rerun")
+exit codes: 0 success, 2 bad configuration or refused plan, 1 runtime failure, 130 interrupted.
+HYDRA_FULL_ERROR=1 shows the traceback behind an error."""
+
+BACKENDS_USAGE = """usage: python -m corelib backends
+
+List every backend plugin of the entry-point group corelib.backends: the backends it
+provides, whether each runs natively here, on the stream emulator, or not at all, and why.
+CORELIB_PLUGINS=a,b loads only those plugins; CORELIB_BLOCK_PLUGINS=a,b skips those."""
+
+# Hydra's own flags and whether each takes a value; ``--info`` takes one of a few words.
+_FLAGS_WITH_VALUE = frozenset(
+    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+     "--config-dir", "-cd", "--experimental-rerun"}
+)
+_INFO_FLAGS = frozenset({"--info", "-i"})
+_PLAIN_FLAGS = frozenset(
+    {"-h", "--help", "--hydra-help", "--version", "--resolve", "-m", "--multirun", "--run",
+     "-sc", "--shell-completion"}
+)
+_INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
+_COMMANDS = ("run", "plan", "backends", "bench")
+# Flags that leave the config tree as it is, so composing without them gives the same result.
+_PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(USAGE)
-        return 0 if args else 2
+        return 0
     command, rest = args[0], args[1:]
-    commands: dict[str, Callable[[list[str]], int]] = {
-        "run": lambda r: _hydra_command("run", r),
-        "plan": lambda r: _hydra_command("plan", r),
-        "bench": lambda r: _hydra_command("bench", r),
-        "backends": _backends_command,
-    }
-    if command not in commands:
-        return _report(ConfigError(f"unknown command {command!r}; expected one of {', '.join(commands)}"))
     try:
-        return commands[command](rest)
+        if command not in _COMMANDS:
+            close = difflib.get_close_matches(command, _COMMANDS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see python -m corelib --help"
+            raise ConfigError(f"unknown command {command!r}; expected one of {', '.join(_COMMANDS)} ({hint})")
+        if command == "backends":
+            return _backends_command(rest)
+        return _hydra_command(command, rest)
     except CorelibError as error:
         return _report(error)
     except KeyboardInterrupt:
         print("corelib: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (``| head``); say nothing more, and keep Python's exit-time
+        # flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _report(error: CorelibError) -> int:
@@ -73,45 +104,193 @@ def _full_error() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def _registry() -> PluginRegistry:
+def _import_torch() -> None:
+    """Import torch up front so a broken install is one line, not a traceback from a plugin."""
+    try:
+        import torch  # noqa: F401
+    except Exception as error:
+        cause = f" (caused by {one_line(error.__cause__)})" if error.__cause__ is not None else ""
+        hint = ""
+        if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") == "1":
+            hint = (
+                "; TORCH_DEVICE_BACKEND_AUTOLOAD=1 makes torch import every vendor extension: unset it, "
+                "and each corelib plugin imports its own extension when probed"
+            )
+        raise CorelibError(f"torch cannot be imported: {one_line(error)}{cause}{hint}") from error
+
+
+def _registry(overrides: Sequence[str] = ()) -> PluginRegistry:
+    _import_torch()
     from corelib.compose import prepare_config_store
     from corelib.plugins import PluginRegistry
 
-    registry = PluginRegistry()
+    allow, block = _plugin_restrictions(overrides)
+    registry = PluginRegistry(allow=allow, block=block)
     prepare_config_store(registry)
     return registry
+
+
+def _plugin_restrictions(overrides: Sequence[str]) -> tuple[list[str] | None, list[str]]:
+    """``plugins.allow``/``plugins.block`` from the command line, needed before composing.
+
+    Plugins must load before the config is composed (they ship backend options), so these
+    two keys are read from the overrides; startup checks the composed values again.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    allow: list[str] | None = None
+    block: list[str] = []
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return allow, block  # composing reports the bad override in one line
+    for override in parsed:
+        if override.is_sweep_override() or override.is_delete():
+            continue
+        value = override.value()
+        names = [str(v) for v in value] if isinstance(value, list) else None
+        if override.key_or_group == "plugins.allow":
+            allow = names
+        elif override.key_or_group == "plugins.block":
+            block = names or []
+    return allow, block
+
+
+def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separate Hydra's flags (with their values) from the overrides.
+
+    Hydra's parser takes the overrides as one run of positional arguments, so an override
+    after a flag (``plan --cfg job backend=npu x=1``) is fine but one between two flags is
+    not; corelib accepts any order and hands Hydra overrides first, flags last.
+    """
+    overrides: list[str] = []
+    flags: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if not arg.startswith("-"):
+            overrides.append(arg)
+            continue
+        name = arg.split("=", 1)[0]
+        if name not in _FLAGS_WITH_VALUE | _INFO_FLAGS | _PLAIN_FLAGS:
+            raise ConfigError(f"unknown flag {name}; Hydra's flags are listed by --hydra-help")
+        flags.append(arg)
+        if "=" in arg:
+            continue
+        if arg in _FLAGS_WITH_VALUE:
+            if index == len(args) or args[index].startswith("-"):
+                raise ConfigError(f"{arg} needs a value (for --cfg: job, hydra or all)")
+            flags.append(args[index])
+            index += 1
+        elif arg in _INFO_FLAGS and index < len(args) and args[index] in _INFO_VALUES:
+            flags.append(args[index])
+            index += 1
+    return overrides, flags
 
 
 def _hydra_command(command: str, rest: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    from corelib.compose import compose_config
+    from corelib.compose import translate_error
 
-    registry = _registry()
-    if not any(arg.split("=")[0] in _HYDRA_FLAGS for arg in rest):
-        compose_config(rest)  # fail early, in one line, on a bad override
+    overrides, flags = split_arguments(rest)
+    if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
+        _precheck(overrides)
+    registry = _registry(overrides)
+    task_fn = _tasks()[command]
+    failures: list[tuple[str, CorelibError]] = []
 
     def task(cfg: DictConfig) -> None:
-        output_dir = Path(HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
         try:
-            _tasks()[command](cfg, registry, output_dir)
+            task_fn(cfg, registry, Path(hydra_cfg.runtime.output_dir))
         except CorelibError as error:
-            sys.exit(_report(error))
-        except KeyboardInterrupt:
-            print("corelib: interrupted; resources released", file=sys.stderr)
-            sys.exit(130)
+            # Kept, not raised: Hydra would print its own line about the failed job first.
+            failures.append((" ".join(hydra_cfg.overrides.task), error))
 
     app = hydra.main(config_path="pkg://corelib.conf", config_name="config", version_base="1.3")(task)
-    if not any(arg.startswith("hydra.job.name=") for arg in rest):
-        rest = [*rest, f"hydra.job.name={command}"]
-    saved = sys.argv
-    sys.argv = [f"corelib {command}", *rest]
-    try:
-        app()
-    finally:
-        sys.argv = saved
+    if not any(o.startswith("hydra.job.name=") for o in overrides):
+        overrides.append(f"hydra.job.name={command}")
+    with _hydra_raises(f"corelib {command}", [*overrides, *flags]):
+        try:
+            app()
+        except (HydraException, OmegaConfBaseException) as error:
+            raise _explain(translate_error(error), registry) from error
+    if len(failures) == 1 and not ({"-m", "--multirun"} & set(flags)):
+        raise failures[0][1]
+    if failures:
+        raise JobsFailed(failures)
     return 0
+
+
+def _explain(error: ConfigError, registry: PluginRegistry) -> CorelibError:
+    """An unknown ``backend=`` option is often a plugin that did not load: say that instead."""
+    if isinstance(error, UnknownOption) and error.group == "backend" and error.option in registry.records:
+        try:
+            registry.get(error.option)
+        except CorelibError as reason:
+            return reason
+    return error
+
+
+class JobsFailed(CorelibError):
+    """Some jobs of a multirun failed; one line per failure, prefixed with the job's overrides."""
+
+    def __init__(self, failures: list[tuple[str, CorelibError]]) -> None:
+        self.failures = failures
+        self.exit_code = max(error.exit_code for _, error in failures)
+        lines = [f"job [{job}]: {line}" for job, error in failures for line in str(error).splitlines()]
+        super().__init__("\n".join(lines))
+
+
+def _precheck(overrides: list[str]) -> None:
+    """Compose before loading any plugin, so a bad override fails in a fraction of a second.
+
+    Loading the plugins imports torch and every backend; only an unknown ``backend=`` option
+    needs them (a plugin may ship it), so that one error is left for the full compose.
+    Sweeps (``a=1,2``) are left to Hydra's multirun.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from corelib.compose import compose_config, translate_error
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as error:
+        raise translate_error(error) from error
+    if any(o.is_sweep_override() for o in parsed):
+        return
+    try:
+        compose_config(overrides)
+    except UnknownOption as error:
+        if error.group != "backend":
+            raise
+
+
+@contextmanager
+def _hydra_raises(prog: str, argv: list[str]) -> Iterator[None]:
+    """Run a Hydra app on ``argv`` with its exceptions raised to corelib, not printed by Hydra.
+
+    Hydra prints a multi-line message and exits 1 unless HYDRA_FULL_ERROR=1; corelib wants
+    the exception, to print one line and exit 2, so it sets the variable for the call.
+    """
+    saved_argv, saved_full = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
+    sys.argv = [prog, *argv]
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        if saved_full is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full
 
 
 def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
@@ -121,11 +300,15 @@ def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
 
 
 def _backends_command(rest: list[str]) -> int:
+    if rest in (["-h"], ["--help"]):
+        print(BACKENDS_USAGE)
+        return 0
+    if rest:
+        raise ConfigError(
+            f"backends takes no arguments (got {' '.join(rest)}); "
+            "restrict plugins with CORELIB_PLUGINS or CORELIB_BLOCK_PLUGINS"
+        )
     from corelib.commands import print_backends
 
-    if rest:
-        raise ConfigError(f"backends takes no arguments (got {' '.join(rest)}); restrict plugins with CORELIB_PLUGINS")
     print_backends(_registry())
     return 0
-
-

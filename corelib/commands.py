@@ -11,11 +11,12 @@ from rich.table import Table
 
 from corelib.device import Runtime
 from corelib.features import Plan
-from corelib.plugins import PluginRegistry
+from corelib.plugins import ENTRY_POINT_GROUP, ENV_ALLOW, ENV_BLOCK, PluginRegistry
 from corelib.rundir import RunDir
 from corelib.startup import Startup, start
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+# A pipe or a file gets a fixed width, so captured output does not depend on the terminal.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def plan_table(plan: Plan) -> Table:
@@ -28,31 +29,45 @@ def plan_table(plan: Plan) -> Table:
         verdict = "[green]enabled[/green]" if decision.enabled else "[yellow]disabled[/yellow]"
         reasons = "\n".join(decision.reasons)
         if decision.enabled and decision.step_requirements:
-            reasons += "\nper step, synchronous when: " + "; ".join(r.reason for r in decision.step_requirements)
+            per_step = "; ".join(r.reason for r in decision.step_requirements)
+            reasons += f"\nper step, synchronous when: {per_step}"
         table.add_row(decision.feature, f"{decision.mode_key}={decision.mode_value}", verdict, reasons)
     return table
 
 
 def announce(startup: Startup) -> None:
     for message in startup.messages:
-        console.print(f"corelib: {message}")
+        console.print(f"corelib: {message}", soft_wrap=True)
+
+
+def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tuple[Startup, RunDir]:
+    """Start, say what was chosen, and write ``config.yaml`` and ``plan.json``: every run has them."""
+    startup = start(cfg, registry)
+    announce(startup)
+    run_dir = RunDir(output_dir)
+    run_dir.write_config(startup.raw)
+    run_dir.write_plan(
+        startup.plan,
+        startup.messages,
+        details={
+            "backend": startup.spec.backend,
+            "runtime": startup.spec.runtime.value,
+            "capabilities": startup.spec.capabilities.as_dict(),
+        },
+    )
+    return startup, run_dir
 
 
 def plan_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
-    startup = start(cfg, registry)
-    announce(startup)
+    startup, _ = prepare(cfg, registry, output_dir)
     console.print(plan_table(startup.plan))
-    run_dir = RunDir(output_dir)
-    run_dir.write_config(startup.raw)
-    run_dir.write_plan(startup.plan, startup.messages)
 
 
 def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.run import run
 
-    startup = start(cfg, registry)
-    announce(startup)
-    run(startup, RunDir(output_dir), console)
+    startup, run_dir = prepare(cfg, registry, output_dir)
+    run(startup, run_dir, console)
 
 
 def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
@@ -61,18 +76,25 @@ def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> N
     bench(cfg, registry, RunDir(output_dir), console)
 
 
-def print_backends(registry: PluginRegistry) -> None:
-    table = Table(title="backend plugins (entry-point group corelib.backends)")
+def backends_table(registry: PluginRegistry) -> Table:
+    """One row per backend (or per plugin that did not load), probing each backend once."""
+    table = Table(title=f"backend plugins (entry-point group {ENTRY_POINT_GROUP})")
     table.add_column("plugin")
     table.add_column("backend")
     table.add_column("availability")
     table.add_column("reason")
     table.add_column("distribution")
+    conflicts = registry.conflicts
     for record in registry.records.values():
         if record.status != "loaded":
             table.add_row(record.name, "-", f"[red]{record.status}[/red]", record.error, record.distribution)
             continue
         for name in record.backends:
+            if name in conflicts:
+                others = ", ".join(p for p in conflicts[name] if p != record.name)
+                reason = f"{name!r} is also claimed by plugin {others}; selecting it fails"
+                table.add_row(record.name, name, "[red]conflict[/red]", reason, record.distribution)
+                continue
             backend = registry.get(name)
             availability = backend.probe()
             if availability.native:
@@ -82,4 +104,21 @@ def print_backends(registry: PluginRegistry) -> None:
             else:
                 status = "[red]unavailable[/red]"
             table.add_row(record.name, name, status, availability.reason, record.distribution)
-    console.print(table)
+    return table
+
+
+def print_backends(registry: PluginRegistry) -> None:
+    if not registry.records:
+        console.print(
+            f"no backend plugins are installed (entry-point group {ENTRY_POINT_GROUP}); "
+            "install one, e.g. pip install -e backends/cpu",
+            soft_wrap=True,
+        )
+        return
+    console.print(backends_table(registry))
+    console.print(
+        "native: runs on its hardware; emulated: no hardware here, runs on the stream emulator with the "
+        "backend's profile (the reason says why it is not native). Select one with backend=NAME; "
+        f"restrict loading with {ENV_ALLOW} or {ENV_BLOCK}.",
+        soft_wrap=True,
+    )

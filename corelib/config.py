@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -23,31 +23,36 @@ class Mode(str, enum.Enum):
 
 
 class RuntimeMode(str, enum.Enum):
+    """Where a backend runs: its hardware if present, only its hardware, or the stream emulator."""
+
     auto = "auto"
     native = "native"
     emulated = "emulated"
 
 
 class Materialization(str, enum.Enum):
+    """Who issues the H2D of an SHM frame: its gate decides, the polling thread, or the prepare stream."""
+
     auto = "auto"
     early = "early"
     ordered = "ordered"
 
 
 class Transport(str, enum.Enum):
+    """How scheduled steps reach the model: in this process, or through a shared-memory ring."""
+
     inproc = "inproc"
     shm = "shm"
 
 
-class Op(str, enum.Enum):
-    """How a feature requirement compares its fact with its value."""
-
-    eq = "eq"
-    ne = "ne"
-    is_in = "in"
-    not_in = "not_in"
-    ge = "ge"
-    le = "le"
+# How a feature requirement compares its fact with its value. OmegaConf matches enum values
+# by member name, and a gate file says ``op: in``, so the members are named by the words of
+# the YAML; ``in`` is a keyword, hence the functional form (``Op["in"]`` in Python).
+Op = enum.Enum(
+    "Op",
+    [("eq", "eq"), ("ne", "ne"), ("in", "in"), ("not_in", "not_in"), ("ge", "ge"), ("le", "le")],
+    type=str,
+)
 
 
 class Scope(str, enum.Enum):
@@ -59,6 +64,8 @@ class Scope(str, enum.Enum):
 
 @dataclass
 class EmulatorConfig:
+    """The stream emulator's chaos and cost model (``backend.emulator``)."""
+
     chaos: float = 0.0  # share of stream operations that get a random delay, in [0, 1]
     chaos_max_ms: float = 2.0  # upper bound of one chaos delay
     seed: int = 0  # seed of the chaos delays
@@ -68,6 +75,8 @@ class EmulatorConfig:
 
 @dataclass
 class BackendConfig:
+    """``backend/<name>.yaml``: which plugin, which runtime, and the declared capabilities."""
+
     name: str = MISSING  # backend plugin name, or "auto"
     runtime: RuntimeMode = RuntimeMode.auto  # auto: native if possible, else emulated
     device_index: int = 0  # which device of the backend's kind
@@ -79,6 +88,8 @@ class BackendConfig:
 
 @dataclass
 class ModelConfig:
+    """``model/<name>.yaml``: the decoder's shape and where its weights come from."""
+
     name: str = MISSING  # preset name, shown in reports
     architecture: str = "llama"  # llama, qwen2, qwen3, or hybrid (llama + recurrent conv state)
     vocab_size: int = 512
@@ -100,12 +111,14 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     conv_kernel: int = 4  # hybrid only: width of the causal convolution state
     multimodal: bool = False  # the model takes non-text inputs
-    path: Optional[str] = None  # a Hugging Face checkpoint directory; None means random weights
+    path: str | None = None  # a Hugging Face checkpoint directory; None means random weights
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # config.json's rope_scaling; {}: plain RoPE
 
 
 @dataclass
 class ShmConfig:
+    """``engine.shm``: the shared-memory ring between scheduler and workers."""
+
     materialization: Materialization = Materialization.auto  # early: polling thread issues the H2D
     num_slots: int = 4  # frames in the ring
     slot_bytes: int = 1 << 20  # bytes per frame, header included
@@ -114,6 +127,8 @@ class ShmConfig:
 
 @dataclass
 class EngineConfig:
+    """``engine/<name>.yaml``: optimizations, transport, KV cache and batching."""
+
     graph: Mode = Mode.auto  # capture decode steps as device graphs
     async_token_handoff: Mode = Mode.auto  # overlap step N+1 on the device with step N on the host
     transport: Transport = Transport.inproc  # inproc, or shm to worker processes
@@ -125,8 +140,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # prefill token budget per step
     graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     compile: bool = False  # torch.compile the decode step (inside the graph where graphs are on)
-    speculative_draft_model: Optional[str] = None  # not implemented; the gates ask for it
-    kv_transfer_connector: Optional[str] = None  # not implemented; the gates ask for it
+    speculative_draft_model: str | None = None  # not implemented; the gates ask for it
+    kv_transfer_connector: str | None = None  # not implemented; the gates ask for it
     tp: int = 1  # tensor-parallel ranks
     timeout_s: float = 60.0  # longest any wait may take before it fails naming what it waited for
     trace: bool = False  # write a Chrome/Perfetto trace of host and device spans
@@ -134,6 +149,8 @@ class EngineConfig:
 
 @dataclass
 class WorkloadConfig:
+    """``workload/<name>.yaml``: the synthetic requests of a run."""
+
     num_requests: int = 16
     prompt_len_min: int = 8
     prompt_len_max: int = 32
@@ -152,6 +169,8 @@ class WorkloadConfig:
 
 @dataclass
 class RequirementConfig:
+    """One condition of a feature gate: ``fact op value``, and the sentence shown when it fails."""
+
     fact: str = MISSING  # capabilities.*, config.*, model.*, features.*, request.*
     reason: str = MISSING  # the sentence shown when the requirement fails
     op: Op = Op.eq
@@ -162,20 +181,29 @@ class RequirementConfig:
 
 @dataclass
 class FeatureConfig:
-    mode_key: str = MISSING  # config key holding the feature's mode, e.g. engine.graph
+    """``features/<name>.yaml``: one feature gate."""
+
+    # Where the mode is set: another config key (``mode_key``, e.g. engine.graph), or ``mode``
+    # right here, so a gate added as YAML alone is switched with features.<name>.mode=on.
+    mode_key: str = ""  # config key holding the feature's mode; empty: use ``mode``
+    mode: Mode | None = None  # the mode of a gate without mode_key
     mode_map: dict[str, str] = field(default_factory=dict)  # maps mode values to auto/on/off
-    description: str = ""
+    description: str = ""  # one line, shown by `plan`
     requirements: list[RequirementConfig] = field(default_factory=list)
 
 
 @dataclass
 class PluginsConfig:
-    allow: Optional[list[str]] = None  # load only these plugins (None: all)
+    """``plugins``: which backend plugins may load."""
+
+    allow: list[str] | None = None  # load only these plugins (None: all)
     block: list[str] = field(default_factory=list)  # never load these plugins
 
 
 @dataclass
 class BenchConfig:
+    """``bench/<name>.yaml``: the sweep of ``python -m corelib bench``."""
+
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     handoff: list[str] = field(default_factory=lambda: ["off", "on"])
     transport: list[str] = field(default_factory=lambda: ["inproc"])
@@ -189,6 +217,8 @@ class BenchConfig:
 
 @dataclass
 class CorelibConfig:
+    """The root of the composed config."""
+
     backend: BackendConfig = MISSING
     model: ModelConfig = MISSING
     engine: EngineConfig = MISSING

@@ -21,6 +21,15 @@ class ConfigError(CorelibError):
     exit_code = 2
 
 
+class UnknownOption(ConfigError):
+    """``group=option`` names no option of the group (a plugin may still provide it)."""
+
+    def __init__(self, message: str, group: str, option: str) -> None:
+        super().__init__(message)
+        self.group = group
+        self.option = option
+
+
 class PlanRefused(ConfigError):
     """A feature was forced on but its requirements are not met; lists every unmet one."""
 

@@ -8,6 +8,7 @@ Step-scoped requirements use ``request.*`` and are checked per scheduled batch.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,8 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Requirement:
+    """One condition of a gate, read from its YAML."""
+
     feature: str
     fact: str
     op: Op
@@ -34,16 +37,40 @@ class Requirement:
 
     @classmethod
     def from_config(cls, feature: str, cfg: RequirementConfig) -> Requirement:
-        return cls(feature, cfg.fact, Op(cfg.op), _plain(cfg.value), cfg.reason, Scope(cfg.scope), cfg.auto_only)
+        requirement = cls(
+            feature, cfg.fact, Op(cfg.op), _plain(cfg.value), cfg.reason, Scope(cfg.scope), cfg.auto_only
+        )
+        requirement._check_shape()
+        return requirement
+
+    def _check_shape(self) -> None:
+        where = f"feature {self.feature!r}, requirement on {self.fact!r}"
+        is_request_fact = self.fact.startswith("request.")
+        if self.scope is Scope.step and not is_request_fact:
+            raise ConfigError(f"{where}: a scope: step requirement must name a request.* fact")
+        if self.scope is Scope.start and is_request_fact:
+            raise ConfigError(f"{where}: request.* facts exist only per step; add scope: step")
+        if self.op in (Op["in"], Op.not_in) and not isinstance(self.value, list):
+            raise ConfigError(f"{where}: op {self.op.value} needs a list value, got {self.value!r}")
+
+    def check_fact(self, facts: Mapping[str, Any]) -> None:
+        """Fail if the fact does not exist, so a misspelled gate is caught whatever its mode."""
+        if self.scope is Scope.start and _lookup(facts, self.fact) is _MISSING:
+            raise self._unknown_fact(facts)
+
+    def _unknown_fact(self, facts: Mapping[str, Any]) -> ConfigError:
+        hint = _hint(facts, self.fact)
+        return ConfigError(f"feature {self.feature!r}: requirement names unknown fact {self.fact!r}{hint}")
 
     def holds(self, facts: Mapping[str, Any]) -> bool:
         actual = _lookup(facts, self.fact)
         if actual is _MISSING:
-            raise ConfigError(
-                f"feature {self.feature!r}: requirement names unknown fact {self.fact!r} "
-                f"(known namespaces: {', '.join(sorted(facts))})"
-            )
-        return _compare(self.op, _plain(actual), self.value)
+            raise self._unknown_fact(facts)
+        try:
+            return _compare(self.op, _plain(actual), self.value)
+        except TypeError:
+            comparison = f"{self.fact} ({actual!r}) {self.op.value} {self.value!r}"
+            raise ConfigError(f"feature {self.feature!r}: cannot compare {comparison}") from None
 
 
 @dataclass(frozen=True)
@@ -127,36 +154,53 @@ def evaluate(
     return Plan(decisions)
 
 
+def _mode_of(name: str, spec: FeatureConfig, config: DictConfig) -> tuple[str, str, Mode]:
+    """The key the mode is set at, its value as the user wrote it, and the mode it means."""
+    if spec.mode_key and spec.mode is not None:
+        raise ConfigError(f"feature {name!r}: set mode_key or mode in features/{name}.yaml, not both")
+    if spec.mode_key:
+        mode_key = spec.mode_key
+        raw = OmegaConf.select(config, mode_key, default=_MISSING)
+        if raw is _MISSING:
+            raise ConfigError(
+                f"feature {name!r}: mode_key {mode_key!r} is not a config key; fix features/{name}.yaml"
+            )
+    elif spec.mode is not None:
+        mode_key, raw = f"features.{name}.mode", spec.mode
+    else:
+        raise ConfigError(f"feature {name!r}: features/{name}.yaml sets neither mode_key nor mode")
+    mode_value = str(_plain(raw)).lower()
+    mode_map = dict(spec.mode_map)
+    try:
+        mode = Mode(mode_map.get(mode_value, mode_value))
+    except ValueError:
+        raise ConfigError(
+            f"{mode_key}={mode_value}: expected one of {', '.join(mode_map or [m.value for m in Mode])}"
+        ) from None
+    return mode_key, mode_value, mode
+
+
 def _decide(
     name: str, spec: FeatureConfig, config: DictConfig, facts: Mapping[str, Any]
 ) -> tuple[Decision, list[str]]:
-    raw = OmegaConf.select(config, spec.mode_key, default=_MISSING)
-    if raw is _MISSING:
-        raise ConfigError(f"feature {name!r}: mode_key {spec.mode_key!r} is not a config key")
-    mode_value = str(_plain(raw)).lower()
-    mapped = dict(spec.mode_map).get(mode_value, mode_value)
-    try:
-        mode = Mode(mapped)
-    except ValueError:
-        raise ConfigError(
-            f"{spec.mode_key}={mode_value}: expected one of "
-            f"{sorted(dict(spec.mode_map) or [m.value for m in Mode])}"
-        ) from None
+    mode_key, mode_value, mode = _mode_of(name, spec, config)
     requirements = [Requirement.from_config(name, r) for r in spec.requirements]
+    for requirement in requirements:
+        requirement.check_fact(facts)
     at_start = [r for r in requirements if r.scope is Scope.start]
     per_step = tuple(r for r in requirements if r.scope is Scope.step)
 
     def decision(enabled: bool, reasons: list[str]) -> Decision:
-        return Decision(name, spec.mode_key, mode_value, mode, enabled, tuple(reasons), per_step)
+        return Decision(name, mode_key, mode_value, mode, enabled, tuple(reasons), per_step)
 
     if mode is Mode.off:
-        return decision(False, [f"{spec.mode_key}={mode_value}"]), []
+        return decision(False, [f"switched off by {mode_key}={mode_value}"]), []
     failed = [r for r in at_start if not r.holds(facts)]
     if mode is Mode.on:
         unmet = [r.reason for r in failed if not r.auto_only]
         if unmet:
             return decision(False, unmet), unmet
-        notes = [f"forced by {spec.mode_key}={mode_value}"]
+        notes = [f"forced by {mode_key}={mode_value}"]
         notes += [f"{r.reason} (not required when forced)" for r in failed]
         return decision(True, notes), []
     if failed:
@@ -188,6 +232,21 @@ def _dependency_order(specs: Mapping[str, FeatureConfig]) -> list[str]:
     return order
 
 
+def _hint(facts: Mapping[str, Any], dotted: str) -> str:
+    """Name the closest existing key at the level where ``dotted`` stops resolving."""
+    node: Any = facts
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping):
+            return ""
+        if part not in node:
+            close = difflib.get_close_matches(part, [str(k) for k in node], n=1)
+            if close:
+                return f" (did you mean {close[0]!r}?)"
+            return f" (known here: {', '.join(sorted(map(str, node)))})"
+        node = node[part]
+    return ""
+
+
 def _lookup(facts: Mapping[str, Any], dotted: str) -> Any:
     node: Any = facts
     for part in dotted.split("."):
@@ -210,7 +269,7 @@ def _compare(op: Op, actual: Any, expected: Any) -> bool:
         return bool(actual == expected)
     if op is Op.ne:
         return bool(actual != expected)
-    if op is Op.is_in:
+    if op is Op["in"]:
         return actual in expected
     if op is Op.not_in:
         return actual not in expected

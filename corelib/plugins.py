@@ -2,12 +2,14 @@
 
 Every backend, built in or third party, is a plugin found through the entry-point group
 ``corelib.backends``; the core never imports one by name. A plugin module implements the
-hooks below with ``@hookimpl``.
+hooks below with ``@hookimpl``. A plugin that fails to load is recorded and skipped: it only
+becomes an error when its backend is selected.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.resources
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ class BackendHookSpecs:
         """Return the backends this plugin provides.
 
         Return rule: results of all plugins are collected; each backend name may be claimed by
-        one plugin only, or loading fails naming both.
+        one plugin only, or selecting that backend fails naming both.
         """
         raise NotImplementedError
 
@@ -45,8 +47,9 @@ class BackendHookSpecs:
     def corelib_backend_configs(self) -> dict[str, str]:
         """Return ``{backend name: path to its YAML}`` for configs outside corelib's ``conf/``.
 
-        Return rule: results of all plugins are collected; the YAML becomes the option
-        ``backend=<name>`` and is validated like the built-in ones.
+        Return rule: results of all plugins are collected; a plugin may only ship configs for
+        backends it provides. The YAML becomes the option ``backend=<name>`` and is validated
+        like the built-in ones.
         """
         raise NotImplementedError
 
@@ -60,6 +63,7 @@ class PluginRecord:
     status: str  # loaded, failed or blocked
     error: str = ""
     backends: list[str] = field(default_factory=list)
+    package: str = ""  # the plugin's own package: config ``_target_``s may point into it
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -69,8 +73,27 @@ def _env_list(name: str) -> list[str] | None:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+def _package_of(module: str) -> str:
+    """``corelib_cpu.plugin`` -> ``corelib_cpu``; a top-level module is its own package."""
+    return module.rpartition(".")[0] or module
+
+
+def _shipped_backend_configs() -> set[str]:
+    """Backend options that ship in corelib's ``conf/backend``; a plugin YAML cannot replace them."""
+    try:
+        folder = importlib.resources.files("corelib.conf") / "backend"
+        return {entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml")}
+    except (ModuleNotFoundError, OSError):
+        return set()
+
+
 class PluginRegistry:
-    """Loads the plugins of the entry-point group and indexes their backends by name."""
+    """Loads the plugins of the entry-point group and indexes their backends by name.
+
+    ``allow``/``block`` (the ``plugins`` config keys) and the environment variables
+    ``CORELIB_PLUGINS``/``CORELIB_BLOCK_PLUGINS`` all restrict loading: a plugin loads only if
+    every allow list that is set names it and no block list does.
+    """
 
     def __init__(
         self,
@@ -78,38 +101,63 @@ class PluginRegistry:
         block: Iterable[str] = (),
         entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
     ) -> None:
+        self._allow_lists: list[tuple[str, set[str]]] = []
         env_allow = _env_list(ENV_ALLOW)
-        self.allow = set(allow) if allow is not None else (set(env_allow) if env_allow is not None else None)
-        self.block = set(block) | set(_env_list(ENV_BLOCK) or [])
+        if env_allow is not None:
+            self._allow_lists.append((ENV_ALLOW, set(env_allow)))
+        if allow is not None:
+            self._allow_lists.append(("plugins.allow", set(allow)))
+        self._block_lists = [(ENV_BLOCK, set(_env_list(ENV_BLOCK) or [])), ("plugins.block", set(block))]
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(BackendHookSpecs)
         self.records: dict[str, PluginRecord] = {}
         self._backends: dict[str, tuple[Backend, str]] = {}
+        self._conflicts: dict[str, list[str]] = {}
         self._configs: dict[str, Path] = {}
+        self._shipped_configs = _shipped_backend_configs()
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         for entry_point in sorted(entry_points, key=lambda ep: ep.name):
             self._load(entry_point)
 
+    def _restriction(self, name: str) -> str:
+        """Why plugin ``name`` may not load, or "" if it may."""
+        for source, names in self._block_lists:
+            if name in names:
+                return f"blocked by {source}"
+        for source, names in self._allow_lists:
+            if name not in names:
+                return f"not in {source} ({', '.join(sorted(names)) or 'empty'})"
+        return ""
+
     def _load(self, entry_point: importlib.metadata.EntryPoint) -> None:
         dist = entry_point.dist
         distribution = f"{dist.name} {dist.version}" if dist is not None else "unknown distribution"
         record = self._new_record(entry_point.name, distribution)
-        if entry_point.name in self.block or (self.allow is not None and entry_point.name not in self.allow):
+        record.package = _package_of(entry_point.module)
+        restriction = self._restriction(entry_point.name)
+        if restriction:
             record.status = "blocked"
-            record.error = f"not loaded: restricted by {ENV_ALLOW}/{ENV_BLOCK} or plugins.allow/block"
+            record.error = restriction
             return
         try:
             plugin = entry_point.load()
         except Exception as error:  # noqa: BLE001 - a broken plugin is reported, not fatal
             record.status = "failed"
-            record.error = one_line(error)
+            record.error = f"import of {entry_point.value} failed: {one_line(error)}"
             return
         self._add(plugin, record)
 
     def register(self, plugin: ModuleType | object, name: str) -> None:
         """Register a plugin object directly (for embedding); the same rules as entry points."""
         record = self._new_record(name, "registered in process")
+        module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+        record.package = _package_of(module)
+        restriction = self._restriction(name)
+        if restriction:
+            record.status = "blocked"
+            record.error = restriction
+            return
         self._add(plugin, record)
         if record.status == "failed":
             raise PluginError(f"plugin {name!r} failed to register: {record.error}")
@@ -118,7 +166,7 @@ class PluginRegistry:
         if name in self.records:
             raise PluginError(
                 f"two plugins are named {name!r}: {self.records[name].distribution} and {distribution}; "
-                f"uninstall one or block it with {ENV_BLOCK}"
+                "uninstall one of them"
             )
         record = PluginRecord(name, distribution, "loaded")
         self.records[name] = record
@@ -127,13 +175,18 @@ class PluginRegistry:
     def _add(self, plugin: object, record: PluginRecord) -> None:
         try:
             self.manager.register(plugin, name=record.name)
+            # A misspelled hook (corelib_backend) would otherwise be ignored without a word.
+            self.manager.check_pending()
             backends = [b for result in self._call(record.name, "corelib_backends") for b in result]
-            configs = [c for result in self._call(record.name, "corelib_backend_configs") for c in result.items()]
             for backend in backends:
                 if not isinstance(backend, Backend):
                     raise TypeError(
-                        f"hook corelib_backends returned {type(backend).__name__}; expected a corelib Backend"
+                        f"hook corelib_backends returned a {type(backend).__name__}; "
+                        "expected instances of corelib.backend.Backend"
                     )
+            if not backends:
+                raise TypeError("it provides no backend (implement the hook corelib_backends)")
+            configs = self._configs_of(record.name, [b.name for b in backends])
         except Exception as error:  # noqa: BLE001 - a broken plugin is reported, not fatal
             record.status = "failed"
             record.error = one_line(error)
@@ -143,8 +196,26 @@ class PluginRegistry:
         for backend in backends:
             self._claim(backend, record.name)
             record.backends.append(backend.name)
-        for name, path in configs:
-            self._configs[name] = Path(path)
+        self._configs.update(configs)
+
+    def _configs_of(self, plugin_name: str, own_backends: list[str]) -> dict[str, Path]:
+        configs: dict[str, Path] = {}
+        for result in self._call(plugin_name, "corelib_backend_configs"):
+            for name, raw_path in dict(result).items():
+                path = Path(raw_path)
+                if name not in own_backends:
+                    raise ValueError(
+                        f"hook corelib_backend_configs returned a config for backend {name!r}, "
+                        f"which the plugin does not provide ({', '.join(own_backends)})"
+                    )
+                if name in self._shipped_configs:
+                    raise ValueError(
+                        f"backend/{name}.yaml ships with corelib; the plugin's {path} cannot replace it"
+                    )
+                if not path.is_file():
+                    raise ValueError(f"hook corelib_backend_configs returned {path}, which is not a file")
+                configs[name] = path
+        return configs
 
     def _call(self, plugin_name: str, hook_name: str) -> list[Any]:
         others = [p for p in self.manager.get_plugins() if self.manager.get_name(p) != plugin_name]
@@ -152,24 +223,35 @@ class PluginRegistry:
         try:
             return list(caller())
         except Exception as error:
-            raise RuntimeError(f"plugin {plugin_name!r}, hook {hook_name}: {one_line(error)}") from error
+            raise RuntimeError(f"hook {hook_name} raised {one_line(error)}") from error
 
     def _claim(self, backend: Backend, plugin_name: str) -> None:
-        if backend.name in self._backends:
-            owner = self._backends[backend.name][1]
-            raise PluginError(
-                f"backend {backend.name!r} is claimed by two plugins, {owner!r} and {plugin_name!r}; "
-                f"block one with {ENV_BLOCK}={plugin_name}"
-            )
-        self._backends[backend.name] = (backend, plugin_name)
+        if backend.name in self._conflicts:
+            self._conflicts[backend.name].append(plugin_name)
+        elif backend.name in self._backends:
+            self._conflicts[backend.name] = [self._backends.pop(backend.name)[1], plugin_name]
+        else:
+            self._backends[backend.name] = (backend, plugin_name)
 
     @property
     def backend_names(self) -> list[str]:
+        """Backends that can be selected: loaded, and claimed by one plugin only."""
         return sorted(self._backends)
+
+    @property
+    def conflicts(self) -> dict[str, list[str]]:
+        """Backend names claimed by more than one plugin, with the plugins that claim them."""
+        return {name: list(plugins) for name, plugins in self._conflicts.items()}
 
     @property
     def config_files(self) -> dict[str, Path]:
         return dict(self._configs)
+
+    @property
+    def trusted_packages(self) -> list[str]:
+        """Packages whose objects a config ``_target_`` may build: corelib and the loaded plugins."""
+        loaded = {r.package for r in self.records.values() if r.status == "loaded" and r.package}
+        return sorted({PROJECT, *loaded})
 
     def has(self, name: str) -> bool:
         return name in self._backends
@@ -181,11 +263,28 @@ class PluginRegistry:
         """The backend called ``name``, or a PluginError saying why it is not there."""
         if name in self._backends:
             return self._backends[name][0]
+        if name in self._conflicts:
+            claims = " and ".join(
+                f"{plugin!r} ({self.records[plugin].distribution})" for plugin in self._conflicts[name]
+            )
+            raise PluginError(
+                f"backend {name!r} is claimed by two plugins, {claims}; uninstall one or block it "
+                f"with {ENV_BLOCK}={self._conflicts[name][-1]}"
+            )
         record = self.records.get(name)
-        if record is not None and record.status != "loaded":
-            raise PluginError(f"backend {name!r}: plugin {record.name!r} {record.status}: {record.error}")
+        if record is not None and record.status == "blocked":
+            raise PluginError(
+                f"backend {name!r}: plugin {name!r} is not loaded ({record.error}); lift that restriction"
+            )
+        if record is not None and record.status == "failed":
+            raise PluginError(
+                f"backend {name!r}: plugin {name!r} ({record.distribution}) failed to load: {record.error}; "
+                "fix or reinstall it"
+            )
         installed = ", ".join(self.backend_names) or "none"
+        unloaded = [f"{r.name} ({r.status})" for r in self.records.values() if r.status != "loaded"]
+        also = f"; plugins not loaded: {', '.join(unloaded)}" if unloaded else ""
         raise PluginError(
-            f"no installed plugin provides backend {name!r}; installed backends: {installed} "
+            f"no installed plugin provides backend {name!r}; installed backends: {installed}{also} "
             f"(plugins are found through the entry-point group {ENTRY_POINT_GROUP!r})"
         )

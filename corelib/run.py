@@ -91,8 +91,6 @@ def _stream_text(engine: Engine, requests: dict[str, Request], console: Console)
 
 def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     """Run the configured workload; returns the metrics it wrote."""
-    run_dir.write_config(startup.raw)
-    run_dir.write_plan(startup.plan, startup.messages)
     cfg = startup.config
     tokenizer = Tokenizer.from_directory(cfg.model.path)
     requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.model.eos_token_id, tokenizer)

@@ -1,7 +1,8 @@
 """What every run writes into its output directory, and the formats of those files.
 
 - ``config.yaml``: the resolved config (backend=auto already replaced by the chosen one);
-- ``plan.json``: each feature's decision and reasons;
+- ``plan.json``: the startup lines, the backend, runtime and capabilities, and each feature's
+  decision and reasons (the same as ``python -m corelib plan`` prints);
 - ``metrics.json``: run-level figures (see :class:`corelib.engine.metrics.RunMetrics`);
 - ``outputs.jsonl``: one :class:`RequestRecord` per line, in request order.
 """
@@ -51,9 +52,12 @@ class RunDir:
         target.write_text(OmegaConf.to_yaml(config, resolve=True))
         return target
 
-    def write_plan(self, plan: Plan, messages: Iterable[str] = ()) -> Path:
+    def write_plan(
+        self, plan: Plan, messages: Iterable[str] = (), details: Mapping[str, Any] | None = None
+    ) -> Path:
+        """``{"startup": [lines], **details, "features": {name: decision}}``."""
         target = self.path / "plan.json"
-        payload = {"startup": list(messages), "features": plan.as_dict()}
+        payload: dict[str, Any] = {"startup": list(messages), **(details or {}), "features": plan.as_dict()}
         target.write_text(json.dumps(payload, indent=2) + "\n")
         return target
 

@@ -6,11 +6,13 @@ This runs once at the entry point; everything below it receives typed objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from corelib.backend import Backend, DeviceSpec, resolve_runtime
-from corelib.compose import load_group_option
+from corelib.compose import check_schema_keys, check_targets, load_group_option, translate_error
 from corelib.config import BackendConfig, CorelibConfig
 from corelib.errors import ConfigError, PluginError
 from corelib.features import Plan, evaluate
@@ -32,19 +34,27 @@ class Startup:
 
 
 def start(raw: DictConfig, registry: PluginRegistry) -> Startup:
-    """Choose the backend and runtime, then evaluate every feature gate."""
+    """Check the config, choose the backend and runtime, then evaluate every feature gate."""
+    try:
+        return _start(raw, registry)
+    except OmegaConfBaseException as error:
+        raise translate_error(error) from None
+
+
+def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
+    check_targets(raw, registry.trusted_packages)
+    check_schema_keys(raw)
     raw = raw.copy()
     messages: list[str] = resolve_checkpoint(raw)  # model.path: config.json's values replace the preset's
     name = str(raw.backend.name)
     if name == "auto":
         name, why = _choose_auto(raw, registry)
-        chosen = load_group_option("backend", name)
-        OmegaConf.set_struct(raw, False)
-        raw.backend = chosen
-        OmegaConf.set_struct(raw, True)
+        chosen = _with_user_changes(load_group_option("backend", name), raw.backend)
+        with open_dict(raw):
+            raw.backend = chosen
         messages.append(f"backend=auto chose {name}: {why}")
-    _check_allowed(raw, registry, name)
     backend = registry.get(name)
+    _check_allowed(raw, registry, name)
     config = _typed(raw)
     resolution = resolve_runtime(backend, config.backend, config.engine.timeout_s)
     messages.append(resolution.message)
@@ -53,19 +63,25 @@ def start(raw: DictConfig, registry: PluginRegistry) -> Startup:
 
 
 def _typed(raw: DictConfig) -> CorelibConfig:
-    config = OmegaConf.to_object(raw)
+    try:
+        config = OmegaConf.to_object(raw)
+    except OmegaConfBaseException as error:
+        raise translate_error(error) from None
     if not isinstance(config, CorelibConfig):
-        raise ConfigError("the composed config does not follow the corelib schema (corelib_schema missing)")
+        raise ConfigError(
+            "the composed config does not follow the corelib schema; keep corelib_schema in its defaults"
+        )
     return config
 
 
 def _check_allowed(raw: DictConfig, registry: PluginRegistry, name: str) -> None:
-    if not registry.has(name):
-        return
     plugin = registry.plugin_of(name)
     allow = raw.plugins.allow
     if plugin in raw.plugins.block or (allow is not None and plugin not in allow):
-        raise PluginError(f"backend {name!r} comes from plugin {plugin!r}, which plugins.allow/block excludes")
+        raise PluginError(
+            f"backend {name!r} comes from plugin {plugin!r}, which plugins.allow/block excludes; "
+            "change those keys or choose another backend"
+        )
 
 
 def _choose_auto(raw: DictConfig, registry: PluginRegistry) -> tuple[str, str]:
@@ -73,12 +89,56 @@ def _choose_auto(raw: DictConfig, registry: PluginRegistry) -> tuple[str, str]:
     refusals: list[str] = []
     for candidate in auto.candidates:
         if not registry.has(candidate):
-            refusals.append(f"{candidate}: no plugin installed")
+            refusals.append(f"{candidate}: {_not_selectable(registry, candidate)}")
             continue
         availability = registry.get(candidate).probe()
         if availability.native:
             return candidate, f"it runs natively ({availability.reason})"
         refusals.append(f"{candidate}: {availability.reason}")
     if not auto.fallback:
-        raise ConfigError(f"backend=auto found no native backend ({'; '.join(refusals)}) and has no fallback")
+        raise ConfigError(
+            f"backend=auto found no native backend ({'; '.join(refusals)}) and backend.fallback is empty; "
+            "choose a backend"
+        )
     return auto.fallback, f"no candidate runs natively here ({'; '.join(refusals)})"
+
+
+def _not_selectable(registry: PluginRegistry, name: str) -> str:
+    """Why ``name`` cannot be selected, short enough for the one line backend=auto prints."""
+    if name in registry.conflicts:
+        return f"claimed by plugins {' and '.join(registry.conflicts[name])}"
+    record = registry.records.get(name)
+    if record is not None:
+        return f"plugin {record.status} ({record.error})"
+    return "no plugin installed"
+
+
+def _with_user_changes(chosen: DictConfig, auto: DictConfig) -> DictConfig:
+    """Carry what the user set on ``backend=auto`` (say backend.device_index=1) to the chosen one."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(BackendConfig), enum_to_str=True)
+    user = OmegaConf.to_container(auto, resolve=True, enum_to_str=True)
+    if not isinstance(defaults, dict) or not isinstance(user, dict):
+        raise TypeError("a backend config must be a mapping")
+    changes = _changed(user, defaults, skip=("name", "candidates", "fallback"))
+    if not changes:
+        return chosen
+    merged = chosen.copy()
+    # Capabilities added with +backend.capabilities.x are checked when the backend resolves.
+    with open_dict(merged):
+        merged.merge_with(changes)
+    return merged
+
+
+def _changed(user: dict[Any, Any], defaults: dict[Any, Any], skip: tuple[str, ...] = ()) -> dict[Any, Any]:
+    changes: dict[Any, Any] = {}
+    for key, value in user.items():
+        if key in skip:
+            continue
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            nested = _changed(value, default)
+            if nested:
+                changes[key] = nested
+        elif value != default:
+            changes[key] = value
+    return changes

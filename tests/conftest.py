@@ -1,18 +1,63 @@
-"""Shared fixtures: engines built from overrides, closed after each test."""
+"""Fixtures shared by the tests; the plain functions live in support.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import pytest
+from hydra.core.config_store import ConfigStore
+from support import HERMETIC_VARIABLES, PLUGIN_FIXTURES, Cli, CliResult, EngineFactory, run_python
 
 from corelib.engine import Engine
 
-EngineFactory = Callable[[Sequence[str]], Engine]
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Cli:
+    """``cli("plan", "backend=npu", env=..., pythonpath=...)`` runs ``python -m corelib`` in tmp_path.
+
+    The working directory is a temporary one, so Hydra's default output directory never
+    lands in the repository.
+    """
+
+    def run(*args: str, env: Mapping[str, str] | None = None, pythonpath: Sequence[Path] = ()) -> CliResult:
+        return run_python(["-m", "corelib", *args], cwd=tmp_path, env=env, pythonpath=pythonpath)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TORCH_DEVICE_BACKEND_AUTOLOAD stays: corelib set it when this process imported it.
+    for name in HERMETIC_VARIABLES:
+        if name != "TORCH_DEVICE_BACKEND_AUTOLOAD":
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def fixture_plugins_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(PLUGIN_FIXTURES))
+
+
+@pytest.fixture
+def clean_config_store() -> Iterator[None]:
+    """Remove the backend and gate options a test stores in Hydra's process-wide ConfigStore.
+
+    Nothing else is touched: Hydra stores its own configs there once per process, the first
+    time anything is composed, and would not store them again.
+    """
+    repo = ConfigStore.instance().repo
+    groups = ("backend", "features")
+    before = {group: set(repo.get(group, {})) for group in groups}
+    yield
+    for group in groups:
+        for name in set(repo.get(group, {})) - before[group]:
+            del repo[group][name]
 
 
 @pytest.fixture
 def make_engine() -> Iterator[EngineFactory]:
+    """Build engines from overrides; every one is closed after the test."""
     engines: list[Engine] = []
 
     def factory(overrides: Sequence[str]) -> Engine:

@@ -426,4 +426,4 @@ def compiled_decode_layer() -> DecodeLayer:
     specialised by torch, hence a few compilations at most); no CUDA graphs of its own
     (mode default): the engine captures the compiled kernels in its own graphs.
     """
-    return torch.compile(decode_layer, dynamic=True)  # type: ignore[no-any-return]
+    return torch.compile(decode_layer, dynamic=True)

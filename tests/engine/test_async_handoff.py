@@ -11,10 +11,10 @@ from collections import Counter
 
 import pytest
 import torch
+from support import EngineFactory
 
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import PlanRefused
-from tests.conftest import EngineFactory
 
 POOL = ["engine.max_num_seqs=6", "engine.num_kv_blocks=24", "model.max_model_len=160"]
 

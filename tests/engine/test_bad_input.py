@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from support import EngineFactory
 
 from corelib.engine import SamplingParams
 from corelib.errors import ConfigError
-from tests.conftest import EngineFactory
 
 
 def test_prompt_too_long_fails_only_that_request(make_engine: EngineFactory) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import EngineFactory
 
 from corelib.engine import Engine, SamplingParams
 from corelib.models.reference import reference_generate
-from tests.conftest import EngineFactory
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, list(range(200, 217)), [3, 4], list(range(300, 301))]
 MAX_TOKENS = [20, 33, 5, 1, 40, 12]

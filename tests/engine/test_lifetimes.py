@@ -12,12 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from support import EngineFactory
 
 from corelib.engine import SamplingParams
 from corelib.engine.handoff import StagingPool
 from corelib.engine.runner import StepHandle
 from corelib.errors import DeviceError
-from tests.conftest import EngineFactory
 
 OVERRIDES = [
     "backend=npu", "backend.emulator.chaos=0.3", "backend.emulator.chaos_max_ms=1", "engine.async_token_handoff=on"

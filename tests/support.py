@@ -1,0 +1,125 @@
+"""Support for the tests: the CLI in a subprocess, fake installed distributions, fixture plugins."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from corelib.engine import Engine
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PLUGIN_FIXTURES = FIXTURES / "plugins"
+BROKEN_VENDOR = FIXTURES / "broken_vendor"
+
+# Variables of the developer's shell that would change what the CLI does.
+HERMETIC_VARIABLES = (
+    "CORELIB_PLUGINS",
+    "CORELIB_BLOCK_PLUGINS",
+    "HYDRA_FULL_ERROR",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+)
+
+# Entry points of the fixture plugins, by entry-point name.
+FIXTURE_PLUGINS = {
+    "toy": "corelib_toy.plugin",
+    "broken": "corelib_oddities.broken",
+    "second_cpu": "corelib_oddities.second_cpu",
+    "misspelled_hook": "corelib_oddities.misspelled_hook",
+    "no_backends": "corelib_oddities.no_backends",
+    "wrong_type": "corelib_oddities.wrong_type",
+    "foreign_config": "corelib_oddities.foreign_config",
+    "badcaps": "corelib_oddities.badcaps",
+    "evil": "corelib_oddities.evil",
+}
+
+
+def write_dist_info(
+    site: Path, name: str, entry_points: Mapping[str, Mapping[str, str]], version: str = "0.1.0"
+) -> Path:
+    """Make ``site`` look like a site-packages holding distribution ``name`` with these entry points."""
+    dist_info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    sections = []
+    for group, points in entry_points.items():
+        sections.append(f"[{group}]\n" + "".join(f"{key} = {value}\n" for key, value in points.items()))
+    (dist_info / "entry_points.txt").write_text("\n".join(sections))
+    return site
+
+
+def install_fixture_plugins(site: Path, *names: str) -> list[Path]:
+    """A PYTHONPATH on which the named fixture plugins are installed (one distribution each)."""
+    for name in names:
+        write_dist_info(site, f"corelib-fixture-{name}", {"corelib.backends": {name: FIXTURE_PLUGINS[name]}})
+    return [site, PLUGIN_FIXTURES]
+
+
+def fixture_entry_points(*names: str) -> list[importlib.metadata.EntryPoint]:
+    """In-process entry points of fixture plugins (needs PLUGIN_FIXTURES on sys.path)."""
+    return [importlib.metadata.EntryPoint(n, FIXTURE_PLUGINS[n], "corelib.backends") for n in names]
+
+
+def builtin_entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group="corelib.backends"))
+
+
+@dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return self.stderr.splitlines()
+
+
+def run_python(
+    args: Sequence[str],
+    cwd: Path,
+    env: Mapping[str, str] | None = None,
+    pythonpath: Sequence[Path] = (),
+    timeout: float = 120,
+) -> CliResult:
+    """Run ``python ARGS`` in a fresh interpreter with a clean corelib-related environment."""
+    full_env = {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
+    paths = [str(p) for p in pythonpath]
+    if full_env.get("PYTHONPATH"):
+        paths.append(full_env["PYTHONPATH"])
+    if paths:
+        full_env["PYTHONPATH"] = os.pathsep.join(paths)
+    full_env.update(env or {})
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+Cli = Callable[..., CliResult]
+
+
+def assert_user_error(result: CliResult, *fragments: str, lines: int = 1, code: int = 2) -> None:
+    """Exit ``code``, exactly ``lines`` lines on stderr, each a corelib error, no traceback."""
+    assert result.returncode == code, f"exit {result.returncode}, stderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(result.error_lines) == lines, f"expected {lines} line(s) on stderr:\n{result.stderr}"
+    assert all(line.startswith("corelib: error: ") for line in result.error_lines), result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, f"{fragment!r} not in:\n{result.stderr}"
+
+
+EngineFactory = Callable[[Sequence[str]], "Engine"]
+"""``make_engine(["backend=npu", ...])``: an engine closed after the test (fixture in conftest)."""
