@@ -104,8 +104,6 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
         wall = time.perf_counter() - start
         metrics = dict(engine.metrics(wall))
         metrics.update(
-            graph_steps=engine.runner.num_graph_steps,
-            eager_steps=engine.runner.num_eager_steps,
             preemptions=engine.scheduler.num_preemptions,
             backend=startup.spec.backend,
             runtime=startup.spec.runtime.value,

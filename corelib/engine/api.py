@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from corelib.config import CorelibConfig, Transport
 from corelib.device import Device
-from corelib.engine.block_manager import BlockManager, blocks_for
-from corelib.engine.buckets import BucketPolicy
+from corelib.engine.block_manager import BlockManager
+from corelib.engine.build import EngineLayout, build_runner, model_weights
 from corelib.engine.core import EngineCore
-from corelib.engine.forward_input import InputBuilder, prefill_layout
+from corelib.engine.executor import Executor, InprocExecutor
 from corelib.engine.handoff import StagingPool
 from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
@@ -36,11 +37,17 @@ from corelib.engine.sequence import Sequence as Seq
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import ConfigError, RequestError
 from corelib.features import Plan
-from corelib.models.llama import ModelShape, ModelWeights, build_weights, random_state_dict
+from corelib.models.llama import ModelWeights
 from corelib.rundir import RequestRecord
 from corelib.startup import Startup
 from corelib.text import Tokenizer
 
+WeightsFactory = Callable[[CorelibConfig, Device], ModelWeights]
+
+
+def _pageable(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # With SHM the scheduler copies every frame into shared memory: nothing is DMA'd from here.
+    return torch.empty(shape, dtype=dtype)
 STAGING_BUFFERS = 4  # a step in flight, the next one, and room for the host to pack ahead
 
 
@@ -92,23 +99,10 @@ def _cut_at_stop(text: str, seq: Seq) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def model_weights(startup: Startup, device: Device) -> ModelWeights:
-    """Random seeded weights, or a checkpoint when ``model.path`` is set."""
-    cfg = startup.config.model
-    shape = ModelShape.from_config(cfg)
-    if cfg.path:
-        from corelib.models.checkpoint import load_checkpoint
-
-        return load_checkpoint(cfg, device.torch_device)
-    return build_weights(shape, random_state_dict(shape, cfg.seed), device.torch_device)
-
-
 class Engine:
     """A decode engine on one device. Build it once; it owns threads and device memory until closed."""
 
-    def __init__(
-        self, startup: Startup, weights_factory: Callable[[Startup, Device], ModelWeights] = model_weights
-    ) -> None:
+    def __init__(self, startup: Startup, weights_factory: WeightsFactory = model_weights) -> None:
         self.startup = startup
         self.plan: Plan = startup.plan
         cfg = startup.config
@@ -117,51 +111,50 @@ class Engine:
         self.sequences: list[Seq] = []
         self._closed = False
         self._failure: BaseException | None = None
-        self.device = startup.backend.open(startup.spec)
-        try:
-            torch.manual_seed(0)
-            self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
-            self.weights = weights_factory(startup, self.device)
-            shape = self.weights.shape
-            self.vocab_size = shape.vocab_size
-            block_size = engine_cfg.block_size
-            max_blocks = blocks_for(model_cfg.max_model_len, block_size)
-            num_blocks = engine_cfg.num_kv_blocks or engine_cfg.max_num_seqs * max_blocks + 1
-            if num_blocks - 1 < max_blocks:
-                raise ConfigError(
-                    f"engine.num_kv_blocks={num_blocks} holds {(num_blocks - 1) * block_size} tokens; "
-                    f"one request of model.max_model_len={model_cfg.max_model_len} needs {max_blocks} blocks "
-                    f"of {block_size} (+1 null block): raise engine.num_kv_blocks or lower model.max_model_len"
-                )
-            rows = engine_cfg.max_num_seqs
-            caps = self.device.capabilities
-            graphs = self.plan.is_enabled("graph")
-            self.buckets = BucketPolicy.build(graphs, engine_cfg.graph_batch_sizes, rows, max_blocks,
-                                              caps.graph_param_update)
-            self.builder = InputBuilder(rows, max_blocks, block_size, rows, model_cfg.max_model_len)
-            self.scheduler = Scheduler(
-                SchedulerLimits(rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len,
-                                model_cfg.eos_token_id, frozenset(model_cfg.extra_eos_token_ids)),
-                BlockManager(num_blocks, block_size),
-                num_slots=rows,
-                detokenize=self._detokenize,
-            )
-            self.runner = ModelRunner(self.device, self.weights, self.builder, self.buckets, num_blocks, rows,
-                                      compile_decode=engine_cfg.compile)
-            if graphs:
-                self.runner.capture()
-            longest_prefill = max(engine_cfg.max_num_batched_tokens, model_cfg.max_model_len)
-            staging_bytes = max(self.builder.decode.nbytes,
-                                prefill_layout(longest_prefill, rows, model_cfg.max_model_len).nbytes)
-            self.staging = StagingPool(self.device, staging_bytes, STAGING_BUFFERS, engine_cfg.timeout_s)
-            self.async_handoff = self.plan.is_enabled("async_token_handoff")
-            self.core = EngineCore(
-                self.scheduler, self.builder, self.buckets, self.runner, self.staging, self.async_handoff,
-                self._sync_reasons, engine_cfg.timeout_s,
-            )
-        except BaseException:
-            self.device.close()
-            raise
+        self.layout = EngineLayout.of(cfg)
+        self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
+        self.vocab_size = model_cfg.vocab_size
+        self.builder = self.layout.builder()
+        self.buckets = self.layout.buckets(self.plan, startup.spec.capabilities)
+        self.async_handoff = self.plan.is_enabled("async_token_handoff")
+        self.scheduler = Scheduler(
+            SchedulerLimits(self.layout.rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len,
+                            model_cfg.eos_token_id, frozenset(model_cfg.extra_eos_token_ids)),
+            BlockManager(self.layout.num_blocks, self.layout.block_size),
+            num_slots=self.layout.rows,
+            detokenize=self._detokenize,
+        )
+        self.device: Device | None = None
+        self.weights: ModelWeights | None = None
+        self.runner: ModelRunner | None = None
+        executor: Executor
+        if engine_cfg.transport is Transport.shm:
+            from corelib.engine.transport import ShmExecutor
+
+            executor = ShmExecutor(startup, self.layout)
+            staging = StagingPool(_pageable, self.layout.staging_bytes, STAGING_BUFFERS, engine_cfg.timeout_s)
+        else:
+            self.device = device = startup.backend.open(startup.spec)
+            try:
+                self.weights = weights_factory(cfg, device)
+                self.runner = build_runner(device, cfg, self.plan, self.layout, self.weights)
+                executor = InprocExecutor(self.runner, submission_thread=self.async_handoff)
+                staging = StagingPool(self._pinned(device), self.layout.staging_bytes, STAGING_BUFFERS,
+                                      engine_cfg.timeout_s)
+            except BaseException:
+                if self.runner is not None:
+                    self.runner.close()
+                device.close()
+                raise
+        self.staging = staging
+        self.core = EngineCore(
+            self.scheduler, self.builder, self.buckets, executor, staging, self.async_handoff,
+            self._sync_reasons, engine_cfg.timeout_s,
+        )
+
+    @staticmethod
+    def _pinned(device: Device) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+        return lambda shape, dtype: device.host_empty(shape, dtype, pinned=True)
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -343,10 +336,10 @@ class Engine:
                 if self._failure is None:
                     raise  # a new error; one already reported to the caller is not raised twice
             finally:
-                self.core.close()
-                self.runner.close()
+                self.core.close()  # stops the submission thread or the workers, releases the runner
         finally:
-            self.device.close()
+            if self.device is not None:
+                self.device.close()
 
     def __enter__(self) -> Engine:
         return self

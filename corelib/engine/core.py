@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.buckets import BucketPolicy
+from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import InputBuilder
-from corelib.engine.handoff import StagingPool, StepFuture, SubmissionThread
+from corelib.engine.handoff import StagingPool
 from corelib.engine.metrics import MetricsCollector
-from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, StepKind
 from corelib.engine.sequence import FinishReason, Sequence
 
@@ -40,7 +40,7 @@ class EngineCore:
         scheduler: Scheduler,
         builder: InputBuilder,
         buckets: BucketPolicy,
-        runner: ModelRunner,
+        executor: Executor,
         staging: StagingPool,
         async_handoff: bool,
         sync_check: SyncCheck,
@@ -49,13 +49,12 @@ class EngineCore:
         self.scheduler = scheduler
         self.builder = builder
         self.buckets = buckets
-        self.runner = runner
+        self.executor = executor
         self.staging = staging
         self.async_handoff = async_handoff
         self._sync_check = sync_check
         self.timeout_s = timeout_s
         self.metrics = MetricsCollector()
-        self.submitter = SubmissionThread(runner) if async_handoff else None
         self._in_flight: deque[InFlight] = deque()
         self._next_step_id = 0
         self.finished: list[Sequence] = []
@@ -100,23 +99,22 @@ class EngineCore:
         arena = self.staging.acquire()
         try:
             fi = self.builder.fill(step_id, step, arena, rows, kv)
-            fi.on_release = lambda: self.staging.release(arena)
-            if self.submitter is not None:
-                future = StepFuture(self.submitter.submit(fi))
-            else:
-                future = StepFuture.done(self.runner.submit(fi))
+            if not self.executor.copies_inputs:
+                fi.on_release = lambda: self.staging.release(arena)  # once the device no longer reads it
+            future = self.executor.submit(fi)
         except BaseException:
             self.staging.release(arena)
             raise
+        if self.executor.copies_inputs:
+            self.staging.release(arena)
         path = "async" if self.async_handoff and not step.synchronous else "sync"
         self._in_flight.append(InFlight(step, future, path))
 
     def _complete_oldest(self) -> None:
         item = self._in_flight.popleft()
-        tokens = item.future.result(self.timeout_s)
-        if item.future.handle is not None:
-            self.metrics.record(item.future.handle, item.path, item.step.sync_reasons)
-        self.finished.extend(self.scheduler.postprocess(item.step, tokens))
+        result = item.future.result(self.timeout_s)
+        self.metrics.record(result, item.path, item.step.sync_reasons)
+        self.finished.extend(self.scheduler.postprocess(item.step, result.tokens))
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""
@@ -136,5 +134,4 @@ class EngineCore:
             self._in_flight.popleft().future.result(self.timeout_s)
 
     def close(self) -> None:
-        if self.submitter is not None:
-            self.submitter.close(self.timeout_s)
+        self.executor.close(self.timeout_s)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corelib.device import Event
 from corelib.engine.scheduler import ScheduledStep, StepKind
 from corelib.engine.sequence import Sequence as EngineSequence
 
@@ -138,6 +139,8 @@ class ForwardInput:
     arena: torch.Tensor  # uint8 host buffer holding layout.nbytes bytes
     # Called once the device can no longer read ``arena`` (the step's output event completed).
     on_release: Callable[[], None] | None = None
+    on_device: bool = False  # ``arena`` is device memory already (early SHM materialization)
+    ready: Event | None = None  # with on_device: completes when the early H2D has landed
 
     def release(self) -> None:
         callback, self.on_release = self.on_release, None

@@ -6,11 +6,11 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
-from corelib.device import Device
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.runner import ModelRunner, StepHandle
 from corelib.errors import DeviceTimeout
@@ -19,10 +19,14 @@ from corelib.errors import DeviceTimeout
 class StagingPool:
     """Pinned host arenas reused once the step that read them has completed."""
 
-    def __init__(self, device: Device, nbytes: int, count: int, timeout_s: float) -> None:
-        self._free: deque[torch.Tensor] = deque(
-            device.host_empty((nbytes,), torch.uint8, pinned=True) for _ in range(count)
-        )
+    def __init__(
+        self,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+        nbytes: int,
+        count: int,
+        timeout_s: float,
+    ) -> None:
+        self._free: deque[torch.Tensor] = deque(allocate((nbytes,), torch.uint8) for _ in range(count))
         self._cond = threading.Condition()
         self._timeout = timeout_s
         self.nbytes = nbytes
@@ -43,28 +47,6 @@ class StagingPool:
         with self._cond:
             self._free.append(arena)
             self._cond.notify()
-
-
-class StepFuture:
-    """A step submitted for the device: first the submission, then its tokens."""
-
-    def __init__(self, submitted: Future[StepHandle]) -> None:
-        self._submitted = submitted
-        self.handle: StepHandle | None = None
-
-    @classmethod
-    def done(cls, handle: StepHandle) -> StepFuture:
-        future: Future[StepHandle] = Future()
-        future.set_result(handle)
-        return cls(future)
-
-    def result(self, timeout: float) -> list[int]:
-        """The step's tokens; re-raises a submission error with its original traceback."""
-        try:
-            self.handle = self._submitted.result(timeout)
-        except TimeoutError:
-            raise DeviceTimeout(f"the submission thread did not submit a step within {timeout:g} s") from None
-        return self.handle.wait(timeout)
 
 
 class SubmissionThread:

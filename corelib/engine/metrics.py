@@ -7,10 +7,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from corelib.device import Event
-from corelib.engine.runner import StepHandle
 from corelib.engine.scheduler import StepKind
 from corelib.engine.sequence import FinishReason, Sequence
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What comes back for one step, from this process's device or from a worker."""
+
+    step_id: int
+    kind: StepKind
+    tokens: list[int]
+    busy_ms: float | None = None  # device time of the step (events)
+    gap_ms: float | None = None  # device idle time since the previous step ended (events)
+    graph: bool = False  # a decode step that replayed a captured graph
+    transport_us: float | None = None  # SHM: producer commit to inputs ready in the worker
 
 
 @dataclass(frozen=True)
@@ -19,8 +30,10 @@ class StepRecord:
     kind: StepKind
     path: str  # sync or async
     num_seqs: int
-    busy_ms: float | None  # device time of the step (events)
-    gap_ms: float | None  # device idle time since the previous step ended (events)
+    busy_ms: float | None
+    gap_ms: float | None
+    graph: bool
+    transport_us: float | None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -37,18 +50,13 @@ class MetricsCollector:
     def __init__(self) -> None:
         self.steps: list[StepRecord] = []
         self.sync_reasons: Counter[str] = Counter()
-        self._prev_end: Event | None = None
 
-    def record(self, handle: StepHandle, path: str, sync_reasons: Iterable[str]) -> None:
-        timing = handle.timing
-        busy = gap = None
-        if timing.start is not None and timing.end is not None:
-            busy = timing.start.elapsed_ms(timing.end)
-            if self._prev_end is not None:
-                gap = max(0.0, self._prev_end.elapsed_ms(timing.start))
-        self.steps.append(StepRecord(handle.step_id, handle.kind, path, handle.num_seqs, busy, gap))
+    def record(self, result: StepResult, path: str, sync_reasons: Iterable[str]) -> None:
+        self.steps.append(
+            StepRecord(result.step_id, result.kind, path, len(result.tokens), result.busy_ms, result.gap_ms,
+                       result.graph, result.transport_us)
+        )
         self.sync_reasons.update(sync_reasons)
-        self._prev_end = timing.end
 
     def device_summary(self, first_step: int = 0) -> dict[str, Any]:
         """Occupancy and idle gaps over consecutive decode steps (steady decode) from ``first_step`` on."""
@@ -86,6 +94,7 @@ class MetricsCollector:
         ]
         output_tokens = sum(len(s.output_token_ids) for s in done)
         paths = Counter(r.path for r in self.steps)
+        transport = [r.transport_us for r in self.steps if r.transport_us is not None]
         kinds = Counter(r.kind.value for r in self.steps)
         reasons = Counter(s.finish_reason.value if s.finish_reason else "unfinished" for s in done)
         return {
@@ -105,6 +114,10 @@ class MetricsCollector:
             "steps_decode": kinds.get(StepKind.decode.value, 0),
             "steps_sync": paths.get("sync", 0),
             "steps_async": paths.get("async", 0),
+            "graph_steps": sum(1 for r in self.steps if r.graph),
+            "eager_steps": sum(1 for r in self.steps if r.kind is StepKind.decode and not r.graph),
+            "transport_us_p50": percentile(transport, 50),
+            "transport_us_p99": percentile(transport, 99),
             "sync_step_reasons": dict(self.sync_reasons),
             **self.device_summary(),
         }

@@ -9,13 +9,14 @@ into double-buffered pinned host memory followed by that step's own output event
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from corelib.device import Device, Event, Graph
+from corelib.device import Device, Event, Graph, Stream
 from corelib.engine.buckets import BucketPolicy
 from corelib.engine.forward_input import (
     DECODE_FLOAT_ROWS,
@@ -25,6 +26,7 @@ from corelib.engine.forward_input import (
     InputBuilder,
     row_views,
 )
+from corelib.engine.metrics import StepResult
 from corelib.engine.sampler import greedy, sample
 from corelib.engine.scheduler import StepKind
 from corelib.models.llama import (
@@ -70,6 +72,7 @@ class StepHandle:
         self._release_inputs = fi.release
         self._release = release
         self.tokens: list[int] | None = None
+        self.graph = False  # set by the runner when the step replayed a captured graph
 
     def done(self) -> bool:
         return self.tokens is not None or self.event.query()
@@ -98,6 +101,7 @@ class ModelRunner:
         num_slots: int,
         timing: bool = True,
         compile_decode: bool = False,
+        ordered_prepare: bool = False,
     ) -> None:
         self.device = device
         self.weights = weights
@@ -107,6 +111,11 @@ class ModelRunner:
         caps = device.capabilities
         self.compute = device.stream("compute")
         self.d2h = device.stream("d2h") if caps.streams else self.compute
+        # Ordered materialization: the H2D of every step's inputs runs on this stream and a
+        # ready event gates the compute stream (graph update and replay) on it.
+        self.prepare = device.stream("prepare") if caps.streams and ordered_prepare else None
+        self._consumed: Event | None = None  # compute has finished reading the decode arena
+        self._prev_end: Event | None = None
         self.timing = timing and caps.event_timing
         rows = builder.max_rows
         self.cache = KVCache(
@@ -245,7 +254,7 @@ class ModelRunner:
             self._parity ^= 1
         compute, n = self.compute, fi.num_seqs
         start = compute.record(self.device.event(timing=True, name=f"step{fi.step_id}.start")) if self.timing else None
-        keep = self._launch(fi)
+        keep, graph = self._launch(fi)
         # relay[parity] was last read by the D2H of the step two back; its tokens were read on the
         # host (the busy check above), so that copy has finished and the buffer is free.
         compute.copy(self.relay[parity, :n], self.next_tokens[:n])
@@ -259,42 +268,100 @@ class ModelRunner:
             self._busy[parity] = False
 
         timing = StepTiming(start, end if self.timing else None)
-        return StepHandle(fi, out, self.host_tokens[parity], timing, keep, release)
+        handle = StepHandle(fi, out, self.host_tokens[parity], timing, keep, release)
+        handle.graph = graph
+        return handle
 
-    def _launch(self, fi: ForwardInput) -> tuple[object, ...]:
-        """H2D of the arena and the forward; returns what must outlive the step."""
+    def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
+        """Wait for a step's tokens and read its device span. Call in submission order."""
+        tokens = handle.wait(timeout)
+        busy = gap = None
+        start, end = handle.timing.start, handle.timing.end
+        if start is not None and end is not None:
+            busy = start.elapsed_ms(end)
+            if self._prev_end is not None:
+                gap = max(0.0, self._prev_end.elapsed_ms(start))
+        self._prev_end = end
+        return StepResult(handle.step_id, handle.kind, tokens, busy, gap, handle.graph)
+
+    def materialize_early(self, fi: ForwardInput, stream: Stream) -> ForwardInput:
+        """The early path: ``stream`` (the polling thread's) issues the H2D now, from ``fi.arena``.
+
+        The copy lands in a device arena of this step; the compute stream waits for the copy's
+        event before using it. What makes the path unsafe is the source: the caller releases the
+        SHM slot as soon as this returns, and a copy that reads its source only when it runs
+        (pinned or registered memory, or any memory on a device that does not stage pageable
+        sources) then reads whatever the producer wrote there next.
+        """
+        if self.decode_arena is None:
+            return fi
+        target = self.device.empty((fi.layout.nbytes,), torch.uint8)
+        stream.copy(target, fi.arena[: fi.layout.nbytes])
+        ready = stream.record(self.device.event(name=f"step{fi.step_id}.early_h2d"))
+        return dataclasses.replace(fi, arena=target, on_device=True, ready=ready)
+
+    def _stage(self, fi: ForwardInput, target: torch.Tensor) -> None:
+        """The H2D of a step's inputs: in compute-stream order, or on the prepare stream + a ready event."""
+        nbytes = fi.layout.nbytes
+        if fi.on_device:  # the polling thread issued the H2D on its own stream
+            if fi.ready is not None:
+                self.compute.wait(fi.ready)
+            if target.data_ptr() != fi.arena.data_ptr():
+                self.compute.copy(target[:nbytes], fi.arena[:nbytes])  # into the graph's static inputs
+            return
+        source = fi.arena[:nbytes]
+        if self.prepare is None:
+            self.compute.copy(target[:nbytes], source)
+            return
+        if self._consumed is not None:
+            self.prepare.wait(self._consumed)  # the previous step no longer reads the arena
+        self.prepare.copy(target[:nbytes], source)
+        ready = self.prepare.record(self.device.event(name=f"step{fi.step_id}.ready"))
+        self.compute.wait(ready)  # graph update and replay only after the inputs landed
+
+    def _launch(self, fi: ForwardInput) -> tuple[tuple[object, ...], bool]:
+        """H2D of the arena and the forward; returns what must outlive the step, and if a graph ran."""
+        keep, graph = self._forward(fi)
+        if self.prepare is not None:
+            self._consumed = self.compute.record(self.device.event(name=f"step{fi.step_id}.consumed"))
+        return keep, graph
+
+    def _forward(self, fi: ForwardInput) -> tuple[tuple[object, ...], bool]:
         compute = self.compute
         if fi.kind is StepKind.prefill:
             keep: tuple[object, ...] = ()
             if self.decode_arena is None:
                 views = fi.views()
+            elif fi.on_device:
+                self._stage(fi, fi.arena)
+                views = fi.views()
             else:
                 prefill_arena = self.device.empty((fi.layout.nbytes,), torch.uint8)
-                compute.copy(prefill_arena, fi.arena[: fi.layout.nbytes])
+                self._stage(fi, prefill_arena)
                 views, keep = fi.layout.views(prefill_arena), (prefill_arena,)
             compute.launch(lambda: self._prefill(views, fi.num_seqs, fi.sample))
-            return keep
+            return keep, False
         arena = self.decode_arena
         if arena is None:
             views = fi.views()
         else:
-            compute.copy(arena, fi.arena[: fi.layout.nbytes])
+            self._stage(fi, arena)
             views = self.builder.decode.views(arena)
         rows, kv = fi.bucket, fi.kv_blocks
         graph_kv = self.buckets.graph_kv(kv)
         graph = self.graphs.get((rows, graph_kv, fi.sample))
-        if graph is None and arena is not None and (rows, graph_kv) in self._graph_shapes:
+        if graph is None and arena is not None and not fi.on_device and (rows, graph_kv) in self._graph_shapes:
             graph = self._capture(rows, graph_kv, fi.sample)  # first sampled batch of this shape
-            compute.copy(arena, fi.arena[: fi.layout.nbytes])  # capture overwrote the inputs
+            self._stage(fi, arena)  # capture overwrote the inputs
         if graph is None:
             compute.launch(lambda: self._decode(views, rows, kv, fi.sample))
             self.num_eager_steps += 1
-        else:
-            if self.buckets.param_update:
-                graph.update(compute, kv_blocks=kv)
-            graph.replay(compute)
-            self.num_graph_steps += 1
-        return ()
+            return (), False
+        if self.buckets.param_update:
+            graph.update(compute, kv_blocks=kv)
+        graph.replay(compute)
+        self.num_graph_steps += 1
+        return (), True
 
     def close(self) -> None:
         for graph in self.graphs.values():

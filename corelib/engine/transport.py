@@ -1,0 +1,201 @@
+"""The scheduler side of ``engine.transport=shm``: worker processes fed through a shared-memory ring.
+
+Each step's packed inputs go into the input ring (one producer, one consumer per rank);
+tokens come back through the result ring from rank 0. Worker errors arrive on a control
+pipe; a worker that dies is noticed within a quarter second of any wait, and named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from corelib.engine.build import EngineLayout
+from corelib.engine.executor import Executor, StepFuture
+from corelib.engine.forward_input import ForwardInput
+from corelib.engine.metrics import StepResult
+from corelib.engine.scheduler import StepKind
+from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
+from corelib.engine.worker import WorkerArgs, decode_result
+from corelib.errors import TransportError, WorkerDied
+from corelib.startup import Startup
+
+STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
+
+
+def _round_up(value: int, multiple: int = 64) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass
+class _Rank:
+    process: subprocess.Popen[bytes]
+    control: Connection
+    doorbell: Connection
+    release: Connection
+    message: str | None = None
+
+
+def _pipe() -> tuple[int, int]:
+    read, write = os.pipe()
+    return read, write
+
+
+class _ShmFuture(StepFuture):
+    def __init__(self, executor: ShmExecutor, step_id: int) -> None:
+        self._executor = executor
+        self._step_id = step_id
+
+    def result(self, timeout: float) -> StepResult:
+        return self._executor.read_result(self._step_id, timeout)
+
+
+class ShmExecutor(Executor):
+    """Starts ``engine.tp`` worker processes and talks to them through two rings."""
+
+    copies_inputs = True
+
+    def __init__(self, startup: Startup, layout: EngineLayout) -> None:
+        cfg = startup.config
+        shm = cfg.engine.shm
+        self.timeout = cfg.engine.timeout_s
+        self.stale_segments = sweep_stale()
+        slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.staging_bytes))
+        result_bytes = _round_up(HEADER_BYTES + 8 * layout.rows + 64)
+        self.ranks: list[_Rank] = []
+        self._result_pipes: list[Connection] = []
+        self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
+        self.out_ring = Ring.create("out", shm.num_slots, result_bytes)
+        try:
+            result_doorbell = _pipe()  # rank 0 writes, we read
+            result_release = _pipe()  # we write, rank 0 reads
+            self._result_pipes = [Connection(result_doorbell[0], writable=False),
+                                  Connection(result_release[1], readable=False)]
+            for rank in range(cfg.engine.tp):
+                doorbell, release, control = _pipe(), _pipe(), _pipe()
+                args = WorkerArgs(
+                    rank=rank, world_size=cfg.engine.tp, config=cfg, spec=startup.spec, plan=startup.plan,
+                    input_ring=self.in_ring.segment.name, result_ring=self.out_ring.segment.name,
+                    num_slots=shm.num_slots, slot_bytes=slot_bytes, result_slot_bytes=result_bytes,
+                    doorbell_fd=doorbell[0], release_fd=release[1],
+                    result_doorbell_fd=result_doorbell[1] if rank == 0 else -1,
+                    result_release_fd=result_release[0] if rank == 0 else -1,
+                    control_fd=control[1], parent_pid=os.getpid(), register_host=shm.register_host,
+                )
+                child_ends = [doorbell[0], release[1], control[1]]
+                if rank == 0:
+                    child_ends += [result_doorbell[1], result_release[0]]
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "corelib.engine.worker"], stdin=subprocess.PIPE, pass_fds=child_ends,
+                )
+                assert process.stdin is not None, "Popen was asked for a stdin pipe"
+                process.stdin.write(pickle.dumps(args))
+                process.stdin.close()
+                for fd in (doorbell[0], release[1], control[1]):
+                    os.close(fd)  # so that a dead worker shows as EOF here
+                self.ranks.append(_Rank(process, Connection(control[0], writable=False),
+                                        Connection(doorbell[1], readable=False),
+                                        Connection(release[0], writable=False)))
+            os.close(result_doorbell[1])
+            os.close(result_release[0])
+            self._await_ready(self.timeout * STARTUP_TIMEOUT_FACTOR)
+            self.producer = Producer(self.in_ring, [r.doorbell for r in self.ranks], [r.release for r in self.ranks],
+                                     self.timeout, alive=self.why_gone, name="input ring")
+            self.consumer = Consumer(self.out_ring, self._result_pipes[0], self._result_pipes[1], self.timeout,
+                                     alive=self.why_gone, name="result ring")
+        except BaseException:
+            self._stop(graceful=False)
+            raise
+
+    # ------------------------------------------------------------------ liveness
+    def why_gone(self) -> str | None:
+        """None while every worker runs; else what happened to the first one that did not."""
+        for index, rank in enumerate(self.ranks):
+            if rank.message is None and rank.control.poll():
+                try:
+                    kind, text, _detail = rank.control.recv()
+                    if kind == "error":
+                        rank.message = f"worker rank {index} (pid {rank.process.pid}) stopped: {text}"
+                except (EOFError, OSError):
+                    pass
+            if rank.message is not None:
+                return rank.message
+            code = rank.process.poll()
+            if code is not None:
+                how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else (
+                    f"exited with code {code}")
+                return f"worker rank {index} (pid {rank.process.pid}) {how}"
+        return None
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.ranks))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"workers {sorted(pending)} did not start within {timeout:g} s")
+            for ready in wait([r.control for r in pending.values()], min(left, 0.25)):
+                index = next(i for i, r in pending.items() if r.control is ready)
+                try:
+                    kind, text, _detail = pending[index].control.recv()
+                except EOFError:
+                    raise WorkerDied(self.why_gone() or f"worker rank {index} exited during start") from None
+                if kind == "error":
+                    raise WorkerDied(f"worker rank {index} failed to start: {text}")
+                del pending[index]
+            reason = self.why_gone()
+            if reason is not None:
+                raise WorkerDied(reason)
+
+    # ------------------------------------------------------------------ steps
+    def submit(self, fi: ForwardInput) -> StepFuture:
+        kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
+        header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(fi.sample),
+                             sent_at=time.perf_counter(), layout=fi.layout.encode())
+        self.producer.write(header, fi.arena[: fi.layout.nbytes])
+        return _ShmFuture(self, fi.step_id)
+
+    def read_result(self, step_id: int, timeout: float) -> StepResult:
+        frame = self.consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
+        try:
+            if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
+                raise TransportError(f"result ring: expected the tokens of step {step_id}, got "
+                                     f"{frame.header.kind.name} frame for step {frame.header.step_id}")
+            return decode_result(frame.header, frame.payload.numpy().tobytes())
+        finally:
+            self.consumer.release(frame)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float) -> None:
+        self._stop(graceful=self.why_gone() is None)
+
+    def _stop(self, graceful: bool) -> None:
+        try:
+            if graceful and hasattr(self, "producer"):
+                with contextlib.suppress(TransportError, WorkerDied):
+                    self.producer.write(FrameHeader(FrameKind.stop, 0))
+            deadline = time.monotonic() + (self.timeout if graceful else 0.0)
+            for rank in self.ranks:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    rank.process.wait(max(0.0, deadline - time.monotonic()))
+            for rank in self.ranks:
+                for stop in (rank.process.terminate, rank.process.kill):
+                    if rank.process.poll() is None:
+                        stop()
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            rank.process.wait(5.0)
+        finally:
+            for rank in self.ranks:
+                for conn in (rank.control, rank.doorbell, rank.release):
+                    conn.close()
+            for conn in self._result_pipes:
+                conn.close()
+            self.in_ring.close()
+            self.out_ring.close()
