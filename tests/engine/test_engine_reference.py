@@ -18,6 +18,7 @@ def check_against_reference(make_engine: EngineFactory, overrides: list[str]) ->
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outputs = engine.generate(PROMPTS, params)
     for prompt, p, out in zip(PROMPTS, params, outputs, strict=True):
+        assert engine.weights is not None, 'in-process engines hold their weights'
         expected = reference_generate(engine.weights, prompt, p.max_tokens)
         assert out.output_token_ids == expected, f"prompt {prompt[:4]}...: engine and reference disagree"
         assert out.finish_reason == "length"
@@ -43,6 +44,7 @@ def test_preemption_keeps_tokens_exact(make_engine: EngineFactory) -> None:
 def test_eos_stops_the_request(make_engine: EngineFactory) -> None:
     probe = make_engine(["backend=cpu"])
     prompt = [9, 8, 7, 6]
+    assert probe.weights is not None, 'in-process engines hold their weights'
     free_run = reference_generate(probe.weights, prompt, 12)
     eos = free_run[5]
     engine = make_engine(["backend=cpu", f"model.eos_token_id={eos}"])
@@ -70,5 +72,5 @@ def test_eos_stops_the_request(make_engine: EngineFactory) -> None:
 @pytest.mark.parametrize("handoff", ["off", "on"])
 def test_graphs_and_handoff_match_reference(make_engine: EngineFactory, overrides: list[str], handoff: str) -> None:
     engine = check_against_reference(make_engine, [*overrides, f"engine.async_token_handoff={handoff}"])
-    assert engine.runner.num_graph_steps > 0, "decode steps were meant to replay graphs"
+    assert engine.metrics(1.0)["graph_steps"] > 0, "decode steps were meant to replay graphs"
     assert engine.async_handoff is (handoff == "on")
