@@ -1,4 +1,4 @@
-"""``python -m corelib {run,plan,backends,bench} [hydra overrides]``.
+"""``python -m corelib {run,plan,backends,bench} [hydra overrides]``, and ``trace-plot``.
 
 Exit codes: 0 success, 2 bad configuration or a refused plan, 1 runtime failure, 130 on
 Ctrl-C. A user error prints one line (``HYDRA_FULL_ERROR=1`` shows the traceback).
@@ -26,6 +26,7 @@ commands:
   plan      show which features are enabled and why, without running
   backends  list installed backend plugins and whether they run natively, emulated, or not at all
   bench     sweep batch size, handoff, transport and backend; print a table, write bench.json
+  trace-plot  render decode steps of trace.json files (engine.trace=true) into a PNG (trace-plot --help)
 
 examples:
   python -m corelib run backend=npu engine.async_token_handoff=on workload.num_requests=64
@@ -49,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": lambda r: _hydra_command("plan", r),
         "bench": lambda r: _hydra_command("bench", r),
         "backends": _backends_command,
+        "trace-plot": _trace_plot_command,
     }
     if command not in commands:
         return _report(ConfigError(f"unknown command {command!r}; expected one of {', '.join(commands)}"))
@@ -118,6 +120,12 @@ def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
     from corelib.commands import bench_task, plan_task, run_task
 
     return {"run": run_task, "plan": plan_task, "bench": bench_task}
+
+
+def _trace_plot_command(rest: list[str]) -> int:
+    from corelib.trace_plot import main as trace_plot
+
+    return trace_plot(rest)
 
 
 def _backends_command(rest: list[str]) -> int:

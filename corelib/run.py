@@ -105,6 +105,8 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
             outputs = _with_progress(engine, len(requests), console)
         wall = time.perf_counter() - start
         metrics = dict(engine.metrics(wall))
+        if cfg.engine.trace:
+            trace = engine.write_trace(run_dir.file("trace.json"))
         metrics.update(
             graph_steps=engine.runner.num_graph_steps,
             eager_steps=engine.runner.num_eager_steps,
@@ -117,4 +119,6 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     run_dir.write_metrics(metrics)
     console.print(summary_table(metrics))
     console.print(f"corelib: wrote {run_dir.path}/{{config.yaml,plan.json,metrics.json,outputs.jsonl}}")
+    if cfg.engine.trace:
+        console.print(f"corelib: wrote {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return metrics

@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +35,7 @@ from corelib.engine.scheduler import Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
 from corelib.engine.streaming import DeltaTracker, TokenDelta
+from corelib.engine.trace import NULL_TRACER, TimelineTracer, Tracer
 from corelib.errors import ConfigError, RequestError
 from corelib.features import Plan
 from corelib.models.llama import ModelShape, ModelWeights, build_weights, random_state_dict
@@ -158,6 +160,8 @@ class Engine:
                 self.scheduler, self.builder, self.buckets, self.runner, self.staging, self.async_handoff,
                 self._sync_reasons, engine_cfg.timeout_s,
             )
+            self.tracer: Tracer = TimelineTracer.for_runner(self.runner) if engine_cfg.trace else NULL_TRACER
+            self.core.attach_tracer(self.tracer)
         except BaseException:
             self.device.close()
             raise
@@ -312,6 +316,21 @@ class Engine:
             if on_finish is not None:
                 on_finish(output)
         return [results[i] for i in ids]
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the timeline of the steps so far as Chrome trace JSON (needs ``engine.trace=true``)."""
+        if not isinstance(self.tracer, TimelineTracer):
+            raise ConfigError("this engine records no trace: build it with engine.trace=true")
+        cfg = self.startup.config
+        spec = self.startup.spec
+        return self.tracer.write(path, {
+            "backend": spec.backend,
+            "runtime": spec.runtime.value,
+            "model": cfg.model.name,
+            "async_token_handoff": self.async_handoff,
+            "graphs": self.plan.is_enabled("graph"),
+            "max_num_seqs": cfg.engine.max_num_seqs,
+        })
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far."""

@@ -21,6 +21,7 @@ from corelib.engine.metrics import MetricsCollector
 from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, StepKind
 from corelib.engine.sequence import FinishReason, Sequence
+from corelib.engine.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
 
@@ -59,6 +60,7 @@ class EngineCore:
         self._in_flight: deque[InFlight] = deque()
         self._next_step_id = 0
         self.finished: list[Sequence] = []
+        self.tracer: Tracer = NULL_TRACER
 
     @property
     def num_in_flight(self) -> int:
@@ -66,7 +68,8 @@ class EngineCore:
 
     def iterate(self) -> bool:
         """Advance the loop by one decision. False when there is nothing left to do."""
-        decision = self.scheduler.schedule(in_flight=bool(self._in_flight), sync_check=self._check)
+        with self.tracer.span("schedule", SCHEDULER_LANE):
+            decision = self.scheduler.schedule(in_flight=bool(self._in_flight), sync_check=self._check)
         if isinstance(decision, ScheduledStep):
             self._submit(decision)
             if decision.synchronous or not self.async_handoff:
@@ -99,12 +102,14 @@ class EngineCore:
             rows, kv = len(step.seqs), 0
         arena = self.staging.acquire()
         try:
-            fi = self.builder.fill(step_id, step, arena, rows, kv)
+            with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
+                fi = self.builder.fill(step_id, step, arena, rows, kv)
             fi.on_release = lambda: self.staging.release(arena)
             if self.submitter is not None:
                 future = StepFuture(self.submitter.submit(fi))
             else:
-                future = StepFuture.done(self.runner.submit(fi))
+                with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
+                    future = StepFuture.done(self.runner.submit(fi))
         except BaseException:
             self.staging.release(arena)
             raise
@@ -113,10 +118,13 @@ class EngineCore:
 
     def _complete_oldest(self) -> None:
         item = self._in_flight.popleft()
-        tokens = item.future.result(self.timeout_s)
+        with self.tracer.span("wait for tokens", SCHEDULER_LANE):
+            tokens = item.future.result(self.timeout_s)
         if item.future.handle is not None:
             self.metrics.record(item.future.handle, item.path, item.step.sync_reasons)
-        self.finished.extend(self.scheduler.postprocess(item.step, tokens))
+            self.tracer.step(item.future.handle, item.path)
+        with self.tracer.span("postprocess", SCHEDULER_LANE):
+            self.finished.extend(self.scheduler.postprocess(item.step, tokens))
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""
@@ -134,6 +142,12 @@ class EngineCore:
         """Wait (bounded) for in-flight steps so the device no longer reads their inputs; drop their tokens."""
         while self._in_flight:
             self._in_flight.popleft().future.result(self.timeout_s)
+
+    def attach_tracer(self, tracer: Tracer) -> None:
+        """Record host spans of the loop and device spans of every completed step into ``tracer``."""
+        self.tracer = tracer
+        if self.submitter is not None:
+            self.submitter.tracer = tracer
 
     def close(self) -> None:
         if self.submitter is not None:

@@ -98,6 +98,7 @@ class ModelRunner:
         self.compute = device.stream("compute")
         self.d2h = device.stream("d2h") if caps.streams else self.compute
         self.timing = timing and caps.event_timing
+        self.time_tokens = False  # a trace times each step's D2H too: its tokens event then carries timing
         rows = builder.max_rows
         self.cache = KVCache(
             device.zeros(
@@ -241,7 +242,8 @@ class ModelRunner:
         if self.d2h is not compute:
             self.d2h.wait(end)
         self.d2h.copy(self.host_tokens[parity, :n], self.relay[parity, :n])
-        out = self.d2h.record(self.device.event(blocking=True, name=f"step{fi.step_id}.tokens"))
+        out = self.d2h.record(self.device.event(blocking=True, timing=self.time_tokens,
+                                                name=f"step{fi.step_id}.tokens"))
 
         def release() -> None:
             self._busy[parity] = False
