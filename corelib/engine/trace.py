@@ -189,11 +189,14 @@ class TimelineTracer(Tracer):
 
     def device_span(self, name: str, start: Event, end: Event, category: str = COPY_CATEGORY,
                     lane: str | None = None, **args: object) -> None:
-        if self._anchor is None:
-            return
+        if self._anchor is not None:
+            self._device_record(category, name, start, end, lane, args or None)
+
+    def _device_record(self, category: str, name: str, start: Event, end: Event, lane: str | None,
+                       args: Mapping[str, object] | None) -> None:
         begin = self._host_time(start)
         lane = lane or end.stream_name or "device"
-        self.add((category, name, lane, begin, self._host_time(end) - begin, args or None))
+        self.add((category, name, lane, begin, self._host_time(end) - begin, args))
 
     def step(self, handle: StepHandle, path: str) -> None:
         anchor = self._anchor
@@ -202,12 +205,12 @@ class TimelineTracer(Tracer):
             return
         if time.perf_counter() - anchor[1] > self.reanchor_s:
             self._reanchor()
-        kind = handle.kind.value
-        args = {"step": handle.step_id, "kind": kind, "batch": handle.num_seqs, "path": path}
-        self.device_span(f"{kind} {handle.step_id}", start, end, STEP_CATEGORY, **args)
+        kind, step_id = handle.kind.value, handle.step_id
+        args = {"step": step_id, "kind": kind, "batch": handle.num_seqs, "path": path}
+        self._device_record(STEP_CATEGORY, f"{kind} {step_id}", start, end, None, args)
         if self._time_tokens:
             # The D2H stream waits for the step's end event, then copies: the span starts there.
-            self.device_span(f"d2h {handle.step_id}", end, handle.event, COPY_CATEGORY, step=handle.step_id)
+            self._device_record(COPY_CATEGORY, f"d2h {step_id}", end, handle.event, None, {"step": step_id})
 
     # ------------------------------------------------------------------ output
     def trace_events(self) -> list[dict[str, Any]]:
