@@ -105,8 +105,7 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
             outputs = _with_progress(engine, len(requests), console)
         wall = time.perf_counter() - start
         metrics = dict(engine.metrics(wall))
-        if cfg.engine.trace:
-            trace = engine.write_trace(run_dir.file("trace.json"))
+        trace = engine.write_trace(run_dir.file("trace.json")) if cfg.engine.trace else None
         metrics.update(
             graph_steps=engine.runner.num_graph_steps,
             eager_steps=engine.runner.num_eager_steps,
@@ -119,6 +118,6 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     run_dir.write_metrics(metrics)
     console.print(summary_table(metrics))
     console.print(f"corelib: wrote {run_dir.path}/{{config.yaml,plan.json,metrics.json,outputs.jsonl}}")
-    if cfg.engine.trace:
+    if trace is not None:
         console.print(f"corelib: wrote {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return metrics

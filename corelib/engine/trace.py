@@ -5,8 +5,9 @@ per lane name (the thread's name unless the caller gives one). Device spans come
 events each step records anyway (``StepHandle.timing``) and are placed on the host clock
 through an anchor: an event recorded on an otherwise idle stream, waited for, and paired
 with the host time of that wait; ``anchor.elapsed_ms(event)`` then places every later
-event. The anchor is taken again at most once a second, so the drift between the device
-timer and the host clock never builds up over a long run.
+event. The anchor is taken again about once a second and the mapping corrected only when it
+no longer places the new anchor inside the host's wait for it: drift between the device timer
+and the host clock cannot build up, and spans do not jump while the two clocks agree.
 
 The engine's default tracer is :data:`NULL_TRACER`, whose methods do nothing: a disabled
 trace costs one method call per hook and creates no event. :class:`TimelineTracer` keeps
@@ -39,6 +40,7 @@ HOST_LANE_ORDER = (SCHEDULER_LANE, SUBMISSION_LANE, POLLING_LANE)
 DEVICE_LANE_ORDER = ("compute", "prepare", "d2h")
 
 HOST_CATEGORY = "host"
+MARK_CATEGORY = "mark"  # a point in time on a host lane
 STEP_CATEGORY = "step"  # a step's compute span: H2D of its inputs, the forward, sampling
 COPY_CATEGORY = "copy"  # a device copy such as the D2H of a step's tokens
 DEVICE_CATEGORIES = frozenset({STEP_CATEGORY, COPY_CATEGORY})
@@ -155,7 +157,7 @@ class TimelineTracer(Tracer):
         return _HostSpan(self, name, lane or threading.current_thread().name, args or None)
 
     def instant(self, name: str, lane: str | None = None, **args: object) -> None:
-        self.add((HOST_CATEGORY, name, lane or threading.current_thread().name, time.perf_counter(), 0.0,
+        self.add((MARK_CATEGORY, name, lane or threading.current_thread().name, time.perf_counter(), 0.0,
                   args or None))
 
     # ------------------------------------------------------------------ device clock
@@ -165,6 +167,7 @@ class TimelineTracer(Tracer):
         # A stream of its own is idle whatever the engine's streams run, so its event is
         # timestamped as soon as it is recorded.
         self._anchor_stream = device.stream("trace-anchor")
+        device.synchronize()  # where streams share one queue, the first anchor must not wait behind work
         self._reanchor()
 
     def _reanchor(self) -> None:
@@ -177,8 +180,10 @@ class TimelineTracer(Tracer):
         stream.record(event)
         event.synchronize()
         after = time.perf_counter()
-        # The device stamped the event between the two host reads; the midpoint errs by at most half the wait.
-        self._anchor = (event, (before + after) / 2)
+        # The device stamped the event between the two host reads. The first anchor takes the midpoint;
+        # later ones keep the current mapping unless it places the event outside that window.
+        host = (before + after) / 2 if self._anchor is None else min(max(self._host_time(event), before), after)
+        self._anchor = (event, host)
         self.add((HOST_CATEGORY, "trace anchor", SCHEDULER_LANE, before, after - before, None))
 
     def _host_time(self, event: Event) -> float:
@@ -238,6 +243,9 @@ class TimelineTracer(Tracer):
             event: dict[str, Any] = {"ph": "X", "cat": category, "name": name, "pid": pid,
                                      "tid": lanes[(pid, lane)], "ts": (start - origin) * 1e6,
                                      "dur": max(duration, 0.0) * 1e6}
+            if category == MARK_CATEGORY:
+                event.update(ph="i", s="t")
+                del event["dur"]
             if args:
                 event["args"] = dict(args)
             events.append(event)

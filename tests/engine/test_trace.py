@@ -31,8 +31,12 @@ def spans_on(trace: dict[str, Any], lane: str) -> list[dict[str, Any]]:
     return sorted(spans, key=lambda e: e["ts"])
 
 
-def traced_run(make_engine: EngineFactory, tmp_path: Path, handoff: str) -> tuple[dict[str, Any], int]:
+def traced_run(make_engine: EngineFactory, tmp_path: Path, handoff: str,
+               reanchor_s: float | None = None) -> tuple[dict[str, Any], int]:
     engine = make_engine([*EMULATED, "engine.trace=true", f"engine.async_token_handoff={handoff}"])
+    if reanchor_s is not None:
+        assert isinstance(engine.tracer, TimelineTracer), "engine.trace=true gives a recording tracer"
+        engine.tracer.reanchor_s = reanchor_s
     engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     path = engine.write_trace(tmp_path / "trace.json")
     return json.loads(path.read_text()), len(engine.core.metrics.steps)
@@ -61,10 +65,13 @@ def test_trace_has_each_lane_and_one_device_span_per_step(make_engine: EngineFac
     assert trace["otherData"]["corelib"]["dropped_events"] == 0
 
 
-@pytest.mark.parametrize("handoff", ["off", "on"])
+@pytest.mark.parametrize(("handoff", "reanchor_s"), [("off", None), ("on", None), ("on", 0.0)],
+                         ids=["sync", "async", "async-reanchor-every-step"])
 def test_device_spans_on_the_compute_lane_never_overlap(make_engine: EngineFactory, tmp_path: Path,
-                                                        handoff: str) -> None:
-    trace, _ = traced_run(make_engine, tmp_path, handoff)
+                                                        handoff: str, reanchor_s: float | None) -> None:
+    trace, num_steps = traced_run(make_engine, tmp_path, handoff, reanchor_s)
+    anchors = [e for e in spans_on(trace, "scheduler") if e["name"] == "trace anchor"]
+    assert len(anchors) == (1 if reanchor_s is None else num_steps + 1)
     spans = spans_on(trace, "compute")
     for before, after in itertools.pairwise(spans):
         assert after["ts"] >= before["ts"] + before["dur"] - 1e-3, (before["name"], after["name"])
@@ -100,6 +107,7 @@ def test_spans_from_other_threads_get_their_own_lane(tmp_path: Path) -> None:
             pass
         with tracer.span("h2d issue", lane="polling"):
             pass
+        tracer.instant("slot reused", lane="polling")
 
     thread = threading.Thread(target=poll, name="corelib-poll")
     thread.start()
@@ -109,6 +117,7 @@ def test_spans_from_other_threads_get_their_own_lane(tmp_path: Path) -> None:
     trace = json.loads(tracer.write(tmp_path / "trace.json").read_text())
     assert [e["args"] for e in spans_on(trace, "corelib-poll")] == [{"step": 3}]
     assert [e["name"] for e in spans_on(trace, "polling")] == ["h2d issue"]
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "i"] == ["slot reused"]
     assert [e["name"] for e in spans_on(trace, "scheduler")] == ["schedule"]
 
 
