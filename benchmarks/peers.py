@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import platform
 import statistics
 import sys
@@ -76,16 +77,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    sync(device)
+    """``fn()`` and its wall time, the device synchronized before and after."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    synchronize(device)
     start = time.perf_counter()
     result = fn()
-    sync(device)
+    synchronize(device)
     return result, time.perf_counter() - start
 
 
@@ -177,17 +175,10 @@ def copy_bandwidth(device: Device, mib: int, repeats: int = 5) -> float:
 def weight_bytes(shape: ModelShape) -> tuple[int, int]:
     """(bytes a decode step reads, bytes of all parameters): a step gathers only its rows of the embedding."""
     size = torch.empty((), dtype=shape.dtype).element_size()
-    counts = {name: _numel(dims) for name, dims in hf_parameter_shapes(shape).items()}
+    counts = {name: math.prod(dims) for name, dims in hf_parameter_shapes(shape).items()}
     total = sum(counts.values()) * size
     embed = 0 if shape.tie_word_embeddings else counts["model.embed_tokens.weight"] * size
     return total - embed, total
-
-
-def _numel(dims: Sequence[int]) -> int:
-    count = 1
-    for dim in dims:
-        count *= dim
-    return count
 
 
 # ---------------------------------------------------------------------- transformers
@@ -225,13 +216,14 @@ def hf_model(shape: ModelShape, state: dict[str, torch.Tensor], device: torch.de
     return model.eval()
 
 
-def hf_run(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> tuple[Json, list[list[int]]]:
+def hf_run(model: Any, prompts: list[list[int]], args: argparse.Namespace,
+           compile_: bool) -> tuple[Json, list[list[int]]]:
     device, new_tokens = model.device, args.new_tokens
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
 
     # Passed only when asked for: transformers releases before the option reject the keyword.
-    no_compile = {"disable_compile": True} if args.no_compile else {}
+    no_compile = {} if compile_ else {"disable_compile": True}
 
     def generate(count: int) -> torch.Tensor:
         out: torch.Tensor = model.generate(ids, attention_mask=mask, max_new_tokens=count, do_sample=False,
@@ -302,14 +294,20 @@ def run(args: argparse.Namespace) -> Json:
 
     model, result["transformers"] = load_transformers(args, shape, state, torch_device)
     result["model"] = {"preset": args.model, "dtype": str(shape.dtype).removeprefix("torch."), "seed": args.seed,
-                       "parameters": sum(_numel(d) for d in hf_parameter_shapes(shape).values())}
+                       "parameters": sum(math.prod(d) for d in hf_parameter_shapes(shape).values())}
     result["points"] = []
     for batch_size in args.batch_sizes:
         prompts = prompts_for(batch_size, args.prompt_len, shape.vocab_size, seed=1000 + batch_size)
         point: Json = {"batch_size": batch_size}
         hf_tokens = None
         if model is not None:
-            point["transformers"], hf_tokens = hf_run(model, prompts, args)
+            try:
+                point["transformers"], hf_tokens = hf_run(model, prompts, args, not args.no_compile)
+            except Exception as error:  # a failed compile must not cost the whole run: retry eagerly
+                if args.no_compile:
+                    raise
+                point["transformers"], hf_tokens = hf_run(model, prompts, args, compile_=False)
+                point["transformers"]["compile_error"] = f"{type(error).__name__}: {error}"[:400]
         tokens: dict[str, list[list[int]]] = {}
         for handoff, name in (("off", "corelib_sync"), ("on", "corelib_async")):
             try:
