@@ -5,17 +5,18 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from corelib.cli import main
-from corelib.engine import SamplingParams
+from corelib.engine import Engine, SamplingParams
 from corelib.engine.trace import NULL_TRACER, TimelineTracer
 from corelib.errors import ConfigError
-from tests.conftest import EngineFactory
 
+EngineFactory = Callable[[Sequence[str]], Engine]  # the make_engine fixture of conftest.py
 EMULATED = ["backend=cuda", "backend.runtime=emulated", "engine.max_num_seqs=4", "model.max_model_len=128"]
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
 NEW_TOKENS = 12
