@@ -1,4 +1,4 @@
-"""``python -m corelib {run,plan,backends,bench} [hydra overrides]``.
+"""``python -m corelib {run,plan,backends,bench} [hydra overrides]``, and ``trace-plot``.
 
 Exit codes: 0 success, 2 bad configuration or a refused plan, 1 runtime failure, 130 on
 Ctrl-C. A user error prints one line (``HYDRA_FULL_ERROR=1`` shows the traceback).
@@ -28,6 +28,7 @@ commands:
   plan      show which features are enabled and why, without running
   backends  list installed backend plugins and whether they run natively, emulated, or not at all
   bench     sweep batch size, handoff, transport and backend; print a table, write bench.json
+  trace-plot  render decode steps of trace.json files (engine.trace=true) into a PNG (trace-plot --help)
 
 Every command but backends takes Hydra overrides: pick an option per group (backend=npu,
 model=small-0.6b) and set any key (engine.async_token_handoff=on). COMMAND --help lists them.
@@ -58,7 +59,7 @@ _PLAIN_FLAGS = frozenset(
      "-sc", "--shell-completion"}
 )
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-_COMMANDS = ("run", "plan", "backends", "bench")
+_COMMANDS = ("run", "plan", "backends", "bench", "trace-plot")
 # Flags that leave the config tree as it is, so composing without them gives the same result.
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 
@@ -79,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"unknown command {command!r}; expected one of {', '.join(_COMMANDS)} ({hint})")
         if command == "backends":
             return _backends_command(rest)
+        if command == "trace-plot":
+            return _trace_plot_command(rest)
         return _hydra_command(command, rest)
     except CorelibError as error:
         return _report(error)
@@ -297,6 +300,12 @@ def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
     from corelib.commands import bench_task, plan_task, run_task
 
     return {"run": run_task, "plan": plan_task, "bench": bench_task}
+
+
+def _trace_plot_command(rest: list[str]) -> int:
+    from corelib.trace_plot import main as trace_plot
+
+    return trace_plot(rest)
 
 
 def _backends_command(rest: list[str]) -> int:

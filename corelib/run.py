@@ -103,6 +103,7 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
             outputs = _with_progress(engine, len(requests), console)
         wall = time.perf_counter() - start
         metrics = dict(engine.metrics(wall))
+        trace = engine.write_trace(run_dir.file("trace.json")) if cfg.engine.trace else None
         metrics.update(
             preemptions=engine.scheduler.num_preemptions,
             backend=startup.spec.backend,
@@ -113,4 +114,6 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     run_dir.write_metrics(metrics)
     console.print(summary_table(metrics))
     console.print(f"corelib: wrote {run_dir.path}/{{config.yaml,plan.json,metrics.json,outputs.jsonl}}")
+    if trace is not None:
+        console.print(f"corelib: wrote {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return metrics

@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -35,6 +36,7 @@ from corelib.engine.scheduler import Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
 from corelib.engine.streaming import DeltaTracker, TokenDelta
+from corelib.engine.trace import NULL_TRACER, TimelineTracer, Tracer
 from corelib.errors import ConfigError, RequestError
 from corelib.features import Plan
 from corelib.models.llama import ModelWeights
@@ -151,6 +153,25 @@ class Engine:
             self.scheduler, self.builder, self.buckets, executor, staging, self.async_handoff,
             self._sync_reasons, engine_cfg.timeout_s,
         )
+        self.tracer: Tracer = NULL_TRACER
+        if engine_cfg.trace:
+            # Device spans come from the events of an in-process runner; over SHM only host spans.
+            self.tracer = TimelineTracer.for_runner(self.runner) if self.runner is not None else TimelineTracer()
+            self.core.attach_tracer(self.tracer)
+
+    @property
+    def local_runner(self) -> ModelRunner:
+        """The in-process runner; with engine.transport=shm the workers own theirs."""
+        if self.runner is None:
+            raise RuntimeError("engine.transport=shm: the model runs in the worker processes")
+        return self.runner
+
+    @property
+    def local_device(self) -> Device:
+        """The in-process device; with engine.transport=shm the workers own theirs."""
+        if self.device is None:
+            raise RuntimeError("engine.transport=shm: the device belongs to the worker processes")
+        return self.device
 
     @staticmethod
     def _pinned(device: Device) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
@@ -306,6 +327,21 @@ class Engine:
             if on_finish is not None:
                 on_finish(output)
         return [results[i] for i in ids]
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the timeline of the steps so far as Chrome trace JSON (needs ``engine.trace=true``)."""
+        if not isinstance(self.tracer, TimelineTracer):
+            raise ConfigError("this engine records no trace: build it with engine.trace=true")
+        cfg = self.startup.config
+        spec = self.startup.spec
+        return self.tracer.write(path, {
+            "backend": spec.backend,
+            "runtime": spec.runtime.value,
+            "model": cfg.model.name,
+            "async_token_handoff": self.async_handoff,
+            "graphs": self.plan.is_enabled("graph"),
+            "max_num_seqs": cfg.engine.max_num_seqs,
+        })
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far."""

@@ -21,6 +21,7 @@ from corelib.engine.handoff import StagingPool
 from corelib.engine.metrics import MetricsCollector
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, StepKind
 from corelib.engine.sequence import FinishReason, Sequence
+from corelib.engine.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
 
@@ -58,6 +59,7 @@ class EngineCore:
         self._in_flight: deque[InFlight] = deque()
         self._next_step_id = 0
         self.finished: list[Sequence] = []
+        self.tracer: Tracer = NULL_TRACER
 
     @property
     def num_in_flight(self) -> int:
@@ -65,7 +67,8 @@ class EngineCore:
 
     def iterate(self) -> bool:
         """Advance the loop by one decision. False when there is nothing left to do."""
-        decision = self.scheduler.schedule(in_flight=bool(self._in_flight), sync_check=self._check)
+        with self.tracer.span("schedule", SCHEDULER_LANE):
+            decision = self.scheduler.schedule(in_flight=bool(self._in_flight), sync_check=self._check)
         if isinstance(decision, ScheduledStep):
             self._submit(decision)
             if decision.synchronous or not self.async_handoff:
@@ -98,10 +101,12 @@ class EngineCore:
             rows, kv = len(step.seqs), 0
         arena = self.staging.acquire()
         try:
-            fi = self.builder.fill(step_id, step, arena, rows, kv)
+            with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
+                fi = self.builder.fill(step_id, step, arena, rows, kv)
             if not self.executor.copies_inputs:
                 fi.on_release = lambda: self.staging.release(arena)  # once the device no longer reads it
-            future = self.executor.submit(fi)
+            with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
+                future = self.executor.submit(fi)
         except BaseException:
             self.staging.release(arena)
             raise
@@ -112,9 +117,13 @@ class EngineCore:
 
     def _complete_oldest(self) -> None:
         item = self._in_flight.popleft()
-        result = item.future.result(self.timeout_s)
+        with self.tracer.span("wait for tokens", SCHEDULER_LANE):
+            result = item.future.result(self.timeout_s)
         self.metrics.record(result, item.path, item.step.sync_reasons)
-        self.finished.extend(self.scheduler.postprocess(item.step, result.tokens))
+        if result.handle is not None:
+            self.tracer.step(result.handle, item.path)
+        with self.tracer.span("postprocess", SCHEDULER_LANE):
+            self.finished.extend(self.scheduler.postprocess(item.step, result.tokens))
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""
@@ -132,6 +141,11 @@ class EngineCore:
         """Wait (bounded) for in-flight steps so the device no longer reads their inputs; drop their tokens."""
         while self._in_flight:
             self._in_flight.popleft().future.result(self.timeout_s)
+
+    def attach_tracer(self, tracer: Tracer) -> None:
+        """Record host spans of the loop and device spans of every completed step into ``tracer``."""
+        self.tracer = tracer
+        self.executor.attach_tracer(tracer)
 
     def close(self) -> None:
         self.executor.close(self.timeout_s)

@@ -12,6 +12,7 @@ from corelib.engine.forward_input import ForwardInput
 from corelib.engine.handoff import SubmissionThread
 from corelib.engine.metrics import StepResult
 from corelib.engine.runner import ModelRunner, StepHandle
+from corelib.engine.trace import Tracer
 from corelib.errors import DeviceTimeout
 
 
@@ -33,6 +34,10 @@ class Executor(ABC):
 
     @abstractmethod
     def close(self, timeout: float) -> None: ...
+
+    def attach_tracer(self, tracer: Tracer) -> None:
+        """Record spans of the threads this executor runs (none by default)."""
+        del tracer
 
 
 class _InprocFuture(StepFuture):
@@ -61,6 +66,10 @@ class InprocExecutor(Executor):
         done: Future[StepHandle] = Future()
         done.set_result(self.runner.submit(fi))
         return _InprocFuture(self.runner, done)
+
+    def attach_tracer(self, tracer: Tracer) -> None:
+        if self.submitter is not None:
+            self.submitter.tracer = tracer
 
     def close(self, timeout: float) -> None:
         try:

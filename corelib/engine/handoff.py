@@ -13,6 +13,7 @@ import torch
 
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.runner import ModelRunner, StepHandle
+from corelib.engine.trace import NULL_TRACER, SUBMISSION_LANE, Tracer
 from corelib.errors import DeviceTimeout
 
 
@@ -60,6 +61,7 @@ class SubmissionThread:
         self._runner = runner
         self._queue: queue.SimpleQueue[tuple[ForwardInput, Future[StepHandle]] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self.tracer: Tracer = NULL_TRACER
         self._thread = threading.Thread(target=self._run, name="corelib-submit", daemon=True)
         self._thread.start()
 
@@ -81,7 +83,9 @@ class SubmissionThread:
                 future.set_exception(RuntimeError(f"the submission thread stopped after an error: {self._error!r}"))
                 continue
             try:
-                future.set_result(self._runner.submit(fi))
+                with self.tracer.span("submit", SUBMISSION_LANE, step=fi.step_id):
+                    handle = self._runner.submit(fi)
+                future.set_result(handle)
             except BaseException as error:  # noqa: BLE001 - handed to the caller with its traceback
                 self._error = error
                 future.set_exception(error)

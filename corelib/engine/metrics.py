@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corelib.engine.scheduler import StepKind
+
+if TYPE_CHECKING:
+    from corelib.engine.runner import StepHandle
 from corelib.engine.sequence import FinishReason, Sequence
 
 
@@ -22,6 +25,7 @@ class StepResult:
     gap_ms: float | None = None  # device idle time since the previous step ended (events)
     graph: bool = False  # a decode step that replayed a captured graph
     transport_us: float | None = None  # SHM: producer commit to inputs ready in the worker
+    handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class ModelRunner:
         self._consumed: Event | None = None  # compute has finished reading the decode arena
         self._prev_end: Event | None = None
         self.timing = timing and caps.event_timing
+        self.time_tokens = False  # a trace times each step's D2H too: its tokens event then carries timing
         rows = builder.max_rows
         self.cache = KVCache(
             device.zeros(
@@ -262,7 +263,8 @@ class ModelRunner:
         if self.d2h is not compute:
             self.d2h.wait(end)
         self.d2h.copy(self.host_tokens[parity, :n], self.relay[parity, :n])
-        out = self.d2h.record(self.device.event(blocking=True, name=f"step{fi.step_id}.tokens"))
+        out = self.d2h.record(self.device.event(blocking=True, timing=self.time_tokens,
+                                                name=f"step{fi.step_id}.tokens"))
 
         def release() -> None:
             self._busy[parity] = False
@@ -282,7 +284,7 @@ class ModelRunner:
             if self._prev_end is not None:
                 gap = max(0.0, self._prev_end.elapsed_ms(start))
         self._prev_end = end
-        return StepResult(handle.step_id, handle.kind, tokens, busy, gap, handle.graph)
+        return StepResult(handle.step_id, handle.kind, tokens, busy, gap, handle.graph, handle=handle)
 
     def materialize_early(self, fi: ForwardInput, stream: Stream) -> ForwardInput:
         """The early path: ``stream`` (the polling thread's) issues the H2D now, from ``fi.arena``.
