@@ -95,6 +95,8 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     tokenizer = Tokenizer.from_directory(cfg.model.path)
     requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.model.eos_token_id, tokenizer)
     with Engine(startup) as engine:
+        for notice in engine.notices:
+            console.print(f"corelib: {notice}", markup=False)
         ids = [engine.add_request(r.prompt_token_ids, r.sampling, multimodal=r.multimodal) for r in requests]
         start = time.perf_counter()
         if any(r.prompt is not None for r in requests):
@@ -109,6 +111,8 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
             backend=startup.spec.backend,
             runtime=startup.spec.runtime.value,
             async_token_handoff=engine.async_handoff,
+            transport=cfg.engine.transport.value,
+            shm_materialization=engine.materialization,
         )
     run_dir.write_outputs(outputs[i].record() for i in ids)
     run_dir.write_metrics(metrics)

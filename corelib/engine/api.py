@@ -129,11 +129,22 @@ class Engine:
         self.device: Device | None = None
         self.weights: ModelWeights | None = None
         self.runner: ModelRunner | None = None
+        self.notices: list[str] = []  # things the user should hear about, said once at start
+        self.materialization = "-"
         executor: Executor
         if engine_cfg.transport is Transport.shm:
             from corelib.engine.transport import ShmExecutor
 
             executor = ShmExecutor(startup, self.layout)
+            if executor.stale_segments:
+                self.notices.append(
+                    f"removed {len(executor.stale_segments)} shared-memory segment(s) left by a run that crashed: "
+                    + ", ".join(executor.stale_segments)
+                )
+            if startup.spec.capabilities.device_is_host:
+                self.materialization = "host copy"
+            else:
+                self.materialization = "ordered" if self.plan.is_enabled("shm_ordered_materialization") else "early"
             staging = StagingPool(_pageable, self.layout.staging_bytes, STAGING_BUFFERS, engine_cfg.timeout_s)
         else:
             self.device = device = startup.backend.open(startup.spec)

@@ -185,6 +185,7 @@ class Ring:
         # One tensor over the whole segment, slots as views of it: registering ``whole`` pins them all.
         self.whole = segment.tensor(0, num_slots * slot_bytes)
         self._payloads = [self.whole[i * slot_bytes + HEADER_BYTES : (i + 1) * slot_bytes] for i in range(num_slots)]
+        self._closed = False
 
     @classmethod
     def create(cls, role: str, num_slots: int, slot_bytes: int) -> Ring:
@@ -202,6 +203,10 @@ class Ring:
         return self._payloads[slot]
 
     def close(self) -> None:
+        """Drop the views, unmap, and (owner) unlink. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
         self._payloads.clear()
         del self.whole
         self.segment.close()

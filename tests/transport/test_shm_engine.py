@@ -1,0 +1,109 @@
+"""The engine over SHM: same tokens as in-process, nothing left behind, failures named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from corelib.engine import Engine, SamplingParams
+from corelib.engine.shm import PREFIX, SHM_DIR
+from corelib.engine.transport import ShmExecutor
+from corelib.errors import WorkerDied
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, list(range(200, 217)), [3, 4], [9] * 12]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 33, 5, 1, 40, 9)]
+
+
+def our_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{PREFIX}-{os.getpid()}-")}
+
+
+def tokens(overrides: list[str]) -> list[list[int]]:
+    with Engine.from_overrides(overrides) as engine:
+        return [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["backend=cpu"], id="cpu"),
+        pytest.param(["backend=npu", "backend.emulator.chaos=0.3"], id="npu-auto-ordered"),
+        pytest.param(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.3"], id="cuda-auto-early"),
+        pytest.param(["backend=mlu", "backend.emulator.chaos=0.3", "engine.async_token_handoff=off"],
+                     id="mlu-sync"),
+        pytest.param(["backend=cuda", "backend.runtime=native"], id="cuda-native",
+                     marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]),
+    ],
+)
+def test_shm_tokens_equal_inproc(overrides: list[str]) -> None:
+    before = our_segments()
+    assert tokens([*overrides, "engine.transport=shm"]) == tokens(overrides)
+    assert our_segments() == before, "segments were left behind"
+
+
+def test_a_killed_worker_is_named_quickly_and_nothing_leaks() -> None:
+    before = our_segments()
+    engine = Engine.from_overrides(["backend=npu", "engine.transport=shm", "engine.timeout_s=30"])
+    executor = engine.core.executor
+    assert isinstance(executor, ShmExecutor)
+    pid = executor.ranks[0].process.pid
+    for i in range(4):
+        engine.add_request([i + 2, i + 3], SamplingParams(max_tokens=500, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied, match=rf"worker rank 0 \(pid {pid}\) was killed by SIGKILL"):
+        while engine.has_unfinished:
+            engine.step()
+    assert time.monotonic() - started < 5.0, "the dead worker was noticed too late"
+    engine.close()
+    assert executor.ranks[0].process.poll() is not None
+    assert our_segments() == before
+
+
+def test_a_corrupt_frame_stops_the_engine_naming_the_frame() -> None:
+    engine = Engine.from_overrides(["backend=cpu", "engine.transport=shm"])
+    executor = engine.core.executor
+    assert isinstance(executor, ShmExecutor)
+
+    def flip(header: object, payload: torch.Tensor) -> None:
+        if getattr(header, "seq", 0) == 3:
+            payload[10] ^= 0x01
+
+    executor.producer.tamper = flip
+    with pytest.raises(WorkerDied, match=r"input ring \(rank 0\) frame 3 \(slot 3\): bad checksum"):
+        engine.generate(PROMPTS, PARAMS)
+    engine.close()
+
+
+def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
+    leftover = SHM_DIR / f"{PREFIX}-{2**22 + 777}-cafe0001-in"
+    leftover.write_bytes(b"\0" * 4096)
+    with Engine.from_overrides(["backend=cpu", "engine.transport=shm"]) as engine:
+        assert any(leftover.name in notice for notice in engine.notices)
+    assert not leftover.exists()
+
+
+def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
+    from corelib.compose import compose_config
+    from corelib.engine.build import EngineLayout, build_runner, model_weights
+    from corelib.engine.worker import Materializer
+    from corelib.plugins import PluginRegistry
+    from corelib.startup import start
+
+    startup = start(compose_config(["backend=cpu", "engine.transport=shm"]), PluginRegistry())
+    assert not startup.plan.is_enabled("shm_ordered_materialization")
+    with startup.backend.open(startup.spec) as device:
+        layout = EngineLayout.of(startup.config)
+        runner = build_runner(device, startup.config, startup.plan, layout, model_weights(startup.config, device))
+        materialize = Materializer(device, runner, ordered=False, snapshot_bytes=1024, timeout=1.0)
+        assert runner.decode_arena is None, "the cpu runner reads its inputs where they are: no device copy"
+        assert materialize.stream is None and not materialize.early
+        snapshots = [materialize.pool.acquire() for _ in range(2)]
+        assert not any(s.is_pinned() for s in snapshots)
+        assert device.memory_stats().pinned_bytes == 0
