@@ -5,17 +5,31 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from ringkit import Wired
+from ringkit import Wired, wire
 
 from corelib.engine import shm
 from corelib.engine.shm import SHM_DIR, FrameHeader, FrameKind, Segment, sweep_stale
 from corelib.errors import TransportError
 
 Make = Callable[..., Wired]
+
+
+@pytest.fixture
+def wired() -> Iterator[Make]:
+    made: list[Wired] = []
+
+    def make(**kwargs: object) -> Wired:
+        result = wire(**kwargs)  # type: ignore[arg-type]
+        made.append(result)
+        return result
+
+    yield make
+    for w in made:
+        w.ring.close()
 
 
 def header(step: int = 0) -> FrameHeader:
@@ -80,7 +94,7 @@ def test_back_pressure_waits_for_every_consumer(wired: Make) -> None:
 
 def test_a_payload_larger_than_a_slot_is_refused(wired: Make) -> None:
     w = wired(slot_bytes=2048)
-    with pytest.raises(TransportError, match="raise engine.shm.slot_bytes"):
+    with pytest.raises(TransportError, match=r"raise engine\.shm\.slot_bytes"):
         w.producer.write(header(0), torch.zeros(4096, dtype=torch.uint8))
 
 
