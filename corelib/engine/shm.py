@@ -212,6 +212,18 @@ class Ring:
         self.segment.close()
 
 
+def _explain(alive: Callable[[], str | None], fallback: str, grace: float = 2.0) -> str:
+    """Why the peer is gone: a closed pipe shows before the exit status, so ask again briefly."""
+    deadline = time.monotonic() + grace
+    while True:
+        reason = alive()
+        if reason is not None:
+            return reason
+        if time.monotonic() >= deadline:
+            return fallback
+        time.sleep(0.01)
+
+
 def _wait_readable(conn: Connection, timeout: float, who: str, alive: Callable[[], str | None]) -> None:
     """Wait until ``conn`` has data, checking ``alive`` (None or why the peer is gone) as we go."""
     deadline = time.monotonic() + timeout
@@ -262,7 +274,8 @@ class Producer:
                 try:
                     slot, seq = struct.unpack("<iq", conn.recv_bytes())
                 except EOFError:
-                    raise WorkerDied(self._alive() or f"consumer {index} of {self._name} closed its pipe") from None
+                    gone = f"consumer {index} of {self._name} closed its pipe"
+                    raise WorkerDied(_explain(self._alive, gone)) from None
                 self._released[index][slot] = max(self._released[index][slot], seq)
 
     def write(self, header: FrameHeader, payload: torch.Tensor | bytes | None = None) -> int:
@@ -295,7 +308,7 @@ class Producer:
             try:
                 bell.send_bytes(note)
             except (BrokenPipeError, ConnectionResetError, OSError):
-                raise WorkerDied(self._alive() or f"a consumer of {self._name} is gone") from None
+                raise WorkerDied(_explain(self._alive, f"a consumer of {self._name} is gone")) from None
         return seq
 
     def _payload_offset(self, slot: int) -> int:
@@ -329,7 +342,7 @@ class Consumer:
         try:
             slot, seq = struct.unpack("<iq", self._doorbell.recv_bytes())
         except EOFError:
-            raise WorkerDied(self._alive() or f"the producer of {self._name} closed its pipe") from None
+            raise WorkerDied(_explain(self._alive, f"the producer of {self._name} closed its pipe")) from None
         where = f"{self._name} frame {seq} (slot {slot})"
         if seq != self._expected or slot != seq % self.ring.num_slots:
             expected = self._expected
@@ -360,4 +373,4 @@ class Consumer:
         try:
             self._release.send_bytes(struct.pack("<iq", frame.slot, frame.header.seq))
         except (BrokenPipeError, ConnectionResetError, OSError):
-            raise WorkerDied(self._alive() or f"the producer of {self._name} is gone") from None
+            raise WorkerDied(_explain(self._alive, f"the producer of {self._name} is gone")) from None

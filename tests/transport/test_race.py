@@ -34,7 +34,7 @@ def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
 def _busy_polling_stream(device: object, stream: object) -> None:
     # The polling stream of a real engine has work queued; a short sleep kernel stands in for it.
     with torch.cuda.stream(stream.native):  # type: ignore[attr-defined]
-        torch.cuda._sleep(200_000)
+        torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.gpu
