@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.config import CorelibConfig
+from corelib.config import CorelibConfig, Transport
 from corelib.device import Capabilities, Device
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.buckets import BucketPolicy
@@ -19,6 +19,7 @@ from corelib.engine.runner import ModelRunner
 from corelib.errors import ConfigError
 from corelib.features import Plan
 from corelib.models.llama import ModelShape, ModelWeights, build_weights, random_state_dict
+from corelib.models.sharding import TensorShard, check_divisible
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,18 @@ class EngineLayout:
                 f"one request of model.max_model_len={model.max_model_len} needs {max_blocks} blocks "
                 f"of {block_size} (+1 null block): raise engine.num_kv_blocks or lower model.max_model_len"
             )
+        if engine.tp < 1:
+            raise ConfigError(f"engine.tp={engine.tp}: must be at least 1")
+        if engine.tp > 1:
+            if engine.transport is not Transport.shm:
+                raise ConfigError(
+                    f"engine.tp={engine.tp} runs one worker process per rank, fed through shared memory: "
+                    "add engine.transport=shm"
+                )
+            if engine.compile:
+                raise ConfigError("engine.compile=true is not supported with engine.tp>1 (collectives in the "
+                                  "compiled layer); drop one of them")
+            check_divisible(ModelShape.from_config(model), engine.tp)
         return cls(
             rows=engine.max_num_seqs,
             block_size=block_size,
@@ -69,14 +82,18 @@ class EngineLayout:
                                   capabilities.graph_param_update)
 
 
-def model_weights(config: CorelibConfig, device: Device) -> ModelWeights:
-    """Random seeded weights, or a checkpoint when ``model.path`` is set."""
+def model_weights(config: CorelibConfig, device: Device, shard: TensorShard | None = None) -> ModelWeights:
+    """Random seeded weights, or a checkpoint when ``model.path`` is set; ``shard``: one rank's part."""
     if config.model.path:
         from corelib.models.checkpoint import load_checkpoint
 
-        return load_checkpoint(config.model, device.torch_device)
+        return load_checkpoint(config.model, device.torch_device, shard)
     shape = ModelShape.from_config(config.model)
-    return build_weights(shape, random_state_dict(shape, config.model.seed), device.torch_device)
+    state = random_state_dict(shape, config.model.seed)  # the full model, identical on every rank
+    if shard is None:
+        return build_weights(shape, state, device.torch_device)
+    local = {name: shard.slice(name, tensor) for name, tensor in state.items()}
+    return build_weights(shard.shape(shape), local, device.torch_device)
 
 
 def build_runner(

@@ -249,8 +249,10 @@ class Producer:
         timeout_s: float,
         alive: Callable[[], str | None] = lambda: None,
         name: str = "ring",
+        consumer_names: Sequence[str] | None = None,
     ) -> None:
         self.ring = ring
+        self._consumer_names = list(consumer_names or [f"consumer {i}" for i in range(len(releases))])
         self._doorbells = list(doorbells)
         self._releases = list(releases)
         self._timeout = timeout_s
@@ -267,14 +269,18 @@ class Producer:
         for index, conn in enumerate(self._releases):
             while True:
                 if block_for is not None and self._released[index][block_for] < self._written[block_for]:
-                    _wait_readable(conn, self._timeout, f"consumer {index} of {self._name} to release slot "
-                                   f"{block_for} (frame {self._written[block_for]})", self._alive)
+                    who = self._consumer_names[index]
+                    try:
+                        _wait_readable(conn, self._timeout, f"{who} to release slot {block_for} of {self._name} "
+                                       f"(frame {self._written[block_for]})", self._alive)
+                    except TransportError as error:
+                        raise TransportError(f"{error}; {self._released_so_far()}") from None
                 elif not conn.poll():
                     break
                 try:
                     slot, seq = struct.unpack("<iq", conn.recv_bytes())
                 except EOFError:
-                    gone = f"consumer {index} of {self._name} closed its pipe"
+                    gone = f"{self._consumer_names[index]} closed its end of {self._name}"
                     raise WorkerDied(_explain(self._alive, gone)) from None
                 self._released[index][slot] = max(self._released[index][slot], seq)
 
@@ -310,6 +316,18 @@ class Producer:
             except (BrokenPipeError, ConnectionResetError, OSError):
                 raise WorkerDied(_explain(self._alive, f"a consumer of {self._name} is gone")) from None
         return seq
+
+    def progress(self) -> str:
+        """How far each consumer got: the one that stalls shows behind the others."""
+        with contextlib.suppress(TransportError, WorkerDied):
+            self._drain_releases(block_for=None)
+        return self._released_so_far()
+
+    def _released_so_far(self) -> str:
+        taken = [max(released) for released in self._released]
+        return "frames released: " + ", ".join(
+            f"{name}: {last + 1}" for name, last in zip(self._consumer_names, taken, strict=True)
+        ) + f" of {self._next_seq} sent"
 
     def _payload_offset(self, slot: int) -> int:
         return slot * self.ring.slot_bytes + HEADER_BYTES

@@ -21,6 +21,7 @@ from corelib.engine.build import EngineLayout
 from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.metrics import StepResult
+from corelib.engine.parallel import rendezvous
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
 from corelib.engine.worker import WorkerArgs, decode_result
@@ -40,7 +41,8 @@ class _Rank:
     control: Connection
     doorbell: Connection
     release: Connection
-    message: str | None = None
+    message: str | None = None  # what the worker reported before it stopped
+    ready: bool = False  # the worker said it is ready for steps
 
 
 def _pipe() -> tuple[int, int]:
@@ -71,6 +73,7 @@ class ShmExecutor(Executor):
         result_bytes = _round_up(HEADER_BYTES + 8 * layout.rows + 64)
         self.ranks: list[_Rank] = []
         self._result_pipes: list[Connection] = []
+        address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
         self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
         self.out_ring = Ring.create("out", shm.num_slots, result_bytes)
         try:
@@ -88,6 +91,7 @@ class ShmExecutor(Executor):
                     result_doorbell_fd=result_doorbell[1] if rank == 0 else -1,
                     result_release_fd=result_release[0] if rank == 0 else -1,
                     control_fd=control[1], parent_pid=os.getpid(), register_host=shm.register_host,
+                    master_address=address, master_port=port,
                 )
                 child_ends = [doorbell[0], release[1], control[1]]
                 if rank == 0:
@@ -107,7 +111,8 @@ class ShmExecutor(Executor):
             os.close(result_release[0])
             self._await_ready(self.timeout * STARTUP_TIMEOUT_FACTOR)
             self.producer = Producer(self.in_ring, [r.doorbell for r in self.ranks], [r.release for r in self.ranks],
-                                     self.timeout, alive=self.why_gone, name="input ring")
+                                     self.timeout, alive=self.why_gone, name="input ring",
+                                     consumer_names=[f"worker rank {i}" for i in range(len(self.ranks))])
             self.consumer = Consumer(self.out_ring, self._result_pipes[0], self._result_pipes[1], self.timeout,
                                      alive=self.why_gone, name="result ring")
         except BaseException:
@@ -116,43 +121,52 @@ class ShmExecutor(Executor):
 
     # ------------------------------------------------------------------ liveness
     def why_gone(self) -> str | None:
-        """None while every worker runs; else what happened to the first one that did not."""
+        """None while every worker runs; else what happened, the root cause first.
+
+        A rank that died without a word (killed, crashed) is named before the ranks that
+        then failed because of it (a collective that lost its peer).
+        """
+        silent: list[str] = []
+        reported: list[str] = []
         for index, rank in enumerate(self.ranks):
-            if rank.message is None and rank.control.poll():
-                try:
-                    kind, text, _detail = rank.control.recv()
-                    if kind == "error":
-                        rank.message = f"worker rank {index} (pid {rank.process.pid}) stopped: {text}"
-                except (EOFError, OSError):
-                    pass
+            self._read_control(index, rank)
             if rank.message is not None:
-                return rank.message
+                reported.append(rank.message)
+                continue
             code = rank.process.poll()
             if code is not None:
-                how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else (
-                    f"exited with code {code}")
-                return f"worker rank {index} (pid {rank.process.pid}) {how}"
-        return None
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                silent.append(f"worker rank {index} (pid {rank.process.pid}) {how}")
+        if not silent and not reported:
+            return None
+        if silent and reported:
+            return "; ".join(silent) + "; then " + "; ".join(reported)
+        return "; ".join(silent or reported)
+
+    @staticmethod
+    def _read_control(index: int, rank: _Rank) -> None:
+        """Take every message the worker sent so far (ready, or the error that stopped it)."""
+        while rank.message is None and rank.control.poll():
+            try:
+                kind, text, _detail = rank.control.recv()
+            except (EOFError, OSError):
+                return
+            if kind == "ready":
+                rank.ready = True
+            elif kind == "error":
+                rank.message = f"worker rank {index} (pid {rank.process.pid}) stopped: {text}"
 
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        pending = dict(enumerate(self.ranks))
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransportError(f"workers {sorted(pending)} did not start within {timeout:g} s")
-            for ready in wait([r.control for r in pending.values()], min(left, 0.25)):
-                index = next(i for i, r in pending.items() if r.control is ready)
-                try:
-                    kind, text, _detail = pending[index].control.recv()
-                except EOFError:
-                    raise WorkerDied(self.why_gone() or f"worker rank {index} exited during start") from None
-                if kind == "error":
-                    raise WorkerDied(f"worker rank {index} failed to start: {text}")
-                del pending[index]
+        while not all(rank.ready for rank in self.ranks):
             reason = self.why_gone()
             if reason is not None:
-                raise WorkerDied(reason)
+                raise WorkerDied(reason if "stopped" in reason else f"{reason} while starting")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = [index for index, rank in enumerate(self.ranks) if not rank.ready]
+                raise TransportError(f"workers {late} did not start within {timeout:g} s")
+            wait([rank.control for rank in self.ranks if not rank.ready], min(left, 0.25))
 
     # ------------------------------------------------------------------ steps
     def submit(self, fi: ForwardInput) -> StepFuture:
@@ -163,7 +177,10 @@ class ShmExecutor(Executor):
         return _ShmFuture(self, fi.step_id)
 
     def read_result(self, step_id: int, timeout: float) -> StepResult:
-        frame = self.consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
+        try:
+            frame = self.consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
+        except TransportError as error:
+            raise TransportError(f"{error}; {self.producer.progress()}") from None
         try:
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
                 raise TransportError(f"result ring: expected the tokens of step {step_id}, got "

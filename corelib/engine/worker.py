@@ -19,6 +19,8 @@ Materialization, decided by the ``shm_ordered_materialization`` gate:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import faulthandler
 import os
 import pickle
 import queue
@@ -40,11 +42,13 @@ from corelib.engine.build import EngineLayout, build_runner, model_weights
 from corelib.engine.forward_input import PREFILL_FIELD_NAMES, ArenaLayout, ForwardInput
 from corelib.engine.handoff import StagingPool
 from corelib.engine.metrics import StepResult
+from corelib.engine.parallel import init_group, leave_group
 from corelib.engine.runner import ModelRunner, StepHandle
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import Consumer, Frame, FrameHeader, FrameKind, Producer, Ring
 from corelib.errors import one_line
 from corelib.features import Plan
+from corelib.models.sharding import TensorShard
 
 DECODE_FIELD_NAMES = ("ints", "floats", "block_tables")
 SNAPSHOTS = 4  # steps a worker holds at once: one running, one queued, one being read, a spare
@@ -72,6 +76,8 @@ class WorkerArgs:
     control_fd: int  # write: ready / error messages
     parent_pid: int
     register_host: bool
+    master_address: str = "127.0.0.1"  # tensor parallelism: the process group's rendezvous
+    master_port: int = 0
 
 
 def frame_layout(header: FrameHeader) -> ArenaLayout:
@@ -155,11 +161,18 @@ class Worker:
         from corelib.plugins import PluginRegistry
 
         backend = PluginRegistry().get(args.spec.backend)
-        device = backend.open(args.spec)
+        device = backend.open(dataclasses.replace(args.spec, device_index=args.spec.device_index + args.rank))
         layout = EngineLayout.of(args.config)
         ordered = args.plan.is_enabled("shm_ordered_materialization")
-        runner = build_runner(device, args.config, args.plan, layout, model_weights(args.config, device),
-                              ordered_prepare=ordered)
+        shard = None
+        all_reduce = None
+        if args.world_size > 1:
+            all_reduce = init_group(device, args.rank, args.world_size, args.master_address, args.master_port,
+                                    self.timeout)
+            shard = TensorShard(args.rank, args.world_size)
+        weights = model_weights(args.config, device, shard)
+        weights.all_reduce = all_reduce
+        runner = build_runner(device, args.config, args.plan, layout, weights, ordered_prepare=ordered)
         ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes)
         registration = device.register_host(ring.whole) if args.register_host else None
         consumer = Consumer(ring, Connection(args.doorbell_fd, writable=False),
@@ -176,7 +189,10 @@ class Worker:
         handles: queue.SimpleQueue[tuple[StepHandle, float] | None] = queue.SimpleQueue()
         poller = threading.Thread(target=self._guard, args=(self._poll, consumer, materialize, steps),
                                   name="corelib-polling")
-        completer = threading.Thread(target=self._guard, args=(self._complete, runner, results, handles),
+        # The runner double-buffers its token outputs: at most two steps in flight. Rank 0's
+        # scheduler already keeps to that; the other ranks are held here.
+        slots = threading.Semaphore(2)
+        completer = threading.Thread(target=self._guard, args=(self._complete, runner, results, handles, slots),
                                      name="corelib-completer")
         self.control.send(("ready", None, ""))
         poller.start()
@@ -184,6 +200,9 @@ class Worker:
         try:
             while (item := steps.get()) is not None:
                 fi, transport_us = item
+                if not slots.acquire(timeout=self.timeout):
+                    raise TimeoutError(f"worker rank {args.rank}: step {fi.step_id} waited {self.timeout:g} s for "
+                                       "the tokens of the step two back")
                 handles.put((runner.submit(fi), transport_us))
         finally:
             handles.put(None)
@@ -192,6 +211,7 @@ class Worker:
         if registration is not None:
             registration.close()
         runner.close()
+        leave_group()
         device.close()
 
     def _guard(self, target: object, *args: object) -> None:
@@ -212,10 +232,11 @@ class Worker:
             steps.put((fi, (time.perf_counter() - frame.header.sent_at) * 1e6))
 
     def _complete(self, runner: ModelRunner, results: Producer | None,
-                  handles: queue.SimpleQueue[tuple[StepHandle, float] | None]) -> None:
+                  handles: queue.SimpleQueue[tuple[StepHandle, float] | None], slots: threading.Semaphore) -> None:
         while (item := handles.get()) is not None:
             handle, transport_us = item
             result = runner.result(handle, self.timeout)
+            slots.release()
             if results is not None:
                 flags = int(result.graph) | (2 if result.kind is StepKind.decode else 0)
                 header = FrameHeader(FrameKind.result, 0, result.step_id, len(result.tokens), flags=flags,
@@ -226,6 +247,7 @@ class Worker:
 def main() -> None:
     """Entry point: ``python -m corelib.engine.worker`` with pickled WorkerArgs on stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the scheduler decides
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     args: WorkerArgs = pickle.loads(sys.stdin.buffer.read())
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.world_size)))
     worker = Worker(args)

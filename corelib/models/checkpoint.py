@@ -19,6 +19,7 @@ from corelib.config import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models.hf_config import checkpoint_directory, resolved_model_config
 from corelib.models.llama import ModelShape, ModelWeights, assemble_weights, hf_parameter_shapes
+from corelib.models.sharding import TensorShard
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -35,8 +36,11 @@ class _SafeFile(Protocol):
     def get_slice(self, name: str) -> Any: ...
 
 
-def load_checkpoint(cfg: ModelConfig, device: torch.device) -> ModelWeights:
-    """The weights of ``cfg.path`` on ``device`` in the model dtype; a ConfigError names what does not fit."""
+def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard | None = None) -> ModelWeights:
+    """The weights of ``cfg.path`` on ``device`` in the model dtype; a ConfigError names what does not fit.
+
+    With ``shard``, only this rank's slice of each tensor reaches the device.
+    """
     if not cfg.path:
         raise ConfigError("model.path is not set; point it at a Hugging Face checkpoint directory")
     directory = checkpoint_directory(cfg.path)
@@ -57,12 +61,14 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device) -> ModelWeights:
 
         def get(name: str) -> torch.Tensor:
             tensor = handles[files[name]].get_tensor(name)
+            if shard is not None:
+                tensor = shard.slice(name, tensor)
             moved = tensor.to(device=device, dtype=shape.dtype)
             # On the CPU that may still be a view of the memory-mapped file: unaligned (slower,
             # and matmuls round differently) and tied to the file staying unchanged. Own it.
             return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved
 
-        return assemble_weights(shape, get, device)
+        return assemble_weights(shard.shape(shape) if shard is not None else shape, get, device)
 
 
 def tensor_files(directory: Path) -> dict[str, str]:

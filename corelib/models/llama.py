@@ -105,6 +105,8 @@ class ModelWeights:
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H]
     cos_sin: torch.Tensor  # [max_len, 2, hd] full-width cos and sin, model dtype
+    # Tensor parallelism: sums the partial outputs of the row-parallel layers across ranks.
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def hf_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
@@ -349,8 +351,10 @@ def prefill_forward(
         qp, kp, vp = (t[pad_index].transpose(1, 2) for t in (q, k, v))  # [n, heads, L, hd]
         attn = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
         attn_flat = attn.transpose(1, 2)[valid].reshape(-1, shape.num_heads * shape.head_dim)  # [T, nh hd]
-        h = h + F.linear(attn_flat, layer.o)
-        h = h + _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+        out = F.linear(attn_flat, layer.o)
+        h = h + (out if weights.all_reduce is None else weights.all_reduce(out))
+        mlp = _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+        h = h + (mlp if weights.all_reduce is None else weights.all_reduce(mlp))
     last = h[pad_index[torch.arange(n, device=h.device), last_index]]  # [n, H]
     return F.linear(rms_norm(last, weights.norm, shape.rms_norm_eps), weights.lm_head).float()
 
@@ -366,6 +370,7 @@ def decode_layer(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cos_sin: torch.Tensor,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decoder layer for one new token per sequence: h [B, H] -> [B, H].
 
@@ -381,13 +386,15 @@ def decode_layer(
     keys = k_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
     values = v_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
     attn = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
-    h = h + F.linear(attn.reshape(batch, shape.num_heads * shape.head_dim), layer.o)
-    return h + _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+    out = F.linear(attn.reshape(batch, shape.num_heads * shape.head_dim), layer.o)
+    h = h + (out if all_reduce is None else all_reduce(out))
+    mlp = _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+    return h + (mlp if all_reduce is None else all_reduce(mlp))
 
 
 DecodeLayer = Callable[
     [LayerWeights, ModelShape, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-     torch.Tensor, torch.Tensor, torch.Tensor],
+     torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None],
     torch.Tensor,
 ]
 
@@ -414,7 +421,8 @@ def decode_forward(
         if conv_state is not None:
             h = h + _conv_decode(layer, conv_state.data[i], state_indices, h, shape.rms_norm_eps)
         k_cache, v_cache = cache.layer(i)
-        h = layer_fn(layer, shape, h, positions, slot_mapping, block_tables, mask, k_cache, v_cache, weights.cos_sin)
+        h = layer_fn(layer, shape, h, positions, slot_mapping, block_tables, mask, k_cache, v_cache, weights.cos_sin,
+                     weights.all_reduce)
     return F.linear(rms_norm(h, weights.norm, shape.rms_norm_eps), weights.lm_head).float()
 
 

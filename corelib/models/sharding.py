@@ -1,0 +1,61 @@
+"""Megatron-style tensor parallelism of the Llama layout, as slices of Hugging Face tensors.
+
+Column-parallel: q/k/v and gate/up (each rank holds a contiguous group of heads or of
+intermediate features, biases alike). Row-parallel: o_proj and down_proj (each rank holds
+the matching input columns; their partial outputs are summed with an all-reduce). The
+embedding and LM head are replicated, a simpler choice than vocabulary parallelism: every
+rank computes the full logits and samples the same token, so no gather is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from corelib.errors import ConfigError
+from corelib.models.llama import ModelShape
+
+_COLUMN = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
+_ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def check_divisible(shape: ModelShape, world: int) -> None:
+    """A ConfigError naming every size that ``engine.tp`` does not divide."""
+    sizes = {
+        "model.num_heads": shape.num_heads,
+        "model.num_kv_heads": shape.num_kv_heads,
+        "model.intermediate_size": shape.intermediate_size,
+    }
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % world]
+    if bad:
+        raise ConfigError(f"engine.tp={world} must divide {', '.join(bad)}")
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """This rank's part of every weight."""
+
+    rank: int
+    world: int
+
+    def shape(self, full: ModelShape) -> ModelShape:
+        """The shape of the model one rank runs: fewer heads and features, the same width."""
+        check_divisible(full, self.world)
+        return dataclasses.replace(
+            full,
+            num_heads=full.num_heads // self.world,
+            num_kv_heads=full.num_kv_heads // self.world,
+            intermediate_size=full.intermediate_size // self.world,
+        )
+
+    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the Hugging Face tensor ``name`` (the whole tensor if replicated)."""
+        if self.world == 1:
+            return tensor
+        if any(part in name for part in _COLUMN):
+            return tensor.chunk(self.world, dim=0)[self.rank].contiguous()
+        if name.endswith(_ROW):
+            return tensor.chunk(self.world, dim=1)[self.rank].contiguous()
+        return tensor

@@ -1,0 +1,111 @@
+"""Tensor parallelism: ranks in worker processes, weights sharded Megatron-style, inputs broadcast over SHM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from corelib.engine import Engine, SamplingParams
+from corelib.engine.shm import PREFIX, SHM_DIR
+from corelib.engine.transport import ShmExecutor
+from corelib.errors import ConfigError, CorelibError, WorkerDied
+from corelib.models.llama import ModelShape, hf_parameter_shapes, random_state_dict
+from corelib.models.sharding import TensorShard
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, [3, 4]]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 33, 1, 40)]
+
+
+def tokens(overrides: list[str]) -> list[list[int]]:
+    with Engine.from_overrides(overrides) as engine:
+        return [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
+
+
+def our_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{PREFIX}-{os.getpid()}-")}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(["backend=cpu"], id="cpu-gloo"),
+        pytest.param(["backend=npu", "backend.emulator.chaos=0.3"], id="npu-emulated-gloo"),
+        pytest.param(["backend=cuda", "backend.runtime=native"], id="cuda-nccl", marks=[
+            pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]),
+    ],
+)
+def test_tp2_gives_the_tokens_of_tp1(backend: list[str]) -> None:
+    before = our_segments()
+    single = tokens([*backend])
+    assert tokens([*backend, "engine.transport=shm", "engine.tp=2"]) == single
+    assert our_segments() == before
+
+
+def test_shards_put_back_together_are_the_full_weights() -> None:
+    shape = ModelShape.from_config(__import__("corelib.config", fromlist=["ModelConfig"]).ModelConfig(name="t"))
+    full = random_state_dict(shape, 0)
+    shards = [TensorShard(rank, 2) for rank in range(2)]
+    local_shapes = hf_parameter_shapes(shards[0].shape(shape))
+    for name, tensor in full.items():
+        parts = [s.slice(name, tensor) for s in shards]
+        assert tuple(parts[0].shape) == local_shapes[name], name
+        if parts[0].shape == tensor.shape:
+            assert all(torch.equal(p, tensor) for p in parts), f"{name} should be replicated"
+        else:
+            dim = 0 if parts[0].shape[0] != tensor.shape[0] else 1
+            assert torch.equal(torch.cat(parts, dim=dim), tensor), name
+
+
+def test_tp_needs_the_shm_transport_and_divisible_sizes() -> None:
+    with pytest.raises(ConfigError, match=r"add engine\.transport=shm"):
+        Engine.from_overrides(["backend=cpu", "engine.tp=2"])
+    with pytest.raises(ConfigError, match=r"engine.tp=3 must divide model.num_heads=4, model.num_kv_heads=2"):
+        Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.tp=3"])
+
+
+def _start_tp(timeout: float) -> tuple[Engine, ShmExecutor]:
+    engine = Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.tp=2",
+                                    f"engine.timeout_s={timeout}"])
+    executor = engine.core.executor
+    assert isinstance(executor, ShmExecutor)
+    for i in range(4):
+        engine.add_request([i + 2, i + 3], SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    return engine, executor
+
+
+def test_killing_one_rank_is_a_clean_error_within_the_timeout() -> None:
+    before = our_segments()
+    engine, executor = _start_tp(timeout=10.0)
+    victim = executor.ranks[1].process.pid
+    os.kill(victim, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied, match=rf"worker rank 1 \(pid {victim}\) was killed by SIGKILL"):
+        while engine.has_unfinished:
+            engine.step()
+    assert time.monotonic() - started < 10.0
+    engine.close()
+    assert all(rank.process.poll() is not None for rank in executor.ranks)
+    assert our_segments() == before
+
+
+def test_a_stalled_rank_stops_the_engine_naming_it() -> None:
+    engine, executor = _start_tp(timeout=2.0)
+    stalled = executor.ranks[1].process.pid
+    os.kill(stalled, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(CorelibError) as caught:
+            while engine.has_unfinished:
+                engine.step()
+        assert time.monotonic() - started < 15.0
+        message = str(caught.value)
+        assert "step" in message and "worker rank 1" in message, message
+    finally:
+        engine.close()  # SIGKILL reaches a stopped process
+    assert all(rank.process.poll() is not None for rank in executor.ranks)
