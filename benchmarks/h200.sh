@@ -1,50 +1,71 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks behind BENCHMARKS.md, in one go on a CUDA machine.
-# Usage: benchmarks/h200.sh OUTDIR [sections...]   sections: tests bench peers race (default: all)
+# Usage: benchmarks/h200.sh OUTDIR [sections...]
+#   sections: tests tp bench compile peers trace   (default: all; tp needs two GPUs)
 # Assumes corelib and its backends are installed (pip install --no-deps -e . -e backends/...).
 set -uo pipefail
 out=${1:?usage: h200.sh OUTDIR [sections]}
 shift
-sections=${*:-tests bench peers race}
+sections=${*:-tests tp bench compile peers trace}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
+export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 status=0
 summary="$out/summary.txt"
-: >"$summary"
+touch "$summary"
+graphs='engine.graph_batch_sizes=[1,2,4,8,16,32,64,128]'
 
 note() { echo "$*" | tee -a "$summary"; }
+table() { grep -E "^│" "$1" >>"$summary" || true; }
+bench() {  # bench NAME overrides...
+  local name=$1; shift
+  python3 -m corelib bench backend=cuda backend.runtime=native "$@" hydra.run.dir="$out/$name" \
+    >"$out/$name.log" 2>&1
+  local rc=$?; [ "$rc" = 0 ] || status=1
+  note "== bench $name: exit $rc"; table "$out/$name.log"; tail -3 "$out/$name.log" | grep -v "^│" >>"$summary"
+}
 
-note "== machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+note "== machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l)"
 note "== torch: $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')  date: $(date -u +%F)"
 
 for section in $sections; do
   case $section in
-    tests)
-      # native cuda: the conformance suite and the engine's GPU tests (reference and async equivalence)
+    tests)  # native cuda: conformance, engine, SHM race on registered memory, tensor parallelism
       python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" \
-        --junitxml="$out/gpu-tests.xml" tests 2>&1 | tee "$out/gpu-tests.log" | tail -25
-      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
+        --junitxml="$out/gpu-tests.xml" tests >"$out/gpu-tests.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
       note "== gpu tests: exit $rc; $(tail -1 "$out/gpu-tests.log")"
+      grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" >>"$summary" || true
+      ;;
+    tp)
+      bench tp model=small-0.6b "bench.tp=[1,2]" "bench.transport=[shm]" "bench.materialization=[early]" \
+        "bench.batch_sizes=[1,32]" "$graphs"
+      python3 benchmarks/allreduce.py --layers 28 --hidden 1024 --batch 1 32 --out "$out/allreduce.json" \
+        >"$out/allreduce.log" 2>&1 || status=1
+      note "== all-reduce alone:"; cat "$out/allreduce.log" >>"$summary"
       ;;
     bench)
-      for model in small-0.6b tiny; do
-        python3 -m corelib bench bench=h200 backend=cuda backend.runtime=native model=$model \
-          hydra.run.dir="$out/bench-$model" 2>&1 | tee "$out/bench-$model.log" | tail -14
-        rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
-        note "== bench $model: exit $rc"
-        grep -E "^│" "$out/bench-$model.log" | tee -a "$summary" >/dev/null
-      done
+      bench small model=small-0.6b bench=h200 "$graphs"
+      bench tiny model=tiny bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,8,32,64]"
+      ;;
+    compile)
+      bench compiled model=small-0.6b bench=h200 engine.compile=true "bench.transport=[inproc]" \
+        "bench.batch_sizes=[1,32]"
       ;;
     peers)
-      python3 benchmarks/peers.py --out "$out/peers.json" 2>&1 | tee "$out/peers.log" | tail -12
-      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
-      note "== peers: exit $rc"; tail -8 "$out/peers.log" >>"$summary"
+      python3 benchmarks/peers.py --out "$out/peers.json" >"$out/peers.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      note "== peers: exit $rc"; tail -12 "$out/peers.log" >>"$summary"
       ;;
-    race)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" \
-        tests/transport 2>&1 | tee "$out/race.log" | tail -8
-      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
-      note "== shm race on host-registered memory: exit $rc; $(tail -1 "$out/race.log")"
+    trace)
+      for handoff in off on; do
+        python3 -m corelib run backend=cuda backend.runtime=native model=small-0.6b engine.trace=true \
+          engine.async_token_handoff=$handoff workload.num_requests=8 workload.prompt_len_min=32 \
+          workload.prompt_len_max=32 workload.output_len_min=64 workload.output_len_max=64 workload.ignore_eos=true \
+          hydra.run.dir="$out/trace-$handoff" >"$out/trace-$handoff.log" 2>&1 || status=1
+      done
+      python3 -m corelib trace-plot "$out/trace-off/trace.json" "$out/trace-on/trace.json" --steps 10 \
+        --first-step 20 --labels "sync handoff" "async handoff" --out "$out/timeline.png" >>"$summary" 2>&1 || status=1
+      note "== trace: $(ls "$out"/timeline.png 2>/dev/null)"
       ;;
     *) echo "unknown section $section" >&2; status=2 ;;
   esac

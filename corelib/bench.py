@@ -24,6 +24,7 @@ from rich.table import Table
 
 from corelib.compose import compose_config
 from corelib.engine.api import Engine
+from corelib.engine.metrics import percentile
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
 from corelib.plugins import PluginRegistry
@@ -35,6 +36,7 @@ from corelib.startup import start
 class BenchPoint:
     backend: str
     runtime: str
+    tp: int
     transport: str
     materialization: str
     handoff: str
@@ -46,7 +48,8 @@ class BenchPoint:
     decode_steps: int
     steps_async: int
     repeats_tpot_ms: list[float] = field(default_factory=list)
-    note: str = ""
+    transport_us_p50: float | None = None  # shm: producer commit to inputs ready in the worker
+    transport_us_p99: float | None = None
 
 
 def _overrides(cfg: DictConfig) -> list[str]:
@@ -57,7 +60,7 @@ def _overrides(cfg: DictConfig) -> list[str]:
         task = list(HydraConfig.get().overrides.task)
     except ValueError:
         task = []
-    return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=",
+    return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=", "engine.tp=",
                                                    "engine.transport=", "engine.shm.materialization="))]
 
 
@@ -80,14 +83,20 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     backends = list(spec.backends) or [None]
     points: list[BenchPoint] = []
     largest = max(spec.batch_sizes)
-    for backend, transport, materialization, handoff in itertools.product(
-        backends, spec.transport, spec.materialization, spec.handoff
+    seen: set[tuple[object, ...]] = set()
+    for backend, tp, requested, asked, handoff in itertools.product(
+        backends, spec.tp, spec.transport, spec.materialization, spec.handoff
     ):
-        if transport == "inproc" and materialization != spec.materialization[0]:
-            continue  # materialization only matters for shm
+        transport = "shm" if tp > 1 else requested  # ranks are worker processes fed over shm
+        materialization = asked if transport == "shm" else "auto"  # it only matters for shm
+        key = (backend, tp, transport, materialization, handoff)
+        if key in seen:
+            continue
+        seen.add(key)
         overrides = [
             *base,
             *([f"backend={backend}"] if backend else []),
+            f"engine.tp={tp}",
             f"engine.transport={transport}",
             f"engine.shm.materialization={materialization}",
             f"engine.async_token_handoff={handoff}",
@@ -101,7 +110,8 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                           f"{handoff}: {error}")
             continue
         with Engine(startup) as engine:
-            label = f"{startup.spec.backend}/{startup.spec.runtime.value} {transport} {materialization} {handoff}"
+            label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp} {transport} "
+                     f"{engine.materialization} handoff={handoff}")
             for batch_size in spec.batch_sizes:
                 _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
                 first_step = len(engine.core.metrics.steps)
@@ -109,12 +119,14 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                            for r in range(spec.repeats)]
                 device = engine.core.metrics.device_summary(first_step)
                 steps = engine.core.metrics.steps[first_step:]
+                transport_us = [s.transport_us for s in steps if s.transport_us is not None]
                 tpot = statistics.median(r[0] for r in repeats)
                 point = BenchPoint(
                     backend=startup.spec.backend,
                     runtime=startup.spec.runtime.value,
+                    tp=tp,
                     transport=transport,
-                    materialization=materialization if transport == "shm" else "-",
+                    materialization=engine.materialization,
                     handoff="on" if engine.async_handoff else "off",
                     batch_size=batch_size,
                     tpot_ms=tpot,
@@ -124,6 +136,8 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     decode_steps=sum(1 for s in steps if s.kind.value == "decode"),
                     steps_async=sum(1 for s in steps if s.path == "async"),
                     repeats_tpot_ms=[r[0] for r in repeats],
+                    transport_us_p50=percentile(transport_us, 50),
+                    transport_us_p99=percentile(transport_us, 99),
                 )
                 points.append(point)
                 console.print(f"corelib: bench {label} bs={batch_size}: TPOT {tpot:.3f} ms")
@@ -144,31 +158,34 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
 def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Async/sync TPOT at equal everything else, from the same run."""
     out = []
-    index = {(p.backend, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
-    for (backend, transport, materialization, handoff, batch_size), point in index.items():
+    index = {(p.backend, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
+    for (backend, tp, transport, materialization, handoff, batch_size), point in index.items():
         if handoff != "on":
             continue
-        sync = index.get((backend, transport, materialization, "off", batch_size))
+        sync = index.get((backend, tp, transport, materialization, "off", batch_size))
         if sync is not None:
-            out.append({"backend": backend, "transport": transport, "materialization": materialization,
+            out.append({"backend": backend, "tp": tp, "transport": transport, "materialization": materialization,
                         "batch_size": batch_size, "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
     return out
 
 
 def bench_table(points: list[BenchPoint]) -> Table:
     table = Table(title="corelib bench (one process, side by side)")
-    for column in ("backend", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy", "gap µs",
-                   "async/sync"):
+    for column in ("backend", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy", "gap µs",
+                   "xport µs p50/p99", "async/sync"):
         table.add_column(column, justify="right")
-    ratio = {(r["backend"], r["transport"], r["materialization"], r["batch_size"]): r["async_over_sync_tpot"]
+    ratio = {(r["backend"], r["tp"], r["transport"], r["materialization"], r["batch_size"]): r["async_over_sync_tpot"]
              for r in ratios(points)}
     for p in points:
-        r = ratio.get((p.backend, p.transport, p.materialization, p.batch_size)) if p.handoff == "on" else None
+        key = (p.backend, p.tp, p.transport, p.materialization, p.batch_size)
+        r = ratio.get(key) if p.handoff == "on" else None
+        xport = "-" if p.transport_us_p50 is None else f"{p.transport_us_p50:.0f}/{p.transport_us_p99 or 0:.0f}"
         table.add_row(
-            f"{p.backend}/{p.runtime}", p.transport, p.materialization, p.handoff, str(p.batch_size),
+            f"{p.backend}/{p.runtime}", str(p.tp), p.transport, p.materialization, p.handoff, str(p.batch_size),
             f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
             "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
             "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",
+            xport,
             "-" if r is None else f"{r:.3f}",
         )
     return table

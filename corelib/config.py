@@ -209,6 +209,7 @@ class BenchConfig:
     transport: list[str] = field(default_factory=lambda: ["inproc"])
     materialization: list[str] = field(default_factory=lambda: ["auto"])
     backends: list[str] = field(default_factory=list)  # empty: the selected backend only
+    tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel ranks; tp > 1 runs over shm
     prompt_len: int = 32
     output_len: int = 64
     warmup_steps: int = 4

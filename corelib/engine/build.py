@@ -6,6 +6,7 @@ the arenas one packs are the arenas the other reads.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,11 +90,17 @@ def model_weights(config: CorelibConfig, device: Device, shard: TensorShard | No
 
         return load_checkpoint(config.model, device.torch_device, shard)
     shape = ModelShape.from_config(config.model)
-    state = random_state_dict(shape, config.model.seed)  # the full model, identical on every rank
+    state = _random_state(shape, config.model.seed)  # the full model, identical on every rank
     if shard is None:
         return build_weights(shape, state, device.torch_device)
     local = {name: shard.slice(name, tensor) for name, tensor in state.items()}
     return build_weights(shard.shape(shape), local, device.torch_device)
+
+
+@functools.lru_cache(maxsize=1)
+def _random_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
+    # Engines built one after another in a process (bench, tests) reuse the host copy.
+    return random_state_dict(shape, seed)
 
 
 def build_runner(

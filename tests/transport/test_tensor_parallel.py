@@ -36,6 +36,9 @@ def our_segments() -> set[str]:
         pytest.param(["backend=npu", "backend.emulator.chaos=0.3"], id="npu-emulated-gloo"),
         pytest.param(["backend=cuda", "backend.runtime=native"], id="cuda-nccl", marks=[
             pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]),
+        pytest.param(["backend=cuda", "backend.runtime=native", "engine.async_token_handoff=on"],
+                     id="cuda-nccl-async", marks=[
+            pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]),
     ],
 )
 def test_tp2_gives_the_tokens_of_tp1(backend: list[str]) -> None:
@@ -67,9 +70,15 @@ def test_tp_needs_the_shm_transport_and_divisible_sizes() -> None:
         Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.tp=3"])
 
 
-def _start_tp(timeout: float) -> tuple[Engine, ShmExecutor]:
-    engine = Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.tp=2",
-                                    f"engine.timeout_s={timeout}"])
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+BACKENDS = [
+    pytest.param(["backend=cpu"], id="cpu-gloo"),
+    pytest.param(["backend=cuda", "backend.runtime=native"], id="cuda-nccl", marks=TWO_GPUS),
+]
+
+
+def _start_tp(backend: list[str], timeout: float) -> tuple[Engine, ShmExecutor]:
+    engine = Engine.from_overrides([*backend, "engine.transport=shm", "engine.tp=2", f"engine.timeout_s={timeout}"])
     executor = engine.core.executor
     assert isinstance(executor, ShmExecutor)
     for i in range(4):
@@ -79,9 +88,10 @@ def _start_tp(timeout: float) -> tuple[Engine, ShmExecutor]:
     return engine, executor
 
 
-def test_killing_one_rank_is_a_clean_error_within_the_timeout() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killing_one_rank_is_a_clean_error_within_the_timeout(backend: list[str]) -> None:
     before = our_segments()
-    engine, executor = _start_tp(timeout=10.0)
+    engine, executor = _start_tp(backend, timeout=10.0)
     victim = executor.ranks[1].process.pid
     os.kill(victim, signal.SIGKILL)
     started = time.monotonic()
@@ -94,8 +104,9 @@ def test_killing_one_rank_is_a_clean_error_within_the_timeout() -> None:
     assert our_segments() == before
 
 
-def test_a_stalled_rank_stops_the_engine_naming_it() -> None:
-    engine, executor = _start_tp(timeout=2.0)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str]) -> None:
+    engine, executor = _start_tp(backend, timeout=2.0)
     stalled = executor.ranks[1].process.pid
     os.kill(stalled, signal.SIGSTOP)
     started = time.monotonic()

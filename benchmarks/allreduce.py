@@ -1,0 +1,90 @@
+"""The all-reduce time of one tensor-parallel decode step, measured alone on two GPUs.
+
+A decode step of the Llama shape does two all-reduces per layer (after o_proj and after
+down_proj) of [batch, hidden] activations. This replays exactly that many in a CUDA graph
+and times them with events, so the share of a measured tp=2 step is all-reduce / TPOT.
+
+    python3 benchmarks/allreduce.py --layers 28 --hidden 1024 --batch 1 32 --out allreduce.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out: dict[str, float] = {}
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    for batch in args.batch:
+        x = torch.randn(batch, args.hidden, dtype=torch.bfloat16, device="cuda")
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # NCCL warm-up outside the graph
+                dist.all_reduce(x)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(2 * args.layers):
+                dist.all_reduce(x)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[str(batch)] = start.elapsed_time(end) / args.repeats
+    if rank == 0:
+        results.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        sys.exit("allreduce.py needs two GPUs")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = _free_port()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    processes = [context.Process(target=_rank, args=(r, 2, port, args, results)) for r in range(2)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(300)
+    per_step = results.get()
+    for batch, ms in per_step.items():
+        print(f"all-reduce per decode step, tp=2, batch {batch}: {ms:.3f} ms ({2 * args.layers} all-reduces)")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"layers": args.layers, "hidden": args.hidden, "ms_per_step": per_step}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
