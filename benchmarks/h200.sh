@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks behind BENCHMARKS.md, in one go on a CUDA machine.
 # Usage: benchmarks/h200.sh OUTDIR [sections...]
-#   sections: tests tp bench compile peers trace   (default: all; tp needs two GPUs)
+#   sections: tests race tp allreduce bench compile peers trace   (default: all; tp and allreduce need 2 GPUs)
 # Assumes corelib and its backends are installed (pip install --no-deps -e . -e backends/...).
 set -uo pipefail
 out=${1:?usage: h200.sh OUTDIR [sections]}
 shift
-sections=${*:-tests tp bench compile peers trace}
+sections=${*:-tests tp allreduce bench compile peers trace}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 status=0
@@ -39,13 +39,23 @@ for section in $sections; do
     tp)
       bench tp model=small-0.6b "bench.tp=[1,2]" "bench.transport=[shm]" "bench.materialization=[early]" \
         "bench.batch_sizes=[1,32]" "$graphs"
+      ;;
+    bench)  # in-process sync vs async; SHM early vs ordered (async) with transport latency; tiny
+      bench small model=small-0.6b bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,8,32,64]" "$graphs"
+      bench small-shm model=small-0.6b bench=h200 "bench.transport=[shm]" "bench.handoff=[on]" \
+        "bench.batch_sizes=[1,32,128]" bench.repeats=2 "$graphs"
+      bench tiny model=tiny bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,8,32,64]"
+      ;;
+    race)  # the SHM race on host-registered memory
+      python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" \
+        tests/transport/test_race.py >"$out/race.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      note "== race: exit $rc; $(tail -1 "$out/race.log")"
+      ;;
+    allreduce)
       python3 benchmarks/allreduce.py --layers 28 --hidden 1024 --batch 1 32 --out "$out/allreduce.json" \
         >"$out/allreduce.log" 2>&1 || status=1
-      note "== all-reduce alone:"; cat "$out/allreduce.log" >>"$summary"
-      ;;
-    bench)
-      bench small model=small-0.6b bench=h200 "$graphs"
-      bench tiny model=tiny bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,8,32,64]"
+      note "== all-reduce alone:"; grep "all-reduce per" "$out/allreduce.log" >>"$summary"
       ;;
     compile)
       bench compiled model=small-0.6b bench=h200 engine.compile=true "bench.transport=[inproc]" \

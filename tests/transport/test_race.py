@@ -32,16 +32,17 @@ def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
 
 
 def _busy_polling_stream(device: object, stream: object) -> None:
-    # The polling stream of a real engine has work queued; a short sleep kernel stands in for it.
+    # The polling stream of a real engine has work queued; a sleep kernel of a few ms stands in
+    # for it, so the copy runs after the producer had time to rewrite the released slot.
     with torch.cuda.stream(stream.native):  # type: ignore[attr-defined]
-        torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]
+        torch.cuda._sleep(5_000_000)  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("ordered", [False, True], ids=["early", "ordered"])
 def test_host_registered_shm_on_a_gpu(ordered: bool) -> None:
-    mismatches = race(["backend=cuda", "backend.runtime=native"], ordered=ordered, steps=5000 if ordered else 500,
+    mismatches = race(["backend=cuda", "backend.runtime=native"], ordered=ordered, steps=5000 if ordered else 200,
                       register_host=True, widen=_busy_polling_stream)
     if ordered:
         assert mismatches == 0
