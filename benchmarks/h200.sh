@@ -44,7 +44,7 @@ for section in $sections; do
       bench small model=small-0.6b bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,8,32,64]" "$graphs"
       bench small-shm model=small-0.6b bench=h200 "bench.transport=[shm]" "bench.handoff=[on]" \
         "bench.batch_sizes=[1,32,128]" bench.repeats=2 "$graphs"
-      bench tiny model=tiny bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,8,32,64]"
+      bench tiny model=tiny bench=h200 "bench.transport=[inproc]" "bench.batch_sizes=[1,32]" bench.repeats=2
       ;;
     race)  # the SHM race on host-registered memory
       python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" \
@@ -62,7 +62,7 @@ for section in $sections; do
         "bench.batch_sizes=[1,32]"
       ;;
     peers)
-      python3 benchmarks/peers.py --out "$out/peers.json" >"$out/peers.log" 2>&1
+      python3 benchmarks/peers.py --repeats 2 --out "$out/peers.json" >"$out/peers.log" 2>      python3 benchmarks/peers.py --out "$out/peers.json" >"$out/peers.log" 2>&11
       rc=$?; [ "$rc" = 0 ] || status=1
       note "== peers: exit $rc"; tail -12 "$out/peers.log" >>"$summary"
       ;;
