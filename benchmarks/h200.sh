@@ -62,7 +62,7 @@ for section in $sections; do
         "bench.batch_sizes=[1,32]"
       ;;
     peers)
-      python3 benchmarks/peers.py --repeats 2 --out "$out/peers.json" >"$out/peers.log" 2>      python3 benchmarks/peers.py --out "$out/peers.json" >"$out/peers.log" 2>&11
+      python3 benchmarks/peers.py --repeats 2 --out "$out/peers.json" >"$out/peers.log" 2>&1
       rc=$?; [ "$rc" = 0 ] || status=1
       note "== peers: exit $rc"; tail -12 "$out/peers.log" >>"$summary"
       ;;
