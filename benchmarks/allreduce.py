@@ -1,8 +1,9 @@
 """The all-reduce time of one tensor-parallel decode step, measured alone on two GPUs.
 
 A decode step of the Llama shape does two all-reduces per layer (after o_proj and after
-down_proj) of [batch, hidden] activations. This replays exactly that many in a CUDA graph
-and times them with events, so the share of a measured tp=2 step is all-reduce / TPOT.
+down_proj) of [batch, hidden] activations. This issues exactly that many back to back and
+times them with events (eagerly: an upper bound of what they cost inside the engine's graph),
+so the share of a measured tp=2 step is at most all-reduce / TPOT.
 
     python3 benchmarks/allreduce.py --layers 28 --hidden 1024 --batch 1 32 --out allreduce.json
 """
@@ -29,33 +30,29 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    if rank == 0:
+        print("process group ready", flush=True)
     out: dict[str, float] = {}
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     for batch in args.batch:
         x = torch.randn(batch, args.hidden, dtype=torch.bfloat16, device="cuda")
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # NCCL warm-up outside the graph
-                dist.all_reduce(x)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(2 * args.layers):
-                dist.all_reduce(x)
+        for _ in range(5):  # NCCL warm-up
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
         start.record()
         for _ in range(args.repeats):
-            graph.replay()
+            for _ in range(2 * args.layers):
+                dist.all_reduce(x)
         end.record()
         end.synchronize()
         out[str(batch)] = start.elapsed_time(end) / args.repeats
+        if rank == 0:
+            print(f"batch {batch}: {out[str(batch)]:.3f} ms", flush=True)
     if rank == 0:
         results.put(out)
-    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -76,9 +73,9 @@ def main() -> None:
     processes = [context.Process(target=_rank, args=(r, 2, port, args, results)) for r in range(2)]
     for p in processes:
         p.start()
-    for p in processes:
-        p.join(300)
     per_step = results.get()
+    for p in processes:
+        p.join(60)
     for batch, ms in per_step.items():
         print(f"all-reduce per decode step, tp=2, batch {batch}: {ms:.3f} ms ({2 * args.layers} all-reduces)")
     if args.out:
