@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import platform
 import statistics
 import time
@@ -84,6 +85,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     points: list[BenchPoint] = []
     largest = max(spec.batch_sizes)
     seen: set[tuple[object, ...]] = set()
+    devices: list[str] = []
     for backend, tp, requested, asked, handoff in itertools.product(
         backends, spec.tp, spec.transport, spec.materialization, spec.handoff
     ):
@@ -109,6 +111,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             console.print(f"corelib: bench: skipping {backend or 'default'}/{transport}/{materialization}/"
                           f"{handoff}: {error}")
             continue
+        devices.extend(startup.messages)
         with Engine(startup) as engine:
             label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp} {transport} "
                      f"{engine.materialization} handoff={handoff}")
@@ -144,7 +147,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     table = bench_table(points)
     console.print(table)
     payload = {
-        "machine": _machine(),
+        "machine": _machine(devices),
         "overrides": base,
         "bench": {k: list(v) if isinstance(v, list | tuple) else v for k, v in dict(spec).items()},
         "points": [asdict(p) for p in points],
@@ -191,14 +194,13 @@ def bench_table(points: list[BenchPoint]) -> Table:
     return table
 
 
-def _machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
+def _machine(devices: list[str]) -> dict[str, Any]:
+    """Where the figures come from: the host, torch, and what each backend said about its device."""
+    return {
         "date": time.strftime("%Y-%m-%d"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "devices": sorted(set(devices)),
     }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
-    return info

@@ -124,11 +124,9 @@ def _safe_open(path: Path, device: str) -> Any:
 
 
 def _safetensors_device(device: torch.device) -> str:
-    # safetensors places tensors itself on the devices it knows; others get each tensor on the
-    # CPU first and move it on, still one at a time.
-    if device.type in ("cpu", "cuda", "npu", "mlu", "xpu", "mps"):
-        return str(device) if device.index is not None or device.type == "cpu" else f"{device.type}:0"
-    return "cpu"
+    # safetensors places tensors itself on the devices it knows; for one it does not know,
+    # _safe_open falls back to the CPU and each tensor moves on from there, one at a time.
+    return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
 def _check_tensor(handle: _SafeFile, name: str, dims: tuple[int, ...], shard: str) -> None:
