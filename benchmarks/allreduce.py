@@ -35,22 +35,34 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: A
     if rank == 0:
         print("process group ready", flush=True)
     out: dict[str, float] = {}
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     for batch in args.batch:
         x = torch.randn(batch, args.hidden, dtype=torch.bfloat16, device="cuda")
         for _ in range(5):  # NCCL warm-up
             dist.all_reduce(x)
         torch.cuda.synchronize()
+        replay = None
+        if args.graph:  # as inside the engine: the all-reduces of one step captured in a CUDA graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                for _ in range(2 * args.layers):
+                    dist.all_reduce(x)
+            replay = graph.replay
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
         start.record()
         for _ in range(args.repeats):
-            for _ in range(2 * args.layers):
-                dist.all_reduce(x)
+            if replay is not None:
+                replay()
+            else:
+                for _ in range(2 * args.layers):
+                    dist.all_reduce(x)
         end.record()
         end.synchronize()
         out[str(batch)] = start.elapsed_time(end) / args.repeats
         if rank == 0:
-            print(f"batch {batch}: {out[str(batch)]:.3f} ms", flush=True)
+            print(f"batch {batch}: {out[str(batch)]:.3f} ms ({'graph' if args.graph else 'eager'})", flush=True)
     if rank == 0:
         results.put(out)
     dist.destroy_process_group()
@@ -62,6 +74,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--graph", action="store_true", help="replay the step's all-reduces from a CUDA graph")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
@@ -77,7 +90,8 @@ def main() -> None:
     for p in processes:
         p.join(60)
     for batch, ms in per_step.items():
-        print(f"all-reduce per decode step, tp=2, batch {batch}: {ms:.3f} ms ({2 * args.layers} all-reduces)")
+        how = "graph replay" if args.graph else "eager"
+        print(f"all-reduce per decode step, tp=2, batch {batch}: {ms:.3f} ms ({2 * args.layers} all-reduces, {how})")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"layers": args.layers, "hidden": args.hidden, "ms_per_step": per_step}, handle, indent=2)
