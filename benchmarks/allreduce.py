@@ -88,7 +88,9 @@ def main() -> None:
         p.start()
     per_step = results.get()
     for p in processes:
-        p.join(60)
+        p.join(30)
+        if p.is_alive():  # NCCL teardown can linger after the figures are in
+            p.terminate()
     for batch, ms in per_step.items():
         how = "graph replay" if args.graph else "eager"
         print(f"all-reduce per decode step, tp=2, batch {batch}: {ms:.3f} ms ({2 * args.layers} all-reduces, {how})")
