@@ -16,6 +16,17 @@ from datetime import timedelta
 import torch
 
 from corelib.device import Device, Runtime
+from corelib.errors import ConfigError
+
+
+def check_launcher() -> None:
+    """corelib starts its ranks itself: under torchrun, only one launcher process may run it."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit() and int(world) > 1:
+        raise ConfigError(
+            f"torchrun started {world} processes, but corelib starts one worker process per rank itself "
+            "(engine.tp): launch it with torchrun --nproc-per-node=1; MASTER_ADDR/MASTER_PORT are honoured"
+        )
 
 
 def rendezvous() -> tuple[str, int]:

@@ -21,7 +21,7 @@ from corelib.engine.build import EngineLayout
 from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.metrics import StepResult
-from corelib.engine.parallel import rendezvous
+from corelib.engine.parallel import check_launcher, rendezvous
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
 from corelib.engine.worker import WorkerArgs, decode_result
@@ -73,6 +73,8 @@ class ShmExecutor(Executor):
         result_bytes = _round_up(HEADER_BYTES + 8 * layout.rows + 64)
         self.ranks: list[_Rank] = []
         self._result_pipes: list[Connection] = []
+        if cfg.engine.tp > 1:
+            check_launcher()
         address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
         self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
         self.out_ring = Ring.create("out", shm.num_slots, result_bytes)

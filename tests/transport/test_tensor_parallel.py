@@ -120,3 +120,16 @@ def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str]) -> None:
     finally:
         engine.close()  # SIGKILL reaches a stopped process
     assert all(rank.process.poll() is not None for rank in executor.ranks)
+
+
+def test_torchrun_launches_one_process_and_its_rendezvous_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corelib.engine.parallel import rendezvous
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"torchrun --nproc-per-node=1"):
+        Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.tp=2"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    assert rendezvous() == ("127.0.0.1", 29533)
+    assert tokens(["backend=cpu", "engine.transport=shm", "engine.tp=2"]) == tokens(["backend=cpu"])
