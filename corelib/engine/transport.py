@@ -25,7 +25,7 @@ from corelib.engine.parallel import rendezvous
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
 from corelib.engine.worker import WorkerArgs, decode_result
-from corelib.errors import TransportError, WorkerDied
+from corelib.errors import CorelibError, TransportError, WorkerDied
 from corelib.startup import Startup
 
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
@@ -73,6 +73,9 @@ class ShmExecutor(Executor):
         result_bytes = _round_up(HEADER_BYTES + 8 * layout.rows + 64)
         self.ranks: list[_Rank] = []
         self._result_pipes: list[Connection] = []
+        # Set by the first wait that failed: a worker that stopped consuming will not read a
+        # stop frame either, so close must not wait for it again, nor for each step in flight.
+        self.failure: CorelibError | None = None
         address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
         self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
         self.out_ring = Ring.create("out", shm.num_slots, result_bytes)
@@ -170,28 +173,43 @@ class ShmExecutor(Executor):
 
     # ------------------------------------------------------------------ steps
     def submit(self, fi: ForwardInput) -> StepFuture:
+        self._check_usable()
         kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
         header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(fi.sample),
                              sent_at=time.perf_counter(), layout=fi.layout.encode())
-        self.producer.write(header, fi.arena[: fi.layout.nbytes])
+        try:
+            self.producer.write(header, fi.arena[: fi.layout.nbytes])
+        except (TransportError, WorkerDied) as error:
+            self.failure = error
+            raise
         return _ShmFuture(self, fi.step_id)
 
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise TransportError(f"the SHM transport already failed: {self.failure}")
+
     def read_result(self, step_id: int, timeout: float) -> StepResult:
+        self._check_usable()
         try:
             frame = self.consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
         except TransportError as error:
-            raise TransportError(f"{error}; {self.producer.progress()}") from None
+            self.failure = TransportError(f"{error}; {self.producer.progress()}")
+            raise self.failure from None
+        except WorkerDied as error:
+            self.failure = error
+            raise
         try:
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
-                raise TransportError(f"result ring: expected the tokens of step {step_id}, got "
-                                     f"{frame.header.kind.name} frame for step {frame.header.step_id}")
+                self.failure = TransportError(f"result ring: expected the tokens of step {step_id}, got "
+                                              f"{frame.header.kind.name} frame for step {frame.header.step_id}")
+                raise self.failure
             return decode_result(frame.header, frame.payload.numpy().tobytes())
         finally:
             self.consumer.release(frame)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float) -> None:
-        self._stop(graceful=self.why_gone() is None)
+        self._stop(graceful=self.failure is None and self.why_gone() is None)
 
     def _stop(self, graceful: bool) -> None:
         try:

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from corelib import faults
 from corelib.backend import DeviceSpec
 from corelib.config import CorelibConfig
 from corelib.device import Device
@@ -228,6 +229,7 @@ class Worker:
                 consumer.release(frame)
                 steps.put(None)
                 return
+            faults.maybe_fail("poll")
             fi = materialize(frame, consumer)
             steps.put((fi, (time.perf_counter() - frame.header.sent_at) * 1e6))
 
