@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 
 from corelib.config import CorelibConfig, Transport
-from corelib.device import Device
+from corelib.device import Device, MemoryStats
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.build import EngineLayout, build_runner, model_weights
 from corelib.engine.core import EngineCore
@@ -353,6 +353,15 @@ class Engine:
             "graphs": self.plan.is_enabled("graph"),
             "max_num_seqs": cfg.engine.max_num_seqs,
         })
+
+    def memory_stats(self) -> list[MemoryStats]:
+        """Bytes each device of the engine holds (device, pinned, registered), one entry per rank.
+
+        With ``engine.transport=shm`` every worker answers between two steps, so the figures
+        can be sampled while requests run.
+        """
+        self._check_open()
+        return self.core.executor.memory_stats()
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far."""

@@ -50,6 +50,7 @@ class FrameKind(enum.IntEnum):
     result = 2
     stop = 3
     error = 4
+    memory = 5  # asks each worker for its device's memory figures (answered on the control pipe)
 
 
 @dataclass

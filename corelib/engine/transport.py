@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from corelib.device import MemoryStats
 from corelib.engine.build import EngineLayout
 from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
@@ -43,6 +44,8 @@ class _Rank:
     release: Connection
     message: str | None = None  # what the worker reported before it stopped
     ready: bool = False  # the worker said it is ready for steps
+    memory: MemoryStats | None = None  # the worker's latest answer to a memory frame
+    memory_answers: int = 0
 
 
 def _pipe() -> tuple[int, int]:
@@ -151,11 +154,14 @@ class ShmExecutor(Executor):
         """Take every message the worker sent so far (ready, or the error that stopped it)."""
         while rank.message is None and rank.control.poll():
             try:
-                kind, text, _detail = rank.control.recv()
+                kind, text, detail = rank.control.recv()
             except (EOFError, OSError):
                 return
             if kind == "ready":
                 rank.ready = True
+            elif kind == "memory":
+                rank.memory = detail
+                rank.memory_answers += 1
             elif kind == "error":
                 rank.message = f"worker rank {index} (pid {rank.process.pid}) stopped: {text}"
 
@@ -206,6 +212,25 @@ class ShmExecutor(Executor):
             return decode_result(frame.header, frame.payload.numpy().tobytes())
         finally:
             self.consumer.release(frame)
+
+    def memory_stats(self) -> list[MemoryStats]:
+        """Ask every worker what its device holds; answered between steps, in ring order."""
+        self._check_usable()
+        asked = [rank.memory_answers for rank in self.ranks]
+        self.producer.write(FrameHeader(FrameKind.memory, 0))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            reason = self.why_gone()  # also takes the answers off the control pipes
+            if reason is not None:
+                raise WorkerDied(reason)
+            waiting = [rank for rank, before in zip(self.ranks, asked, strict=True) if rank.memory_answers == before]
+            if not waiting:
+                return [rank.memory for rank in self.ranks if rank.memory is not None]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"workers {[self.ranks.index(r) for r in waiting]} did not report their "
+                                     f"memory within {self.timeout:g} s")
+            wait([rank.control for rank in waiting], min(left, 0.25))
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float) -> None:
