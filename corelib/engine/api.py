@@ -14,8 +14,9 @@ With a checkpoint that has a tokenizer, prompts may be text and outputs carry te
 from __future__ import annotations
 
 import itertools
+import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -91,6 +92,19 @@ def _output(seq: Seq, text: str | None) -> RequestOutput:
         seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), reason,
         text, seq.error, ttft, tpot,
     )
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt of token ids as plain ints (numpy and 0-d tensor integers too); a RequestError names a bad one."""
+    if not isinstance(prompt, Iterable):
+        raise RequestError(f"the prompt is {type(prompt).__name__}; pass token ids (a list of int) or text")
+    ids = []
+    for position, token in enumerate(prompt):
+        try:
+            ids.append(operator.index(token))
+        except TypeError:
+            raise RequestError(f"prompt token {token!r} at position {position} is not an integer token id") from None
+    return ids
 
 
 def _cut_at_stop(text: str, seq: Seq) -> str:
@@ -220,7 +234,7 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; text needs the checkpoint's tokenizer."""
         if not isinstance(prompt, str):
-            return list(prompt)
+            return _token_ids(prompt)
         if self.tokenizer is None:
             path = self.startup.config.model.path
             where = f"model.path={path} has no tokenizer.json" if path else "model.path is not set"
@@ -241,12 +255,18 @@ class Engine:
         """Queue a request (token ids, or text). An invalid one is finished at once with finish_reason 'error'."""
         self._check_open()
         sampling = sampling or SamplingParams()
-        prompt_token_ids = self.encode(prompt)
+        problem: RequestError | None = None
+        try:
+            prompt_token_ids = self.encode(prompt)
+        except RequestError as error:
+            prompt_token_ids, problem = [], error
         number = next(self._ids)
         seq = Seq(number, request_id or str(number), prompt_token_ids, sampling, multimodal=multimodal,
                   arrival_time=time.perf_counter())
         self.sequences.append(seq)
         try:
+            if problem is not None:
+                raise problem
             self._validate(seq)
         except RequestError as error:
             self.scheduler.finish(seq, FinishReason.error, error=str(error))
