@@ -366,6 +366,10 @@ class Consumer:
         self._name = name
         self._expected = 0
 
+    @property
+    def name(self) -> str:
+        return self._name
+
     def read(self, timeout: float | None = None, who: str = "the next frame") -> Frame:
         """The next frame; raises TransportError naming the frame when it is corrupt."""
         _wait_readable(self._doorbell, self._timeout if timeout is None else timeout, f"{who} on {self._name}",

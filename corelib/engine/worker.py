@@ -47,7 +47,7 @@ from corelib.engine.parallel import init_group, leave_group
 from corelib.engine.runner import ModelRunner, StepHandle
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import Consumer, Frame, FrameHeader, FrameKind, Producer, Ring
-from corelib.errors import one_line
+from corelib.errors import TransportError, one_line
 from corelib.features import Plan
 from corelib.models.sharding import TensorShard
 
@@ -119,8 +119,8 @@ class Materializer:
         header = frame.header
         layout = frame_layout(header)
         if layout.nbytes > header.payload_len:
-            raise ValueError(f"frame {header.seq}: payload of {header.payload_len} bytes is shorter than its "
-                             f"layout ({layout.nbytes} bytes)")
+            raise TransportError(f"{consumer.name} frame {header.seq} (slot {frame.slot}): payload of "
+                                 f"{header.payload_len} bytes is shorter than its layout ({layout.nbytes} bytes)")
         kind = StepKind.decode if header.kind is FrameKind.decode else StepKind.prefill
         fi = ForwardInput(header.step_id, kind, header.num_seqs, header.bucket, header.kv_blocks,
                           bool(header.flags & 1), layout, frame.payload)
