@@ -124,7 +124,6 @@ class Engine:
         cfg = startup.config
         engine_cfg, model_cfg = cfg.engine, cfg.model
         self._ids = itertools.count()
-        self.sequences: list[Seq] = []
         self._closed = False
         self._failure: BaseException | None = None
         self.layout = EngineLayout.of(cfg)
@@ -263,7 +262,6 @@ class Engine:
         number = next(self._ids)
         seq = Seq(number, request_id or str(number), prompt_token_ids, sampling, multimodal=multimodal,
                   arrival_time=time.perf_counter())
-        self.sequences.append(seq)
         try:
             if problem is not None:
                 raise problem
@@ -311,6 +309,8 @@ class Engine:
 
     def _take_finished(self) -> list[tuple[Seq, RequestOutput]]:
         done, self.core.finished = self.core.finished, []
+        for seq in done:
+            self.core.metrics.finish(seq)  # its figures stay; the request itself is the caller's now
         return [(seq, _output(seq, self._final_text(seq))) for seq in done]
 
     def _final_text(self, seq: Seq) -> str | None:
@@ -384,8 +384,9 @@ class Engine:
         return self.core.executor.memory_stats()
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
-        """Run-level figures over every request added so far."""
-        return self.core.metrics.summary(self.sequences, wall_s)
+        """Run-level figures over every request added so far (percentiles: the latest 10 000)."""
+        pending = [*self.scheduler.running, *self.scheduler.waiting, *self.core.finished]
+        return self.core.metrics.summary(pending, wall_s)
 
     # ------------------------------------------------------------------ shutdown
     def _fail(self, error: BaseException) -> None:

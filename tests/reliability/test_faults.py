@@ -104,7 +104,7 @@ def _error_lines(text: str) -> list[str]:
 # ---------------------------------------------------------------------------------- the API
 
 
-def _fail_through_api(fault: Fault) -> tuple[BaseException, Engine | None, float]:
+def _fail_through_api(fault: Fault, finished: list[str]) -> tuple[BaseException, Engine | None, float]:
     """Run requests until the fault stops the engine; the error, the engine, seconds from the fault."""
     engine: Engine | None = None
     armed = time.monotonic()
@@ -114,7 +114,7 @@ def _fail_through_api(fault: Fault) -> tuple[BaseException, Engine | None, float
             engine.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
         steps = 0
         while engine.has_unfinished:
-            engine.step()
+            finished += [o.request_id for o in engine.step()]
             steps += 1
             if steps == 5 and fault.inject == KILL:
                 executor = engine.core.executor
@@ -130,16 +130,19 @@ def check_api(fault: Fault, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = "" if fault.inject == KILL else fault.inject
     monkeypatch.setenv(faults.ENV, spec)  # for the workers this test starts
     before = Holdings.now()
+    finished: list[str] = []
     with faults.injected(spec):
-        error, engine, elapsed = _fail_through_api(fault)
+        error, engine, elapsed = _fail_through_api(fault, finished)
     message = str(error)
     assert re.search(fault.message, message), f"{fault.name}: the error does not name the cause: {message}"
     assert "\n" not in message, f"{fault.name}: a multi-line error: {message}"
     assert elapsed < fault.within_s, f"{fault.name}: {elapsed:.1f} s from the fault to the error"
     closing = 0.0
     if engine is not None:
-        unfinished = [s.request_id for s in engine.sequences if not s.is_finished]
-        assert not unfinished, f"{fault.name}: requests {unfinished} were left unfinished"
+        assert not engine.has_unfinished, f"{fault.name}: requests were left unfinished"
+        ended = engine.take_finished()
+        assert all(o.finish_reason == "error" and o.error for o in ended), ended
+        assert len(finished) + len(ended) == len(PROMPTS), f"{fault.name}: a request got no output"
         with pytest.raises(RuntimeError, match="stopped after an error"):
             engine.step()
         started = time.monotonic()
