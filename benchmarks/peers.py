@@ -109,7 +109,7 @@ def corelib_run(engine: Engine, prompts: list[list[int]], new_tokens: int,
     start = time.perf_counter()
     engine.generate(prompts, sampling)
     warmup_s = time.perf_counter() - start
-    first_step = len(engine.core.metrics.steps)
+    first_step = engine.core.metrics.num_steps
     tpots, tokens = [], []
     for _ in range(repeats):
         outputs = engine.generate(prompts, sampling)

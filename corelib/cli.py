@@ -1,17 +1,21 @@
 """``python -m corelib {run,plan,backends,bench} [hydra overrides]``, and ``trace-plot``.
 
 Exit codes: 0 success, 2 bad configuration or a refused plan, 1 runtime failure, 130 on
-Ctrl-C. A user error prints one line (``HYDRA_FULL_ERROR=1`` shows the traceback).
+Ctrl-C, 143 on SIGTERM (the same clean shutdown as Ctrl-C). An error prints one line
+(``HYDRA_FULL_ERROR=1`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
@@ -39,7 +43,8 @@ examples:
   python -m corelib plan -m backend=cpu,npu
   python -m corelib run --help
 
-exit codes: 0 success, 2 bad configuration or refused plan, 1 runtime failure, 130 interrupted.
+exit codes: 0 success, 2 bad configuration or refused plan, 1 runtime failure, 130 interrupted,
+143 terminated (SIGTERM).
 HYDRA_FULL_ERROR=1 shows the traceback behind an error."""
 
 BACKENDS_USAGE = """usage: python -m corelib backends
@@ -64,6 +69,11 @@ _COMMANDS = ("run", "plan", "backends", "bench", "trace-plot")
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived. A KeyboardInterrupt, so that it unwinds exactly like Ctrl-C: every
+    ``with`` and ``finally`` on the way out closes engines, stops workers and removes segments."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -74,17 +84,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     try:
-        if command not in _COMMANDS:
-            close = difflib.get_close_matches(command, _COMMANDS, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "see python -m corelib --help"
-            raise ConfigError(f"unknown command {command!r}; expected one of {', '.join(_COMMANDS)} ({hint})")
-        if command == "backends":
-            return _backends_command(rest)
-        if command == "trace-plot":
-            return _trace_plot_command(rest)
-        return _hydra_command(command, rest)
+        with _sigterm_unwinds():
+            if command not in _COMMANDS:
+                close = difflib.get_close_matches(command, _COMMANDS, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "see python -m corelib --help"
+                raise ConfigError(f"unknown command {command!r}; expected one of {', '.join(_COMMANDS)} ({hint})")
+            if command == "backends":
+                return _backends_command(rest)
+            if command == "trace-plot":
+                return _trace_plot_command(rest)
+            return _hydra_command(command, rest)
     except CorelibError as error:
         return _report(error)
+    except Terminated:
+        print("corelib: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("corelib: interrupted", file=sys.stderr)
         return 130
@@ -93,14 +107,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flush of stdout from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as error:
+        # Not a user's mistake but a failure inside (a device, a plugin, a bug): still one
+        # line naming it, and the exit code of a runtime failure.
+        if _full_error():
+            raise
+        print(f"corelib: error: {one_line(error)} (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Turn the first SIGTERM into :class:`Terminated` in the main thread; later ones wait for the cleanup."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers (an embedding application's worker thread)
+        return
+    fired = False
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _report(error: CorelibError) -> int:
     if _full_error():
         raise error
-    for line in str(error).splitlines() or [type(error).__name__]:
-        print(f"corelib: error: {line}", file=sys.stderr)
+    for cause in _causes(error):
+        for line in str(cause).splitlines() or [type(cause).__name__]:
+            print(f"corelib: error: {line}", file=sys.stderr)
     return error.exit_code
+
+
+def _causes(error: CorelibError) -> list[CorelibError]:
+    """``error`` and the corelib errors it was raised while handling, the first cause first.
+
+    A run that fails and then cannot close cleanly (a stalled stream) raises the close error
+    from the ``with`` block; the step error that started it is what the user needs first.
+    """
+    chain = [error]
+    while True:
+        latest = chain[-1]
+        context = latest.__context__
+        if latest.__suppress_context__ or not isinstance(context, CorelibError) or context in chain:
+            return chain[::-1]
+        chain.append(context)
 
 
 def _full_error() -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from corelib.config import WorkloadConfig
 from corelib.engine.sequence import SamplingParams
-from corelib.errors import ConfigError
+from corelib.errors import ConfigError, RequestError
 from corelib.text import Tokenizer
 
 
@@ -46,6 +46,11 @@ def build_workload(
         value = getattr(cfg, name)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"workload.{name}={value}: must be in [0, 1]")
+    try:  # the sampling values every request gets: wrong here, every request would fail alone
+        SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                       stop_token_ids=tuple(cfg.stop_token_ids)).validate(vocab_size)
+    except RequestError as error:
+        raise ConfigError(str(error).replace("sampling.", "workload.", 1)) from None
     rng = random.Random(cfg.seed)
     avoid = {eos_token_id} if eos_token_id is not None else set()
     requests = []

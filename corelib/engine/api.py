@@ -14,8 +14,9 @@ With a checkpoint that has a tokenizer, prompts may be text and outputs carry te
 from __future__ import annotations
 
 import itertools
+import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -25,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from corelib.config import CorelibConfig, Transport
-from corelib.device import Device
+from corelib.device import Device, MemoryStats
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.build import EngineLayout, build_runner, model_weights
 from corelib.engine.core import EngineCore
@@ -93,6 +94,19 @@ def _output(seq: Seq, text: str | None) -> RequestOutput:
     )
 
 
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt of token ids as plain ints (numpy and 0-d tensor integers too); a RequestError names a bad one."""
+    if not isinstance(prompt, Iterable):
+        raise RequestError(f"the prompt is {type(prompt).__name__}; pass token ids (a list of int) or text")
+    ids = []
+    for position, token in enumerate(prompt):
+        try:
+            ids.append(operator.index(token))
+        except TypeError:
+            raise RequestError(f"prompt token {token!r} at position {position} is not an integer token id") from None
+    return ids
+
+
 def _cut_at_stop(text: str, seq: Seq) -> str:
     """A request stopped by a stop string returns the text before it."""
     if seq.finish_reason is not FinishReason.stop or not seq.sampling.stop_strings:
@@ -110,7 +124,6 @@ class Engine:
         cfg = startup.config
         engine_cfg, model_cfg = cfg.engine, cfg.model
         self._ids = itertools.count()
-        self.sequences: list[Seq] = []
         self._closed = False
         self._failure: BaseException | None = None
         self.layout = EngineLayout.of(cfg)
@@ -220,7 +233,7 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; text needs the checkpoint's tokenizer."""
         if not isinstance(prompt, str):
-            return list(prompt)
+            return _token_ids(prompt)
         if self.tokenizer is None:
             path = self.startup.config.model.path
             where = f"model.path={path} has no tokenizer.json" if path else "model.path is not set"
@@ -241,12 +254,17 @@ class Engine:
         """Queue a request (token ids, or text). An invalid one is finished at once with finish_reason 'error'."""
         self._check_open()
         sampling = sampling or SamplingParams()
-        prompt_token_ids = self.encode(prompt)
+        problem: RequestError | None = None
+        try:
+            prompt_token_ids = self.encode(prompt)
+        except RequestError as error:
+            prompt_token_ids, problem = [], error
         number = next(self._ids)
         seq = Seq(number, request_id or str(number), prompt_token_ids, sampling, multimodal=multimodal,
                   arrival_time=time.perf_counter())
-        self.sequences.append(seq)
         try:
+            if problem is not None:
+                raise problem
             self._validate(seq)
         except RequestError as error:
             self.scheduler.finish(seq, FinishReason.error, error=str(error))
@@ -291,6 +309,8 @@ class Engine:
 
     def _take_finished(self) -> list[tuple[Seq, RequestOutput]]:
         done, self.core.finished = self.core.finished, []
+        for seq in done:
+            self.core.metrics.finish(seq)  # its figures stay; the request itself is the caller's now
         return [(seq, _output(seq, self._final_text(seq))) for seq in done]
 
     def _final_text(self, seq: Seq) -> str | None:
@@ -354,9 +374,19 @@ class Engine:
             "max_num_seqs": cfg.engine.max_num_seqs,
         })
 
+    def memory_stats(self) -> list[MemoryStats]:
+        """Bytes each device of the engine holds (device, pinned, registered), one entry per rank.
+
+        With ``engine.transport=shm`` every worker answers between two steps, so the figures
+        can be sampled while requests run.
+        """
+        self._check_open()
+        return self.core.executor.memory_stats()
+
     def metrics(self, wall_s: float) -> dict[str, Any]:
-        """Run-level figures over every request added so far."""
-        return self.core.metrics.summary(self.sequences, wall_s)
+        """Run-level figures over every request added so far (percentiles: the latest 10 000)."""
+        pending = [*self.scheduler.running, *self.scheduler.waiting, *self.core.finished]
+        return self.core.metrics.summary(pending, wall_s)
 
     # ------------------------------------------------------------------ shutdown
     def _fail(self, error: BaseException) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
+from corelib.device import MemoryStats
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.handoff import SubmissionThread
 from corelib.engine.metrics import StepResult
@@ -34,6 +35,10 @@ class Executor(ABC):
 
     @abstractmethod
     def close(self, timeout: float) -> None: ...
+
+    @abstractmethod
+    def memory_stats(self) -> list[MemoryStats]:
+        """What each device of this executor holds, one entry per rank."""
 
     def attach_tracer(self, tracer: Tracer) -> None:
         """Record spans of the threads this executor runs (none by default)."""
@@ -70,6 +75,9 @@ class InprocExecutor(Executor):
     def attach_tracer(self, tracer: Tracer) -> None:
         if self.submitter is not None:
             self.submitter.tracer = tracer
+
+    def memory_stats(self) -> list[MemoryStats]:
+        return [self.runner.device.memory_stats()]
 
     def close(self, timeout: float) -> None:
         try:

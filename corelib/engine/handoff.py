@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
+from corelib import faults
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.runner import ModelRunner, StepHandle
 from corelib.engine.trace import NULL_TRACER, SUBMISSION_LANE, Tracer
@@ -83,6 +84,7 @@ class SubmissionThread:
                 future.set_exception(RuntimeError(f"the submission thread stopped after an error: {self._error!r}"))
                 continue
             try:
+                faults.maybe_fail("submit")
                 with self.tracer.span("submit", SUBMISSION_LANE, step=fi.step_id):
                     handle = self._runner.submit(fi)
                 future.set_result(handle)

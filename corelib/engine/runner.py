@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corelib import faults
 from corelib.device import Device, Event, Graph, Stream
 from corelib.engine.buckets import BucketPolicy
 from corelib.engine.forward_input import (
@@ -161,6 +162,7 @@ class ModelRunner:
                 self._capture(rows, kv, True)
 
     def _capture(self, rows: int, kv: int, sampled: bool) -> Graph:
+        faults.maybe_fail("capture")
         if self.decode_arena is None:
             raise RuntimeError("graphs need device memory separate from the host")
         pad = self.device.host_empty((self.builder.decode.nbytes,), torch.uint8, pinned=True)
@@ -184,6 +186,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device work
     def _decode(self, views: dict[str, torch.Tensor], rows: int, kv: int, sampled: bool) -> None:
+        faults.maybe_fail("forward")
         ints = row_views(views, DECODE_INT_ROWS, "ints")
         floats = row_views(views, DECODE_FLOAT_ROWS, "floats")
         slots = ints["state_indices"][:rows]
@@ -205,6 +208,7 @@ class ModelRunner:
         self._emit(logits, rows, slots, floats, ints["top_k"][:rows], ints["seeds"][:rows], positions + 1, sampled)
 
     def _prefill(self, views: dict[str, torch.Tensor], num_seqs: int, sampled: bool) -> None:
+        faults.maybe_fail("forward")
         rows = row_views(views, PREFILL_ROWS, "rows")
         floats = row_views(views, DECODE_FLOAT_ROWS, "floats")
         slots = rows["state_indices"]

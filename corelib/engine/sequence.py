@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from corelib.errors import RequestError
@@ -24,6 +25,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise a RequestError naming the first invalid field."""
+        self._check_types()
         if self.max_tokens < 1:
             raise RequestError(f"sampling.max_tokens={self.max_tokens}: must be at least 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -37,6 +39,27 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"sampling.stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if "" in self.stop_strings:
+            raise RequestError("sampling.stop_strings: an empty string would stop every request at its first token")
+
+    def _check_types(self) -> None:
+        # Python callers are not type-checked: a float max_tokens or a str temperature would
+        # otherwise fail deep inside, or quietly round.
+        for name in ("max_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise RequestError(f"sampling.{name}={value!r}: must be an integer, not {type(value).__name__}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise RequestError(f"sampling.{name}={value!r}: must be a number, not {type(value).__name__}")
+        if isinstance(self.stop_strings, str):
+            raise RequestError(f"sampling.stop_strings={self.stop_strings!r}: pass a tuple of strings, not one string")
+        if not all(isinstance(s, str) for s in self.stop_strings):
+            raise RequestError(f"sampling.stop_strings={self.stop_strings!r}: every stop string must be a str")
+        ids = self.stop_token_ids
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise RequestError(f"sampling.stop_token_ids={ids!r}: token ids must be integers")
 
 
 class Status(enum.Enum):

@@ -7,7 +7,9 @@ accesses around them on every CPU architecture, so the ring needs no atomics. A 
 written again only after every consumer has released the frame in it (back-pressure).
 
 Each frame: a fixed header (magic, version, kind, sequence number, step fields, send time,
-payload length, CRC-32 of the payload, the arena layout) and an aligned payload arena.
+payload length, a CRC-32, the arena layout) and an aligned payload arena. The CRC covers the
+header as well as the payload: a flipped step field or layout word would otherwise reach the
+model unnoticed.
 Segments are created owner-only (0600) under unique names and unlinked on close; a segment
 left by a process that no longer exists is found and removed by :func:`sweep_stale`.
 """
@@ -35,7 +37,7 @@ from corelib.errors import TransportError, WorkerDied
 SHM_DIR = Path("/dev/shm")
 PREFIX = "corelib"
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 1
+VERSION = 2  # 2: the checksum covers the header too
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
 _FIXED = struct.Struct("<IHHQqiiiiddQII")
@@ -48,6 +50,7 @@ class FrameKind(enum.IntEnum):
     result = 2
     stop = 3
     error = 4
+    memory = 5  # asks each worker for its device's memory figures (answered on the control pipe)
 
 
 @dataclass
@@ -66,14 +69,24 @@ class FrameHeader:
     layout: list[int] = field(default_factory=list)
 
     def pack_into(self, buffer: memoryview) -> None:
+        buffer[: self.nbytes] = self._packed(self.checksum)
+
+    @property
+    def nbytes(self) -> int:
+        return _FIXED.size + 8 * len(self.layout)
+
+    def _packed(self, checksum: int) -> bytes:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
-        _FIXED.pack_into(
-            buffer, 0, MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-            self.kv_blocks, self.flags, self.sent_at, self.value, self.payload_len, self.checksum,
-            len(self.layout),
+        fixed = _FIXED.pack(
+            MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
+            self.kv_blocks, self.flags, self.sent_at, self.value, self.payload_len, checksum, len(self.layout),
         )
-        struct.pack_into(f"<{len(self.layout)}q", buffer, _FIXED.size, *self.layout)
+        return fixed + struct.pack(f"<{len(self.layout)}q", *self.layout)
+
+    def crc(self, payload: memoryview) -> int:
+        """CRC-32 of the header (its checksum field as zero) followed by the payload."""
+        return zlib.crc32(payload, zlib.crc32(self._packed(0)))
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
@@ -302,8 +315,8 @@ class Producer:
             target[:nbytes].copy_(data)
         header.seq = seq
         header.payload_len = nbytes
-        header.checksum = zlib.crc32(self.ring.segment.view[self._payload_offset(slot) : self._payload_offset(slot)
-                                                             + nbytes])
+        header.checksum = header.crc(self.ring.segment.view[self._payload_offset(slot) : self._payload_offset(slot)
+                                                            + nbytes])
         if self.tamper is not None:
             self.tamper(header, target[:nbytes])
         header.pack_into(self.ring.header_view(slot))
@@ -353,6 +366,10 @@ class Consumer:
         self._name = name
         self._expected = 0
 
+    @property
+    def name(self) -> str:
+        return self._name
+
     def read(self, timeout: float | None = None, who: str = "the next frame") -> Frame:
         """The next frame; raises TransportError naming the frame when it is corrupt."""
         _wait_readable(self._doorbell, self._timeout if timeout is None else timeout, f"{who} on {self._name}",
@@ -373,10 +390,10 @@ class Consumer:
                 f"{where}: payload length {header.payload_len} exceeds the slot's {self.ring.capacity}"
             )
         start = slot * self.ring.slot_bytes + HEADER_BYTES
-        crc = zlib.crc32(self.ring.segment.view[start : start + header.payload_len])
+        crc = header.crc(self.ring.segment.view[start : start + header.payload_len])
         if crc != header.checksum:
             raise TransportError(
-                f"{where}: bad checksum (header 0x{header.checksum:08x}, payload 0x{crc:08x}); "
+                f"{where}: bad checksum (header says 0x{header.checksum:08x}, frame is 0x{crc:08x}); "
                 "the frame was corrupted or truncated"
             )
         self._expected += 1

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from corelib.device import MemoryStats
 from corelib.engine.build import EngineLayout
 from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
@@ -25,7 +26,7 @@ from corelib.engine.parallel import check_launcher, rendezvous
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
 from corelib.engine.worker import WorkerArgs, decode_result
-from corelib.errors import TransportError, WorkerDied
+from corelib.errors import CorelibError, TransportError, WorkerDied
 from corelib.startup import Startup
 
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
@@ -43,6 +44,8 @@ class _Rank:
     release: Connection
     message: str | None = None  # what the worker reported before it stopped
     ready: bool = False  # the worker said it is ready for steps
+    memory: MemoryStats | None = None  # the worker's latest answer to a memory frame
+    memory_answers: int = 0
 
 
 def _pipe() -> tuple[int, int]:
@@ -75,6 +78,9 @@ class ShmExecutor(Executor):
         self._result_pipes: list[Connection] = []
         if cfg.engine.tp > 1:
             check_launcher()
+        # Set by the first wait that failed: a worker that stopped consuming will not read a
+        # stop frame either, so close must not wait for it again, nor for each step in flight.
+        self.failure: CorelibError | None = None
         address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
         self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
         self.out_ring = Ring.create("out", shm.num_slots, result_bytes)
@@ -150,11 +156,14 @@ class ShmExecutor(Executor):
         """Take every message the worker sent so far (ready, or the error that stopped it)."""
         while rank.message is None and rank.control.poll():
             try:
-                kind, text, _detail = rank.control.recv()
+                kind, text, detail = rank.control.recv()
             except (EOFError, OSError):
                 return
             if kind == "ready":
                 rank.ready = True
+            elif kind == "memory":
+                rank.memory = detail
+                rank.memory_answers += 1
             elif kind == "error":
                 rank.message = f"worker rank {index} (pid {rank.process.pid}) stopped: {text}"
 
@@ -172,28 +181,62 @@ class ShmExecutor(Executor):
 
     # ------------------------------------------------------------------ steps
     def submit(self, fi: ForwardInput) -> StepFuture:
+        self._check_usable()
         kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
         header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(fi.sample),
                              sent_at=time.perf_counter(), layout=fi.layout.encode())
-        self.producer.write(header, fi.arena[: fi.layout.nbytes])
+        try:
+            self.producer.write(header, fi.arena[: fi.layout.nbytes])
+        except (TransportError, WorkerDied) as error:
+            self.failure = error
+            raise
         return _ShmFuture(self, fi.step_id)
 
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise TransportError(f"the SHM transport already failed: {self.failure}")
+
     def read_result(self, step_id: int, timeout: float) -> StepResult:
+        self._check_usable()
         try:
             frame = self.consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
         except TransportError as error:
-            raise TransportError(f"{error}; {self.producer.progress()}") from None
+            self.failure = TransportError(f"{error}; {self.producer.progress()}")
+            raise self.failure from None
+        except WorkerDied as error:
+            self.failure = error
+            raise
         try:
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
-                raise TransportError(f"result ring: expected the tokens of step {step_id}, got "
-                                     f"{frame.header.kind.name} frame for step {frame.header.step_id}")
+                self.failure = TransportError(f"result ring: expected the tokens of step {step_id}, got "
+                                              f"{frame.header.kind.name} frame for step {frame.header.step_id}")
+                raise self.failure
             return decode_result(frame.header, frame.payload.numpy().tobytes())
         finally:
             self.consumer.release(frame)
 
+    def memory_stats(self) -> list[MemoryStats]:
+        """Ask every worker what its device holds; answered between steps, in ring order."""
+        self._check_usable()
+        asked = [rank.memory_answers for rank in self.ranks]
+        self.producer.write(FrameHeader(FrameKind.memory, 0))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            reason = self.why_gone()  # also takes the answers off the control pipes
+            if reason is not None:
+                raise WorkerDied(reason)
+            waiting = [rank for rank, before in zip(self.ranks, asked, strict=True) if rank.memory_answers == before]
+            if not waiting:
+                return [rank.memory for rank in self.ranks if rank.memory is not None]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"workers {[self.ranks.index(r) for r in waiting]} did not report their "
+                                     f"memory within {self.timeout:g} s")
+            wait([rank.control for rank in waiting], min(left, 0.25))
+
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float) -> None:
-        self._stop(graceful=self.why_gone() is None)
+        self._stop(graceful=self.failure is None and self.why_gone() is None)
 
     def _stop(self, graceful: bool) -> None:
         try:

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from corelib import faults
 from corelib.backend import DeviceSpec
 from corelib.config import CorelibConfig
 from corelib.device import Device
@@ -46,7 +47,7 @@ from corelib.engine.parallel import init_group, leave_group
 from corelib.engine.runner import ModelRunner, StepHandle
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import Consumer, Frame, FrameHeader, FrameKind, Producer, Ring
-from corelib.errors import one_line
+from corelib.errors import TransportError, one_line
 from corelib.features import Plan
 from corelib.models.sharding import TensorShard
 
@@ -118,8 +119,8 @@ class Materializer:
         header = frame.header
         layout = frame_layout(header)
         if layout.nbytes > header.payload_len:
-            raise ValueError(f"frame {header.seq}: payload of {header.payload_len} bytes is shorter than its "
-                             f"layout ({layout.nbytes} bytes)")
+            raise TransportError(f"{consumer.name} frame {header.seq} (slot {frame.slot}): payload of "
+                                 f"{header.payload_len} bytes is shorter than its layout ({layout.nbytes} bytes)")
         kind = StepKind.decode if header.kind is FrameKind.decode else StepKind.prefill
         fi = ForwardInput(header.step_id, kind, header.num_seqs, header.bucket, header.kv_blocks,
                           bool(header.flags & 1), layout, frame.payload)
@@ -142,12 +143,17 @@ class Worker:
         self.control = Connection(args.control_fd, readable=False)
         self.failed = threading.Event()
         self._reported = threading.Lock()
+        self._sending = threading.Lock()  # one message at a time on the control pipe, from any thread
+
+    def send(self, kind: str, text: str | None, detail: object) -> None:
+        with self._sending:
+            self.control.send((kind, text, detail))
 
     def report(self, error: BaseException) -> None:
         """Tell the scheduler once, then exit: nothing here may go on after an error."""
         if self._reported.acquire(blocking=False):
             with contextlib.suppress(OSError):
-                self.control.send(("error", one_line(error), "".join(traceback.format_exception(error))))
+                self.send("error", one_line(error), "".join(traceback.format_exception(error)))
         self.failed.set()
         os._exit(1)
 
@@ -187,14 +193,14 @@ class Worker:
         materialize = Materializer(device, runner, ordered, layout.staging_bytes, self.timeout)
         steps: queue.SimpleQueue[tuple[ForwardInput, float] | None] = queue.SimpleQueue()
         handles: queue.SimpleQueue[tuple[StepHandle, float] | None] = queue.SimpleQueue()
-        poller = threading.Thread(target=self._guard, args=(self._poll, consumer, materialize, steps),
+        poller = threading.Thread(target=self._guard, args=(self._poll, consumer, materialize, steps, device),
                                   name="corelib-polling")
         # The runner double-buffers its token outputs: at most two steps in flight. Rank 0's
         # scheduler already keeps to that; the other ranks are held here.
         slots = threading.Semaphore(2)
         completer = threading.Thread(target=self._guard, args=(self._complete, runner, results, handles, slots),
                                      name="corelib-completer")
-        self.control.send(("ready", None, ""))
+        self.send("ready", None, "")
         poller.start()
         completer.start()
         try:
@@ -221,13 +227,18 @@ class Worker:
             self.report(error)
 
     def _poll(self, consumer: Consumer, materialize: Materializer,
-              steps: queue.SimpleQueue[tuple[ForwardInput, float] | None]) -> None:
+              steps: queue.SimpleQueue[tuple[ForwardInput, float] | None], device: Device) -> None:
         while True:
             frame = consumer.read(timeout=365 * 24 * 3600.0, who="the next step")  # idle is fine
             if frame.header.kind is FrameKind.stop:
                 consumer.release(frame)
                 steps.put(None)
                 return
+            if frame.header.kind is FrameKind.memory:
+                consumer.release(frame)
+                self.send("memory", None, device.memory_stats())
+                continue
+            faults.maybe_fail("poll")
             fi = materialize(frame, consumer)
             steps.put((fi, (time.perf_counter() - frame.header.sent_at) * 1e6))
 

@@ -1,0 +1,104 @@
+"""Fault injection, a test facility: named points in the engine that raise or stall on demand.
+
+``CORELIB_FAULTS`` lists the points to trigger, comma-separated, each ``POINT[@N][:ACTION]``:
+
+- ``POINT``: ``forward`` (a step's device work), ``capture`` (graph capture), ``submit`` (the
+  submission thread), ``poll`` (a worker's polling thread, after it read a frame);
+- ``@N``: trigger on the N-th time this process reaches the point (default 1);
+- ``ACTION``: ``raise`` (default: :class:`InjectedFault`) or ``stall[=SECONDS]`` (sleep there,
+  an hour by default: a hung kernel, or a consumer that stops consuming).
+
+Example: ``CORELIB_FAULTS=forward@20 python -m corelib run backend=npu``. Worker processes
+inherit the variable, so a point inside a worker is reached there.
+
+The variable is read once, when this module is first imported; tests in one process use
+:func:`injected` instead. Unset, a hook costs one call and one truth test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+ENV = "CORELIB_FAULTS"
+POINTS = frozenset({"forward", "capture", "submit", "poll"})
+DEFAULT_STALL_S = 3600.0
+_SPEC = re.compile(r"^(?P<point>[a-z_]+)(?:@(?P<hit>\d+))?(?::(?P<action>raise|stall)(?:=(?P<seconds>[0-9.]+))?)?$")
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a point armed by ``CORELIB_FAULTS``; stands for any failure at that point."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    hit: int = 1  # the N-th arrival at the point triggers
+    stall_s: float | None = None  # None: raise
+
+
+def parse(spec: str) -> dict[str, Fault]:
+    """The faults of a ``CORELIB_FAULTS`` value, by point; a malformed entry raises ValueError."""
+    faults: dict[str, Fault] = {}
+    for entry in (part.strip() for part in spec.split(",")):
+        if not entry:
+            continue
+        match = _SPEC.match(entry)
+        if match is None or match["point"] not in POINTS:
+            raise ValueError(
+                f"{ENV}: cannot read {entry!r}; expected POINT[@N][:raise|:stall[=SECONDS]] with POINT one of "
+                f"{', '.join(sorted(POINTS))}"
+            )
+        hit = int(match["hit"] or 1)
+        if hit < 1:
+            raise ValueError(f"{ENV}: {entry!r}: @N counts from 1")
+        stall = None
+        if match["action"] == "stall":
+            stall = float(match["seconds"]) if match["seconds"] else DEFAULT_STALL_S
+        faults[match["point"]] = Fault(match["point"], hit, stall)
+    return faults
+
+
+_armed: dict[str, Fault] = parse(os.environ.get(ENV, ""))
+_hits: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def maybe_fail(point: str) -> None:
+    """Raise or stall here if ``point`` is armed and this is its N-th arrival; else nothing."""
+    if not _armed:
+        return
+    fault = _armed.get(point)
+    if fault is None:
+        return
+    with _lock:
+        _hits[point] = hit = _hits.get(point, 0) + 1
+    if hit != fault.hit:
+        return
+    if fault.stall_s is not None:
+        time.sleep(fault.stall_s)
+        return
+    raise InjectedFault(f"injected fault at {point!r} (arrival {hit}, {ENV})")
+
+
+@contextmanager
+def injected(spec: str) -> Iterator[None]:
+    """Arm ``spec`` (``CORELIB_FAULTS`` syntax) in this process for the block; counts start at 0."""
+    wanted = parse(spec)
+    with _lock:
+        saved = dict(_armed)
+        _armed.clear()
+        _armed.update(wanted)
+        _hits.clear()
+    try:
+        yield
+    finally:
+        with _lock:
+            _armed.clear()
+            _armed.update(saved)
+            _hits.clear()

@@ -1,0 +1,287 @@
+"""Fault injection: every fault ends in bounded time, names its cause, and leaves nothing behind.
+
+One table, two surfaces. Through the API a fault is an exception from the engine (then every
+request is finished, later steps are refused, and close releases everything); through
+``python -m corelib run`` it is a non-zero exit with the cause on stderr, no traceback, no
+worker left running and no SHM segment left in /dev/shm. Faults inside the engine are armed
+with ``CORELIB_FAULTS`` (corelib.faults): in this process through ``faults.injected``, in worker
+processes through the environment they inherit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import pytest
+from leakkit import Holdings, children, is_running, segments, settled
+from support import HERMETIC_VARIABLES
+
+from corelib import faults
+from corelib.engine import Engine, SamplingParams
+from corelib.engine.transport import ShmExecutor
+from corelib.errors import DeviceError, DeviceTimeout, TransportError, WorkerDied
+
+TIMEOUT_S = 1.0  # engine.timeout_s of every case: what a stalled wait may cost
+SMALL = ["backend=npu", "engine.async_token_handoff=on", f"engine.timeout_s={TIMEOUT_S:g}", "engine.max_num_seqs=4",
+         "model.max_model_len=256"]
+SHM = ("engine.transport=shm",)
+KILL = "SIGKILL to worker rank 0"
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+API, CLI = "api", "cli"
+STALL_S = 6.0  # an in-process stall must end for its thread to end; in a worker it lasts until the kill
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    what: str  # the fault, in the issue's words
+    inject: str  # a CORELIB_FAULTS value, KILL, or a signal to the CLI process
+    message: str  # regex: how the error names the cause (the API's exception, the CLI's stderr)
+    overrides: tuple[str, ...] = ()
+    error: tuple[type[BaseException], ...] = ()  # the API's exception; () for CLI-only faults
+    exit_code: int = 1
+    within_s: float = 8.0  # fault to exception, or to the CLI's exit (a worker's start is on top)
+    close_error: str | None = None  # API: close() also fails, naming this
+    close_s: float = TIMEOUT_S  # API: the longest close after the fault
+    surfaces: tuple[str, ...] = (API, CLI)
+    settle_s: float = 5.0
+    extra_lines: int = 0  # CLI: lines after the cause (close could not stop a stream)
+
+
+STALLED = r"(waited 1 s for event 'step\d+\.end' on stream 'compute'|did not complete within 1 s)"
+FAULTS = [
+    Fault("forward-inproc", "an exception in a model forward", "forward@30",
+          r"stream 'compute' failed in launch of .*InjectedFault: injected fault at 'forward'", error=(DeviceError,)),
+    Fault("forward-shm", "an exception in a model forward", "forward@30",
+          r"worker rank 0 \(pid \d+\) stopped: .*InjectedFault: injected fault at 'forward'", SHM, (WorkerDied,)),
+    Fault("capture-inproc", "an exception in graph capture", "capture",
+          r"InjectedFault: injected fault at 'capture'|^injected fault at 'capture'", error=(faults.InjectedFault,)),
+    Fault("capture-shm", "an exception in graph capture", "capture",
+          r"worker rank 0 \(pid \d+\) stopped: InjectedFault: injected fault at 'capture'", SHM, (WorkerDied,)),
+    Fault("submission-thread", "an exception on the submission thread", "submit@5",
+          r"InjectedFault: injected fault at 'submit'|^injected fault at 'submit'", error=(faults.InjectedFault,)),
+    Fault("polling-thread", "an exception in the polling thread", "poll@5",
+          r"worker rank 0 \(pid \d+\) stopped: InjectedFault: injected fault at 'poll'", SHM, (WorkerDied,)),
+    Fault("sigkill-worker", "a worker process killed with SIGKILL", KILL,
+          r"worker rank 0 \(pid \d+\) was killed by SIGKILL", SHM, (WorkerDied,), within_s=5.0),
+    Fault("sigint-inproc", "SIGINT to the main process mid-run", "SIGINT", "^corelib: interrupted$",
+          exit_code=130, surfaces=(CLI,)),
+    Fault("sigint-shm", "SIGINT to the main process mid-run", "SIGINT", "^corelib: interrupted$", SHM,
+          exit_code=130, surfaces=(CLI,)),
+    Fault("sigterm-inproc", "SIGTERM to the main process mid-run", "SIGTERM", r"^corelib: terminated \(SIGTERM\)$",
+          exit_code=143, surfaces=(CLI,)),
+    Fault("sigterm-shm", "SIGTERM to the main process mid-run", "SIGTERM", r"^corelib: terminated \(SIGTERM\)$", SHM,
+          exit_code=143, surfaces=(CLI,)),
+    # The stalled closure cannot be interrupted: close says which stream it could not stop,
+    # and the thread ends when the closure returns.
+    Fault("stalled-stream-inproc", "a stalled device stream (emulator)", f"forward@30:stall={STALL_S:g}", STALLED,
+          error=(DeviceError, DeviceTimeout), close_error="could not stop streams 'compute'", close_s=3 * TIMEOUT_S,
+          settle_s=STALL_S + 5.0, extra_lines=1),
+    Fault("stalled-stream-shm", "a stalled device stream (emulator)", "forward@30:stall",
+          rf"{STALLED}|waited 1 s for the tokens of step \d+ from worker rank 0", SHM, (TransportError, WorkerDied)),
+    Fault("full-ring", "a full SHM ring (a worker that stops consuming)", "poll@5:stall",
+          r"waited 1 s for worker rank 0 to release slot 0 of input ring \(frame \d+\)",
+          (*SHM, "engine.shm.num_slots=1"), (TransportError,)),
+]
+CASES = [pytest.param(f, s, id=f"{f.name}-{s}") for f in FAULTS for s in f.surfaces]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14] * 20, [15, 16], [17, 18, 19]]
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("corelib: ")]
+
+
+# ---------------------------------------------------------------------------------- the API
+
+
+def _fail_through_api(fault: Fault, finished: list[str]) -> tuple[BaseException, Engine | None, float]:
+    """Run requests until the fault stops the engine; the error, the engine, seconds from the fault."""
+    engine: Engine | None = None
+    armed = time.monotonic()
+    try:
+        engine = Engine.from_overrides([*SMALL, *fault.overrides])
+        for prompt in PROMPTS:
+            engine.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        steps = 0
+        while engine.has_unfinished:
+            finished += [o.request_id for o in engine.step()]
+            steps += 1
+            if steps == 5 and fault.inject == KILL:
+                executor = engine.core.executor
+                assert isinstance(executor, ShmExecutor), "the kill needs worker processes"
+                os.kill(executor.ranks[0].process.pid, signal.SIGKILL)
+                armed = time.monotonic()
+    except fault.error as error:
+        return error, engine, time.monotonic() - armed
+    raise AssertionError(f"{fault.name}: the engine finished every request; the fault never fired")
+
+
+def check_api(fault: Fault, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = "" if fault.inject == KILL else fault.inject
+    monkeypatch.setenv(faults.ENV, spec)  # for the workers this test starts
+    before = Holdings.now()
+    finished: list[str] = []
+    with faults.injected(spec):
+        error, engine, elapsed = _fail_through_api(fault, finished)
+    message = str(error)
+    assert re.search(fault.message, message), f"{fault.name}: the error does not name the cause: {message}"
+    assert "\n" not in message, f"{fault.name}: a multi-line error: {message}"
+    assert elapsed < fault.within_s, f"{fault.name}: {elapsed:.1f} s from the fault to the error"
+    closing = 0.0
+    if engine is not None:
+        assert not engine.has_unfinished, f"{fault.name}: requests were left unfinished"
+        ended = engine.take_finished()
+        assert all(o.finish_reason == "error" and o.error for o in ended), ended
+        assert len(finished) + len(ended) == len(PROMPTS), f"{fault.name}: a request got no output"
+        with pytest.raises(RuntimeError, match="stopped after an error"):
+            engine.step()
+        started = time.monotonic()
+        if fault.close_error is None:
+            engine.close()
+        else:
+            with pytest.raises(DeviceTimeout, match=fault.close_error):
+                engine.close()
+        closing = time.monotonic() - started
+        assert closing < fault.close_s, f"{fault.name}: close took {closing:.1f} s"
+        del engine
+    left = settled(before, within=fault.settle_s)
+    assert not left, f"{fault.name}: left behind {left}"
+    print(f"\n{fault.name}: {type(error).__name__} {elapsed:.2f} s after the fault, closed in {closing:.2f} s")
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+class Watcher:
+    """Reads the CLI's output as it comes; notes when the progress bar shows a run half done."""
+
+    PROGRESS = re.compile(r"(\d+)/(\d+)")
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None and process.stderr is not None, "Popen was asked for pipes"
+        self.process = process
+        self.mid_run = threading.Event()
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.workers: set[int] = set()
+        self._threads = [threading.Thread(target=self._read, args=(process.stdout, self.stdout, True)),
+                         threading.Thread(target=self._read, args=(process.stderr, self.stderr, False))]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, stream: IO[str], into: list[str], progress: bool) -> None:
+        # The progress bar redraws with carriage returns: read characters, not lines.
+        while chunk := stream.read(256):
+            into.append(chunk)
+            if progress and not self.mid_run.is_set():
+                done = [(int(a), int(b)) for a, b in self.PROGRESS.findall("".join(into)[-2000:])]
+                if any(0 < a < b for a, b in done):
+                    self.mid_run.set()
+
+    def wait(self, until: threading.Event | None, timeout: float) -> bool:
+        """Note worker processes while waiting for ``until`` (or for the exit); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.workers |= children(self.process.pid)
+            if (until is not None and until.is_set()) or self.process.poll() is not None:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def finish(self) -> tuple[str, str]:
+        for thread in self._threads:
+            thread.join(10)
+        return "".join(self.stdout), "".join(self.stderr)
+
+
+def check_cli(fault: Fault, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
+    env["FORCE_COLOR"] = "1"  # the progress bar draws on a pipe too: it tells when the run is mid-way
+    if fault.inject not in SIGNALS and fault.inject != KILL:
+        env[faults.ENV] = fault.inject
+    run_dir = tmp_path / "run"
+    workload = ["workload.num_requests=200", "workload.output_len_min=100", "workload.output_len_max=200"]
+    command = [sys.executable, "-m", "corelib", "run", *SMALL, *fault.overrides, *workload, f"hydra.run.dir={run_dir}"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    watcher = Watcher(process)
+    try:
+        armed = time.monotonic()
+        if fault.inject in SIGNALS or fault.inject == KILL:
+            assert watcher.wait(watcher.mid_run, 120), "the run did not get going within 120 s"
+            assert watcher.mid_run.is_set(), f"the run ended before the fault: {watcher.finish()}"
+            if fault.inject == KILL:
+                assert watcher.workers, "no worker process was seen"
+                os.kill(min(watcher.workers), signal.SIGKILL)
+            else:
+                process.send_signal(SIGNALS[fault.inject])
+            armed = time.monotonic()
+        bound = fault.within_s + (0 if fault.inject in SIGNALS or fault.inject == KILL else 60)  # + interpreter start
+        exited = watcher.wait(None, bound)
+        elapsed = time.monotonic() - armed
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+    _, stderr = watcher.finish()
+    assert exited, f"{fault.name}: still running {bound:.0f} s after the fault; stderr:\n{stderr}"
+    assert process.returncode == fault.exit_code, f"{fault.name}: exit {process.returncode}; stderr:\n{stderr}"
+    assert "Traceback" not in stderr, stderr
+    lines = _error_lines(stderr)
+    named = bool(lines) and re.search(fault.message, lines[0])
+    assert named, f"{fault.name}: the first line does not name the cause:\n{stderr}"
+    assert len(lines) == 1 + fault.extra_lines, f"{fault.name}: expected {1 + fault.extra_lines} line(s):\n{stderr}"
+    assert not (run_dir / "outputs.jsonl").exists(), f"{fault.name}: the run completed before the fault"
+    if fault.inject in SIGNALS and "engine.transport=shm" in fault.overrides:
+        assert watcher.workers, f"{fault.name}: no worker was seen, so none could be checked"
+    deadline = time.monotonic() + 5.0
+    while any(is_running(pid) for pid in watcher.workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in watcher.workers if is_running(pid)]
+    assert not alive, f"{fault.name}: worker processes {alive} outlived the run"
+    assert not segments(process.pid), f"{fault.name}: segments left: {segments(process.pid)}"
+    print(f"\n{fault.name}: exit {process.returncode} {elapsed:.2f} s after the fault: {lines[0]}")
+
+
+@pytest.fixture(autouse=True)
+def _disarmed() -> Iterator[None]:
+    yield
+    assert not faults._armed, "a test left a fault armed in this process"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "surface"), CASES)
+def test_fault(fault: Fault, surface: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if surface == API:
+        check_api(fault, monkeypatch)
+    else:
+        check_cli(fault, tmp_path)
+
+
+def test_the_table_covers_every_fault_of_the_issue() -> None:
+    wanted = {
+        "an exception in a model forward", "an exception in graph capture", "an exception on the submission thread",
+        "an exception in the polling thread", "a worker process killed with SIGKILL",
+        "SIGINT to the main process mid-run", "SIGTERM to the main process mid-run",
+        "a stalled device stream (emulator)", "a full SHM ring (a worker that stops consuming)",
+    }
+    assert {f.what for f in FAULTS} == wanted
+    assert all(CLI in f.surfaces for f in FAULTS), "every fault must also end the CLI cleanly"
+
+
+def test_a_malformed_fault_list_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cannot read 'forwrd@2'"):
+        faults.parse("forwrd@2")
+    assert faults.parse("forward@3:stall=0.5, poll") == {
+        "forward": faults.Fault("forward", 3, 0.5), "poll": faults.Fault("poll", 1, None)}
+
