@@ -289,6 +289,8 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
+        if self._failure is not None:
+            return False  # every request was ended with the error; steps still in flight carry none
         return self.scheduler.has_unfinished or self.core.num_in_flight > 0
 
     def step(self) -> list[RequestOutput]:
