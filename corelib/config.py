@@ -145,6 +145,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks
     timeout_s: float = 60.0  # longest any wait may take before it fails naming what it waited for
     trace: bool = False  # write a Chrome/Perfetto trace of host and device spans
+    metrics_window: int = 10_000  # latest requests and steps kept for percentiles; totals cover all
 
 
 @dataclass

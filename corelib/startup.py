@@ -83,6 +83,7 @@ def check_limits(config: CorelibConfig) -> None:
         "engine.block_size": (engine.block_size, 1),
         "engine.max_num_batched_tokens": (engine.max_num_batched_tokens, 1),
         "engine.shm.num_slots": (engine.shm.num_slots, 1),
+        "engine.metrics_window": (engine.metrics_window, 1),
         "model.max_model_len": (model.max_model_len, 2),  # a prompt token and room for one output
         "model.vocab_size": (model.vocab_size, 2),
     }

@@ -175,7 +175,7 @@ class Engine:
         self.staging = staging
         self.core = EngineCore(
             self.scheduler, self.builder, self.buckets, executor, staging, self.async_handoff,
-            self._sync_reasons, engine_cfg.timeout_s,
+            self._sync_reasons, engine_cfg.timeout_s, engine_cfg.metrics_window,
         )
         self.tracer: Tracer = NULL_TRACER
         if engine_cfg.trace:

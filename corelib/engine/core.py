@@ -18,7 +18,7 @@ from corelib.engine.buckets import BucketPolicy
 from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import InputBuilder
 from corelib.engine.handoff import StagingPool
-from corelib.engine.metrics import MetricsCollector
+from corelib.engine.metrics import WINDOW, MetricsCollector
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, StepKind
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.engine.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
@@ -46,6 +46,7 @@ class EngineCore:
         async_handoff: bool,
         sync_check: SyncCheck,
         timeout_s: float,
+        metrics_window: int = WINDOW,
     ) -> None:
         self.scheduler = scheduler
         self.builder = builder
@@ -55,7 +56,7 @@ class EngineCore:
         self.async_handoff = async_handoff
         self._sync_check = sync_check
         self.timeout_s = timeout_s
-        self.metrics = MetricsCollector()
+        self.metrics = MetricsCollector(metrics_window)
         self._in_flight: deque[InFlight] = deque()
         self._next_step_id = 0
         self.finished: list[Sequence] = []

@@ -1,8 +1,9 @@
 """Run metrics: per-step device spans from events, per-request latencies from host clocks.
 
 Counts and token totals cover the whole life of the engine. Percentiles and device spans
-cover the latest WINDOW requests and steps (every one, for a run shorter than that), so an
-engine that serves for days holds the same memory as one that served for minutes.
+cover the latest ``engine.metrics_window`` requests and steps (every one, for a run shorter
+than that), so an engine that serves for days holds the same memory as one that served for
+minutes.
 """
 
 from __future__ import annotations

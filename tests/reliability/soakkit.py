@@ -10,11 +10,13 @@ reference engine can replay exactly the requests the soak ran.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from leakkit import rss_bytes
 
@@ -22,13 +24,14 @@ from corelib.engine import Engine, SamplingParams
 from corelib.engine.transport import ShmExecutor
 
 POOL = ["engine.max_num_seqs=6", "engine.num_kv_blocks=24", "model.max_model_len=160"]
+WINDOW = ["engine.metrics_window=1000"]  # the engine's figures fill their windows within seconds
 EOS = 0  # replaced by the token the model samples most (see frequent_token)
 CHAOS = ["backend.emulator.chaos=0.2", "backend.emulator.chaos_max_ms=0.5"]
 
 
 def soak_overrides(eos: int) -> list[str]:
     return ["backend=npu", *CHAOS, "engine.async_token_handoff=on", "engine.transport=shm",
-            "engine.shm.materialization=ordered", *POOL, f"model.eos_token_id={eos}"]
+            "engine.shm.materialization=ordered", *POOL, *WINDOW, f"model.eos_token_id={eos}"]
 
 
 def reference_overrides(eos: int) -> list[str]:
@@ -74,22 +77,36 @@ class Sample:
 @dataclass
 class SoakResult:
     seconds: float
-    outputs: dict[int, list[int]]  # request index -> tokens
+    requests: int  # finished, each a line of the outputs file
     finish_reasons: dict[str, int]
     samples: list[Sample]
     steps: int
     steps_sync: int
     preemptions: int
-    notes: list[str] = field(default_factory=list)
 
 
-def run_soak(seconds: float, eos: int, sample_every_s: float, log: Callable[[str], None] = print) -> SoakResult:
-    """Drive the soak engine for ``seconds`` of arrivals, then drain; sample memory as it goes."""
+def read_outputs(path: Path) -> dict[int, list[int]]:
+    """Request index -> tokens, from the file run_soak wrote."""
     outputs: dict[int, list[int]] = {}
+    with path.open() as lines:
+        for line in lines:
+            index, tokens = json.loads(line)
+            outputs[index] = tokens
+    return outputs
+
+
+def run_soak(seconds: float, eos: int, sample_every_s: float, outputs_path: Path,
+             log: Callable[[str], None] = print) -> SoakResult:
+    """Drive the soak engine for ``seconds`` of arrivals, then drain; sample memory as it goes.
+
+    Each finished request is appended to ``outputs_path`` as ``[index, tokens]``, so the soak's
+    own bookkeeping does not grow the memory it measures.
+    """
+    done = 0
     reasons: dict[str, int] = {}
     samples: list[Sample] = []
     rng = random.Random(2024)
-    with Engine.from_overrides(soak_overrides(eos)) as engine:
+    with outputs_path.open("w") as out, Engine.from_overrides(soak_overrides(eos)) as engine:
         executor = engine.core.executor
         assert isinstance(executor, ShmExecutor), "the soak runs over SHM"
         worker = executor.ranks[0].process.pid
@@ -114,20 +131,21 @@ def run_soak(seconds: float, eos: int, sample_every_s: float, log: Callable[[str
                     engine.add_request(req.prompt, req.sampling, request_id=str(added), multimodal=req.multimodal)
                     added += 1
             for output in engine.step():
-                outputs[int(output.request_id)] = output.output_token_ids
+                out.write(json.dumps([int(output.request_id), output.output_token_ids]) + "\n")
+                done += 1
                 reasons[output.finish_reason] = reasons.get(output.finish_reason, 0) + 1
             if now >= next_sample:
                 sample()
                 next_sample = now + sample_every_s
                 if len(samples) % 12 == 1:
                     last = samples[-1]
-                    log(f"soak {last.at_s:7.1f} s: {added} requests, {len(outputs)} done, scheduler RSS "
+                    log(f"soak {last.at_s:7.1f} s: {added} requests, {done} done, scheduler RSS "
                         f"{last.scheduler_rss / 2**20:.1f} MiB, worker RSS {last.worker_rss / 2**20:.1f} MiB, "
-                        f"pinned {last.pinned_bytes} B")
+                        f"device {last.device_bytes} B, pinned {last.pinned_bytes} B")
         sample()
         summary = engine.metrics(time.monotonic() - started)
         preemptions = engine.scheduler.num_preemptions
-    return SoakResult(time.monotonic() - started, outputs, reasons, samples, summary["steps"], summary["steps_sync"],
+    return SoakResult(time.monotonic() - started, done, reasons, samples, summary["steps"], summary["steps_sync"],
                       preemptions)
 
 
