@@ -38,7 +38,8 @@ GOOD = SamplingParams(max_tokens=6, ignore_eos=True)
 @dataclass(frozen=True)
 class ConfigCase:
     overrides: tuple[str, ...]
-    says: str  # a fragment of the one error line
+    says: str  # a fragment of the (first) error line
+    lines: int = 1  # one line per unmet condition where a feature is forced on
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,15 @@ TARGET_FRAME = 4  # a decode frame, after the prefill and a few decode steps
 Case = ConfigCase | RequestCase | FrameCase
 TABLE: list[tuple[str, str, Case]] = [
     # -- configuration, through the CLI
+    ("config", "override-typo", ConfigCase(("engine.asyn_token_handoff=on",),
+                                           "Key 'asyn_token_handoff' not in 'EngineConfig' (did you mean "
+                                           "'async_token_handoff'?)")),
+    ("config", "unknown-backend", ConfigCase(("backend=tpu",), "backend=tpu: no such option; available: auto, cpu")),
+    ("config", "mode-unknown", ConfigCase(("engine.graph=maybe",), "Invalid value 'maybe', expected one of [auto, on")),
+    ("config", "int-from-text", ConfigCase(("model.num_layers=abc",), "model.num_layers: Value 'abc'")),
+    ("config", "feature-on-two-unmet", ConfigCase(
+        ("engine.async_token_handoff=on", "engine.speculative_draft_model=draft", "engine.kv_transfer_connector=x"),
+        "engine.async_token_handoff=on refused: a speculative draft model is configured", lines=2)),
     ("config", "max_num_seqs-0", ConfigCase(("engine.max_num_seqs=0",), "engine.max_num_seqs=0: must be at least 1")),
     ("config", "block_size-0", ConfigCase(("engine.block_size=0",), "engine.block_size=0: must be at least 1")),
     ("config", "timeout-negative", ConfigCase(("engine.timeout_s=-1",), "engine.timeout_s=-1.0: must be a positive")),
@@ -197,7 +207,8 @@ def alone(engine: Engine) -> list[list[int]]:
 
 
 def check_config(case: ConfigCase, cli: Cli) -> None:
-    assert_user_error(cli("run", "backend=npu", "workload.num_requests=2", *case.overrides), case.says)
+    assert_user_error(cli("run", "backend=npu", "workload.num_requests=2", *case.overrides), case.says,
+                      lines=case.lines)
 
 
 def check_request(case: RequestCase, engine: Engine, alone: list[list[int]]) -> None:
