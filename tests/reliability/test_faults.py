@@ -268,7 +268,7 @@ def test_fault(fault: Fault, surface: str, monkeypatch: pytest.MonkeyPatch, tmp_
         check_cli(fault, tmp_path)
 
 
-def test_the_table_covers_every_fault_of_the_issue() -> None:
+def test_the_table_covers_every_required_fault() -> None:
     wanted = {
         "an exception in a model forward", "an exception in graph capture", "an exception on the submission thread",
         "an exception in the polling thread", "a worker process killed with SIGKILL",
