@@ -386,7 +386,7 @@ class Engine:
         return self.core.executor.memory_stats()
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
-        """Run-level figures over every request added so far (percentiles: the latest 10 000)."""
+        """Run-level figures over every request added so far (percentiles: the latest engine.metrics_window)."""
         pending = [*self.scheduler.running, *self.scheduler.waiting, *self.core.finished]
         return self.core.metrics.summary(pending, wall_s)
 
