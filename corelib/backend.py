@@ -38,6 +38,8 @@ class Backend(ABC):
     name: ClassVar[str]
     #: whether the stream emulator can stand in when the hardware is missing
     can_emulate: ClassVar[bool] = True
+    #: pytest marker the conformance suite puts on native runs (the hardware they need), if any
+    hardware_mark: ClassVar[str | None] = None
 
     def probe(self) -> Availability:
         """Can this backend run natively here? Never raises: a failure becomes the reason."""

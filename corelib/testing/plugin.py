@@ -18,7 +18,7 @@ from corelib.device import Device
 from corelib.errors import BackendUnavailable
 from corelib.plugins import PluginRegistry
 from corelib.testing.helpers import Busy, default_busy
-from corelib.testing.targets import HARDWARE_MARKS, Target, discover_targets, resolve_spec
+from corelib.testing.targets import Target, discover_targets, resolve_spec
 
 # Plain asserts in the suite get pytest's explanations although its module is not test_*.py.
 pytest.register_assert_rewrite("corelib.testing.conformance")
@@ -56,8 +56,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for backend, mark in HARDWARE_MARKS.items():
-        config.addinivalue_line("markers", f"{mark}: needs real {backend} hardware; skipped elsewhere")
+    registry = _registry(config)
+    for name in registry.backend_names:
+        mark = registry.get(name).hardware_mark
+        if mark is not None:
+            config.addinivalue_line("markers", f"{mark}: needs real {name} hardware; skipped elsewhere")
 
 
 def _registry(config: pytest.Config) -> PluginRegistry:

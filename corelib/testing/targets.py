@@ -13,9 +13,6 @@ from corelib.config import CorelibConfig, RuntimeMode
 from corelib.errors import ConfigError
 from corelib.plugins import PluginRegistry
 
-#: pytest marker of the hardware a native run of a built-in backend needs
-HARDWARE_MARKS = {"cuda": "gpu", "npu": "npu", "mlu": "mlu"}
-
 
 @dataclass(frozen=True)
 class Target:
@@ -25,18 +22,12 @@ class Target:
     runtime: RuntimeMode
     chaos: float = 0.0
     seed: int = 0
+    hardware_mark: str | None = None  # the pytest marker of the hardware a native run needs
 
     @property
     def id(self) -> str:
         chaos = f"-chaos{self.chaos:g}" if self.runtime is RuntimeMode.emulated and self.chaos > 0 else ""
         return f"{self.backend}-{self.runtime.value}{chaos}"
-
-    @property
-    def hardware_mark(self) -> str | None:
-        """The marker of the hardware this target needs (None when it needs none)."""
-        if self.runtime is RuntimeMode.emulated:
-            return None
-        return HARDWARE_MARKS.get(self.backend)
 
 
 def discover_targets(
@@ -63,7 +54,8 @@ def discover_targets(
             if not backend.can_emulate or backend.probe().native:
                 runtimes.append(RuntimeMode.native)
         for mode in runtimes:
-            targets.append(Target(name, mode, seed=seed))
+            mark = backend.hardware_mark if mode is RuntimeMode.native else None
+            targets.append(Target(name, mode, seed=seed, hardware_mark=mark))
             if mode is RuntimeMode.emulated and chaos > 0:
                 targets.append(Target(name, mode, chaos=chaos, seed=seed))
     return targets

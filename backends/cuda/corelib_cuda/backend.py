@@ -54,6 +54,7 @@ class CudaDevice(TorchDevice):
 
 class CUDABackend(Backend):
     name = "cuda"
+    hardware_mark = "gpu"
 
     def _probe_native(self) -> Availability:
         if not torch.cuda.is_available():

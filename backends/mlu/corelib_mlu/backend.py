@@ -40,6 +40,7 @@ class MluDevice(TorchDevice):
 
 class MLUBackend(Backend):
     name = "mlu"
+    hardware_mark = "mlu"
 
     def _probe_native(self) -> Availability:
         try:

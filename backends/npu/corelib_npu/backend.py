@@ -82,6 +82,7 @@ class NpuDevice(TorchDevice):
 
 class NPUBackend(Backend):
     name = "npu"
+    hardware_mark = "npu"
 
     def _probe_native(self) -> Availability:
         try:
