@@ -204,17 +204,28 @@ class Watcher:
         return "".join(self.stdout), "".join(self.stderr)
 
 
+def hermetic_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
+
+
+def start_long_run(
+    overrides: tuple[str, ...], run_dir: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], Watcher]:
+    """``python -m corelib run`` with enough work to be interrupted mid-way, and a Watcher on it."""
+    env = {**env, "FORCE_COLOR": "1"}  # the progress bar draws on a pipe too: it tells when the run is mid-way
+    workload = ["workload.num_requests=200", "workload.output_len_min=100", "workload.output_len_max=200"]
+    command = [sys.executable, "-m", "corelib", "run", *SMALL, *overrides, *workload, f"hydra.run.dir={run_dir}"]
+    process = subprocess.Popen(command, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    return process, Watcher(process)
+
+
 def check_cli(fault: Fault, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
-    env["FORCE_COLOR"] = "1"  # the progress bar draws on a pipe too: it tells when the run is mid-way
+    env = hermetic_env()
     if fault.inject not in SIGNALS and fault.inject != KILL:
         env[faults.ENV] = fault.inject
     run_dir = tmp_path / "run"
-    workload = ["workload.num_requests=200", "workload.output_len_min=100", "workload.output_len_max=200"]
-    command = [sys.executable, "-m", "corelib", "run", *SMALL, *fault.overrides, *workload, f"hydra.run.dir={run_dir}"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    watcher = Watcher(process)
+    process, watcher = start_long_run(fault.overrides, run_dir, env)
     try:
         armed = time.monotonic()
         if fault.inject in SIGNALS or fault.inject == KILL:
@@ -291,13 +302,8 @@ def test_a_malformed_fault_list_is_refused() -> None:
 def test_sigkill_to_the_main_process_ends_its_workers_and_the_next_start_removes_its_segments(tmp_path: Path) -> None:
     """The one signal nothing can catch: the workers notice their scheduler is gone and exit, and
     the segments it could not unlink are removed (and reported) by the next run that uses SHM."""
-    env = {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
-    env["FORCE_COLOR"] = "1"
-    workload = ["workload.num_requests=200", "workload.output_len_min=100", "workload.output_len_max=200"]
-    command = [sys.executable, "-m", "corelib", "run", *SMALL, *SHM, *workload, f"hydra.run.dir={tmp_path / 'a'}"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    watcher = Watcher(process)
+    env = hermetic_env()
+    process, watcher = start_long_run(SHM, tmp_path / "a", env)
     try:
         assert watcher.wait(watcher.mid_run, 120) and watcher.mid_run.is_set(), "the run did not get going"
         assert watcher.workers, "no worker process was seen"
