@@ -19,6 +19,9 @@ from corelib.config import BackendConfig, EmulatorConfig, RuntimeMode
 from corelib.device import Availability, Capabilities, Device, Runtime
 from corelib.errors import BackendUnavailable, ConfigError, one_line
 
+if typing.TYPE_CHECKING:
+    from corelib.ops import OpProvider
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -47,6 +50,14 @@ class Backend(ABC):
             return self._probe_native()
         except Exception as error:  # noqa: BLE001 - any import or driver failure is a reason
             return Availability(native=False, reason=one_line(error))
+
+    def op_provider(self) -> OpProvider | None:
+        """Fused ops this backend offers natively (None: the reference ops everywhere).
+
+        Used only on the native runtime and only when the ``fused_ops`` gate enables it; the
+        provider's ``available()`` says why it cannot load (a missing optional package).
+        """
+        return None
 
     def open(self, spec: DeviceSpec) -> Device:
         if spec.runtime is Runtime.native:

@@ -326,6 +326,33 @@ class Engine:
         while self.has_unfinished:
             yield from self.step()
 
+    def abort(self, request_id: str) -> bool:
+        """End a request now (finish_reason 'abort'): its KV blocks go back, tokens in flight are dropped.
+
+        Returns False when no unfinished request has that id. The aborted request's output is
+        returned by the next ``step``/``take_finished`` like any other.
+        """
+        self._check_open()
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            if seq.request_id == request_id:
+                self.scheduler.finish(seq, FinishReason.abort)
+                self.core.finished.append(seq)
+                return True
+        return False
+
+    def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]:
+        """Advance the loop once (when anything is unfinished); each request's new tokens and text.
+
+        ``tracker`` (``DeltaTracker(engine.tokenizer)``) remembers what was already reported; a
+        request's last delta carries its RequestOutput.
+        """
+        deltas = tracker.finished(self._take_finished())
+        if self.has_unfinished:
+            self._advance()
+            deltas += tracker.running(self.scheduler.running)
+            deltas += tracker.finished(self._take_finished())
+        return deltas
+
     def stream_tokens(self) -> Iterator[TokenDelta]:
         """Run until every queued request is done, yielding each request's new tokens (and text) as they come.
 
@@ -335,9 +362,7 @@ class Engine:
         tracker = DeltaTracker(self.tokenizer)
         yield from tracker.finished(self._take_finished())
         while self.has_unfinished:
-            self._advance()
-            yield from tracker.running(self.scheduler.running)
-            yield from tracker.finished(self._take_finished())
+            yield from self.step_tokens(tracker)
 
     def generate(
         self,

@@ -28,7 +28,6 @@ from corelib.engine.forward_input import (
     row_views,
 )
 from corelib.engine.metrics import StepResult
-from corelib.engine.sampler import greedy, sample
 from corelib.engine.scheduler import StepKind
 from corelib.models.llama import (
     ConvState,
@@ -40,6 +39,8 @@ from corelib.models.llama import (
     decode_layer,
     prefill_forward,
 )
+from corelib.ops import SamplingInputs
+from corelib.ops.reference import sample as sample_tokens
 
 
 @dataclass
@@ -237,11 +238,9 @@ class ModelRunner:
         sample_positions: torch.Tensor,
         sampled: bool,
     ) -> None:
-        if sampled:
-            tokens = sample(logits, floats["temperature"][:rows], top_k, floats["top_p"][:rows], seeds,
-                            sample_positions)
-        else:
-            tokens = greedy(logits)
+        sampling = SamplingInputs(floats["temperature"][:rows], top_k, floats["top_p"][:rows], seeds,
+                                  sample_positions) if sampled else None
+        tokens = sample_tokens(logits, sampling)
         self.next_tokens[:rows].copy_(tokens)
         self.seq_tokens.index_copy_(0, slots, tokens)
 

@@ -73,6 +73,7 @@ class FinishReason(str, enum.Enum):
     length = "length"  # max_tokens or the model's maximum length
     error = "error"  # the request was invalid or its work failed
     cancelled = "cancelled"  # the engine shut down first
+    abort = "abort"  # the caller aborted it (Engine.abort, or a client that went away)
 
 
 @dataclass

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from corelib.engine.sampler import greedy, gumbel_noise, sample
+from corelib.ops import SamplingInputs
+from corelib.ops.reference import sample as reference_sample
+from corelib.ops.sampling import gumbel_noise
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return reference_sample(logits, None)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return reference_sample(logits, SamplingInputs(temperature, top_k, top_p, seeds, positions))
 
 
 def test_greedy_is_argmax() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from corelib.ops.spec import SamplingInputs
+
 
 def _int64(constant: int) -> int:
     """A 64-bit constant as the signed value torch's int64 arithmetic wraps around."""
@@ -37,20 +39,10 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     return -torch.log(-torch.log(uniform))
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    # logits: [B, V] -> [B] int64
-    return logits.argmax(dim=-1)
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> torch.Tensor:
-    """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32, others [B]."""
+def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    seeds, positions = sampling.seeds, sampling.positions
     vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]

@@ -1,0 +1,216 @@
+"""What every op takes and returns, the container the model calls, and what a provider supplies.
+
+Shapes use: T tokens (flat, prefill), B sequences (decode), H hidden, nh query heads,
+nkv KV heads, hd head dim, NB KV blocks, bs block size, W block-table width, V vocabulary.
+Every op is graph-safe in the reference: no host sync, no data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from corelib.device import Device
+
+OP_NAMES = (
+    "rms_norm",
+    "rope_kv_write",
+    "paged_decode_attention",
+    "prefill_attention",
+    "silu_mul",
+    "sample",
+)
+
+
+@dataclass(frozen=True)
+class PagedAttention:
+    """Where one decode step's keys and values live: built once per step, shared by every layer.
+
+    block_tables [B, W] int32: the first W blocks of each sequence (padded with block 0);
+    seq_lens [B] int64: keys to attend to, the new token included (>= 1).
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+
+    @functools.cached_property
+    def key_mask(self) -> torch.Tensor:
+        """[B, 1, 1, W*bs] True where a key position is live; the reference computes it once per step."""
+        span = self.block_tables.shape[1] * self.block_size
+        positions = torch.arange(span, device=self.seq_lens.device)
+        return (positions[None, :] < self.seq_lens[:, None])[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class VarlenAttention:
+    """The sequences of one prefill batch, packed flat: sequence i holds tokens cu_seqlens[i]:cu_seqlens[i+1].
+
+    cu_seqlens [n+1] int64 on the device; max_seqlen a host int (prefill runs eagerly).
+    pad_index [n, L] / valid [n, L]: the same packing as a padded grid, when the caller has it.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    pad_index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pad_index [n, L], valid [n, L]), derived on the device when not given."""
+        if self.pad_index is not None and self.valid is not None:
+            return self.pad_index, self.valid
+        starts, lengths = self.cu_seqlens[:-1], self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        columns = torch.arange(self.max_seqlen, device=self.cu_seqlens.device)
+        valid = columns[None, :] < lengths[:, None]
+        return torch.where(valid, starts[:, None] + columns[None, :], 0), valid
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling values on the device, all [B]: temperature 0 means greedy."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, 0: no cut
+    top_p: torch.Tensor  # float32, 1: no cut
+    seeds: torch.Tensor  # int64
+    positions: torch.Tensor  # int64: the position of the sampled token (the counter of the noise)
+
+
+class RmsNorm(Protocol):
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H], weight [H]. Without residual: (rms_norm(x) * weight, x).
+
+        With residual [..., H]: h = x + residual, then (rms_norm(h) * weight, h): the sum is
+        the next residual. Statistics in float32; output in x's dtype.
+        """
+        ...
+
+
+class RopeKvWrite(Protocol):
+    def __call__(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate q and k (rotate-half RoPE, as Hugging Face Llama) and write k and v into the paged cache.
+
+        qk [T, nh+nkv, hd] (query heads first; may be a strided view of a fused qkv output),
+        v [T, nkv, hd], positions [T] int64, cos_sin [max_len, 2, hd] (cos, sin per position),
+        k_cache / v_cache [NB, bs, nkv, hd], slot_mapping [T] int64 (block * bs + offset).
+        Returns the rotated qk [T, nh+nkv, hd], contiguous.
+        """
+        ...
+
+
+class PagedDecodeAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
+    ) -> torch.Tensor:
+        """One query token per sequence over its live cached keys: q [B, nh, hd] -> [B, nh, hd].
+
+        Grouped-query: query head j reads KV head j // (nh // nkv).
+        """
+        ...
+
+
+class PrefillAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
+    ) -> torch.Tensor:
+        """Causal attention within each packed sequence: q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd]."""
+        ...
+
+
+class SiluMul(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
+        ...
+
+
+class Sample(Protocol):
+    def __call__(self, logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tensor:
+        """logits [B, V] float32 -> token ids [B] int64. None: every row greedy (argmax).
+
+        With sampling: rows with temperature > 0 sample from softmax(logits / temperature) cut
+        to the top_k tokens and then to the smallest set whose mass reaches top_p, with Gumbel
+        noise from a counter-based hash of (seed, position, token id); other rows are greedy.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The ops a model calls, and who provides each one."""
+
+    rms_norm: RmsNorm
+    rope_kv_write: RopeKvWrite
+    paged_decode_attention: PagedDecodeAttention
+    prefill_attention: PrefillAttention
+    silu_mul: SiluMul
+    sample: Sample
+    providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
+
+    @classmethod
+    def reference(cls) -> Ops:
+        from corelib.ops import reference
+
+        return cls(
+            rms_norm=reference.rms_norm,
+            rope_kv_write=reference.rope_kv_write,
+            paged_decode_attention=reference.paged_decode_attention,
+            prefill_attention=reference.prefill_attention,
+            silu_mul=reference.silu_mul,
+            sample=reference.sample,
+        )
+
+    def with_provider(self, name: str, ops: Mapping[str, object]) -> Ops:
+        """These ops replaced by ``ops`` (op name -> callable), provided by ``name``."""
+        unknown = sorted(set(ops) - set(OP_NAMES))
+        if unknown:
+            raise ValueError(f"op provider {name!r} offers unknown ops {unknown}; the ops are {', '.join(OP_NAMES)}")
+        providers = dict(self.providers)
+        providers.update(dict.fromkeys(ops, name))
+        replaced = {key: value for key, value in ops.items()}
+        return Ops(**{op: replaced.get(op, getattr(self, op)) for op in OP_NAMES}, providers=providers)  # type: ignore[arg-type]
+
+    @property
+    def fused(self) -> tuple[str, ...]:
+        """The ops some provider other than the reference runs."""
+        return tuple(op for op in OP_NAMES if self.providers.get(op, "reference") != "reference")
+
+    @property
+    def attention_reads_live_blocks_only(self) -> bool:
+        """Decode attention reads only each sequence's live blocks, whatever the block-table width.
+
+        Then a graph captured at the full width serves every batch (no KV-width buckets).
+        """
+        return "paged_decode_attention" in self.fused
+
+
+class OpProvider(Protocol):
+    """What a backend offers: a name, the ops it provides, and how to load them for a device."""
+
+    name: str
+
+    def available(self) -> str | None:
+        """None when the provider can load here; else why not, in one line (a missing package)."""
+        ...
+
+    def op_names(self) -> tuple[str, ...]:
+        """The ops ``load`` returns, known without a device (``plan`` shows them)."""
+        ...
+
+    def load(self, device: Device) -> Mapping[str, object]:
+        """Op name -> callable for ``device``; called once when the engine builds its runner."""
+        ...
