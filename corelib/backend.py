@@ -78,6 +78,17 @@ class Backend(ABC):
         return device
 
 
+def _fused_ops_unavailable(backend: Backend) -> str | None:
+    """Why the backend's op provider cannot load here, or None when it can."""
+    provider = backend.op_provider()
+    if provider is None:
+        return "the backend offers no op provider"
+    try:
+        return provider.available()
+    except Exception as error:  # noqa: BLE001 - a provider's failure to answer is its reason
+        return f"op provider {provider.name!r} failed to say whether it loads ({one_line(error)})"
+
+
 @dataclass(frozen=True)
 class Resolution:
     """The runtime chosen for a backend, with the capabilities it will run with."""
@@ -135,10 +146,16 @@ def resolve_runtime(backend: Backend, cfg: BackendConfig, timeout_s: float) -> R
             f"backend {backend.name} is unavailable here ({availability.reason}) and cannot be emulated"
         )
     else:
-        capabilities = declared
+        # The emulator runs the reference ops: a backend's fused kernels need its hardware.
+        capabilities = declared.narrow(fused_ops=False)
         runtime = Runtime.emulated
         why = f" because {availability.reason}" if availability is not None else " (backend.runtime=emulated)"
         message = f"{backend.name}: running on the stream emulator with the {backend.name} profile{why}"
+    if runtime is Runtime.native and capabilities.fused_ops:
+        unavailable = _fused_ops_unavailable(backend)
+        if unavailable is not None:
+            capabilities = capabilities.narrow(fused_ops=False)
+            message += f"; fused ops unavailable: {unavailable}"
     spec = DeviceSpec(
         backend=backend.name,
         runtime=runtime,

@@ -131,6 +131,8 @@ class EngineConfig:
 
     graph: Mode = Mode.auto  # capture decode steps as device graphs
     async_token_handoff: Mode = Mode.auto  # overlap step N+1 on the device with step N on the host
+    run_ahead: int = 1  # with async handoff: steps the scheduler submits beyond the one it reads (1 or 2)
+    fused_ops: Mode = Mode.auto  # the backend's fused kernels in place of the reference ops
     transport: Transport = Transport.inproc  # inproc, or shm to worker processes
     shm: ShmConfig = field(default_factory=ShmConfig)
     kv_cache: str = "paged"  # the only layout implemented; the gates ask for it

@@ -54,6 +54,7 @@ class Capabilities:
     async_d2h: bool = False
     pageable_h2d_is_staged: bool = True
     device_is_host: bool = False
+    fused_ops: bool = False
     comm_backend: str = "gloo"
 
     FACTS: ClassVar[frozenset[str]] = frozenset(

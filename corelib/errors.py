@@ -64,6 +64,10 @@ class RequestError(CorelibError):
     exit_code = 2
 
 
+class ConcurrentUse(CorelibError):
+    """A second thread called into an engine while another thread was inside it."""
+
+
 class TransportError(CorelibError):
     """The SHM transport found a corrupt frame, a full ring or a dead peer."""
 

@@ -4,11 +4,15 @@ torch_npu and torch_mlu mirror torch.cuda's Python API (``Stream``, ``Event``, `
 ``graph_pool_handle``, ``stream``, ``device``, ``current_stream``, ``memory_allocated``), so
 one implementation serves all three. A backend subclasses :class:`TorchDevice`, names its
 graph class and capture mode, and overrides host registration or graph update where its
-vendor offers them. The vendor module is passed in: corelib never imports one.
+vendor offers them; its plugin subclasses :class:`TorchModuleBackend`, which probes and opens
+devices of the module. The vendor module is named by the backend: corelib never imports one.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -16,8 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from corelib.backend import DeviceSpec
+from corelib.backend import Backend, DeviceSpec
 from corelib.device import (
+    Availability,
     Device,
     DeviceFn,
     Event,
@@ -28,7 +33,7 @@ from corelib.device import (
     Stream,
     poll_until,
 )
-from corelib.errors import DeviceTimeout, UnsupportedOperation
+from corelib.errors import BackendUnavailable, DeviceTimeout, UnsupportedOperation, one_line
 from corelib.memory import MemoryKind, MemoryLedger
 
 
@@ -225,3 +230,62 @@ def native_stream(stream: Stream) -> TorchStream:
     if not isinstance(stream, TorchStream):
         raise TypeError(f"stream {stream.name!r} does not belong to a native torch device")
     return stream
+
+
+class TorchModuleBackend(Backend):
+    """A backend driven by a torch device module: import the vendor package, count devices, open one.
+
+    A subclass names its package, device module, device type and visibility variable, builds its
+    device in ``_device``, and may narrow capabilities its installed version lacks (``_narrow``).
+    """
+
+    package: ClassVar[str]  # the vendor package, imported first ("torch_npu"); a failure is the reason
+    module_name: ClassVar[str]  # the device module ("torch_npu.npu")
+    device_type: ClassVar[str]  # torch's device type ("npu")
+    visible_env: ClassVar[str]  # the variable that picks the visible devices
+    device_label: ClassVar[str]  # how people call one device ("NPU")
+
+    def _import_module(self) -> ModuleType:
+        importlib.import_module(self.package)
+        return importlib.import_module(self.module_name)
+
+    def _visible(self) -> str:
+        return f"{self.visible_env}={os.environ.get(self.visible_env)!r}"
+
+    def _version(self) -> str:
+        return str(getattr(importlib.import_module(self.package), "__version__", "unknown version"))
+
+    def _narrow(self, module: Any) -> dict[str, bool]:
+        """Capabilities the installed vendor module lacks (none by default)."""
+        del module
+        return {}
+
+    def _describe(self, module: Any, count: int) -> str:
+        """One line on what the probe found."""
+        del module
+        return f"{count} {self.device_label}(s), {self.package} {self._version()} ({self._visible()})"
+
+    def _probe_native(self) -> Availability:
+        try:
+            module = self._import_module()
+        except Exception as error:  # noqa: BLE001 - ImportError, OSError, RuntimeError alike are reasons
+            return Availability(native=False, reason=f"{self.package} cannot be imported ({one_line(error)})")
+        count = int(module.device_count())
+        if count <= 0:
+            seen = f"{self.package} {self._version()} sees no {self.device_label} ({self._visible()})"
+            return Availability(native=False, reason=seen)
+        return Availability(native=True, reason=self._describe(module, count), narrow=self._narrow(module))
+
+    def _open_native(self, spec: DeviceSpec) -> Device:
+        module = self._import_module()
+        count = int(module.device_count())
+        if not 0 <= spec.device_index < count:
+            raise BackendUnavailable(
+                f"{self.name}: backend.device_index={spec.device_index} but {count} {self.device_label}s are "
+                f"visible ({self._visible()}); the index counts within the visible devices"
+            )
+        return self._device(spec, module)
+
+    @abstractmethod
+    def _device(self, spec: DeviceSpec, module: ModuleType) -> TorchDevice:
+        """The device object for ``spec`` on the imported device module."""

@@ -1,7 +1,7 @@
 """`python -m corelib trace-plot`: N consecutive decode steps of one or two traces as a PNG.
 
 Each trace (``trace.json`` from ``engine.trace=true``) becomes one panel: a row per lane
-(scheduler, submission, polling, then the device streams), its spans as bars, and the
+(scheduler, polling, then the device streams), its spans as bars, and the
 device's idle gaps between steps in red on the compute lane. Panels share one time scale,
 so a sync trace above an async one shows where the device waits for the host.
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from corelib.engine import Engine
+    from corelib.models.llama import ModelWeights
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PLUGIN_FIXTURES = FIXTURES / "plugins"
@@ -123,3 +124,13 @@ def assert_user_error(result: CliResult, *fragments: str, lines: int = 1, code: 
 
 EngineFactory = Callable[[Sequence[str]], "Engine"]
 """``make_engine(["backend=npu", ...])``: an engine closed after the test (fixture in conftest)."""
+
+
+def local_weights(engine: Engine) -> ModelWeights:
+    """The weights of an in-process engine's model (the plain reference runs on them)."""
+    from corelib.models.llama import ModelWeights
+
+    weights = getattr(engine.local_runner.model, "weights", None)
+    if not isinstance(weights, ModelWeights):
+        raise TypeError(f"{type(engine.local_runner.model).__name__} is not of the Llama family")
+    return weights

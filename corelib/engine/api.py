@@ -15,43 +15,36 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
-from corelib.config import CorelibConfig, Transport
 from corelib.device import Device, MemoryStats
 from corelib.engine.block_manager import BlockManager
-from corelib.engine.build import EngineLayout, build_runner, model_weights
+from corelib.engine.build import EngineLayout, ModelFactory, load_model
 from corelib.engine.core import EngineCore
-from corelib.engine.executor import Executor, InprocExecutor
-from corelib.engine.handoff import StagingPool
+from corelib.engine.executor import EXECUTORS, InprocExecutor
+from corelib.engine.options import EngineOptions
+from corelib.engine.pipeline import StepPipeline
 from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
+from corelib.engine.stops import StopChecker
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.engine.trace import NULL_TRACER, TimelineTracer, Tracer
-from corelib.errors import ConfigError, RequestError
+from corelib.errors import ConcurrentUse, ConfigError, RequestError
 from corelib.features import Plan
-from corelib.models.llama import ModelWeights
 from corelib.rundir import RequestRecord
 from corelib.startup import Startup
 from corelib.text import Tokenizer
-
-WeightsFactory = Callable[[CorelibConfig, Device], ModelWeights]
-
-
-def _pageable(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # With SHM the scheduler copies every frame into shared memory: nothing is DMA'd from here.
-    return torch.empty(shape, dtype=dtype)
-STAGING_BUFFERS = 4  # a step in flight, the next one, and room for the host to pack ahead
 
 
 @dataclass(frozen=True)
@@ -96,6 +89,8 @@ def _output(seq: Seq, text: str | None) -> RequestOutput:
 
 def _token_ids(prompt: object) -> list[int]:
     """A prompt of token ids as plain ints (numpy and 0-d tensor integers too); a RequestError names a bad one."""
+    if isinstance(prompt, (bytes, bytearray, memoryview, Mapping, set, frozenset)):
+        raise RequestError(f"the prompt is {type(prompt).__name__}; pass token ids (a list of int) or text (str)")
     if not isinstance(prompt, Iterable):
         raise RequestError(f"the prompt is {type(prompt).__name__}; pass token ids (a list of int) or text")
     ids = []
@@ -116,90 +111,76 @@ def _cut_at_stop(text: str, seq: Seq) -> str:
 
 
 class Engine:
-    """A decode engine on one device. Build it once; it owns threads and device memory until closed."""
+    """A decode engine on one device (or one set of SHM workers). It owns threads and device memory until closed.
 
-    def __init__(self, startup: Startup, weights_factory: WeightsFactory = model_weights) -> None:
+    An Engine is driven by one thread at a time: a call from a second thread while another is
+    inside the engine raises :class:`~corelib.errors.ConcurrentUse` (the server runs the
+    engine on a thread of its own and hands it requests). Callbacks may re-enter it.
+    """
+
+    def __init__(self, startup: Startup, model_factory: ModelFactory = load_model) -> None:
         self.startup = startup
         self.plan: Plan = startup.plan
         cfg = startup.config
         engine_cfg, model_cfg = cfg.engine, cfg.model
+        provider = startup.backend.op_provider()
+        self.options = EngineOptions.from_startup(cfg, self.plan, startup.spec.capabilities,
+                                                  provider.op_names() if provider is not None else ())
         self._ids = itertools.count()
         self._closed = False
         self._failure: BaseException | None = None
+        self._lock = threading.RLock()
+        self._owner: str | None = None
+        self._backlog: dict[str, tuple[Seq, RequestOutput]] = {}  # finished, not yet returned to their caller
+        self._live_ids: set[str] = set()
         self.layout = EngineLayout.of(cfg)
         self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
         self.vocab_size = model_cfg.vocab_size
         self.builder = self.layout.builder()
-        self.buckets = self.layout.buckets(self.plan, startup.spec.capabilities)
-        self.async_handoff = self.plan.is_enabled("async_token_handoff")
+        self.buckets = self.layout.buckets(self.options, startup.spec.capabilities.graph_param_update)
+        eos = frozenset({model_cfg.eos_token_id, *model_cfg.extra_eos_token_ids})
         self.scheduler = Scheduler(
-            SchedulerLimits(self.layout.rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len,
-                            model_cfg.eos_token_id, frozenset(model_cfg.extra_eos_token_ids)),
+            SchedulerLimits(self.layout.rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len),
             BlockManager(self.layout.num_blocks, self.layout.block_size),
             num_slots=self.layout.rows,
-            detokenize=self._detokenize,
+            stops=StopChecker(model_cfg.max_model_len, eos, self.tokenizer.decode if self.tokenizer else None),
         )
-        self.device: Device | None = None
-        self.weights: ModelWeights | None = None
-        self.runner: ModelRunner | None = None
-        self.notices: list[str] = []  # things the user should hear about, said once at start
-        self.materialization = "-"
-        executor: Executor
-        if engine_cfg.transport is Transport.shm:
-            from corelib.engine.transport import ShmExecutor
-
-            executor = ShmExecutor(startup, self.layout)
-            if executor.stale_segments:
-                self.notices.append(
-                    f"removed {len(executor.stale_segments)} shared-memory segment(s) left by a run that crashed: "
-                    + ", ".join(executor.stale_segments)
-                )
-            if startup.spec.capabilities.device_is_host:
-                self.materialization = "host copy"
-            else:
-                self.materialization = "ordered" if self.plan.is_enabled("shm_ordered_materialization") else "early"
-            staging = StagingPool(_pageable, self.layout.staging_bytes, STAGING_BUFFERS, engine_cfg.timeout_s)
-        else:
-            self.device = device = startup.backend.open(startup.spec)
-            try:
-                self.weights = weights_factory(cfg, device)
-                self.runner = build_runner(device, cfg, self.plan, self.layout, self.weights)
-                executor = InprocExecutor(self.runner, submission_thread=self.async_handoff)
-                staging = StagingPool(self._pinned(device), self.layout.staging_bytes, STAGING_BUFFERS,
-                                      engine_cfg.timeout_s)
-            except BaseException:
-                if self.runner is not None:
-                    self.runner.close()
-                device.close()
-                raise
-        self.staging = staging
+        executor = EXECUTORS[self.options.transport](startup, self.options, self.layout, model_factory)
+        self.notices: list[str] = list(executor.notices)  # things the user should hear about, said once at start
         self.core = EngineCore(
-            self.scheduler, self.builder, self.buckets, executor, staging, self.async_handoff,
-            self._sync_reasons, engine_cfg.timeout_s, engine_cfg.metrics_window,
+            self.scheduler, self.builder, self.buckets, executor, StepPipeline(self.options.pipeline_depth),
+            self.options.step_check, engine_cfg.timeout_s, engine_cfg.metrics_window,
         )
         self.tracer: Tracer = NULL_TRACER
         if engine_cfg.trace:
             # Device spans come from the events of an in-process runner; over SHM only host spans.
-            self.tracer = TimelineTracer.for_runner(self.runner) if self.runner is not None else TimelineTracer()
+            local = executor.steps.handoff if isinstance(executor, InprocExecutor) else None
+            self.tracer = TimelineTracer.for_handoff(local) if local is not None else TimelineTracer()
             self.core.attach_tracer(self.tracer)
 
     @property
+    def async_handoff(self) -> bool:
+        return self.options.async_handoff
+
+    @property
+    def materialization(self) -> str:
+        return self.options.materialization
+
+    @property
     def local_runner(self) -> ModelRunner:
-        """The in-process runner; with engine.transport=shm the workers own theirs."""
-        if self.runner is None:
+        """The in-process runner (benchmarks look at its graphs); with engine.transport=shm the workers own theirs."""
+        executor = self.core.executor
+        if not isinstance(executor, InprocExecutor):
             raise RuntimeError("engine.transport=shm: the model runs in the worker processes")
-        return self.runner
+        return executor.steps.runner
 
     @property
     def local_device(self) -> Device:
         """The in-process device; with engine.transport=shm the workers own theirs."""
-        if self.device is None:
+        executor = self.core.executor
+        if not isinstance(executor, InprocExecutor):
             raise RuntimeError("engine.transport=shm: the device belongs to the worker processes")
-        return self.device
-
-    @staticmethod
-    def _pinned(device: Device) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
-        return lambda shape, dtype: device.host_empty(shape, dtype, pinned=True)
+        return executor.device
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -224,12 +205,24 @@ class Engine:
         prepare_config_store(registry)
         return cls(start(cfg, registry))
 
-    # ------------------------------------------------------------------ requests
-    def _detokenize(self, token_ids: list[int]) -> str:
-        if self.tokenizer is not None:
-            return self.tokenizer.decode(token_ids)
-        return "".join(f"<{t}>" for t in token_ids)
+    # ------------------------------------------------------------------ one driving thread
+    @contextmanager
+    def _driving(self, what: str) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUse(
+                f"Engine.{what} was called from thread {threading.current_thread().name!r} while thread "
+                f"{self._owner!r} is inside this engine; an Engine is driven by one thread at a time "
+                "(run it on one thread and hand it requests, as `corelib serve` does)"
+            )
+        outer = self._owner
+        self._owner = threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._owner = outer
+            self._lock.release()
 
+    # ------------------------------------------------------------------ requests
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; text needs the checkpoint's tokenizer."""
         if not isinstance(prompt, str):
@@ -240,10 +233,6 @@ class Engine:
             raise ConfigError(f"a text prompt needs a tokenizer, but {where}; pass token ids instead")
         return self.tokenizer.encode(prompt)
 
-    def _sync_reasons(self, seqs: list[Seq]) -> list[str]:
-        facts = [{"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)} for s in seqs]
-        return self.plan.step_blockers("async_token_handoff", facts)
-
     def add_request(
         self,
         prompt: Prompt,
@@ -251,27 +240,41 @@ class Engine:
         request_id: str | None = None,
         multimodal: bool = False,
     ) -> str:
-        """Queue a request (token ids, or text). An invalid one is finished at once with finish_reason 'error'."""
-        self._check_open()
-        sampling = sampling or SamplingParams()
-        problem: RequestError | None = None
-        try:
-            prompt_token_ids = self.encode(prompt)
-        except RequestError as error:
-            prompt_token_ids, problem = [], error
-        number = next(self._ids)
-        seq = Seq(number, request_id or str(number), prompt_token_ids, sampling, multimodal=multimodal,
-                  arrival_time=time.perf_counter())
-        try:
-            if problem is not None:
-                raise problem
-            self._validate(seq)
-        except RequestError as error:
-            self.scheduler.finish(seq, FinishReason.error, error=str(error))
-            self.core.finished.append(seq)
+        """Queue a request (token ids, or text). An invalid one is finished at once with finish_reason 'error'.
+
+        ``request_id`` must not name a request that is still unfinished or not yet returned.
+        """
+        with self._driving("add_request"):
+            self._check_open()
+            if request_id is not None and (not isinstance(request_id, str) or not request_id):
+                raise RequestError(f"request_id={request_id!r}: must be a non-empty str")
+            if request_id is not None and request_id in self._live_ids:
+                raise RequestError(f"request_id={request_id!r} is already in use by an unfinished request; "
+                                   "give each request its own id")
+            sampling = sampling or SamplingParams()
+            problem: RequestError | None = None
+            try:
+                prompt_token_ids = self.encode(prompt)
+            except RequestError as error:
+                prompt_token_ids, problem = [], error
+            number = next(self._ids)
+            if request_id is None:
+                request_id = str(number)
+                while request_id in self._live_ids:
+                    request_id = f"{number}-{next(self._ids)}"
+            seq = Seq(number, request_id, prompt_token_ids, sampling, multimodal=multimodal,
+                      arrival_time=time.perf_counter())
+            self._live_ids.add(request_id)
+            try:
+                if problem is not None:
+                    raise problem
+                self._validate(seq)
+            except RequestError as error:
+                self.scheduler.finish(seq, FinishReason.error, error=str(error))
+                self.core.add_finished(seq)
+                return seq.request_id
+            self.scheduler.add(seq)
             return seq.request_id
-        self.scheduler.add(seq)
-        return seq.request_id
 
     def _validate(self, seq: Seq) -> None:
         limit = self.startup.config.model.max_model_len
@@ -287,6 +290,21 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         seq.sampling.validate(self.vocab_size)
 
+    def abort(self, request_id: str) -> bool:
+        """End a request now (finish_reason 'abort'): its KV blocks go back, tokens in flight are dropped.
+
+        Returns False when no unfinished request has that id. The aborted request's output is
+        returned by the next ``step``/``take_finished`` like any other.
+        """
+        with self._driving("abort"):
+            self._check_open()
+            for seq in (*self.scheduler.running, *self.scheduler.waiting):
+                if seq.request_id == request_id:
+                    self.scheduler.finish(seq, FinishReason.abort)
+                    self.core.add_finished(seq)
+                    return True
+            return False
+
     @property
     def has_unfinished(self) -> bool:
         if self._failure is not None:
@@ -295,8 +313,9 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Advance the loop once; returns requests that finished meanwhile."""
-        self._advance()
-        return self.take_finished()
+        with self._driving("step"):
+            self._advance()
+            return self.take_finished()
 
     def _advance(self) -> None:
         self._check_open()
@@ -307,13 +326,17 @@ class Engine:
             raise
 
     def take_finished(self) -> list[RequestOutput]:
+        """Requests that finished and were not returned yet."""
         return [output for _, output in self._take_finished()]
 
     def _take_finished(self) -> list[tuple[Seq, RequestOutput]]:
-        done, self.core.finished = self.core.finished, []
-        for seq in done:
-            self.core.metrics.finish(seq)  # its figures stay; the request itself is the caller's now
-        return [(seq, _output(seq, self._final_text(seq))) for seq in done]
+        taken = list(self._backlog.values())
+        self._backlog.clear()
+        for seq in self.core.take_finished():
+            taken.append((seq, _output(seq, self._final_text(seq))))
+        for _, output in taken:
+            self._live_ids.discard(output.request_id)
+        return taken
 
     def _final_text(self, seq: Seq) -> str | None:
         if self.tokenizer is None:
@@ -326,32 +349,19 @@ class Engine:
         while self.has_unfinished:
             yield from self.step()
 
-    def abort(self, request_id: str) -> bool:
-        """End a request now (finish_reason 'abort'): its KV blocks go back, tokens in flight are dropped.
-
-        Returns False when no unfinished request has that id. The aborted request's output is
-        returned by the next ``step``/``take_finished`` like any other.
-        """
-        self._check_open()
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            if seq.request_id == request_id:
-                self.scheduler.finish(seq, FinishReason.abort)
-                self.core.finished.append(seq)
-                return True
-        return False
-
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]:
         """Advance the loop once (when anything is unfinished); each request's new tokens and text.
 
         ``tracker`` (``DeltaTracker(engine.tokenizer)``) remembers what was already reported; a
         request's last delta carries its RequestOutput.
         """
-        deltas = tracker.finished(self._take_finished())
-        if self.has_unfinished:
-            self._advance()
-            deltas += tracker.running(self.scheduler.running)
-            deltas += tracker.finished(self._take_finished())
-        return deltas
+        with self._driving("step_tokens"):
+            deltas = tracker.finished(self._take_finished())
+            if self.has_unfinished:
+                self._advance()
+                deltas += tracker.running(self.scheduler.running)
+                deltas += tracker.finished(self._take_finished())
+            return deltas
 
     def stream_tokens(self) -> Iterator[TokenDelta]:
         """Run until every queued request is done, yielding each request's new tokens (and text) as they come.
@@ -360,7 +370,7 @@ class Engine:
         (``stream``, ``step``) never looks at deltas.
         """
         tracker = DeltaTracker(self.tokenizer)
-        yield from tracker.finished(self._take_finished())
+        yield from self.step_tokens(tracker)
         while self.has_unfinished:
             yield from self.step_tokens(tracker)
 
@@ -371,20 +381,42 @@ class Engine:
         multimodal: Sequence[bool] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
-        params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings")
-        flags = list(multimodal) if multimodal is not None else [False] * len(prompts)
-        ids = [
-            self.add_request(prompt, p, multimodal=flag) for prompt, p, flag in zip(prompts, params, flags, strict=True)
-        ]
-        results: dict[str, RequestOutput] = {}
-        for output in self.stream():
-            results[output.request_id] = output
-            if on_finish is not None:
-                on_finish(output)
-        return [results[i] for i in ids]
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        Requests added by others (``add_request``, a callback re-entering ``generate``) that finish
+        meanwhile are kept for them, never returned here or dropped.
+        """
+        with self._driving("generate"):
+            params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
+            if len(params) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+            flags = list(multimodal) if multimodal is not None else [False] * len(prompts)
+            ids = [self.add_request(prompt, p, multimodal=flag)
+                   for prompt, p, flag in zip(prompts, params, flags, strict=True)]
+            wanted, results = set(ids), dict[str, RequestOutput]()
+            while len(results) < len(wanted):
+                new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
+                if not new:
+                    taken = self._take_finished()
+                    if not taken:
+                        if not self.has_unfinished:
+                            raise RuntimeError(f"the engine has nothing left to run, but requests "
+                                               f"{sorted(wanted - results.keys())} never finished")
+                        self._advance()
+                        taken = self._take_finished()
+                    for seq, output in taken:
+                        if output.request_id in wanted and output.request_id not in results:
+                            new.append(output)
+                        else:
+                            self._backlog[output.request_id] = (seq, output)
+                            self._live_ids.add(output.request_id)
+                for output in new:
+                    results[output.request_id] = output
+                    self._live_ids.discard(output.request_id)
+                if on_finish is not None:
+                    for output in new:
+                        on_finish(output)
+            return [results[i] for i in ids]
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the timeline of the steps so far as Chrome trace JSON (needs ``engine.trace=true``)."""
@@ -396,8 +428,8 @@ class Engine:
             "backend": spec.backend,
             "runtime": spec.runtime.value,
             "model": cfg.model.name,
-            "async_token_handoff": self.async_handoff,
-            "graphs": self.plan.is_enabled("graph"),
+            "async_token_handoff": self.options.async_handoff,
+            "graphs": self.options.graphs,
             "max_num_seqs": cfg.engine.max_num_seqs,
         })
 
@@ -407,20 +439,20 @@ class Engine:
         With ``engine.transport=shm`` every worker answers between two steps, so the figures
         can be sampled while requests run.
         """
-        self._check_open()
-        return self.core.executor.memory_stats()
+        with self._driving("memory_stats"):
+            self._check_open()
+            return self.core.memory_stats()
 
     def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far (percentiles: the latest engine.metrics_window)."""
-        pending = [*self.scheduler.running, *self.scheduler.waiting, *self.core.finished]
-        return self.core.metrics.summary(pending, wall_s)
+        return self.core.metrics_summary(wall_s)
 
     # ------------------------------------------------------------------ shutdown
     def _fail(self, error: BaseException) -> None:
         """A step failed: end every request and stop; close() still releases everything."""
         self._failure = error
         for seq in self.scheduler.abort_all(FinishReason.error, error="the engine stopped after a device error"):
-            self.core.finished.append(seq)
+            self.core.add_finished(seq)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -429,21 +461,18 @@ class Engine:
             raise RuntimeError(f"the engine stopped after an error: {self._failure!r}") from self._failure
 
     def close(self) -> None:
-        """Drain in-flight steps (bounded), stop threads, release device memory. Safe to call twice."""
+        """Drain in-flight steps (bounded), stop threads and workers, release device memory. Safe to call twice."""
         if self._closed:
             return
-        self._closed = True
-        try:
+        with self._driving("close"):
+            self._closed = True
             try:
                 self.core.cancel_in_flight()
             except Exception:
                 if self._failure is None:
                     raise  # a new error; one already reported to the caller is not raised twice
             finally:
-                self.core.close()  # stops the submission thread or the workers, releases the runner
-        finally:
-            if self.device is not None:
-                self.device.close()
+                self.core.close()  # stops the workers, releases the runner and the device
 
     def __enter__(self) -> Engine:
         return self

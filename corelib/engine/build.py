@@ -1,26 +1,37 @@
 """Sizes derived once from the config, and the device side built from them.
 
 The scheduler process and every worker derive the same layout from the same config, so
-the arenas one packs are the arenas the other reads.
+the arenas one packs are the arenas the other reads. The device side (model, ops, runner,
+stager, handoff) is built here the same way in process and in a worker.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from corelib.backend import Backend
 from corelib.config import CorelibConfig, Transport
-from corelib.device import Capabilities, Device
+from corelib.device import Device
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.buckets import BucketPolicy
-from corelib.engine.forward_input import InputBuilder, prefill_layout
+from corelib.engine.device_steps import DeviceSteps
+from corelib.engine.forward_input import InputBuilder
+from corelib.engine.handoff import TokenHandoff
+from corelib.engine.options import EngineOptions, Staging
 from corelib.engine.runner import ModelRunner
+from corelib.engine.staging import build_stager
+from corelib.engine.wire import prefill_layout
 from corelib.errors import ConfigError
-from corelib.features import Plan
-from corelib.models.llama import ModelShape, ModelWeights, build_weights, random_state_dict
-from corelib.models.sharding import TensorShard, check_divisible
+from corelib.models.base import Model
+from corelib.models.registry import architecture
+from corelib.models.sharding import TensorShard
+from corelib.ops import Ops
+
+ModelFactory = Callable[[CorelibConfig, Device, TensorShard | None], Model]
+SNAPSHOT_SPARE = 2  # a worker's input snapshots beyond the pipeline: one being received, one queued
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class EngineLayout:
             if engine.compile:
                 raise ConfigError("engine.compile=true is not supported with engine.tp>1 (collectives in the "
                                   "compiled layer); drop one of them")
-            check_divisible(ModelShape.from_config(model), engine.tp)
+        architecture(model.architecture).validate(model, engine.tp)
         return cls(
             rows=engine.max_num_seqs,
             block_size=block_size,
@@ -76,57 +87,51 @@ class EngineLayout:
         return max(self.builder().decode.nbytes, prefill_layout(longest, self.rows, self.max_model_len).nbytes)
 
     def builder(self) -> InputBuilder:
-        return InputBuilder(self.rows, self.max_blocks, self.block_size, self.rows, self.max_model_len)
+        return InputBuilder(self.rows, self.max_blocks, self.block_size, self.rows)
 
-    def buckets(self, plan: Plan, capabilities: Capabilities) -> BucketPolicy:
-        return BucketPolicy.build(plan.is_enabled("graph"), self.graph_batch_sizes, self.rows, self.max_blocks,
-                                  capabilities.graph_param_update)
-
-
-def model_weights(config: CorelibConfig, device: Device, shard: TensorShard | None = None) -> ModelWeights:
-    """Random seeded weights, or a checkpoint when ``model.path`` is set; ``shard``: one rank's part."""
-    if config.model.path:
-        from corelib.models.checkpoint import load_checkpoint
-
-        return load_checkpoint(config.model, device.torch_device, shard)
-    shape = ModelShape.from_config(config.model)
-    state = _random_state(shape, config.model.seed)  # the full model, identical on every rank
-    if shard is None:
-        return build_weights(shape, state, device.torch_device)
-    local = {name: shard.slice(name, tensor) for name, tensor in state.items()}
-    return build_weights(shard.shape(shape), local, device.torch_device)
+    def buckets(self, options: EngineOptions, param_update: bool) -> BucketPolicy:
+        return BucketPolicy.build(options.graphs, self.graph_batch_sizes, self.rows, self.max_blocks,
+                                  param_update or options.attention_reads_live_blocks_only)
 
 
-@functools.lru_cache(maxsize=1)
-def _random_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
-    # Engines built one after another in a process (bench, tests) reuse the host copy.
-    return random_state_dict(shape, seed)
+def load_model(config: CorelibConfig, device: Device, shard: TensorShard | None = None) -> Model:
+    """The configured architecture with its weights (random, or ``model.path``) on ``device``."""
+    return architecture(config.model.architecture).load(config.model, device, shard, config.engine.compile)
 
 
-def build_runner(
+def build_ops(backend: Backend, device: Device, options: EngineOptions) -> Ops:
+    """The reference ops, with the backend's provider in place of those it offers when the gate allows."""
+    ops = Ops.reference()
+    provider = backend.op_provider() if options.fused_ops else None
+    if provider is None:
+        return ops
+    loaded = provider.load(device)
+    return ops.with_provider(provider.name, {name: op for name, op in loaded.items() if name in options.fused_ops})
+
+
+def build_device_steps(
     device: Device,
+    backend: Backend,
     config: CorelibConfig,
-    plan: Plan,
+    options: EngineOptions,
     layout: EngineLayout,
-    weights: ModelWeights,
-    ordered_prepare: bool = False,
-) -> ModelRunner:
-    """The model runner with its graphs captured (largest bucket first)."""
+    model: Model,
+    staging: Staging,
+) -> DeviceSteps:
+    """Runner, stager and handoff on ``device``, with every decode graph captured (largest bucket first)."""
     torch.manual_seed(0)
-    runner = ModelRunner(
-        device,
-        weights,
-        layout.builder(),
-        layout.buckets(plan, device.capabilities),
-        layout.num_blocks,
-        layout.rows,
-        compile_decode=config.engine.compile,
-        ordered_prepare=ordered_prepare,
-    )
+    compute = device.stream("compute")
+    handoff = TokenHandoff(device, compute, layout.rows, layout.rows, options.pipeline_depth, timing=True)
+    runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout.builder(),
+                         layout.buckets(options, device.capabilities.graph_param_update), handoff,
+                         layout.num_blocks, layout.rows)
+    snapshots = options.pipeline_depth + SNAPSHOT_SPARE if options.transport is Transport.shm else 0
+    stager = build_stager(staging, device, compute, layout.staging_bytes, snapshots, config.engine.timeout_s)
+    steps = DeviceSteps(runner, stager, handoff)
     try:
-        if plan.is_enabled("graph"):
+        if options.graphs:
             runner.capture()
     except BaseException:
-        runner.close()
+        steps.close()
         raise
-    return runner
+    return steps

@@ -1,29 +1,29 @@
-"""The decode loop: schedule, pack, submit, and take tokens back, one step ahead when allowed.
+"""The decode loop: schedule, pack, submit, and take tokens back, running ahead where allowed.
 
 Synchronous handoff: every step's tokens are read before the next step is scheduled.
 Async handoff: step N+1 is scheduled and submitted (its input tokens on the device relay)
 before the host reads step N's tokens, so the device has the next step queued while the
-host does its bookkeeping. A step whose batch fails a per-step requirement of the gate
-(a multimodal request, host-side stop strings) runs synchronously, after a drain.
+host does its bookkeeping; the step pipeline says how far ahead. A step whose batch fails a
+per-step requirement of the gate (a multimodal request, host-side stop strings) runs
+synchronously, after a drain.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from corelib.device import MemoryStats
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.buckets import BucketPolicy
 from corelib.engine.executor import Executor, StepFuture
 from corelib.engine.forward_input import InputBuilder
-from corelib.engine.handoff import StagingPool
 from corelib.engine.metrics import WINDOW, MetricsCollector
+from corelib.engine.options import StepCheck
+from corelib.engine.pipeline import StepPipeline
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, StepKind
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.engine.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
-
-SyncCheck = Callable[[list[Sequence]], list[str]]
 
 
 @dataclass
@@ -34,7 +34,7 @@ class InFlight:
 
 
 class EngineCore:
-    """Owns the loop state; the Engine facade builds it and feeds it requests."""
+    """Owns the loop state: the pipeline of steps in flight, finished requests and the metrics."""
 
     def __init__(
         self,
@@ -42,9 +42,8 @@ class EngineCore:
         builder: InputBuilder,
         buckets: BucketPolicy,
         executor: Executor,
-        staging: StagingPool,
-        async_handoff: bool,
-        sync_check: SyncCheck,
+        pipeline: StepPipeline[InFlight],
+        step_check: StepCheck,
         timeout_s: float,
         metrics_window: int = WINDOW,
     ) -> None:
@@ -52,32 +51,51 @@ class EngineCore:
         self.builder = builder
         self.buckets = buckets
         self.executor = executor
-        self.staging = staging
-        self.async_handoff = async_handoff
-        self._sync_check = sync_check
+        self.pipeline = pipeline
+        self._step_check = step_check
         self.timeout_s = timeout_s
         self.metrics = MetricsCollector(metrics_window)
-        self._in_flight: deque[InFlight] = deque()
         self._next_step_id = 0
-        self.finished: list[Sequence] = []
+        self._finished: list[Sequence] = []
         self.tracer: Tracer = NULL_TRACER
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self.pipeline)
 
+    # ------------------------------------------------------------------ finished requests
+    def add_finished(self, seq: Sequence) -> None:
+        self._finished.append(seq)
+
+    def take_finished(self) -> list[Sequence]:
+        """Requests that finished since the last call; their figures stay in the metrics."""
+        done, self._finished = self._finished, []
+        for seq in done:
+            self.metrics.finish(seq)
+        return done
+
+    def metrics_summary(self, wall_s: float) -> dict[str, Any]:
+        pending = [*self.scheduler.running, *self.scheduler.waiting, *self._finished]
+        return self.metrics.summary(pending, wall_s)
+
+    def memory_stats(self) -> list[MemoryStats]:
+        return self.executor.memory_stats()
+
+    # ------------------------------------------------------------------ the loop
     def iterate(self) -> bool:
         """Advance the loop by one decision. False when there is nothing left to do."""
         with self.tracer.span("schedule", SCHEDULER_LANE):
-            decision = self.scheduler.schedule(in_flight=bool(self._in_flight), sync_check=self._check)
+            decision = self.scheduler.schedule(in_flight=bool(self.pipeline), sync_check=self._step_check.reasons)
         if isinstance(decision, ScheduledStep):
+            if not self.pipeline.can_submit():
+                self._complete_oldest()
             self._submit(decision)
-            if decision.synchronous or not self.async_handoff:
+            if decision.synchronous:
                 self.drain()
-            elif len(self._in_flight) > 1:
+            while self.pipeline.must_read():
                 self._complete_oldest()
             return True
-        if self._in_flight:
+        if self.pipeline:
             self._complete_oldest()
             return True
         if decision is Drain.token:
@@ -86,11 +104,8 @@ class EngineCore:
 
     def drain(self) -> None:
         """Read every in-flight step's tokens."""
-        while self._in_flight:
+        while self.pipeline:
             self._complete_oldest()
-
-    def _check(self, seqs: list[Sequence]) -> list[str]:
-        return self._sync_check(seqs) if self.async_handoff else []
 
     def _submit(self, step: ScheduledStep) -> None:
         step_id = self._next_step_id
@@ -100,31 +115,28 @@ class EngineCore:
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
             rows, kv = len(step.seqs), 0
-        arena = self.staging.acquire()
+        staging = self.executor.staging
+        arena = staging.acquire()
         try:
             with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
                 fi = self.builder.fill(step_id, step, arena, rows, kv)
-            if not self.executor.copies_inputs:
-                fi.on_release = lambda: self.staging.release(arena)  # once the device no longer reads it
             with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
-                future = self.executor.submit(fi)
+                future = self.executor.submit(fi, lambda: staging.release(arena))
         except BaseException:
-            self.staging.release(arena)
+            staging.release(arena)
             raise
-        if self.executor.copies_inputs:
-            self.staging.release(arena)
-        path = "async" if self.async_handoff and not step.synchronous else "sync"
-        self._in_flight.append(InFlight(step, future, path))
+        path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
+        self.pipeline.push(InFlight(step, future, path))
 
     def _complete_oldest(self) -> None:
-        item = self._in_flight.popleft()
+        item = self.pipeline.pop()
         with self.tracer.span("wait for tokens", SCHEDULER_LANE):
             result = item.future.result(self.timeout_s)
         self.metrics.record(result, item.path, item.step.sync_reasons)
         if result.handle is not None:
             self.tracer.step(result.handle, item.path)
         with self.tracer.span("postprocess", SCHEDULER_LANE):
-            self.finished.extend(self.scheduler.postprocess(item.step, result.tokens))
+            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens))
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""
@@ -135,13 +147,13 @@ class EngineCore:
             error=f"request needs {blocks_for(seq.num_tokens, self.builder.block_size)} KV blocks; "
             f"the pool has {self.scheduler.blocks.num_free_blocks} free with nothing running",
         )
-        self.finished.append(seq)
+        self._finished.append(seq)
         return True
 
     def cancel_in_flight(self) -> None:
         """Wait (bounded) for in-flight steps so the device no longer reads their inputs; drop their tokens."""
-        while self._in_flight:
-            self._in_flight.popleft().future.result(self.timeout_s)
+        while self.pipeline:
+            self.pipeline.pop().future.result(self.timeout_s)
 
     def attach_tracer(self, tracer: Tracer) -> None:
         """Record host spans of the loop and device spans of every completed step into ``tracer``."""

@@ -1,20 +1,31 @@
 """Where steps run: on this process's device (in-process), or in worker processes over SHM.
 
-The engine core only packs inputs and calls ``submit``; it reads results in submission order.
+The engine core packs a step into a host arena from the executor's staging pool and calls
+``submit``; it reads results in submission order. Each transport has a factory in
+:data:`EXECUTORS`, so the engine never branches on the transport itself.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from corelib.device import MemoryStats
+from corelib.config import Transport
+from corelib.device import Device, MemoryStats
+from corelib.engine.device_steps import DeviceSteps
 from corelib.engine.forward_input import ForwardInput
-from corelib.engine.handoff import SubmissionThread
+from corelib.engine.handoff import StepHandle
 from corelib.engine.metrics import StepResult
-from corelib.engine.runner import ModelRunner, StepHandle
+from corelib.engine.staging import StagingPool
 from corelib.engine.trace import Tracer
-from corelib.errors import DeviceTimeout
+
+if TYPE_CHECKING:
+    from corelib.engine.build import EngineLayout, ModelFactory
+    from corelib.engine.options import EngineOptions
+    from corelib.startup import Startup
+
+STAGING_BUFFERS_SPARE = 2  # beyond the pipeline: the step being packed, and room to pack ahead
 
 
 class StepFuture(ABC):
@@ -27,11 +38,14 @@ class StepFuture(ABC):
 class Executor(ABC):
     """Runs packed steps somewhere; results must be read in submission order."""
 
-    #: True when ``submit`` copies the inputs away at once (the host arena is free on return)
-    copies_inputs: bool = False
+    #: host arenas the engine core packs steps into
+    staging: StagingPool
+    #: user-facing notes from building the executor (said once at start)
+    notices: list[str]
 
     @abstractmethod
-    def submit(self, fi: ForwardInput) -> StepFuture: ...
+    def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
+        """Queue ``fi``; ``release`` is called once the executor no longer reads ``fi.arena``."""
 
     @abstractmethod
     def close(self, timeout: float) -> None: ...
@@ -41,47 +55,76 @@ class Executor(ABC):
         """What each device of this executor holds, one entry per rank."""
 
     def attach_tracer(self, tracer: Tracer) -> None:
-        """Record spans of the threads this executor runs (none by default)."""
+        """Record spans of what this executor runs (nothing by default)."""
         del tracer
 
 
 class _InprocFuture(StepFuture):
-    def __init__(self, runner: ModelRunner, submitted: Future[StepHandle]) -> None:
-        self._runner = runner
-        self._submitted = submitted
+    def __init__(self, steps: DeviceSteps, handle: StepHandle) -> None:
+        self._steps = steps
+        self._handle = handle
 
     def result(self, timeout: float) -> StepResult:
-        try:
-            handle = self._submitted.result(timeout)  # re-raises a submission error with its traceback
-        except TimeoutError:
-            raise DeviceTimeout(f"the submission thread did not submit a step within {timeout:g} s") from None
-        return self._runner.result(handle, timeout)
+        return self._steps.result(self._handle, timeout)
 
 
 class InprocExecutor(Executor):
-    """The device of this process; with async handoff, steps are launched by a submission thread."""
+    """The device of this process: steps are launched from the scheduler's own thread."""
 
-    def __init__(self, runner: ModelRunner, submission_thread: bool) -> None:
-        self.runner = runner
-        self.submitter = SubmissionThread(runner) if submission_thread else None
+    def __init__(self, device: Device, steps: DeviceSteps, staging: StagingPool) -> None:
+        self.device = device
+        self.steps = steps
+        self.staging = staging
+        self.notices = []
 
-    def submit(self, fi: ForwardInput) -> StepFuture:
-        if self.submitter is not None:
-            return _InprocFuture(self.runner, self.submitter.submit(fi))
-        done: Future[StepHandle] = Future()
-        done.set_result(self.runner.submit(fi))
-        return _InprocFuture(self.runner, done)
-
-    def attach_tracer(self, tracer: Tracer) -> None:
-        if self.submitter is not None:
-            self.submitter.tracer = tracer
+    def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
+        staged = self.steps.stager.adopt(fi, release)
+        try:
+            handle = self.steps.submit(staged)
+        except BaseException:
+            staged.release()
+            raise
+        return _InprocFuture(self.steps, handle)
 
     def memory_stats(self) -> list[MemoryStats]:
-        return [self.runner.device.memory_stats()]
+        return [self.device.memory_stats()]
 
     def close(self, timeout: float) -> None:
         try:
-            if self.submitter is not None:
-                self.submitter.close(timeout)
+            self.steps.close()
         finally:
-            self.runner.close()
+            self.device.close()
+
+
+def build_inproc(
+    startup: Startup, options: EngineOptions, layout: EngineLayout, model_factory: ModelFactory
+) -> Executor:
+    """Open the device, load the model and capture its graphs in this process."""
+    from corelib.engine.build import build_device_steps
+
+    device = startup.backend.open(startup.spec)
+    try:
+        model = model_factory(startup.config, device, None)
+        steps = build_device_steps(device, startup.backend, startup.config, options, layout, model, options.staging)
+        pinned = not device.capabilities.device_is_host and device.capabilities.pinned_host
+        staging = StagingPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=pinned),
+                              layout.staging_bytes, options.pipeline_depth + STAGING_BUFFERS_SPARE,
+                              startup.config.engine.timeout_s)
+    except BaseException:
+        device.close()
+        raise
+    return InprocExecutor(device, steps, staging)
+
+
+def build_shm(
+    startup: Startup, options: EngineOptions, layout: EngineLayout, model_factory: ModelFactory
+) -> Executor:
+    """Start the worker processes; each loads its own model (``model_factory`` is not used across processes)."""
+    from corelib.engine.transport import ShmExecutor
+
+    del model_factory
+    return ShmExecutor(startup, options, layout)
+
+
+ExecutorFactory = Callable[["Startup", "EngineOptions", "EngineLayout", "ModelFactory"], Executor]
+EXECUTORS: dict[Transport, ExecutorFactory] = {Transport.inproc: build_inproc, Transport.shm: build_shm}

@@ -1,102 +1,179 @@
-"""Async token handoff plumbing: staging buffers, the submission thread, step futures."""
+"""Token handoff: how each step's sampled tokens reach the next step and the host.
+
+On the device, each step's samples are scattered into a per-slot relay (``seq_tokens``): the
+next step's input ids come from there, never through the host. Each step's tokens are also
+copied into one of ``depth`` device buffers and, by a non-blocking D2H on their own stream,
+into the matching pinned host buffer; that copy's event is what the host waits for, only when
+it needs the tokens.
+
+Events are made once and re-recorded: one set per token buffer, and timing events in a ring
+one longer than the pipeline, so a step's events stay intact until the host has read them
+and the step after it (whose idle gap they measure) has been read too.
+"""
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
-from corelib import faults
-from corelib.engine.forward_input import ForwardInput
-from corelib.engine.runner import ModelRunner, StepHandle
-from corelib.engine.trace import NULL_TRACER, SUBMISSION_LANE, Tracer
-from corelib.errors import DeviceTimeout
+from corelib.device import Device, Event, Stream
+from corelib.engine.metrics import StepResult
+from corelib.engine.scheduler import StepKind
 
 
-class StagingPool:
-    """Pinned host arenas reused once the step that read them has completed."""
+@dataclass
+class StepTiming:
+    """Device-side span of one step, read from its events once they completed."""
+
+    start: Event | None
+    end: Event | None
+
+
+class StepHandle:
+    """A submitted step. Its tokens are valid in pinned host memory once ``event`` completes."""
 
     def __init__(
-        self,
-        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
-        nbytes: int,
-        count: int,
-        timeout_s: float,
+        self, step_id: int, kind: StepKind, num_seqs: int, buffer: int, event: Event, timing: StepTiming,
+        graph: bool, keepalive: tuple[object, ...], on_done: Callable[[], None] | None = None,
     ) -> None:
-        self._free: deque[torch.Tensor] = deque(allocate((nbytes,), torch.uint8) for _ in range(count))
-        self._cond = threading.Condition()
-        self._timeout = timeout_s
-        self.nbytes = nbytes
+        self.step_id = step_id
+        self.kind = kind
+        self.num_seqs = num_seqs
+        self.buffer = buffer
+        self.event = event
+        self.timing = timing
+        self.graph = graph  # the step replayed a captured graph
+        # Inputs stay referenced until the output event completes: the device may still read them.
+        self.keepalive: tuple[object, ...] | None = keepalive
+        self.on_done = on_done  # gives the step's inputs back once the device no longer reads them
+        self.tokens: list[int] | None = None
 
-    def acquire(self) -> torch.Tensor:
-        deadline = time.monotonic() + self._timeout
-        with self._cond:
-            while not self._free:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    raise DeviceTimeout(
-                        f"no free input staging buffer within {self._timeout:g} s: "
-                        "every buffer still belongs to a step whose tokens were not read"
-                    )
-            return self._free.popleft()
-
-    def release(self, arena: torch.Tensor) -> None:
-        with self._cond:
-            self._free.append(arena)
-            self._cond.notify()
+    def done(self) -> bool:
+        return self.tokens is not None or self.event.query()
 
 
-class SubmissionThread:
-    """Launches steps on the device from its own thread, in order.
+@dataclass
+class _Buffer:
+    tokens_event: Event
+    busy: bool = False
 
-    The scheduler hands over packed inputs and goes on with the previous step's tokens;
-    an exception here reaches the caller through the step's future, and stops the thread.
-    """
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self._runner = runner
-        self._queue: queue.SimpleQueue[tuple[ForwardInput, Future[StepHandle]] | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self.tracer: Tracer = NULL_TRACER
-        self._thread = threading.Thread(target=self._run, name="corelib-submit", daemon=True)
-        self._thread.start()
+class TokenHandoff:
+    """The relay, the device and pinned token buffers, and the events that order them."""
 
-    def submit(self, fi: ForwardInput) -> Future[StepHandle]:
-        future: Future[StepHandle] = Future()
-        if self._error is not None:
-            future.set_exception(RuntimeError(f"the submission thread stopped after an error: {self._error!r}"))
-            return future
-        self._queue.put((fi, future))
-        return future
+    def __init__(self, device: Device, compute: Stream, rows: int, num_slots: int, depth: int,
+                 timing: bool) -> None:
+        if depth < 1:
+            raise ValueError(f"the pipeline depth must be at least 1, got {depth}")
+        self.device = device
+        self.compute = compute
+        self.depth = depth
+        caps = device.capabilities
+        self.d2h = device.stream("d2h") if caps.streams else compute
+        self.timing = timing and caps.event_timing
+        self.time_tokens = False  # a trace times each step's D2H too: its tokens events then carry timing
+        # Per-sequence relay of the latest sampled token; the last slot absorbs padded rows.
+        self.seq_tokens = device.zeros((num_slots + 1,), torch.int64)
+        self.next_tokens = device.zeros((rows,), torch.int64)
+        self.relay = device.zeros((depth, rows), torch.int64)
+        self.host = device.host_empty((depth, rows), torch.int64, pinned=True)
+        self._buffers: list[_Buffer] = []
+        self._ring: list[StepTiming] = []
+        self._make_events()
+        self._next = 0
+        self._steps = 0
+        self._lock = threading.Lock()
+        self._prev_end: Event | None = None
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fi, future = item
-            if self._error is not None:
-                future.set_exception(RuntimeError(f"the submission thread stopped after an error: {self._error!r}"))
-                continue
-            try:
-                faults.maybe_fail("submit")
-                with self.tracer.span("submit", SUBMISSION_LANE, step=fi.step_id):
-                    handle = self._runner.submit(fi)
-                future.set_result(handle)
-            except BaseException as error:  # noqa: BLE001 - handed to the caller with its traceback
-                self._error = error
-                future.set_exception(error)
+    def _make_events(self) -> None:
+        device = self.device
+        self._buffers = [
+            _Buffer(device.event(blocking=True, timing=self.time_tokens, name=f"tokens[{i}]"))
+            for i in range(self.depth)
+        ]
+        self._ring = [
+            StepTiming(device.event(timing=True, name=f"step.start[{i}]") if self.timing else None,
+                       device.event(timing=self.timing, name=f"step.end[{i}]"))
+            for i in range(self.depth + 1)
+        ]
 
-    def close(self, timeout: float) -> None:
-        """Stop after the queued steps; raise if the thread does not end in time."""
-        if not self._thread.is_alive():
-            return
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise DeviceTimeout(f"the submission thread did not stop within {timeout:g} s")
+    def enable_token_timing(self) -> None:
+        """Give the D2H events timing (a trace draws the copies); call before the first step."""
+        if self._steps:
+            raise RuntimeError("token timing must be enabled before the first step")
+        self.time_tokens = True
+        self._make_events()
+
+    # ------------------------------------------------------------------ inside the device step
+    def decode_inputs(self, input_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Input ids with RELAY rows replaced by the slot's latest sample, on the device."""
+        return torch.where(input_ids >= 0, input_ids, self.seq_tokens[slots])
+
+    def publish(self, tokens: torch.Tensor, rows: int, slots: torch.Tensor, for_host: torch.Tensor) -> None:
+        """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens)."""
+        self.next_tokens[:rows].copy_(for_host)
+        self.seq_tokens.index_copy_(0, slots, tokens)
+
+    # ------------------------------------------------------------------ around the device step
+    def begin(self, step_id: int) -> tuple[int, StepTiming]:
+        """Claim the next token buffer and timing events; records the step's start."""
+        with self._lock:
+            index = self._next
+            buffer = self._buffers[index]
+            if buffer.busy:
+                raise RuntimeError(
+                    f"step {step_id}: token buffer {index} is reused before the tokens of the step "
+                    f"{self.depth} back were read; the engine must read each step's tokens before submitting "
+                    f"{self.depth} more"
+                )
+            buffer.busy = True
+            self._next = (index + 1) % self.depth
+            timing = self._ring[self._steps % len(self._ring)]
+            self._steps += 1
+        # Reused events carry the step's name, so a wait that times out says which step it was.
+        buffer.tokens_event.name = f"step{step_id}.tokens"
+        if timing.end is not None:
+            timing.end.name = f"step{step_id}.end"
+        if timing.start is not None:
+            timing.start.name = f"step{step_id}.start"
+            self.compute.record(timing.start)
+        return index, timing
+
+    def emit(self, index: int, num_seqs: int, timing: StepTiming) -> Event:
+        """After the forward: copy the tokens to buffer ``index`` and on to the host; returns the host event."""
+        compute, n = self.compute, num_seqs
+        # relay[index] was last read by the D2H of the step `depth` back; its tokens were read on
+        # the host (the busy check in begin), so that copy has finished and the buffer is free.
+        compute.copy(self.relay[index, :n], self.next_tokens[:n])
+        end = timing.end
+        if end is None:
+            raise RuntimeError("every step records an end event")
+        compute.record(end)
+        if self.d2h is not compute:
+            self.d2h.wait(end)
+        self.d2h.copy(self.host[index, :n], self.relay[index, :n])
+        event = self._buffers[index].tokens_event
+        self.d2h.record(event)
+        return event
+
+    def read(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
+        """Wait (bounded, without the GIL) for a step's tokens and read its device span. In submission order."""
+        if handle.tokens is None:
+            handle.event.synchronize(timeout)
+            handle.tokens = self.host[handle.buffer, : handle.num_seqs].tolist()
+            handle.keepalive = None
+            self._buffers[handle.buffer].busy = False
+            done, handle.on_done = handle.on_done, None
+            if done is not None:
+                done()
+        busy = gap = None
+        start, end = handle.timing.start, handle.timing.end
+        if start is not None and end is not None and self.timing:
+            busy = start.elapsed_ms(end)
+            if self._prev_end is not None:
+                gap = max(0.0, self._prev_end.elapsed_ms(start))
+        self._prev_end = end if self.timing else None
+        return StepResult(handle.step_id, handle.kind, handle.tokens, busy, gap, handle.graph, handle=handle)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from corelib.engine.scheduler import StepKind
 
 if TYPE_CHECKING:
-    from corelib.engine.runner import StepHandle
+    from corelib.engine.handoff import StepHandle
 from corelib.engine.sequence import FinishReason, Sequence
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from corelib.engine.block_manager import BlockManager, blocks_for
 from corelib.engine.sequence import FinishReason, Sequence, Status
+from corelib.engine.stops import StopChecker
 
 
 class StepKind(str, enum.Enum):
@@ -47,11 +48,11 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    eos_token_id: int | None
-    extra_eos_token_ids: frozenset[int] = frozenset()  # a checkpoint may end turns with several ids
 
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
+NONFINITE_ERROR = ("the model's logits were not finite (NaN or inf) for this request: check the weights and the "
+                   "model.* values (rms_norm_eps, rope_theta)")
 
 
 class Scheduler:
@@ -62,14 +63,14 @@ class Scheduler:
         limits: SchedulerLimits,
         blocks: BlockManager,
         num_slots: int,
-        detokenize: Callable[[list[int]], str] | None = None,
+        stops: StopChecker,
     ) -> None:
         self.limits = limits
+        self.stops = stops
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots: deque[int] = deque(range(num_slots))
-        self._detokenize = detokenize
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ admission
@@ -193,29 +194,18 @@ class Scheduler:
             seq.num_pending -= 1
             if seq.is_finished:
                 continue  # a token sampled after the stop, while the stop was not yet known
+            if token < 0:
+                self.finish(seq, FinishReason.error, now, error=NONFINITE_ERROR)
+                finished.append(seq)
+                continue
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+            reason = self.stops.stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
                 finished.append(seq)
         return finished
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        sampling = seq.sampling
-        limits = self.limits
-        if (token == limits.eos_token_id or token in limits.extra_eos_token_ids) and not sampling.ignore_eos:
-            return FinishReason.stop
-        if token in sampling.stop_token_ids:
-            return FinishReason.stop
-        if seq.needs_host_checks and self._detokenize is not None:
-            seq.text = self._detokenize(seq.output_token_ids)
-            if any(stop in seq.text for stop in sampling.stop_strings):
-                return FinishReason.stop
-        if len(seq.output_token_ids) >= sampling.max_tokens or seq.num_tokens >= self.limits.max_model_len:
-            return FinishReason.length
-        return None
 
     def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None, error: str | None = None) -> None:
         """End a sequence: its blocks and slot go back at once (later device work is stream-ordered)."""

@@ -17,92 +17,25 @@ left by a process that no longer exists is found and removed by :func:`sweep_sta
 from __future__ import annotations
 
 import contextlib
-import enum
 import mmap
 import os
 import re
 import secrets
 import struct
 import time
-import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
 
+from corelib.engine.wire import HEADER_BYTES, FrameHeader
 from corelib.errors import TransportError, WorkerDied
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "corelib"
-MAGIC = 0x434F524C  # "CORL"
-VERSION = 2  # 2: the checksum covers the header too
-HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
-MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiiddQII")
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-\w+$")
-
-
-class FrameKind(enum.IntEnum):
-    prefill = 0
-    decode = 1
-    result = 2
-    stop = 3
-    error = 4
-    memory = 5  # asks each worker for its device's memory figures (answered on the control pipe)
-
-
-@dataclass
-class FrameHeader:
-    kind: FrameKind
-    seq: int  # frame number within the ring, from 0
-    step_id: int = -1
-    num_seqs: int = 0
-    bucket: int = 0
-    kv_blocks: int = 0
-    flags: int = 0
-    sent_at: float = 0.0  # time.perf_counter() of the producer (CLOCK_MONOTONIC, shared by processes)
-    value: float = 0.0  # a free float: a result's device busy time
-    payload_len: int = 0
-    checksum: int = 0
-    layout: list[int] = field(default_factory=list)
-
-    def pack_into(self, buffer: memoryview) -> None:
-        buffer[: self.nbytes] = self._packed(self.checksum)
-
-    @property
-    def nbytes(self) -> int:
-        return _FIXED.size + 8 * len(self.layout)
-
-    def _packed(self, checksum: int) -> bytes:
-        if len(self.layout) > MAX_LAYOUT_WORDS:
-            raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
-        fixed = _FIXED.pack(
-            MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-            self.kv_blocks, self.flags, self.sent_at, self.value, self.payload_len, checksum, len(self.layout),
-        )
-        return fixed + struct.pack(f"<{len(self.layout)}q", *self.layout)
-
-    def crc(self, payload: memoryview) -> int:
-        """CRC-32 of the header (its checksum field as zero) followed by the payload."""
-        return zlib.crc32(payload, zlib.crc32(self._packed(0)))
-
-    @classmethod
-    def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
-        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, value, payload_len,
-         checksum, words) = _FIXED.unpack_from(buffer, 0)
-        if magic != MAGIC:
-            raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
-        if version != VERSION:
-            raise TransportError(f"{where}: frame version {version}, this corelib speaks version {VERSION}")
-        if kind not in FrameKind._value2member_map_:
-            raise TransportError(f"{where}: unknown frame kind {kind}")
-        if words > MAX_LAYOUT_WORDS:
-            raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
-        layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size))
-        return cls(FrameKind(kind), seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, value,
-                   payload_len, checksum, layout)
 
 
 def segment_name(role: str) -> str:
@@ -319,7 +252,7 @@ class Producer:
                                                             + nbytes])
         if self.tamper is not None:
             self.tamper(header, target[:nbytes])
-        header.pack_into(self.ring.header_view(slot))
+        self.ring.header_view(slot)[: header.nbytes] = header.packed()
         self._written[slot] = seq
         self._next_seq += 1
         note = struct.pack("<iq", slot, seq)

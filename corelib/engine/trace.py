@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from corelib.device import Device, Event, Stream
-from corelib.engine.runner import ModelRunner, StepHandle
+from corelib.engine.handoff import StepHandle, TokenHandoff
 
 MAX_EVENTS = 200_000
 REANCHOR_S = 1.0  # longest time between two anchors of the device clock
 
 # Lane names the engine uses; the renderer orders lanes this way, others after them.
 SCHEDULER_LANE = "scheduler"
-SUBMISSION_LANE = "submission"
 POLLING_LANE = "polling"
-HOST_LANE_ORDER = (SCHEDULER_LANE, SUBMISSION_LANE, POLLING_LANE)
+HOST_LANE_ORDER = (SCHEDULER_LANE, POLLING_LANE)
 DEVICE_LANE_ORDER = ("compute", "prepare", "d2h")
 
 HOST_CATEGORY = "host"
@@ -117,15 +116,15 @@ class TimelineTracer(Tracer):
         self._time_tokens = False
 
     @classmethod
-    def for_runner(cls, runner: ModelRunner, max_events: int = MAX_EVENTS) -> TimelineTracer:
-        """A tracer for an engine's runner: anchors its device clock and times its token copies."""
+    def for_handoff(cls, handoff: TokenHandoff, max_events: int = MAX_EVENTS) -> TimelineTracer:
+        """A tracer for an in-process engine: anchors its device clock and times its token copies."""
         tracer = cls(max_events)
-        if not runner.timing:
+        if not handoff.timing:
             tracer.notes.append("no device spans: this device's events carry no timing")
             return tracer
-        runner.time_tokens = True
+        handoff.enable_token_timing()
         tracer._time_tokens = True
-        tracer.anchor_device(runner.device)
+        tracer.anchor_device(handoff.device)
         return tracer
 
     # ------------------------------------------------------------------ recording

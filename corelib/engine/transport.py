@@ -14,18 +14,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+import torch
+
 from corelib.device import MemoryStats
 from corelib.engine.build import EngineLayout
-from corelib.engine.executor import Executor, StepFuture
+from corelib.engine.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.metrics import StepResult
+from corelib.engine.options import EngineOptions
 from corelib.engine.parallel import check_launcher, rendezvous
 from corelib.engine.scheduler import StepKind
-from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
-from corelib.engine.worker import WorkerArgs, decode_result
+from corelib.engine.shm import Consumer, Producer, Ring, sweep_stale
+from corelib.engine.staging import StagingPool
+from corelib.engine.wire import (
+    HEADER_BYTES,
+    FrameHeader,
+    FrameKind,
+    InputFlags,
+    WorkerArgs,
+    decode_result,
+    result_bytes,
+)
 from corelib.errors import CorelibError, TransportError, WorkerDied
 from corelib.startup import Startup
 
@@ -65,15 +78,19 @@ class _ShmFuture(StepFuture):
 class ShmExecutor(Executor):
     """Starts ``engine.tp`` worker processes and talks to them through two rings."""
 
-    copies_inputs = True
-
-    def __init__(self, startup: Startup, layout: EngineLayout) -> None:
+    def __init__(self, startup: Startup, options: EngineOptions, layout: EngineLayout) -> None:
         cfg = startup.config
         shm = cfg.engine.shm
         self.timeout = cfg.engine.timeout_s
-        self.stale_segments = sweep_stale()
+        stale = sweep_stale()
+        self.notices = [
+            f"removed {len(stale)} shared-memory segment(s) left by a run that crashed: " + ", ".join(stale)
+        ] if stale else []
+        # Frames are copied into shared memory at once: the host arenas need not be pinned.
+        self.staging = StagingPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), layout.staging_bytes,
+                                   options.pipeline_depth + STAGING_BUFFERS_SPARE, self.timeout)
         slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.staging_bytes))
-        result_bytes = _round_up(HEADER_BYTES + 8 * layout.rows + 64)
+        result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows))
         self.ranks: list[_Rank] = []
         self._result_pipes: list[Connection] = []
         if cfg.engine.tp > 1:
@@ -83,7 +100,7 @@ class ShmExecutor(Executor):
         self.failure: CorelibError | None = None
         address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
         self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
-        self.out_ring = Ring.create("out", shm.num_slots, result_bytes)
+        self.out_ring = Ring.create("out", shm.num_slots, result_slot_bytes)
         try:
             result_doorbell = _pipe()  # rank 0 writes, we read
             result_release = _pipe()  # we write, rank 0 reads
@@ -92,9 +109,9 @@ class ShmExecutor(Executor):
             for rank in range(cfg.engine.tp):
                 doorbell, release, control = _pipe(), _pipe(), _pipe()
                 args = WorkerArgs(
-                    rank=rank, world_size=cfg.engine.tp, config=cfg, spec=startup.spec, plan=startup.plan,
+                    rank=rank, world_size=cfg.engine.tp, config=cfg, spec=startup.spec, options=options,
                     input_ring=self.in_ring.segment.name, result_ring=self.out_ring.segment.name,
-                    num_slots=shm.num_slots, slot_bytes=slot_bytes, result_slot_bytes=result_bytes,
+                    num_slots=shm.num_slots, slot_bytes=slot_bytes, result_slot_bytes=result_slot_bytes,
                     doorbell_fd=doorbell[0], release_fd=release[1],
                     result_doorbell_fd=result_doorbell[1] if rank == 0 else -1,
                     result_release_fd=result_release[0] if rank == 0 else -1,
@@ -180,16 +197,18 @@ class ShmExecutor(Executor):
             wait([rank.control for rank in self.ranks if not rank.ready], min(left, 0.25))
 
     # ------------------------------------------------------------------ steps
-    def submit(self, fi: ForwardInput) -> StepFuture:
+    def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
         self._check_usable()
         kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
-        header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(fi.sample),
+        flags = InputFlags.SAMPLE if fi.sample else InputFlags.NONE
+        header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                              sent_at=time.perf_counter(), layout=fi.layout.encode())
         try:
             self.producer.write(header, fi.arena[: fi.layout.nbytes])
         except (TransportError, WorkerDied) as error:
             self.failure = error
             raise
+        release()  # the frame holds a copy: the host arena is free
         return _ShmFuture(self, fi.step_id)
 
     def _check_usable(self) -> None:
@@ -211,7 +230,10 @@ class ShmExecutor(Executor):
                 self.failure = TransportError(f"result ring: expected the tokens of step {step_id}, got "
                                               f"{frame.header.kind.name} frame for step {frame.header.step_id}")
                 raise self.failure
-            return decode_result(frame.header, frame.payload.numpy().tobytes())
+            wire = decode_result(frame.header, frame.payload.numpy().tobytes())
+            kind = StepKind.decode if wire.decode else StepKind.prefill
+            return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
+                              wire.transport_us)
         finally:
             self.consumer.release(frame)
 

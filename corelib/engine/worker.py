@@ -1,19 +1,10 @@
 """A worker process: owns a device and the model, reads steps from the SHM ring, returns tokens.
 
-Three threads: the polling thread reads and checks frames and materializes their inputs;
-the main thread submits steps to the device; the completer waits for each step's tokens
-and writes them to the result ring (rank 0). Any error is reported to the scheduler on the
-control pipe, and the process exits; it never computes on a frame that failed its checks.
-
-Materialization, decided by the ``shm_ordered_materialization`` gate:
-
-- ordered: the polling thread copies the frame into a pinned snapshot owned by the step,
-  then releases the slot; the runner issues the H2D on its prepare stream and a ready event
-  gates the compute stream (graph update and replay).
-- early: the polling thread issues the H2D itself, on its own stream, straight from the
-  shared segment, and releases the slot at once. Nothing orders that copy with the compute
-  stream, and the producer may already be rewriting the slot when the copy reads it.
-- a device that reads host memory (cpu): a plain host copy, no pinned memory, no H2D.
+Two threads, each doing one thing. The main thread reads a frame, checks it, stages its inputs
+(the stager the plan chose: ordered, early or a host copy) and submits the step, keeping at
+most the pipeline's depth of steps on the device. The completer waits for each step's tokens,
+in order, and writes them to the result ring (rank 0). Any error is reported to the scheduler
+on the control pipe, and the process exits; it never computes on a frame that failed its checks.
 """
 
 from __future__ import annotations
@@ -21,119 +12,86 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import functools
 import os
 import pickle
-import queue
 import signal
-import struct
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
 
 from corelib import faults
-from corelib.backend import DeviceSpec
-from corelib.config import CorelibConfig
-from corelib.device import Device
-from corelib.engine.build import EngineLayout, build_runner, model_weights
-from corelib.engine.forward_input import PREFILL_FIELD_NAMES, ArenaLayout, ForwardInput
-from corelib.engine.handoff import StagingPool
-from corelib.engine.metrics import StepResult
+from corelib.device import MemoryStats
+from corelib.engine.build import EngineLayout, build_device_steps, load_model
+from corelib.engine.device_steps import DeviceSteps
+from corelib.engine.forward_input import ForwardInput
+from corelib.engine.handoff import StepHandle
 from corelib.engine.parallel import init_group, leave_group
-from corelib.engine.runner import ModelRunner, StepHandle
+from corelib.engine.pipeline import StepPipeline
 from corelib.engine.scheduler import StepKind
-from corelib.engine.shm import Consumer, Frame, FrameHeader, FrameKind, Producer, Ring
+from corelib.engine.shm import Consumer, Frame, Producer, Ring
+from corelib.engine.wire import FrameKind, InputFlags, WireResult, WorkerArgs, encode_result, result_header
 from corelib.errors import TransportError, one_line
-from corelib.features import Plan
 from corelib.models.sharding import TensorShard
 
-DECODE_FIELD_NAMES = ("ints", "floats", "block_tables")
-SNAPSHOTS = 4  # steps a worker holds at once: one running, one queued, one being read, a spare
-RESULT_TAIL = struct.Struct("<ddd")  # busy ms, gap ms (-1: none), transport µs
+
+def input_of(frame: Frame, where: str) -> ForwardInput:
+    """The step a checked input frame describes; its arena views the slot."""
+    header = frame.header
+    layout = header.input_layout(where)
+    kind = StepKind.decode if header.kind is FrameKind.decode else StepKind.prefill
+    return ForwardInput(header.step_id, kind, header.num_seqs, header.bucket, header.kv_blocks,
+                        InputFlags.SAMPLE in InputFlags(header.flags), layout, frame.payload)
 
 
-@dataclass
-class WorkerArgs:
-    """Everything a worker needs; pickled into the spawned process."""
+class _InFlight:
+    """The worker's step pipeline, shared by the submitting thread and the completer."""
 
-    rank: int
-    world_size: int
-    config: CorelibConfig
-    spec: DeviceSpec
-    plan: Plan
-    input_ring: str
-    result_ring: str
-    num_slots: int
-    slot_bytes: int
-    result_slot_bytes: int
-    doorbell_fd: int  # read: frames to read
-    release_fd: int  # write: slots given back
-    result_doorbell_fd: int  # write: results written (rank 0; -1 elsewhere)
-    result_release_fd: int  # read: result slots given back (rank 0; -1 elsewhere)
-    control_fd: int  # write: ready / error messages
-    parent_pid: int
-    register_host: bool
-    master_address: str = "127.0.0.1"  # tensor parallelism: the process group's rendezvous
-    master_port: int = 0
+    def __init__(self, depth: int, timeout_s: float, rank: int) -> None:
+        self.pipeline: StepPipeline[tuple[StepHandle, float]] = StepPipeline(depth)
+        self.depth = depth
+        self._cond = threading.Condition()
+        self._timeout = timeout_s
+        self._rank = rank
+        self._closing = False
 
+    def push(self, item: tuple[StepHandle, float]) -> None:
+        with self._cond:
+            self.pipeline.push(item)
+            self._cond.notify_all()
 
-def frame_layout(header: FrameHeader) -> ArenaLayout:
-    names = DECODE_FIELD_NAMES if header.kind is FrameKind.decode else PREFILL_FIELD_NAMES
-    return ArenaLayout.decode(names, header.layout)
+    def close(self) -> None:
+        """No more steps: the completer ends once the pipeline is empty."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
 
+    def wait_for_room(self, step_id: int) -> None:
+        """Block (bounded) until fewer than ``depth`` steps are on the device."""
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while len(self.pipeline) >= self.depth:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    raise TransportError(f"worker rank {self._rank}: step {step_id} waited {self._timeout:g} s for "
+                                         f"the tokens of the step {self.depth} back")
 
-def encode_result(result: StepResult, transport_us: float) -> bytes:
-    tokens = struct.pack(f"<{len(result.tokens)}q", *result.tokens)
-    gap = -1.0 if result.gap_ms is None else result.gap_ms
-    return tokens + RESULT_TAIL.pack(result.busy_ms or 0.0, gap, transport_us)
+    def oldest(self) -> tuple[StepHandle, float] | None:
+        """The oldest step in flight; None once closed and empty."""
+        with self._cond:
+            while not self.pipeline and not self._closing:
+                self._cond.wait()
+            return self.pipeline.oldest() if self.pipeline else None
 
-
-def decode_result(header: FrameHeader, payload: bytes) -> StepResult:
-    n = header.num_seqs
-    tokens = list(struct.unpack_from(f"<{n}q", payload, 0))
-    busy, gap, transport = RESULT_TAIL.unpack_from(payload, 8 * n)
-    kind = StepKind.decode if header.flags & 2 else StepKind.prefill
-    return StepResult(header.step_id, kind, tokens, busy or None, None if gap < 0 else gap, bool(header.flags & 1),
-                      transport)
-
-
-class Materializer:
-    """Turns a checked frame into a ForwardInput whose inputs no longer depend on the slot."""
-
-    def __init__(self, device: Device, runner: ModelRunner, ordered: bool, snapshot_bytes: int, timeout: float):
-        self.device = device
-        self.runner = runner
-        self.host_device = device.capabilities.device_is_host
-        self.ordered = ordered and not self.host_device
-        self.early = not ordered and not self.host_device
-        self.stream = device.stream("polling") if self.early else None
-        allocate = (lambda shape, dtype: device.host_empty(shape, dtype, pinned=True)) if self.ordered else (
-            lambda shape, dtype: torch.empty(shape, dtype=dtype))
-        self.pool = StagingPool(allocate, snapshot_bytes, SNAPSHOTS, timeout)
-
-    def __call__(self, frame: Frame, consumer: Consumer) -> ForwardInput:
-        header = frame.header
-        layout = frame_layout(header)
-        if layout.nbytes > header.payload_len:
-            raise TransportError(f"{consumer.name} frame {header.seq} (slot {frame.slot}): payload of "
-                                 f"{header.payload_len} bytes is shorter than its layout ({layout.nbytes} bytes)")
-        kind = StepKind.decode if header.kind is FrameKind.decode else StepKind.prefill
-        fi = ForwardInput(header.step_id, kind, header.num_seqs, header.bucket, header.kv_blocks,
-                          bool(header.flags & 1), layout, frame.payload)
-        if self.early and self.stream is not None:
-            fi = self.runner.materialize_early(fi, self.stream)
-            consumer.release(frame)  # the copy may not have read the slot yet: the hazard
-            return fi
-        snapshot = self.pool.acquire()
-        snapshot[: layout.nbytes].copy_(frame.payload[: layout.nbytes])
-        consumer.release(frame)  # the producer may reuse the slot: the step owns its snapshot
-        fi.arena = snapshot
-        fi.on_release = lambda: self.pool.release(snapshot)
-        return fi
+    def done(self) -> None:
+        with self._cond:
+            self.pipeline.pop()
+            self._cond.notify_all()
 
 
 class Worker:
@@ -169,16 +127,14 @@ class Worker:
         backend = PluginRegistry().get(args.spec.backend)
         device = backend.open(dataclasses.replace(args.spec, device_index=args.spec.device_index + args.rank))
         layout = EngineLayout.of(args.config)
-        ordered = args.plan.is_enabled("shm_ordered_materialization")
         shard = None
-        all_reduce = None
         if args.world_size > 1:
             all_reduce = init_group(device, args.rank, args.world_size, args.master_address, args.master_port,
                                     self.timeout)
-            shard = TensorShard(args.rank, args.world_size)
-        weights = model_weights(args.config, device, shard)
-        weights.all_reduce = all_reduce
-        runner = build_runner(device, args.config, args.plan, layout, weights, ordered_prepare=ordered)
+            shard = TensorShard(args.rank, args.world_size, all_reduce)
+        model = load_model(args.config, device, shard)
+        options = args.options
+        steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging)
         ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes)
         registration = device.register_host(ring.whole) if args.register_host else None
         consumer = Consumer(ring, Connection(args.doorbell_fd, writable=False),
@@ -190,33 +146,19 @@ class Worker:
             results = Producer(out, [Connection(args.result_doorbell_fd, readable=False)],
                                [Connection(args.result_release_fd, writable=False)], self.timeout,
                                alive=self.parent_gone, name="result ring")
-        materialize = Materializer(device, runner, ordered, layout.staging_bytes, self.timeout)
-        steps: queue.SimpleQueue[tuple[ForwardInput, float] | None] = queue.SimpleQueue()
-        handles: queue.SimpleQueue[tuple[StepHandle, float] | None] = queue.SimpleQueue()
-        poller = threading.Thread(target=self._guard, args=(self._poll, consumer, materialize, steps, device),
-                                  name="corelib-polling")
-        # The runner double-buffers its token outputs: at most two steps in flight. Rank 0's
-        # scheduler already keeps to that; the other ranks are held here.
-        slots = threading.Semaphore(2)
-        completer = threading.Thread(target=self._guard, args=(self._complete, runner, results, handles, slots),
+        in_flight = _InFlight(options.pipeline_depth, self.timeout, args.rank)
+        completer = threading.Thread(target=self._guard, args=(self._complete, steps, results, in_flight),
                                      name="corelib-completer")
         self.send("ready", None, "")
-        poller.start()
         completer.start()
         try:
-            while (item := steps.get()) is not None:
-                fi, transport_us = item
-                if not slots.acquire(timeout=self.timeout):
-                    raise TimeoutError(f"worker rank {args.rank}: step {fi.step_id} waited {self.timeout:g} s for "
-                                       "the tokens of the step two back")
-                handles.put((runner.submit(fi), transport_us))
+            self._serve(consumer, steps, in_flight, device.memory_stats)
         finally:
-            handles.put(None)
+            in_flight.close()
         completer.join()
-        poller.join()
         if registration is not None:
             registration.close()
-        runner.close()
+        steps.close()
         leave_group()
         device.close()
 
@@ -226,33 +168,38 @@ class Worker:
         except BaseException as error:  # noqa: BLE001 - reported to the scheduler, then the process ends
             self.report(error)
 
-    def _poll(self, consumer: Consumer, materialize: Materializer,
-              steps: queue.SimpleQueue[tuple[ForwardInput, float] | None], device: Device) -> None:
+    def _serve(self, consumer: Consumer, steps: DeviceSteps, in_flight: _InFlight,
+               memory: Callable[[], MemoryStats]) -> None:
+        """Read frames until the stop frame; submit each step once the pipeline has room."""
         while True:
             frame = consumer.read(timeout=365 * 24 * 3600.0, who="the next step")  # idle is fine
-            if frame.header.kind is FrameKind.stop:
+            kind = frame.header.kind
+            if kind is FrameKind.stop:
                 consumer.release(frame)
-                steps.put(None)
                 return
-            if frame.header.kind is FrameKind.memory:
+            if kind is FrameKind.memory:
                 consumer.release(frame)
-                self.send("memory", None, device.memory_stats())
+                self.send("memory", None, memory())
                 continue
             faults.maybe_fail("poll")
-            fi = materialize(frame, consumer)
-            steps.put((fi, (time.perf_counter() - frame.header.sent_at) * 1e6))
+            where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
+            if kind not in (FrameKind.decode, FrameKind.prefill):
+                raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
+            fi = input_of(frame, where)
+            staged = steps.stager.receive(fi, functools.partial(consumer.release, frame))
+            transport_us = (time.perf_counter() - frame.header.sent_at) * 1e6
+            in_flight.wait_for_room(fi.step_id)
+            in_flight.push((steps.submit(staged), transport_us))
 
-    def _complete(self, runner: ModelRunner, results: Producer | None,
-                  handles: queue.SimpleQueue[tuple[StepHandle, float] | None], slots: threading.Semaphore) -> None:
-        while (item := handles.get()) is not None:
+    def _complete(self, steps: DeviceSteps, results: Producer | None, in_flight: _InFlight) -> None:
+        while (item := in_flight.oldest()) is not None:
             handle, transport_us = item
-            result = runner.result(handle, self.timeout)
-            slots.release()
+            result = steps.result(handle, self.timeout)
+            in_flight.done()
             if results is not None:
-                flags = int(result.graph) | (2 if result.kind is StepKind.decode else 0)
-                header = FrameHeader(FrameKind.result, 0, result.step_id, len(result.tokens), flags=flags,
-                                     sent_at=time.perf_counter())
-                results.write(header, encode_result(result, transport_us))
+                wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
+                                  result.busy_ms, result.gap_ms, transport_us)
+                results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""Models: a Llama-family decoder in plain torch and its checkpoint loader."""
+"""Models: the model seam, the architecture registry, the Llama family and its checkpoint loader."""
 
-from corelib.models.facts import ARCHITECTURES, model_facts
+from corelib.models.base import DecodeBatch, Model, ModelFacts, PrefillBatch
+from corelib.models.registry import Architecture, architecture, model_facts
 
-__all__ = ["ARCHITECTURES", "model_facts"]
+__all__ = ["Architecture", "DecodeBatch", "Model", "ModelFacts", "PrefillBatch", "architecture", "model_facts"]

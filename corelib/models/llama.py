@@ -1,19 +1,21 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The Llama family: its shape, its weights in Hugging Face names, and its forward through the ops.
 
 Weights are held in Hugging Face Llama names (``model.layers.0.self_attn.q_proj.weight``),
 so real checkpoints load into the same structure; at build time q/k/v and gate/up are
 fused into one matrix each, which halves the number of matmul launches per layer.
-Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) are flags of the same code.
-The hybrid variant adds a per-sequence causal-convolution state to every layer.
+Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) are flags of the same code
+(``corelib.models.registry`` sets them per architecture).
 
-Attention reads the paged KV cache: prefill writes K/V through the slot mapping and
-attends within each sequence; decode gathers only the first ``kv_blocks`` blocks of each
-block table (the live ones, rounded up to a bucket), never the whole cache.
+Everything a backend may accelerate goes through ``corelib.ops``: RMSNorm with the residual
+add fused, RoPE with the KV-cache write, paged decode and prefill attention, SiLU-and-multiply.
+The matmuls stay ``F.linear``. The residual stream is carried as (pending, h): each layer's
+output is added by the next RMSNorm, so a fused provider does the add and the norm in one pass.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,8 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from corelib.config import ModelConfig
+from corelib.device import Device
 from corelib.errors import ConfigError
+from corelib.models.base import DecodeBatch, ModelFacts, PrefillBatch
 from corelib.models.rope import RopeScaling, inv_freq
+from corelib.ops import Ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -56,6 +61,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
+        from corelib.models.registry import llama_variant
+
+        variant = llama_variant(cfg.architecture)
+        if cfg.num_heads < 1 or cfg.num_kv_heads < 1:
+            raise ConfigError(f"model.num_heads={cfg.num_heads} and model.num_kv_heads={cfg.num_kv_heads} "
+                              "must be at least 1")
         head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(
@@ -74,10 +85,10 @@ class ModelShape:
             rms_norm_eps=cfg.rms_norm_eps,
             # "auto" (the checkpoint's dtype) is resolved at startup; random weights have none
             dtype=torch_dtype("float32" if cfg.dtype == "auto" else cfg.dtype),
-            attention_bias=cfg.attention_bias or cfg.architecture == "qwen2",
-            qk_norm=cfg.qk_norm or cfg.architecture == "qwen3",
+            attention_bias=cfg.attention_bias or variant.attention_bias,
+            qk_norm=cfg.qk_norm or variant.qk_norm,
             tie_word_embeddings=cfg.tie_word_embeddings,
-            conv_kernel=cfg.conv_kernel if cfg.architecture == "hybrid" else 0,
+            conv_kernel=cfg.conv_kernel if variant.conv_state else 0,
             rope_scaling=RopeScaling.parse(cfg.rope_scaling, cfg.max_model_len),
         )
 
@@ -224,38 +235,6 @@ def rope_table(shape: ModelShape, device: torch.device) -> torch.Tensor:
     return table.to(device=device, dtype=shape.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # [..., H]; statistics in float32, then the weight in the model dtype, as in Hugging Face
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    # x: [T, n, hd]; rope: [T, 2, hd] (cos, sin) -> rotate-half RoPE as in Hugging Face Llama
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * rope[:, 0:1] + torch.cat((-x2, x1), dim=-1) * rope[:, 1:2]
-
-
-def _qkv(
-    layer: LayerWeights, shape: ModelShape, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x: [T, H] -> q [T, nh, hd], k/v [T, nkv, hd], RoPE applied
-    qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-    nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
-    rope = cos_sin[positions]
-    if layer.q_norm is not None and layer.k_norm is not None:
-        q = rms_norm(qkv[:, : nh * hd].view(-1, nh, hd), layer.q_norm, shape.rms_norm_eps)
-        k = rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(-1, nkv, hd), layer.k_norm, shape.rms_norm_eps)
-        return apply_rope(q, rope), apply_rope(k, rope), v
-    qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd), rope)  # q and k rotated together
-    return qk[:, :nh], qk[:, nh:], v
-
-
-def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    gate_up = F.linear(x, layer.gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, layer.down)
-
 
 @dataclass
 class KVCache:
@@ -272,158 +251,58 @@ class KVCache:
         return self.data[i, 0], self.data[i, 1]
 
 
-@dataclass
-class ConvState:
-    """Hybrid models: the last K-1 normalised inputs of every layer, per sequence slot."""
-
-    data: torch.Tensor  # [L, num_slots, K-1, H]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _conv_decode(
-    layer: LayerWeights, state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, eps: float
-) -> torch.Tensor:
-    # x: [B, H]; state: [S, K-1, H]; returns the conv branch output and advances the state
-    assert layer.conv is not None and layer.conv_norm is not None, "hybrid layer without conv weights"
-    xn = rms_norm(x, layer.conv_norm, eps)
-    window = torch.cat([state[slots], xn[:, None, :]], dim=1)  # [B, K, H]
-    out = (window * layer.conv[None]).sum(dim=1)
-    state.index_copy_(0, slots, window[:, 1:])
-    return F.silu(out)
+def _reduced(x: torch.Tensor, all_reduce: AllReduce | None) -> torch.Tensor:
+    return x if all_reduce is None else all_reduce(x)
 
 
-def _conv_prefill(
-    layer: LayerWeights,
-    state: torch.Tensor,
-    x: torch.Tensor,
-    pad_index: torch.Tensor,
-    valid: torch.Tensor,
-    last_index: torch.Tensor,
-    slots: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    # x: [T, H] flat tokens; pad_index: [n, L] into x; a sequence starts from a zero state
-    assert layer.conv is not None and layer.conv_norm is not None, "hybrid layer without conv weights"
-    kernel = layer.conv.shape[0]
-    xn = rms_norm(x, layer.conv_norm, eps)
-    padded = xn[pad_index] * valid[..., None]  # [n, L, H]
-    padded = F.pad(padded, (0, 0, kernel - 1, 0))  # [n, K-1+L, H]
-    windows = padded.unfold(1, kernel, 1)  # [n, L, H, K]
-    out = torch.einsum("nlhk,kh->nlh", windows, layer.conv)
-    lengths = last_index + 1  # [n]
-    tail_pos = lengths[:, None] + torch.arange(kernel - 1, device=x.device)[None, :]  # in padded coords
-    tail = padded.gather(1, tail_pos[..., None].expand(-1, -1, padded.shape[-1]))
-    state.index_copy_(0, slots, tail)
-    return F.silu(out[valid])
+def attention_qkv(
+    layer: LayerWeights, shape: ModelShape, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, ops: Ops,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (rotated q and k [T, nh+nkv, hd], v [T, nkv, hd]); new keys and values go to the cache."""
+    qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (nh + 2 nkv) hd]
+    nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q, _ = ops.rms_norm(qkv[:, : nh * hd].view(-1, nh, hd), layer.q_norm, shape.rms_norm_eps)
+        k, _ = ops.rms_norm(qkv[:, nh * hd : (nh + nkv) * hd].view(-1, nkv, hd), layer.k_norm, shape.rms_norm_eps)
+        qk = torch.cat([q, k], dim=1)
+    else:
+        qk = qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd)  # q and k rotated together
+    return ops.rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping), v
 
 
-def prefill_forward(
-    weights: ModelWeights,
-    cache: KVCache,
-    conv_state: ConvState | None,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    pad_index: torch.Tensor,
-    valid: torch.Tensor,
-    last_index: torch.Tensor,
-    state_indices: torch.Tensor,
-) -> torch.Tensor:
-    """Full causal attention within each sequence of a prefill batch; returns last-token logits.
-
-    token_ids/positions/slot_mapping: [T] flat; pad_index: [n, L] flat index of each
-    sequence's i-th token (0 where padded); valid: [n, L]; last_index: [n].
-    """
-    shape = weights.shape
-    n, length = pad_index.shape
-    h = weights.embed[token_ids]  # [T, H]
-    causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
-    mask = (causal[None] & valid[:, None, :])[:, None]  # [n, 1, L, L]
-    for i, layer in enumerate(weights.layers):
-        if conv_state is not None:
-            h = h + _conv_prefill(
-                layer, conv_state.data[i], h, pad_index, valid, last_index, state_indices, shape.rms_norm_eps
-            )
-        x = rms_norm(h, layer.input_norm, shape.rms_norm_eps)
-        q, k, v = _qkv(layer, shape, x, positions, weights.cos_sin)
-        k_cache, v_cache = cache.layer(i)
-        k_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, v)
-        qp, kp, vp = (t[pad_index].transpose(1, 2) for t in (q, k, v))  # [n, heads, L, hd]
-        attn = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-        attn_flat = attn.transpose(1, 2)[valid].reshape(-1, shape.num_heads * shape.head_dim)  # [T, nh hd]
-        out = F.linear(attn_flat, layer.o)
-        h = h + (out if weights.all_reduce is None else weights.all_reduce(out))
-        mlp = _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
-        h = h + (mlp if weights.all_reduce is None else weights.all_reduce(mlp))
-    last = h[pad_index[torch.arange(n, device=h.device), last_index]]  # [n, H]
-    return F.linear(rms_norm(last, weights.norm, shape.rms_norm_eps), weights.lm_head).float()
+def mlp(layer: LayerWeights, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    return F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
 
 
 def decode_layer(
-    layer: LayerWeights,
-    shape: ModelShape,
-    h: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    mask: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cos_sin: torch.Tensor,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """One decoder layer for one new token per sequence: h [B, H] -> [B, H].
+    layer: LayerWeights, shape: ModelShape, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor, ops: Ops, all_reduce: AllReduce | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer for one new token per sequence: (pending, h) -> (pending, h), all [B, H].
 
+    ``pending`` is added to the residual stream ``h`` by the input norm (None: ``pending`` is h).
     Separate so that ``torch.compile`` can compile it once and reuse it for every layer.
     """
-    batch, kv_blocks = block_tables.shape
-    span = kv_blocks * k_cache.shape[1]
-    x = rms_norm(h, layer.input_norm, shape.rms_norm_eps)
-    q, k, v = _qkv(layer, shape, x, positions, cos_sin)
-    k_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_copy_(0, slot_mapping, v)
-    # [B, kv_blocks, bs, nkv, hd] -> [B, nkv, S, hd]: only the live blocks of each table
-    keys = k_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-    values = v_cache[block_tables].view(batch, span, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
-    attn = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
-    out = F.linear(attn.reshape(batch, shape.num_heads * shape.head_dim), layer.o)
-    h = h + (out if all_reduce is None else all_reduce(out))
-    mlp = _mlp(layer, rms_norm(h, layer.post_norm, shape.rms_norm_eps))
-    return h + (mlp if all_reduce is None else all_reduce(mlp))
+    batch_size = pending.shape[0]
+    x, h = ops.rms_norm(pending, layer.input_norm, shape.rms_norm_eps, h)
+    qk, _ = attention_qkv(layer, shape, x, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, ops)
+    attn = ops.paged_decode_attention(qk[:, : shape.num_heads], k_cache, v_cache, batch.attention,
+                                      1.0 / math.sqrt(shape.head_dim))  # [B, nh, hd]
+    out = _reduced(F.linear(attn.reshape(batch_size, shape.num_heads * shape.head_dim), layer.o), all_reduce)
+    x, h = ops.rms_norm(out, layer.post_norm, shape.rms_norm_eps, h)
+    return _reduced(mlp(layer, x, ops), all_reduce), h
 
 
 DecodeLayer = Callable[
-    [LayerWeights, ModelShape, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-     torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None],
-    torch.Tensor,
+    [LayerWeights, ModelShape, torch.Tensor, torch.Tensor | None, DecodeBatch, torch.Tensor, torch.Tensor,
+     torch.Tensor, Ops, AllReduce | None],
+    tuple[torch.Tensor, torch.Tensor],
 ]
-
-
-def decode_forward(
-    weights: ModelWeights,
-    cache: KVCache,
-    conv_state: ConvState | None,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    state_indices: torch.Tensor,
-    layer_fn: DecodeLayer = decode_layer,
-) -> torch.Tensor:
-    """One new token per sequence. block_tables: [B, kv_blocks] live blocks only; returns [B, V] logits."""
-    shape = weights.shape
-    span = block_tables.shape[1] * cache.block_size
-    h = weights.embed[token_ids]  # [B, H]
-    key_pos = torch.arange(span, device=h.device)
-    mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    for i, layer in enumerate(weights.layers):
-        if conv_state is not None:
-            h = h + _conv_decode(layer, conv_state.data[i], state_indices, h, shape.rms_norm_eps)
-        k_cache, v_cache = cache.layer(i)
-        h = layer_fn(layer, shape, h, positions, slot_mapping, block_tables, mask, k_cache, v_cache, weights.cos_sin,
-                     weights.all_reduce)
-    return F.linear(rms_norm(h, weights.norm, shape.rms_norm_eps), weights.lm_head).float()
 
 
 @functools.cache
@@ -435,3 +314,75 @@ def compiled_decode_layer() -> DecodeLayer:
     (mode default): the engine captures the compiled kernels in its own graphs.
     """
     return torch.compile(decode_layer, dynamic=True)
+
+
+class LlamaModel:
+    """Llama, Qwen2 and Qwen3 (flags of the shape) over the paged KV cache."""
+
+    def __init__(self, weights: ModelWeights, facts: ModelFacts, compile_decode: bool = False) -> None:
+        self.weights = weights
+        self.shape = weights.shape
+        self._facts = facts
+        self._decode_layer: DecodeLayer = compiled_decode_layer() if compile_decode else decode_layer
+
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_slots: int) -> object:
+        shape = self.shape
+        return KVCache(
+            device.zeros((shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+                         shape.dtype),
+            block_size,
+        )
+
+    @staticmethod
+    def _cache(state: object) -> KVCache:
+        cache = getattr(state, "cache", state)
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"the Llama family runs over a KVCache, got {type(state).__name__}")
+        return cache
+
+    def _logits(self, pending: torch.Tensor, h: torch.Tensor | None, ops: Ops) -> torch.Tensor:
+        x, _ = ops.rms_norm(pending, self.weights.norm, self.shape.rms_norm_eps, h)
+        return F.linear(x, self.weights.lm_head).float()
+
+    def decode(self, batch: DecodeBatch, state: object, ops: Ops) -> torch.Tensor:
+        weights = self.weights
+        pending, h = weights.embed[batch.input_ids], None  # [B, H]
+        for i, layer in enumerate(weights.layers):
+            pending, h = self._decode_block(i, layer, pending, h, batch, state, ops)
+        return self._logits(pending, h, ops)
+
+    def _decode_block(
+        self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
+        state: object, ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = self._cache(state).layer(index)
+        return self._decode_layer(layer, self.shape, pending, h, batch, k_cache, v_cache, self.weights.cos_sin, ops,
+                                  self.weights.all_reduce)
+
+    def prefill(self, batch: PrefillBatch, state: object, ops: Ops) -> torch.Tensor:
+        weights, shape = self.weights, self.shape
+        pending, h = weights.embed[batch.token_ids], None  # [T, H]
+        scale = 1.0 / math.sqrt(shape.head_dim)
+        for i, layer in enumerate(weights.layers):
+            pending, h = self._before_layer(i, layer, pending, h, batch, state, ops)
+            k_cache, v_cache = self._cache(state).layer(i)
+            x, h = ops.rms_norm(pending, layer.input_norm, shape.rms_norm_eps, h)
+            qk, v = attention_qkv(layer, shape, x, batch.positions, weights.cos_sin, k_cache, v_cache,
+                                  batch.slot_mapping, ops)
+            attn = ops.prefill_attention(qk[:, : shape.num_heads], qk[:, shape.num_heads :], v, batch.attention,
+                                         scale)
+            out = _reduced(F.linear(attn.reshape(-1, shape.num_heads * shape.head_dim), layer.o), weights.all_reduce)
+            x, h = ops.rms_norm(out, layer.post_norm, shape.rms_norm_eps, h)
+            pending = _reduced(mlp(layer, x, ops), weights.all_reduce)
+        last = batch.last_index
+        return self._logits(pending[last], None if h is None else h[last], ops)  # [n, V]
+
+    def _before_layer(
+        self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: PrefillBatch,
+        state: object, ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A hook for variants that add a branch before the attention (the hybrid's convolution)."""
+        return pending, h

@@ -10,7 +10,34 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from corelib.models.llama import ModelWeights, _mlp, _qkv, rms_norm
+from corelib.models.llama import LayerWeights, ModelShape, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * rope[:, 0:1] + torch.cat((-x2, x1), dim=-1) * rope[:, 1:2]
+
+
+def _qkv(layer: LayerWeights, shape: ModelShape, x: torch.Tensor, positions: torch.Tensor,
+         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+    nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    q = qkv[:, : nh * hd].view(-1, nh, hd)
+    k = qkv[:, nh * hd : (nh + nkv) * hd].view(-1, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q, k = rms_norm(q, layer.q_norm, shape.rms_norm_eps), rms_norm(k, layer.k_norm, shape.rms_norm_eps)
+    rope = cos_sin[positions]
+    return _rope(q, rope), _rope(k, rope), v
+
+
+def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, layer.down)
 
 
 def reference_logits(weights: ModelWeights, token_ids: Sequence[int]) -> torch.Tensor:

@@ -10,7 +10,8 @@ rank computes the full logits and samples the same token, so no gather is needed
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +40,8 @@ class TensorShard:
 
     rank: int
     world: int
+    # Sums the partial outputs of the row-parallel layers across ranks (the process group's all-reduce).
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
 
     def shape(self, full: ModelShape) -> ModelShape:
         """The shape of the model one rank runs: fewer heads and features, the same width."""

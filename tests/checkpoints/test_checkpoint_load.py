@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import local_weights
 import torch
 
 from corelib.compose import compose_config, prepare_config_store
@@ -127,8 +128,7 @@ def test_engine_uses_the_checkpoint_shape_everywhere(tmp_path: Path) -> None:
     assert any("max_position_embeddings=128" in line for line in startup.messages)
     with engine_for(tmp_path) as engine:
         [bad, good] = engine.generate([[299, 300], PROMPT], SamplingParams(max_tokens=6))
-        assert engine.weights is not None, 'in-process engines hold their weights'
-        expected = reference_generate(engine.weights, PROMPT, 6, eos_token_id=1)
+        expected = reference_generate(local_weights(engine), PROMPT, 6, eos_token_id=1)
     assert bad.finish_reason == "error" and "outside the vocabulary [0, 300)" in (bad.error or "")
     assert good.output_token_ids == expected
 

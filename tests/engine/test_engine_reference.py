@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import EngineFactory
+from support import EngineFactory, local_weights
 
 from corelib.engine import Engine, SamplingParams
 from corelib.models.reference import reference_generate
@@ -18,8 +18,7 @@ def check_against_reference(make_engine: EngineFactory, overrides: list[str]) ->
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outputs = engine.generate(PROMPTS, params)
     for prompt, p, out in zip(PROMPTS, params, outputs, strict=True):
-        assert engine.weights is not None, 'in-process engines hold their weights'
-        expected = reference_generate(engine.weights, prompt, p.max_tokens)
+        expected = reference_generate(local_weights(engine), prompt, p.max_tokens)
         assert out.output_token_ids == expected, f"prompt {prompt[:4]}...: engine and reference disagree"
         assert out.finish_reason == "length"
     return engine
@@ -44,8 +43,7 @@ def test_preemption_keeps_tokens_exact(make_engine: EngineFactory) -> None:
 def test_eos_stops_the_request(make_engine: EngineFactory) -> None:
     probe = make_engine(["backend=cpu"])
     prompt = [9, 8, 7, 6]
-    assert probe.weights is not None, 'in-process engines hold their weights'
-    free_run = reference_generate(probe.weights, prompt, 12)
+    free_run = reference_generate(local_weights(probe), prompt, 12)
     eos = free_run[5]
     engine = make_engine(["backend=cpu", f"model.eos_token_id={eos}"])
     out = engine.generate([prompt], SamplingParams(max_tokens=12))[0]

@@ -15,8 +15,8 @@ import torch
 from support import EngineFactory
 
 from corelib.engine import SamplingParams
-from corelib.engine.handoff import StagingPool
-from corelib.engine.runner import StepHandle
+from corelib.engine.handoff import StepHandle
+from corelib.engine.staging import StagingPool
 from corelib.errors import DeviceError
 
 OVERRIDES = [
@@ -53,8 +53,8 @@ def test_freeing_inputs_at_submission_is_caught(
     def forgetful(self: StepHandle, *args: object, **kwargs: object) -> None:
         original(self, *args, **kwargs)  # type: ignore[arg-type]
         # the mutation: the step's inputs are dropped as soon as the step is queued
-        self._keepalive = None
-        self._release_inputs = lambda: None
+        self.keepalive = None
+        self.on_done = None
 
     monkeypatch.setattr(StepHandle, "__init__", forgetful)
     with pytest.raises(DeviceError, match="freed before its copy ran"):

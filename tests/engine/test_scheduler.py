@@ -5,12 +5,14 @@ from __future__ import annotations
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, SchedulerLimits, StepKind
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence, Status
+from corelib.engine.stops import StopChecker
 
 EOS = 1
 
 
 def make(num_blocks: int = 64, block_size: int = 4, max_seqs: int = 4, max_len: int = 64) -> Scheduler:
-    return Scheduler(SchedulerLimits(max_seqs, 64, max_len, EOS), BlockManager(num_blocks, block_size), max_seqs)
+    return Scheduler(SchedulerLimits(max_seqs, 64, max_len), BlockManager(num_blocks, block_size), max_seqs,
+                     StopChecker(max_len, frozenset({EOS})))
 
 
 def seq(i: int, prompt_len: int = 5, max_tokens: int = 8, **kw: object) -> Sequence:

@@ -46,7 +46,7 @@ def cycle(transport: str) -> Cycle:
     built = time.perf_counter()
     tokens = [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
     memory = engine.memory_stats()
-    device = weakref.ref(engine.device) if engine.device is not None else None
+    device = weakref.ref(engine.local_device) if engine.startup.config.engine.transport.value == "inproc" else None
     ran = time.perf_counter()
     engine.close()
     closed = time.perf_counter()

@@ -1,9 +1,9 @@
-"""The SHM materialization race, reproduced with the engine's own ring, materializer and runner.
+"""The SHM materialization race, reproduced with the engine's own ring and input stagers.
 
 A producer thread rewrites ring slots as early as back-pressure allows, each frame carrying
-a step-specific pattern. The consumer reads each frame through the worker's Materializer
-(ordered or early), stages it the way the runner does before a graph replay, and a check
-launched on the compute stream compares what reached the device with the pattern.
+a step-specific pattern. The consumer reads each frame the way a worker does, stages it
+through the ordered or the early stager into a static device arena (a graph's inputs), and a
+check launched on the compute stream compares what reached the device with the pattern.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from ringkit import wire
 
 from corelib.compose import compose_config
 from corelib.device import Device, Event
-from corelib.engine.build import EngineLayout, build_runner, model_weights
-from corelib.engine.forward_input import ForwardInput
-from corelib.engine.shm import FrameHeader, FrameKind
-from corelib.engine.worker import Materializer
+from corelib.engine.build import EngineLayout
+from corelib.engine.options import Staging
+from corelib.engine.staging import EarlyStager, Staged, build_stager
+from corelib.engine.wire import FrameHeader, FrameKind
+from corelib.engine.worker import input_of
 from corelib.plugins import PluginRegistry
 from corelib.startup import start
 
@@ -45,13 +46,14 @@ def race(
     startup = start(cfg, PluginRegistry())
     device = startup.backend.open(startup.spec)
     layout = EngineLayout.of(startup.config)
-    runner = build_runner(device, startup.config, startup.plan, layout, model_weights(startup.config, device),
-                          ordered_prepare=ordered)
     decode = layout.builder().decode
     words = decode.nbytes // 8
-    wired = wire(num_slots=num_slots, slot_bytes=decode.nbytes + 1024 + 64, timeout=startup.config.engine.timeout_s)
+    timeout = startup.config.engine.timeout_s
+    wired = wire(num_slots=num_slots, slot_bytes=decode.nbytes + 1024 + 64, timeout=timeout)
     registration = device.register_host(wired.ring.whole) if register_host else None
-    materialize = Materializer(device, runner, ordered, decode.nbytes, startup.config.engine.timeout_s)
+    compute = device.stream("compute")
+    stager = build_stager(Staging.ordered if ordered else Staging.early, device, compute, decode.nbytes, 4, timeout)
+    target = device.empty((decode.nbytes,), torch.uint8)  # the static inputs a graph would read
     mismatches = device.zeros((1,), torch.int64)
     failure: list[BaseException] = []
 
@@ -66,26 +68,23 @@ def race(
 
     producer = threading.Thread(target=produce, name="race-producer")
     producer.start()
-    in_flight: deque[tuple[Event, ForwardInput]] = deque()
-    target = runner.decode_arena
-    if target is None:
-        raise RuntimeError("the race needs a device with memory of its own")
+    in_flight: deque[tuple[Event, Staged]] = deque()
+    consumer = wired.consumers[0]
     try:
         for step in range(steps):
-            frame = wired.consumers[0].read()
-            if widen is not None and materialize.stream is not None:
-                widen(device, materialize.stream)
-            fi = materialize(frame, wired.consumers[0])
-            runner._stage(fi, target)
+            frame = consumer.read()
+            if widen is not None and isinstance(stager, EarlyStager):
+                widen(device, stager.stream)
+            staged = stager.receive(input_of(frame, "race frame"), lambda frame=frame: consumer.release(frame))
+            stager.to_device(staged, target)
 
             def check(step: int = step) -> None:
                 seen = target[: decode.nbytes].view(torch.int64)
                 mismatches.add_((seen != pattern(step, words, seen.device)).any().to(torch.int64))
 
-            runner.compute.launch(check)
-            if runner.prepare is not None:
-                runner._consumed = runner.compute.record(device.event())
-            in_flight.append((runner.compute.record(device.event()), fi))
+            compute.launch(check)
+            stager.after_forward()
+            in_flight.append((compute.record(device.event()), staged))
             while len(in_flight) > 2:
                 event, done = in_flight.popleft()
                 event.synchronize()
@@ -98,7 +97,7 @@ def race(
         if registration is not None:
             device.synchronize()
             registration.close()
-        runner.close()
+        stager.close()
         device.close()
         wired.ring.close()
     if failure:

@@ -12,7 +12,8 @@ import torch
 from ringkit import Wired, wire
 
 from corelib.engine import shm
-from corelib.engine.shm import SHM_DIR, FrameHeader, FrameKind, Segment, sweep_stale
+from corelib.engine.shm import SHM_DIR, Segment, sweep_stale
+from corelib.engine.wire import FrameHeader, FrameKind
 from corelib.errors import TransportError
 
 Make = Callable[..., Wired]

@@ -91,19 +91,17 @@ def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
 
 def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
     from corelib.compose import compose_config
-    from corelib.engine.build import EngineLayout, build_runner, model_weights
-    from corelib.engine.worker import Materializer
+    from corelib.engine.options import EngineOptions, Staging
+    from corelib.engine.staging import HostStager, build_stager
     from corelib.plugins import PluginRegistry
     from corelib.startup import start
 
     startup = start(compose_config(["backend=cpu", "engine.transport=shm"]), PluginRegistry())
-    assert not startup.plan.is_enabled("shm_ordered_materialization")
+    options = EngineOptions.from_startup(startup.config, startup.plan, startup.spec.capabilities)
+    assert options.staging is Staging.host
     with startup.backend.open(startup.spec) as device:
-        layout = EngineLayout.of(startup.config)
-        runner = build_runner(device, startup.config, startup.plan, layout, model_weights(startup.config, device))
-        materialize = Materializer(device, runner, ordered=False, snapshot_bytes=1024, timeout=1.0)
-        assert runner.decode_arena is None, "the cpu runner reads its inputs where they are: no device copy"
-        assert materialize.stream is None and not materialize.early
-        snapshots = [materialize.pool.acquire() for _ in range(2)]
-        assert not any(s.is_pinned() for s in snapshots)
+        stager = build_stager(options.staging, device, device.stream("compute"), 1024, 2, 1.0)
+        assert isinstance(stager, HostStager), "the cpu device reads its inputs where they are: no device copy"
+        snapshots = [stager._pool.acquire() for _ in range(2)] if stager._pool is not None else []
+        assert len(snapshots) == 2 and not any(s.is_pinned() for s in snapshots)
         assert device.memory_stats().pinned_bytes == 0

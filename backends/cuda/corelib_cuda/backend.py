@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from corelib.backend import Backend, DeviceSpec
-from corelib.device import Availability, Device
-from corelib.errors import BackendUnavailable, DeviceError
-from corelib.native import TorchDevice
+from corelib.backend import DeviceSpec
+from corelib.errors import DeviceError
+from corelib.native import TorchDevice, TorchModuleBackend
 
 # cudaHostRegisterDefault: page-lock in place, no mapping into the device address space.
 _HOST_REGISTER_DEFAULT = 0
@@ -52,25 +51,17 @@ class CudaDevice(TorchDevice):
         check(_cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
 
 
-class CUDABackend(Backend):
+class CUDABackend(TorchModuleBackend):
     name = "cuda"
     hardware_mark = "gpu"
+    package = "torch"
+    module_name = "torch.cuda"
+    device_type = "cuda"
+    visible_env = "CUDA_VISIBLE_DEVICES"
+    device_label = "CUDA device"
 
-    def _probe_native(self) -> Availability:
-        if not torch.cuda.is_available():
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-            return Availability(native=False, reason=f"torch {torch.__version__} sees no CUDA device{where}")
-        count, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
-        return Availability(
-            native=True, reason=f"{count} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-        )
+    def _describe(self, module: Any, count: int) -> str:
+        return f"{count} x {module.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
 
-    def _open_native(self, spec: DeviceSpec) -> Device:
-        count = torch.cuda.device_count()
-        if not 0 <= spec.device_index < count:
-            raise BackendUnavailable(
-                f"cuda: backend.device_index={spec.device_index} but {count} CUDA devices are visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
-            )
-        return CudaDevice(spec, torch.cuda, "cuda")
+    def _device(self, spec: DeviceSpec, module: ModuleType) -> TorchDevice:
+        return CudaDevice(spec, module, "cuda")

@@ -12,25 +12,11 @@ strings and the profiler), so ``host_register`` stays false in conf/backend/mlu.
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
+from typing import Any
 
-from corelib.backend import Backend, DeviceSpec
-from corelib.device import Availability, Device
-from corelib.errors import BackendUnavailable, one_line
-from corelib.native import TorchDevice
-
-VISIBLE_ENV = "MLU_VISIBLE_DEVICES"
-
-
-def _import_torch_mlu() -> ModuleType:
-    # Imported here, not at corelib import: a broken install becomes this plugin's reason.
-    return importlib.import_module("torch_mlu")
-
-
-def _visible() -> str:
-    return f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
+from corelib.backend import DeviceSpec
+from corelib.native import TorchDevice, TorchModuleBackend
 
 
 class MluDevice(TorchDevice):
@@ -38,31 +24,17 @@ class MluDevice(TorchDevice):
     capture_error_mode = "relaxed"
 
 
-class MLUBackend(Backend):
+class MLUBackend(TorchModuleBackend):
     name = "mlu"
     hardware_mark = "mlu"
+    package = "torch_mlu"
+    module_name = "torch_mlu.mlu"
+    device_type = "mlu"
+    visible_env = "MLU_VISIBLE_DEVICES"
+    device_label = "MLU"
 
-    def _probe_native(self) -> Availability:
-        try:
-            torch_mlu = _import_torch_mlu()
-        except Exception as error:  # noqa: BLE001 - ImportError, OSError, RuntimeError alike are reasons
-            return Availability(native=False, reason=f"torch_mlu cannot be imported ({one_line(error)})")
-        mlu = importlib.import_module("torch_mlu.mlu")
-        version = getattr(torch_mlu, "__version__", "unknown version")
-        count = int(mlu.device_count())
-        if count <= 0:
-            return Availability(native=False, reason=f"torch_mlu {version} sees no MLU ({_visible()})")
-        narrow = {} if hasattr(mlu, "MLUGraph") else {"graphs": False}
-        reason = f"{count} MLU(s), torch_mlu {version} ({_visible()})"
-        return Availability(native=True, reason=reason, narrow=narrow)
+    def _narrow(self, module: Any) -> dict[str, bool]:
+        return {} if hasattr(module, "MLUGraph") else {"graphs": False}
 
-    def _open_native(self, spec: DeviceSpec) -> Device:
-        _import_torch_mlu()
-        mlu = importlib.import_module("torch_mlu.mlu")
-        count = int(mlu.device_count())
-        if not 0 <= spec.device_index < count:
-            raise BackendUnavailable(
-                f"mlu: backend.device_index={spec.device_index} but {count} MLUs are visible ({_visible()}); "
-                "the index counts within the visible devices"
-            )
-        return MluDevice(spec, mlu, "mlu")
+    def _device(self, spec: DeviceSpec, module: ModuleType) -> TorchDevice:
+        return MluDevice(spec, module, "mlu")

@@ -13,14 +13,13 @@ Vendor APIs used, all from the Ascend/pytorch repository (package torch_npu):
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
+from typing import Any
 
-from corelib.backend import Backend, DeviceSpec
-from corelib.device import Availability, Device, Graph
-from corelib.errors import BackendUnavailable, DeviceError, one_line
-from corelib.native import TorchDevice
+from corelib.backend import DeviceSpec
+from corelib.device import Graph
+from corelib.errors import DeviceError
+from corelib.native import TorchDevice, TorchModuleBackend
 from corelib_npu.graph import TASK_UPDATE_API, NpuGraph
 
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
@@ -43,16 +42,6 @@ def check(status: object, call: str) -> None:
     code = int(status)  # type: ignore[call-overload]
     if code != 0:
         raise DeviceError(f"npu: {call} failed with {_ERROR_NAMES.get(code, f'aclError {code}')}")
-
-
-def _import_torch_npu() -> ModuleType:
-    # corelib switches PyTorch's device-backend autoload off, so torch_npu is imported here,
-    # where any failure (no CANN, libhccl.so missing, driver mismatch) becomes a reason.
-    return importlib.import_module("torch_npu")
-
-
-def _visible() -> str:
-    return f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
 
 
 class NpuDevice(TorchDevice):
@@ -80,38 +69,24 @@ class NpuDevice(TorchDevice):
         check(self.module.npurt().npuHostUnregister(ptr), "npuHostUnregister")
 
 
-class NPUBackend(Backend):
+class NPUBackend(TorchModuleBackend):
     name = "npu"
     hardware_mark = "npu"
+    package = "torch_npu"  # corelib switches PyTorch's device-backend autoload off: imported here
+    module_name = "torch_npu.npu"
+    device_type = "npu"
+    visible_env = VISIBLE_ENV
+    device_label = "NPU"
 
-    def _probe_native(self) -> Availability:
-        try:
-            torch_npu = _import_torch_npu()
-        except Exception as error:  # noqa: BLE001 - ImportError, OSError, RuntimeError alike are reasons
-            return Availability(native=False, reason=f"torch_npu cannot be imported ({one_line(error)})")
-        npu = importlib.import_module("torch_npu.npu")
-        version = getattr(torch_npu, "__version__", "unknown version")
-        count = int(npu.device_count())
-        if count <= 0:
-            return Availability(native=False, reason=f"torch_npu {version} sees no NPU ({_visible()})")
+    def _narrow(self, module: Any) -> dict[str, bool]:
         narrow: dict[str, bool] = {}
-        if not hasattr(npu, "NPUGraph"):
+        if not hasattr(module, "NPUGraph"):
             narrow.update(graphs=False, graph_param_update=False)
-        elif not all(hasattr(npu, api) for api in TASK_UPDATE_API):
+        elif not all(hasattr(module, api) for api in TASK_UPDATE_API):
             narrow["graph_param_update"] = False
-        if not hasattr(npu, "npurt"):
+        if not hasattr(module, "npurt"):
             narrow["host_register"] = False
-        return Availability(
-            native=True, reason=f"{count} NPU(s), torch_npu {version} ({_visible()})", narrow=narrow
-        )
+        return narrow
 
-    def _open_native(self, spec: DeviceSpec) -> Device:
-        _import_torch_npu()
-        npu = importlib.import_module("torch_npu.npu")
-        count = int(npu.device_count())
-        if not 0 <= spec.device_index < count:
-            raise BackendUnavailable(
-                f"npu: backend.device_index={spec.device_index} but {count} NPUs are visible ({_visible()}); "
-                "the index counts within the visible devices"
-            )
-        return NpuDevice(spec, npu)
+    def _device(self, spec: DeviceSpec, module: ModuleType) -> TorchDevice:
+        return NpuDevice(spec, module)

@@ -1,0 +1,42 @@
+"""The device side of one step, the same in process and in a worker: stage, run, hand off."""
+
+from __future__ import annotations
+
+from corelib import faults
+from corelib.engine.handoff import StepHandle, TokenHandoff
+from corelib.engine.metrics import StepResult
+from corelib.engine.runner import ModelRunner
+from corelib.engine.staging import InputStager, Staged
+
+
+class DeviceSteps:
+    """Submits staged steps to the device and reads their results back, in submission order."""
+
+    def __init__(self, runner: ModelRunner, stager: InputStager, handoff: TokenHandoff) -> None:
+        self.runner = runner
+        self.stager = stager
+        self.handoff = handoff
+
+    def submit(self, staged: Staged) -> StepHandle:
+        """Queue one step on the device; returns at once with a handle on its tokens."""
+        faults.maybe_fail("submit")
+        fi = staged.fi
+        self.runner.prepare(fi)  # a missing graph is captured before the inputs are staged
+        buffer, timing = self.handoff.begin(fi.step_id)
+        target = self.runner.input_target(fi, self.stager.source_on_device)
+        arena = self.stager.to_device(staged, target)
+        graph = self.runner.run(fi, arena)
+        self.stager.after_forward()
+        event = self.handoff.emit(buffer, fi.num_seqs, timing)
+        return StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, event, timing, graph, (staged, target),
+                          on_done=staged.release)
+
+    def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
+        """Wait for a step's tokens (bounded) and give its inputs back."""
+        return self.handoff.read(handle, timeout)
+
+    def close(self) -> None:
+        try:
+            self.runner.close()
+        finally:
+            self.stager.close()

@@ -1,0 +1,105 @@
+"""Typed engine options: the one place where the feature plan becomes what the engine does.
+
+Startup decides every gate once (``corelib.features``); :meth:`EngineOptions.from_startup`
+turns those decisions into plain fields. Nothing below this module looks a gate up by name.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from corelib.config import CorelibConfig, Transport
+from corelib.device import Capabilities
+from corelib.engine.sequence import Sequence as Seq
+from corelib.features import Plan, Requirement
+
+
+class Staging(str, enum.Enum):
+    """How a step's inputs reach the device where the model runs (``corelib.engine.staging``)."""
+
+    inline = "inline"  # in process: the H2D on the compute stream
+    host = "host"  # the device reads host memory: no device copy
+    ordered = "ordered"  # SHM: pinned snapshot, H2D on the prepare stream, a ready event
+    early = "early"  # SHM: the receiving thread issues the H2D straight from the slot
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The per-step requirements of async token handoff: a batch failing one runs synchronously."""
+
+    requirements: tuple[Requirement, ...] = ()
+
+    def reasons(self, seqs: Sequence[Seq]) -> list[str]:
+        """Why this batch must take the synchronous path (empty: it may run ahead)."""
+        if not self.requirements:
+            return []
+        facts: list[Mapping[str, Any]] = [
+            {"request": {"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)}}
+            for s in seqs
+        ]
+        return [r.reason for r in self.requirements if not all(r.holds(f) for f in facts)]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the gates decided, as the engine uses it."""
+
+    graphs: bool  # decode steps replay captured graphs
+    async_handoff: bool  # the scheduler runs ahead of the tokens it has read
+    run_ahead: int  # steps the scheduler may submit beyond the one it reads next (0: synchronous)
+    transport: Transport
+    tp: int
+    staging: Staging  # how a step's inputs reach the device where the model runs
+    fused_ops: tuple[str, ...]  # the ops the backend's provider runs instead of the reference (empty: none)
+    compile: bool  # torch.compile the decode layer
+    timeout_s: float
+    step_check: StepCheck
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps on the device at once, at most (one token buffer each)."""
+        return self.run_ahead + 1
+
+    @property
+    def attention_reads_live_blocks_only(self) -> bool:
+        """Decode attention reads each sequence's live blocks whatever the block-table width."""
+        return "paged_decode_attention" in self.fused_ops
+
+    @classmethod
+    def from_startup(cls, config: CorelibConfig, plan: Plan, capabilities: Capabilities,
+                     fused_op_names: tuple[str, ...] = ()) -> EngineOptions:
+        """``fused_op_names``: what the backend's op provider offers (used when the fused_ops gate allows)."""
+        engine = config.engine
+        async_handoff = plan.is_enabled("async_token_handoff")
+        decision = plan.decisions.get("async_token_handoff")
+        step_check = StepCheck(decision.step_requirements if decision is not None and async_handoff else ())
+        return cls(
+            graphs=plan.is_enabled("graph"),
+            async_handoff=async_handoff,
+            run_ahead=engine.run_ahead if async_handoff else 0,
+            transport=engine.transport,
+            tp=engine.tp,
+            staging=_staging(engine.transport, plan, capabilities),
+            fused_ops=fused_op_names if plan.is_enabled("fused_ops") else (),
+            compile=engine.compile,
+            timeout_s=engine.timeout_s,
+            step_check=step_check,
+        )
+
+    @property
+    def materialization(self) -> str:
+        """How SHM frames reach the device, for reports ("-" in process)."""
+        if self.transport is not Transport.shm:
+            return "-"
+        return "host copy" if self.staging is Staging.host else self.staging.value
+
+
+def _staging(transport: Transport, plan: Plan, capabilities: Capabilities) -> Staging:
+    if capabilities.device_is_host:
+        return Staging.host
+    if transport is Transport.shm:
+        return Staging.ordered if plan.is_enabled("shm_ordered_materialization") else Staging.early
+    return Staging.inline
