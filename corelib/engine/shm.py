@@ -252,7 +252,7 @@ class Producer:
                                                             + nbytes])
         if self.tamper is not None:
             self.tamper(header, target[:nbytes])
-        self.ring.header_view(slot)[: header.nbytes] = header.packed()
+        header.pack_into(self.ring.header_view(slot))
         self._written[slot] = seq
         self._next_seq += 1
         note = struct.pack("<iq", slot, seq)

@@ -214,6 +214,9 @@ class FrameHeader:
     def nbytes(self) -> int:
         return _FIXED.size + 8 * len(self.layout)
 
+    def pack_into(self, buffer: memoryview) -> None:
+        buffer[: self.nbytes] = self.packed()
+
     def packed(self, checksum: int | None = None) -> bytes:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
