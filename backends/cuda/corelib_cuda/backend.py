@@ -11,6 +11,8 @@ from corelib.backend import Backend, DeviceSpec
 from corelib.device import Availability, Device
 from corelib.errors import BackendUnavailable, DeviceError
 from corelib.native import TorchDevice
+from corelib.ops import OpProvider
+from corelib_cuda.triton_ops import TritonOps
 
 # cudaHostRegisterDefault: page-lock in place, no mapping into the device address space.
 _HOST_REGISTER_DEFAULT = 0
@@ -65,6 +67,10 @@ class CUDABackend(Backend):
         return Availability(
             native=True, reason=f"{count} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
         )
+
+    def op_provider(self) -> OpProvider:
+        """The Triton kernels (an optional extra: its ``available()`` says when Triton is missing)."""
+        return TritonOps()
 
     def _open_native(self, spec: DeviceSpec) -> Device:
         count = torch.cuda.device_count()
