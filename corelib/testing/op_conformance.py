@@ -1,7 +1,7 @@
 """Op conformance: every op a backend's provider offers, checked against the plain-torch reference.
 
-The tests ask for ``op_target`` (see :class:`OpTarget`). Run with the backend conformance suite,
-the plugin loads each backend's op provider on its native runtime, and the tests skip, naming
+The tests ask for ``op_target`` (see :class:`OpTarget`). They run with the backend conformance
+suite, whose plugin loads each backend's op provider on its native runtime; they skip, naming
 why, where a backend has no provider, runs emulated, or its provider cannot load here. A test
 module may override ``op_target`` to run the same checks elsewhere (Triton's CPU interpreter).
 
@@ -15,8 +15,8 @@ and ragged context lengths (1, bs-1, bs, bs+1, a long one, padded rows on block 
 - paged decode attention reads only live keys: every cache slot past a sequence's length (and
   every block no sequence owns) holds NaN, as stale cache memory may;
 - under graph capture: each op captured once in a device graph on static buffers, the inputs
-  changed (other context lengths included), replayed, and compared with the reference on the
-  new inputs.
+  changed (decode: other context lengths per row), replayed, and compared with the reference on
+  the new inputs (prefill keeps its lengths: its max_seqlen is a host int).
 
 The default run takes a few cases per op; the full sweep is marked ``slow``.
 """
@@ -32,15 +32,23 @@ import pytest
 import torch
 
 from corelib.device import Device
-from corelib.ops import Ops, PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops import Ops, PagedAttention
+from corelib.testing.op_cases import (
+    BF16,
+    F32,
+    Args,
+    Case,
+    DecodeCase,
+    NormCase,
+    PrefillCase,
+    RopeCase,
+    SampleCase,
+    SiluCase,
+    case_id,
+)
 
 #: the normwise tolerance of each dtype, relative to the reference output's largest magnitude
 TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-LONG_CONTEXT = 1900
-VOCAB = 151936
-
-F32, BF16 = torch.float32, torch.bfloat16
-Args = tuple[object, ...]
 Call = Callable[[Ops, Args], tuple[torch.Tensor, ...]]
 
 
@@ -66,66 +74,6 @@ class OpTarget:
         return self.ops
 
 
-# -- inputs ------------------------------------------------------------------------------------
-
-
-def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = F32) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(dtype)
-
-
-def _ragged(batch: int, block_size: int, long: int) -> tuple[int, ...]:
-    """Context lengths over the block edges; from 3 rows on, the last row is padding (length 1)."""
-    pattern = [long, 1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3, 5 * block_size - 1]
-    lengths = list(itertools.islice(itertools.cycle(pattern), batch))
-    if batch >= 3:
-        lengths[-1] = 1
-    return tuple(lengths)
-
-
-@dataclass(frozen=True)
-class DecodeCase:
-    dtype: torch.dtype
-    batch: int
-    group: int  # query heads per KV head
-    head_dim: int
-    block_size: int
-    long: int = LONG_CONTEXT
-    kv_heads: int = 2
-    lengths: tuple[int, ...] = ()  # default: _ragged
-
-    def seq_lengths(self) -> tuple[int, ...]:
-        return self.lengths or _ragged(self.batch, self.block_size, self.long)
-
-    @property
-    def width(self) -> int:
-        """Block-table width: two padding columns (block 0) past the longest context."""
-        return -(-max(self.long, *self.seq_lengths()) // self.block_size) + 2
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        bs, lengths, width = self.block_size, list(self.seq_lengths()), self.width
-        if seed:  # other lengths on the same static shapes: a replayed graph must follow them
-            lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]
-        padded = self.batch >= 3 and not self.lengths
-        num_blocks = self.batch * width + 1
-        kc = _randn(gen, num_blocks, bs, self.kv_heads, self.head_dim, dtype=self.dtype)
-        vc = _randn(gen, num_blocks, bs, self.kv_heads, self.head_dim, dtype=self.dtype)
-        owners = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the padding block
-        tables = torch.zeros(self.batch, width, dtype=torch.int32)
-        live = torch.zeros(num_blocks, bs, dtype=torch.bool)
-        if padded:  # a padded row: one key, on block 0
-            lengths[-1] = 1
-        for row, length in enumerate(lengths):
-            blocks = owners[row * width : row * width + -(-length // bs)]
-            if padded and row == self.batch - 1:
-                blocks = torch.zeros(1, dtype=torch.int64)
-            tables[row, : len(blocks)] = blocks.to(torch.int32)
-            live.view(-1)[(blocks[:, None] * bs + torch.arange(bs)).view(-1)[:length]] = True
-        q = _randn(gen, self.batch, self.kv_heads * self.group, self.head_dim, dtype=self.dtype)
-        attn = PagedAttention(tables.to(device), torch.tensor(lengths, device=device), bs)
-        return q.to(device), kc.to(device), vc.to(device), attn, self.head_dim**-0.5, live.to(device)
-
-
 def _decode_call(ops: Ops, args: Args, poison: bool) -> tuple[torch.Tensor, ...]:
     q, kc, vc, attn, scale, live = args
     assert isinstance(q, torch.Tensor) and isinstance(kc, torch.Tensor) and isinstance(vc, torch.Tensor)
@@ -136,124 +84,9 @@ def _decode_call(ops: Ops, args: Args, poison: bool) -> tuple[torch.Tensor, ...]
     return (ops.paged_decode_attention(q, kc, vc, attn, scale),)
 
 
-@dataclass(frozen=True)
-class PrefillCase:
-    dtype: torch.dtype
-    group: int
-    head_dim: int
-    lengths: tuple[int, ...]
-    kv_heads: int = 2
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        nh, nkv, hd, tokens = self.kv_heads * self.group, self.kv_heads, self.head_dim, sum(self.lengths)
-        # q and k as the model passes them: views of the rotated [T, nh+nkv, hd]; v of the fused qkv
-        qk = _randn(gen, tokens, nh + nkv, hd, dtype=self.dtype)
-        v = _randn(gen, tokens, (nh + 2 * nkv) * hd, dtype=self.dtype)[:, (nh + nkv) * hd :].view(tokens, nkv, hd)
-        cu = torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int64, device=device)
-        qk, v = qk.to(device), v.to(device)
-        return qk[:, :nh], qk[:, nh:], v, VarlenAttention(cu, max(self.lengths)), hd**-0.5
-
-
-@dataclass(frozen=True)
-class RopeCase:
-    dtype: torch.dtype
-    tokens: int
-    group: int
-    head_dim: int
-    block_size: int
-    kv_heads: int = 2
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        nkv, hd = self.kv_heads, self.head_dim
-        nh = nkv * self.group
-        qkv = _randn(gen, self.tokens, (nh + 2 * nkv) * hd, dtype=self.dtype).to(device)
-        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
-        positions = torch.randint(0, 4096, (self.tokens,), generator=gen)
-        num_blocks = -(-self.tokens // self.block_size) + 3
-        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.tokens]
-        kc = _randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        vc = _randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        qk = qkv[:, : (nh + nkv) * hd].view(self.tokens, nh + nkv, hd)
-        v = qkv[:, (nh + nkv) * hd :].view(self.tokens, nkv, hd)
-        return qk, v, positions.to(device), cos_sin.to(device), kc.to(device), vc.to(device), slots.to(device)
-
-
-@dataclass(frozen=True)
-class NormCase:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    residual: bool = False
-    per_head: bool = False  # x is [T, n, hd] read out of a wider fused output, as q/k norm does
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        if self.per_head:
-            tokens, heads, hd = self.shape
-            x = _randn(gen, tokens, 3 * heads * hd, dtype=self.dtype).to(device)[:, : heads * hd].view(self.shape)
-        else:
-            x = _randn(gen, *self.shape, dtype=self.dtype).to(device)
-        residual = _randn(gen, *self.shape, dtype=self.dtype).to(device) if self.residual else None
-        weight = (1.0 + 0.1 * _randn(gen, self.shape[-1])).to(self.dtype).to(device)
-        return x, weight, 1e-6, residual
-
-
-@dataclass(frozen=True)
-class SiluCase:
-    dtype: torch.dtype
-    tokens: int
-    inter: int
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        return (_randn(gen, self.tokens, 2 * self.inter, dtype=self.dtype).to(device),)
-
-
-@dataclass(frozen=True)
-class SampleCase:
-    batch: int
-    vocab: int = VOCAB
-    ties: bool = False  # logits from bfloat16 values: many equal maxima
-    sampled: bool = False  # rows with temperature, top-k and top-p among greedy rows
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        logits = _randn(gen, self.batch, self.vocab) * 3
-        if self.ties:
-            logits = logits.round()  # small integers: the maximum repeats in every row
-        sampling = None
-        if self.sampled:
-            rows = torch.arange(self.batch) % 4
-            sampling = SamplingInputs(
-                temperature=torch.tensor([0.0, 0.7, 1.0, 1.5])[rows].to(device),
-                top_k=torch.tensor([0, 50, 0, 10])[rows].to(device),
-                top_p=torch.tensor([1.0, 0.9, 0.5, 1.0])[rows].to(device),
-                seeds=torch.randint(0, 2**40, (self.batch,), generator=gen).to(device),
-                positions=torch.randint(0, 4096, (self.batch,), generator=gen).to(device),
-            )
-        return logits.to(device), sampling
-
-
-def _case_id(case: object) -> str:
-    """The fields a case sets, e.g. ``bfloat16-batch3-group8-head_dim128-block_size32-long300``."""
-    parts = []
-    for f in dataclasses.fields(case):  # type: ignore[arg-type]
-        value = getattr(case, f.name)
-        if isinstance(value, torch.dtype):
-            parts.append(str(value).removeprefix("torch."))
-        elif value is True:
-            parts.append(f.name)
-        elif f.default is dataclasses.MISSING or (value != f.default and value is not False):
-            text = "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
-            parts.append(f"{f.name}{text}")
-    return "-".join(parts)
-
-
-def _params(default: Sequence[object], sweep: Sequence[object]) -> Sequence[object]:
-    slow = [pytest.param(c, id=_case_id(c), marks=pytest.mark.slow) for c in sweep]
-    return [pytest.param(c, id=_case_id(c)) for c in default] + slow
+def _params(default: Sequence[Case], sweep: Sequence[Case]) -> Sequence[object]:
+    slow = [pytest.param(c, id=case_id(c), marks=pytest.mark.slow) for c in sweep]
+    return [pytest.param(c, id=case_id(c)) for c in default] + slow
 
 
 # -- cases -------------------------------------------------------------------------------------
@@ -278,7 +111,7 @@ ROPE_CASES = [RopeCase(F32, 5, 2, 64, 16), RopeCase(BF16, 3, 2, 128, 32, kv_head
 ROPE_SWEEP = [RopeCase(d, (1, 3, 32, 128)[i % 4], g, hd, bs) for i, (d, g, hd, bs) in enumerate(_GEOMETRY)]
 NORM_CASES = [
     NormCase(F32, (3, 1024)),
-    NormCase(F32, (3, 1024), residual=True),
+    NormCase(F32, (3, 1536), residual=True),  # not a power of two (Qwen2-1.5B)
     NormCase(BF16, (2, 8192), residual=True),
     NormCase(F32, (5, 4, 128), per_head=True),
     NormCase(BF16, (3, 2, 64), per_head=True),
@@ -310,13 +143,12 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     assert error <= tol, f"{what}: max error {error:.2e} of the reference's scale, above {tol:g} ({expected.dtype})"
 
 
-def _check(target: OpTarget, op: str, case: object, call: Call) -> None:
+def _check(target: OpTarget, op: str, case: Case, call: Call) -> None:
     ops = target.require(op)
-    build = getattr(case, "build")  # noqa: B009 - every case class has one
-    actual = call(ops, build(0, target.torch_device))
-    expected = call(Ops.reference(), build(0, target.torch_device))
+    actual = call(ops, case.build(0, target.torch_device))
+    expected = call(Ops.reference(), case.build(0, target.torch_device))
     for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        assert_matches(a, e, f"{target.provider}.{op} output {index} ({_case_id(case)})")
+        assert_matches(a, e, f"{target.provider}.{op} output {index} ({case_id(case)})")
 
 
 def _norm(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
@@ -392,7 +224,7 @@ def test_sample_matches_reference(op_target: OpTarget, case: SampleCase) -> None
     _check(op_target, "sample", case, _sample)
 
 
-GRAPH_CASES: dict[str, object] = {
+GRAPH_CASES: dict[str, Case] = {
     "rms_norm": NormCase(BF16, (3, 1024), residual=True),
     "rope_kv_write": RopeCase(BF16, 3, 2, 128, 16),
     "paged_decode_attention": DecodeCase(BF16, 3, 4, 128, 16, long=300),
@@ -424,8 +256,7 @@ def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> No
     if device is None or not device.capabilities.graphs:
         pytest.skip(f"op provider {op_target.provider!r}: {op_target.no_graph_reason}")
     case, call = GRAPH_CASES[op], CALLS[op]
-    build = getattr(case, "build")  # noqa: B009 - every case class has one
-    static = build(0, op_target.torch_device)
+    static = case.build(0, op_target.torch_device)
     stream = device.stream(f"graph-{op}")
     captured: list[tuple[torch.Tensor, ...]] = []
     stream.launch(lambda: call(ops, static))  # compiles and loads the kernels outside capture
@@ -433,10 +264,10 @@ def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> No
     graph = device.graph(f"op-{op}")
     graph.capture(lambda: stream.launch(lambda: captured.append(call(ops, static))), stream)
     stream.synchronize()
-    fresh = build(1, op_target.torch_device)
+    fresh = case.build(1, op_target.torch_device)
     stream.launch(lambda: _copy_into(static, fresh))
     graph.replay(stream)
     stream.synchronize()
-    expected = call(Ops.reference(), build(1, op_target.torch_device))
+    expected = call(Ops.reference(), case.build(1, op_target.torch_device))
     for index, (a, e) in enumerate(zip(captured[0], expected, strict=True)):
-        assert_matches(a, e, f"{op_target.provider}.{op} output {index} after graph replay ({_case_id(case)})")
+        assert_matches(a, e, f"{op_target.provider}.{op} output {index} after graph replay ({case_id(case)})")
