@@ -10,6 +10,8 @@ import torch
 from corelib.backend import DeviceSpec
 from corelib.errors import DeviceError
 from corelib.native import TorchDevice, TorchModuleBackend
+from corelib.ops import OpProvider
+from corelib_cuda.triton_ops import TritonOps
 
 # cudaHostRegisterDefault: page-lock in place, no mapping into the device address space.
 _HOST_REGISTER_DEFAULT = 0
@@ -62,6 +64,10 @@ class CUDABackend(TorchModuleBackend):
 
     def _describe(self, module: Any, count: int) -> str:
         return f"{count} x {module.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+
+    def op_provider(self) -> OpProvider:
+        """The Triton kernels (an optional extra: its ``available()`` says when Triton is missing)."""
+        return TritonOps()
 
     def _device(self, spec: DeviceSpec, module: ModuleType) -> TorchDevice:
         return CudaDevice(spec, module, "cuda")
