@@ -9,6 +9,7 @@ Vendor APIs used, all from the Ascend/pytorch repository (package torch_npu):
   aclrtHostUnregister, returning the aclError): torch_npu/npu/__init__.py,
   torch_npu/csrc/npu/npurt.cpp
 - ``torch_npu.npu.device_count``, which honours ASCEND_RT_VISIBLE_DEVICES: torch_npu/npu/__init__.py
+The fused ops (torch_npu's npu_* kernels) are offered through ``op_provider``: corelib_npu/ops.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from corelib.backend import Backend, DeviceSpec
 from corelib.device import Availability, Device, Graph
 from corelib.errors import BackendUnavailable, DeviceError, one_line
 from corelib.native import TorchDevice
 from corelib_npu.graph import TASK_UPDATE_API, NpuGraph
+
+if TYPE_CHECKING:
+    from corelib.ops import OpProvider
 
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 # aclrtHostRegisterV2 flags (CANN acl_rt.h, as used in torch_npu's npurt tests): MAPPED keeps
@@ -83,6 +88,11 @@ class NpuDevice(TorchDevice):
 class NPUBackend(Backend):
     name = "npu"
     hardware_mark = "npu"
+
+    def op_provider(self) -> OpProvider:
+        from corelib_npu.ops import NpuOps
+
+        return NpuOps()
 
     def _probe_native(self) -> Availability:
         try:
