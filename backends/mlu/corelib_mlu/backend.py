@@ -8,6 +8,7 @@ Vendor APIs used, all from the Cambricon/torch_mlu repository (package torch_mlu
   torch_mlu/mlu/__init__.py
 torch_mlu binds no host registration (its ``torch.mlu.cnrt()`` module exposes only error
 strings and the profiler), so ``host_register`` stays false in conf/backend/mlu.yaml.
+The fused ops (torch_mlu_ops kernels) are offered through ``op_provider``: corelib_mlu/ops.py.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from corelib.backend import Backend, DeviceSpec
 from corelib.device import Availability, Device
 from corelib.errors import BackendUnavailable, one_line
 from corelib.native import TorchDevice
+
+if TYPE_CHECKING:
+    from corelib.ops import OpProvider
 
 VISIBLE_ENV = "MLU_VISIBLE_DEVICES"
 
@@ -41,6 +46,11 @@ class MluDevice(TorchDevice):
 class MLUBackend(Backend):
     name = "mlu"
     hardware_mark = "mlu"
+
+    def op_provider(self) -> OpProvider:
+        from corelib_mlu.ops import MluOps
+
+        return MluOps()
 
     def _probe_native(self) -> Availability:
         try:
