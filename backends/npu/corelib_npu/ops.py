@@ -39,21 +39,22 @@ usage: vllm-project/vllm-ascend):
 - ``npu_swiglu(input, dim=-1)``: swish(A) * B, A the first half along dim; contiguous input only
   (docs/context/（beta）torch_npu-npu_swiglu.md).
 
-Graph capture and the KV lengths: every paged kernel torch_npu has takes the KV lengths on the
-host: ``actual_seq_lengths_kv`` of the fused attention is a SymInt list, and the ATB
-``_npu_paged_attention`` reads ``context_lens`` as a host tensor (vLLM-Ascend passes
-``seq_lens_cpu``). vLLM-Ascend keeps them current in a captured graph by re-issuing each
-attention in its own task group with ``graph_task_update_begin/end`` every step
-(vllm_ascend/compilation/acl_graph.py). corelib's ``PagedAttention`` carries the lengths only on
-the device, and a ``.tolist()`` would be a host sync inside the decode loop, so decode
-attention here passes a *static* length, the full table span W * bs for every row (fixed by the
-shapes, so a captured graph replays it correctly), and masks the dead positions with a device
-mask derived from ``seq_lens``. The price: it reads all W blocks of each row, not only the live
-ones, and the blocknum rule above becomes B * W <= num_blocks; a batch that breaks it, or any
-other documented limit, takes the reference for that call. The TorchAir-only
-``npu_fused_infer_attention_score_v2`` takes device lengths, but only in TorchAir's compiled
-graph mode, which corelib does not use. Prefill uses the same kernel on a padded [n, L] grid
-with a causal-and-valid device mask, so it needs no host copy of ``cu_seqlens`` either.
+Graph capture and the KV lengths: the paged kernels torch_npu offers take the KV lengths from the
+host: ``actual_seq_lengths_kv`` of the fused attention (and ``actual_seq_lengths`` of
+``npu_incre_flash_attention``) is an int list, and vLLM-Ascend feeds the ATB
+``_npu_paged_attention`` its ``context_lens`` as a host tensor (``seq_lens_cpu``). vLLM-Ascend
+keeps them current in a captured graph by re-issuing each attention in its own task group with
+``graph_task_update_begin/end`` every step (vllm_ascend/compilation/acl_graph.py). corelib's
+``PagedAttention`` carries the lengths only on the device, and a ``.tolist()`` would be a host
+sync inside the decode loop, so decode attention here passes a *static* length, the full table
+span W * bs for every row (fixed by the shapes, so a captured graph replays it correctly), and
+masks the dead positions with a device mask derived from ``seq_lens``. The price: it reads all W
+blocks of each row, not only the live ones, and the blocknum rule above becomes
+B * W <= num_blocks; a batch that breaks it, or any other documented limit, takes the reference
+for that call. The TorchAir-only ``npu_fused_infer_attention_score_v2`` takes device lengths, but
+only in TorchAir's compiled graph mode, which corelib does not use. Prefill uses the same kernel
+on a padded [n, L] grid with a causal-and-valid device mask, so it needs no host copy of
+``cu_seqlens`` either.
 """
 
 from __future__ import annotations
