@@ -26,8 +26,8 @@ from leakkit import Holdings, settled
 from support import Cli, assert_user_error
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 from corelib.engine.transport import ShmExecutor
+from corelib.engine.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 from corelib.errors import WorkerDied
 
 ENGINE = ["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=4", "model.max_model_len=64"]
