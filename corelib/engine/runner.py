@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib import faults
+from corelib import faults, progress
 from corelib.device import Device, Event, Graph, Stream
 from corelib.engine.buckets import BucketPolicy
 from corelib.engine.forward_input import (
@@ -121,13 +121,11 @@ class ModelRunner:
         self.timing = timing and caps.event_timing
         self.time_tokens = False  # a trace times each step's D2H too: its tokens event then carries timing
         rows = builder.max_rows
-        self.cache = KVCache(
-            device.zeros(
-                (shape.num_layers, 2, num_blocks, builder.block_size, shape.num_kv_heads, shape.head_dim),
-                shape.dtype,
-            ),
-            builder.block_size,
-        )
+        kv_shape = (shape.num_layers, 2, num_blocks, builder.block_size, shape.num_kv_heads, shape.head_dim)
+        kv_size = progress.size_of(kv_shape, shape.dtype.itemsize)
+        with progress.current().task(f"allocating the KV cache ({kv_size})", total=1) as task:
+            self.cache = KVCache(device.zeros(kv_shape, shape.dtype), builder.block_size)
+            task.advance()
         self.conv_state = (
             ConvState(device.zeros((shape.num_layers, num_slots + 1, shape.conv_kernel - 1, shape.hidden_size),
                                    shape.dtype))
@@ -156,8 +154,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ graphs
     def capture(self, sample_variants: bool = False) -> None:
         """Capture every decode bucket, largest first (greedy; sampling variants on demand)."""
-        for rows, kv in self.buckets.shapes():
-            self._capture(rows, kv, False)
+        shapes = self.buckets.shapes()
+        with progress.current().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
+            for rows, kv in shapes:
+                self._capture(rows, kv, False)
+                task.advance()
         if sample_variants:
             for rows, kv in self.buckets.shapes():
                 self._capture(rows, kv, True)
