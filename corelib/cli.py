@@ -263,6 +263,11 @@ def _hydra_command(command: str, rest: list[str]) -> int:
     if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
         _precheck(overrides)
     registry = _registry(overrides)
+    if {"-h", "--help"} & set(flags):
+        from corelib.config_help import render_help
+
+        print(render_help(command, overrides))
+        return 0
     task_fn = _tasks()[command]
     failures: list[tuple[str, CorelibError]] = []
 
