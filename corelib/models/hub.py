@@ -61,11 +61,11 @@ def resolve_model_path(value: str) -> str:
         snapshot = snapshot_download(value, allow_patterns=ALLOW_PATTERNS, cache_dir=cache, local_files_only=True)
         if _complete(Path(snapshot)) or offline():
             return str(snapshot)
-    except Exception as error:  # noqa: BLE001 - any miss in the cache: try the network, or say why not
+    except Exception:  # noqa: BLE001 - any miss in the cache: try the network, or say why not
         if offline():
             raise ConfigError(
                 f"model.path={value} is neither a directory nor in the Hugging Face cache {cache} "
-                f"(HF_HUB_OFFLINE is set: {_reason(error)}); download it where there is network "
+                f"(HF_HUB_OFFLINE is set, so nothing is downloaded); download it where there is network "
                 f"(hf download {value}) or point model.path at a checkpoint directory"
             ) from None
     try:
@@ -84,5 +84,10 @@ def _complete(snapshot: Path) -> bool:
 
 
 def _reason(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+    """The first cause's type and first sentence: the hub client wraps it in messages that run on for lines."""
+    seen = [error]
+    while (cause := seen[-1].__cause__ or seen[-1].__context__) is not None and cause not in seen:
+        seen.append(cause)
+    root = seen[-1]
+    text = " ".join(str(root).split()).split(". ")[0][:160]
+    return f"{type(root).__name__}: {text}" if text else type(root).__name__
