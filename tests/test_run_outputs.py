@@ -85,6 +85,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_whole_lines(
     assert f"it keeps the {len(kept)} complete line(s)" in errors[0]
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_outputs_of_finished_requests(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
