@@ -162,8 +162,8 @@ class Progress:
         if task._bar is not None and bars is not None:
             bars.update(task._bar, advance=amount, count=task.count())
         now = self.clock()
-        if now - task._last_line < self.interval_s:
-            return
+        if now - task._last_line < self.interval_s or (task.total is not None and task.completed >= task.total):
+            return  # not yet; or done, which the task's end says
         task._last_line = now
         line = task.line(now)
         log.info("%s", line)
