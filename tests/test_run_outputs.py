@@ -112,6 +112,7 @@ def test_ctrl_c_keeps_the_outputs_of_finished_requests(tmp_path: Path) -> None:
     kept = read_outputs(outputs)
     assert 3 <= len(kept) < 400
     assert all(r["finish_reason"] == "length" and r["ttft_ms"] is not None for r in kept)
+    assert (run_dir / "run.log").read_text().rstrip().endswith("- interrupted")  # the log says why it stopped
 
 
 def test_the_summary_says_how_many_requests_ended_in_error(
