@@ -8,6 +8,7 @@ Ctrl-C, 143 on SIGTERM (the same clean shutdown as Ctrl-C). An error prints one 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import signal
 import sys
@@ -65,6 +66,7 @@ _PLAIN_FLAGS = frozenset(
 )
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
 _COMMANDS = ("run", "plan", "backends", "bench", "trace-plot")
+_job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log
 # Flags that leave the config tree as it is, so composing without them gives the same result.
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 
@@ -263,6 +265,11 @@ def _hydra_command(command: str, rest: list[str]) -> int:
     if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
         _precheck(overrides)
     registry = _registry(overrides)
+    if {"-h", "--help"} & set(flags):
+        from corelib.config_help import render_help
+
+        print(render_help(command, overrides))
+        return 0
     task_fn = _tasks()[command]
     failures: list[tuple[str, CorelibError]] = []
 
@@ -273,6 +280,13 @@ def _hydra_command(command: str, rest: list[str]) -> int:
         except CorelibError as error:
             # Kept, not raised: Hydra would print its own line about the failed job first.
             failures.append((" ".join(hydra_cfg.overrides.task), error))
+            _job_log.info("error: %s", error)  # the job's run.log says why it stopped; stderr gets it from _report
+        except KeyboardInterrupt as interrupt:
+            _job_log.info("%s", "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted")
+            raise
+        except Exception as error:
+            _job_log.info("error: %s", one_line(error))
+            raise
 
     app = hydra.main(config_path="pkg://corelib.conf", config_name="config", version_base="1.3")(task)
     if not any(o.startswith("hydra.job.name=") for o in overrides):

@@ -12,6 +12,7 @@ from rich.table import Table
 from corelib.device import Runtime
 from corelib.features import Plan
 from corelib.plugins import ENTRY_POINT_GROUP, ENV_ALLOW, ENV_BLOCK, PluginRegistry
+from corelib.progress import Progress, reporting, say, show
 from corelib.rundir import RunDir
 from corelib.startup import Startup, start
 
@@ -37,7 +38,7 @@ def plan_table(plan: Plan) -> Table:
 
 def announce(startup: Startup) -> None:
     for message in startup.messages:
-        console.print(f"corelib: {message}", soft_wrap=True)
+        say(console, message)
 
 
 def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tuple[Startup, RunDir]:
@@ -59,21 +60,24 @@ def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tupl
 
 
 def plan_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
-    startup, _ = prepare(cfg, registry, output_dir)
-    console.print(plan_table(startup.plan))
+    startup, run_dir = prepare(cfg, registry, output_dir)
+    show(console, plan_table(startup.plan))
+    say(console, f"wrote {run_dir.path}/{{config.yaml,plan.json}}")
 
 
 def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.run import run
 
     startup, run_dir = prepare(cfg, registry, output_dir)
-    run(startup, run_dir, console)
+    with reporting(Progress(console)):
+        run(startup, run_dir, console)
 
 
 def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.bench import bench
 
-    bench(cfg, registry, RunDir(output_dir), console)
+    with reporting(Progress(console)):
+        bench(cfg, registry, RunDir(output_dir), console)
 
 
 def backends_table(registry: PluginRegistry) -> Table:

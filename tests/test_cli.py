@@ -27,6 +27,7 @@ def test_no_command_prints_the_usage_as_an_error(cli: Cli) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     cli: Cli, tmp_path: Path
 ) -> None:
@@ -49,6 +50,7 @@ def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     assert not plan["features"]["fused_ops"]["enabled"], "the emulator runs the reference ops"
 
 
+@pytest.mark.slow
 def test_multirun_plans_every_job_in_its_own_directory(cli: Cli, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = cli("plan", "-m", "backend=auto,npu", f"hydra.sweep.dir={sweep}")
@@ -122,6 +124,7 @@ def test_a_bad_input_is_one_line_and_exit_2(cli: Cli, args: list[str], fragments
     assert_user_error(cli(*args), *fragments)
 
 
+@pytest.mark.slow
 def test_on_for_a_feature_the_backend_cannot_do_lists_every_unmet_requirement(cli: Cli) -> None:
     result = cli("plan", "backend=cpu", "engine.async_token_handoff=on")
     assert_user_error(
@@ -134,6 +137,7 @@ def test_on_for_a_feature_the_backend_cannot_do_lists_every_unmet_requirement(cl
     )
 
 
+@pytest.mark.slow
 def test_a_failing_job_of_a_multirun_is_named(cli: Cli, tmp_path: Path) -> None:
     result = cli("plan", "-m", "backend=cpu,npu", "engine.graph=on", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert_user_error(result, "job [backend=cpu engine.graph=on]: engine.graph=on refused", lines=2)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from corelib import progress
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models.hf_config import checkpoint_directory, resolved_model_config
@@ -55,7 +56,8 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
             f"{directory} lacks tensor {missing[0]!r}{more}, which config.json implies "
             f"({cfg.architecture}, tie_word_embeddings={str(cfg.tie_word_embeddings).lower()})"
         )
-    with _open_all(directory, sorted({files[name] for name in expected}), device) as handles:
+    reading = progress.current().task(f"loading weights from {directory.name}", total=len(expected), unit="tensors")
+    with _open_all(directory, sorted({files[name] for name in expected}), device) as handles, reading as task:
         for name, dims in expected.items():
             _check_tensor(handles[files[name]], name, dims, files[name])
 
@@ -64,6 +66,7 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
             if shard is not None:
                 tensor = shard.slice(name, tensor)
             moved = tensor.to(device=device, dtype=shape.dtype)
+            task.advance()
             # On the CPU that may still be a view of the memory-mapped file: unaligned (slower,
             # and matmuls round differently) and tied to the file staying unchanged. Own it.
             return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.models.hub import resolve_model_path
 from corelib.models.llama import DTYPES
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -211,7 +212,7 @@ def resolve_checkpoint(raw: DictConfig) -> list[str]:
         if model.get("dtype") == "auto":
             model.dtype = "float32"
         return []
-    checkpoint = read_checkpoint_config(str(path))
+    checkpoint = read_checkpoint_config(resolve_model_path(str(path)))  # a hub id becomes its cached snapshot
     current = ModelConfig(name=str(model.name), max_model_len=int(model.max_model_len), dtype=str(model.dtype))
     resolved, notes = checkpoint.apply(current)
     for key in (*checkpoint.fields, "max_model_len", "dtype", "path"):

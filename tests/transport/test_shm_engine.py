@@ -27,6 +27,7 @@ def tokens(overrides: list[str]) -> list[list[int]]:
         return [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [
