@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -27,6 +26,7 @@ from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import HEADER_BYTES, Consumer, FrameHeader, FrameKind, Producer, Ring, sweep_stale
 from corelib.engine.worker import WorkerArgs, decode_result
 from corelib.errors import CorelibError, TransportError, WorkerDied
+from corelib.isolation import worker_command, worker_environment
 from corelib.startup import Startup
 
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
@@ -105,7 +105,8 @@ class ShmExecutor(Executor):
                 if rank == 0:
                     child_ends += [result_doorbell[1], result_release[0]]
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "corelib.engine.worker"], stdin=subprocess.PIPE, pass_fds=child_ends,
+                    worker_command("corelib.engine.worker"), env=worker_environment(), stdin=subprocess.PIPE,
+                    pass_fds=child_ends,
                 )
                 assert process.stdin is not None, "Popen was asked for a stdin pipe"
                 process.stdin.write(pickle.dumps(args))
