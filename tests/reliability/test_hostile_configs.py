@@ -55,6 +55,8 @@ ATTACKS = {
     "sweep-params-env": Attack(("workload=sweep_params_env", "engine.transport=shm"),
                                "hydra.sweeper.params.+hydra.job.env_set.PYTHONPATH: refused: a sweep may vary the "
                                "task's keys, not Hydra's"),
+    "sweep-picks-a-hostile-option": Attack(("-m", "workload=default,env_pythonpath", "engine.transport=shm"),
+                                           "hydra.job.env_set.PYTHONPATH: refused"),
     "overrides-injected": Attack(("workload=overrides_injected", "engine.transport=shm"),
                                  "hydra.overrides: refused: overrides come from the command line only"),
     "output-subdir-escapes": Attack(("workload=output_subdir",), "hydra.output_subdir: refused"),
