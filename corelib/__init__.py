@@ -11,3 +11,7 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 __version__ = "0.1.0"
+
+# The environment a worker process gets is the one corelib saw first (see corelib/isolation.py):
+# import it here, before a Hydra job's env_set or anything else can change os.environ.
+from corelib import isolation as _isolation  # noqa: F401

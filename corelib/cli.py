@@ -2,7 +2,7 @@
 
 Exit codes: 0 success, 2 bad configuration or a refused plan, 1 runtime failure, 130 on
 Ctrl-C, 143 on SIGTERM (the same clean shutdown as Ctrl-C). An error prints one line
-(``HYDRA_FULL_ERROR=1`` shows the traceback).
+(``HYDRA_FULL_ERROR=1`` adds the traceback; the exit code stays the same).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,11 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flush of stdout from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - reported in one line, with its traceback on request
         # Not a user's mistake but a failure inside (a device, a plugin, a bug): still one
         # line naming it, and the exit code of a runtime failure.
         if _full_error():
-            raise
+            traceback.print_exception(error, file=sys.stderr)
+            print(f"corelib: error: {one_line(error)}", file=sys.stderr)
+            return 1
         print(f"corelib: error: {one_line(error)} (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         return 1
 
@@ -141,7 +144,8 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def _report(error: CorelibError) -> int:
     if _full_error():
-        raise error
+        # The traceback, then the same line and exit code as without the variable.
+        traceback.print_exception(error, file=sys.stderr)
     for cause in _causes(error):
         for line in str(cause).splitlines() or [type(cause).__name__]:
             print(f"corelib: error: {line}", file=sys.stderr)
@@ -254,6 +258,15 @@ def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _hydra_command(command: str, rest: list[str]) -> int:
+    from corelib.trust import guarded_composition
+
+    overrides, flags = split_arguments(rest)
+    # Every config Hydra composes from here on is checked before Hydra acts on its hydra node.
+    with guarded_composition():
+        return _guarded_hydra_command(command, overrides, flags)
+
+
+def _guarded_hydra_command(command: str, overrides: list[str], flags: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -261,7 +274,6 @@ def _hydra_command(command: str, rest: list[str]) -> int:
 
     from corelib.compose import translate_error
 
-    overrides, flags = split_arguments(rest)
     if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
         _precheck(overrides)
     registry = _registry(overrides)

@@ -38,6 +38,10 @@ FIXTURE_PLUGINS = {
     "foreign_config": "corelib_oddities.foreign_config",
     "badcaps": "corelib_oddities.badcaps",
     "evil": "corelib_oddities.evil",
+    "exits": "corelib_oddities.exits",
+    "interrupts": "corelib_oddities.interrupts",
+    "hook_exits": "corelib_oddities.hook_exits",
+    "sleeps": "corelib_oddities.sleeps",
 }
 
 

@@ -8,9 +8,11 @@ dtypes are checked from the file headers before any tensor is read.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
@@ -66,6 +68,7 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
             if shard is not None:
                 tensor = shard.slice(name, tensor)
             moved = tensor.to(device=device, dtype=shape.dtype)
+            _check_finite(moved, tensor, name, directory / files[name])
             task.advance()
             # On the CPU that may still be a view of the memory-mapped file: unaligned (slower,
             # and matmuls round differently) and tied to the file staying unchanged. Own it.
@@ -88,6 +91,7 @@ def tensor_files(directory: Path) -> dict[str, str]:
                           f"with {INDEX_FILE}{hint}")
     files: dict[str, str] = {}
     for shard in shards:
+        check_weight_file(directory / shard)
         with _safe_open(directory / shard, "cpu") as handle:
             names = handle.keys()
         for name in names:
@@ -102,10 +106,55 @@ def _index_map(index: Path, directory: Path) -> dict[str, str]:
         raise ConfigError(f"{index} cannot be read: {' '.join(str(error).split())}") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index} has no weight_map; expected {{\"weight_map\": {{tensor name: shard file}}}}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not _inside(shard):
+            raise ConfigError(f"{index}: tensor {name!r} names shard {shard!r}; a shard must be a file name "
+                              f"inside {directory} (no absolute path, no '..')")
     for shard in sorted(set(weight_map.values())):
-        if not (directory / shard).is_file():
+        if not os.path.lexists(directory / shard):
             raise ConfigError(f"{index} names shard {shard}, which is missing from {directory}")
+        check_weight_file(directory / shard)
     return {str(name): str(shard) for name, shard in weight_map.items()}
+
+
+def _inside(shard: str) -> bool:
+    """A relative path that stays in the directory as written. Symlinks are followed later on
+    purpose: a Hugging Face cache snapshot links every file to ``../../blobs/``."""
+    path = PurePosixPath(shard)
+    return bool(shard) and not path.is_absolute() and ".." not in path.parts and "\\" not in shard
+
+
+def check_weight_file(path: Path) -> None:
+    """A regular file (after symlinks) that this process can read; else a ConfigError saying what it is.
+
+    Opened without blocking first: safetensors would wait forever, deaf to Ctrl-C, on a FIFO.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise ConfigError(f"{path} cannot be opened: {error.strerror or error}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path} is {_kind(mode)}, not a regular file; a checkpoint's weights must be files")
+
+
+def _kind(mode: int) -> str:
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _check_finite(moved: torch.Tensor, source: torch.Tensor, name: str, path: Path) -> None:
+    """One reduction per tensor at load: NaN or infinite weights would make every token id 0."""
+    if bool(torch.isfinite(moved).all()):
+        return
+    if bool(torch.isfinite(source).all()):
+        raise ConfigError(f"{path}: tensor {name!r} overflows {moved.dtype} (values beyond its range); "
+                          "choose a wider model.dtype")
+    raise ConfigError(f"{path}: tensor {name!r} has NaN or infinite values; the checkpoint is damaged")
 
 
 @contextmanager

@@ -14,6 +14,7 @@ scheduler, the workload and the loader all see the same effective values.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -112,6 +113,18 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
         rope.setdefault("original_max_position_embeddings", max_positions)
         if rope.get("factor") is None and rope["rope_type"] == "yarn":
             rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+    def optional(key: str) -> int | None:
+        return need(key) if hf.get(key) is not None else None
+
+    def positive(key: str, value: Any) -> float:
+        # json reads NaN and Infinity; either would reach the norm or RoPE and make every token 0
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{config_file}: {key} must be a finite number > 0 (got {value!r})")
+        return float(value)
+
+    rope_source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    theta_key = f"{rope_source}.rope_theta" if "rope_theta" in rope else "rope_theta"
+    theta = rope.pop("rope_theta", hf.get("rope_theta"))
     arch = ARCHITECTURES[architecture]
     fields: dict[str, Any] = {
         "architecture": arch,
@@ -119,11 +132,11 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
         "hidden_size": hidden,
         "num_layers": need("num_hidden_layers"),
         "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hidden // heads,
+        "num_kv_heads": optional("num_key_value_heads") or heads,
+        "head_dim": optional("head_dim") or hidden // heads,
         "intermediate_size": need("intermediate_size"),
-        "rope_theta": float(rope.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_ROPE_THETA),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _DEFAULT_ROPE_THETA if theta is None else positive(theta_key, theta),
+        "rms_norm_eps": positive("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": arch == "qwen2",
         "qk_norm": arch == "qwen3",
