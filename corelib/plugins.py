@@ -94,7 +94,7 @@ def _package_of(module: str) -> str:
 
 
 def _shipped_backend_configs() -> set[str]:
-    """Backend options that ship in corelib's ``conf/backend``; a plugin YAML cannot replace them."""
+    """Backend options that ship in corelib's ``conf/backend`` (``auto``); a plugin YAML cannot replace them."""
     try:
         folder = importlib.resources.files("corelib.conf") / "backend"
         return {entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml")}

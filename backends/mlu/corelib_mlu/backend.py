@@ -7,7 +7,7 @@ Vendor APIs used, all from the Cambricon/torch_mlu repository (package torch_mlu
 - ``torch.mlu.device_count``, which honours MLU_VISIBLE_DEVICES (and CN_VISIBLE_DEVICES):
   torch_mlu/mlu/__init__.py
 torch_mlu binds no host registration (its ``torch.mlu.cnrt()`` module exposes only error
-strings and the profiler), so ``host_register`` stays false in conf/backend/mlu.yaml.
+strings and the profiler), so ``host_register`` stays false in mlu.yaml.
 The fused ops (torch_mlu_ops kernels) are offered through ``op_provider``: corelib_mlu/ops.py.
 """
 
