@@ -230,9 +230,54 @@ class CorelibConfig:
     features: dict[str, FeatureConfig] = field(default_factory=dict)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    server: ServerConfig = field(default_factory=lambda: ServerConfig())  # noqa: PLW0108 - defined below
 
 
 def register_schemas() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="corelib_schema", node=CorelibConfig)
+
+
+class Endpoint(str, enum.Enum):
+    """Which OpenAI route ``bench-serve`` loads."""
+
+    completions = "completions"
+    chat = "chat"
+
+
+@dataclass
+class ServeBenchConfig:
+    """``server.bench``: the load ``python -m corelib bench-serve`` puts on a running server."""
+
+    url: str = "http://127.0.0.1:8000"  # the server's base URL
+    endpoint: Endpoint = Endpoint.completions  # completions or chat (chat needs a tokenizer)
+    rates: list[float] = field(default_factory=list)  # requests/s with Poisson arrivals, one point each
+    concurrency: list[int] = field(default_factory=lambda: [8])  # fixed numbers of clients, one point each
+    num_requests: int = 64  # requests per point (0: as many as duration_s allows)
+    duration_s: float = 0.0  # seconds per point (0: until num_requests are sent)
+    dataset: str | None = None  # JSONL file with {"prompt": ...} per line; null: random token-id prompts
+    prompt_len: int = 32  # tokens of a random prompt
+    output_len: int = 64  # tokens asked of every request (EOS ignored)
+    disconnect_fraction: float = 0.0  # share of clients that hang up mid-stream
+    seed: int = 0  # prompts, arrivals and disconnects
+    timeout_s: float = 300.0  # longest one request may take
+    api_key: str | None = None  # sent as Authorization: Bearer
+    model: str | None = None  # model name sent; null: the first of /v1/models
+    settle_s: float = 30.0  # after the load, how long to wait for the server to return to idle
+
+
+@dataclass
+class ServerConfig:
+    """``server/<name>.yaml``: the OpenAI-compatible HTTP server of ``python -m corelib serve``."""
+
+    host: str = "127.0.0.1"  # interface to listen on (0.0.0.0: every interface)
+    port: int = 8000  # TCP port
+    api_key: str | None = None  # when set, every /v1 request needs Authorization: Bearer KEY
+    max_waiting: int = 256  # requests accepted beyond engine.max_num_seqs; more get 429
+    served_model_name: str | None = None  # name in /v1/models and responses; null: the model's name
+    chat_template: str | None = None  # a Jinja chat template file; null: the checkpoint's, else a plain one
+    shutdown_grace_s: float = 10.0  # on SIGTERM, how long running requests may finish before they are aborted
+    log_level: str = "info"  # uvicorn's log level: critical, error, warning, info, debug
+    access_log: bool = False  # one log line per HTTP request
+    bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)
