@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servekit import data_lines, finished, wait_idle
+from servekit import data_lines, finished, metrics, wait_idle
 
+from corelib import faults
 from corelib.config import ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
 
@@ -64,6 +65,28 @@ def test_stopping_lets_a_running_request_finish_within_the_grace_period(override
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert not running._thread.is_alive()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(overrides: list[str], stream: bool) -> None:
+    body = {"prompt": [0, 5, 6], "max_tokens": 40, "ignore_eos": True, "stream": stream}
+    with faults.injected("forward@8"), start_in_thread([*overrides, "engine.timeout_s=5"],
+                                                       ServerConfig(port=0, log_level="warning")) as running:
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=30) as response:
+            status, lines = response.status_code, list(response.iter_lines())
+        if stream:
+            events = data_lines(lines)
+            assert status == 200 and events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+        else:
+            assert status == 500
+            error = json.loads("".join(lines))["error"]
+        assert error["type"] == "server_error" and "InjectedFault" in error["message"]
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 503 and "InjectedFault" in health.json()["reason"]
+        later = httpx.post(f"{running.url}/v1/completions", json=body)
+        assert later.status_code == 503 and "stopped after an error" in later.json()["error"]["message"]
+        assert metrics(running.url)["corelib_engine_up"] == 0
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def test_chat_renders_the_checkpoints_template(server: RunningServer, reference:
     assert ChatTemplate.load(str(model_dir)).render([dict(m) for m in messages]) == prompt_text
     assert reference.tokenizer is not None
     prompt = reference.tokenizer.encode(prompt_text, add_special_tokens=False)
+    assert prompt.count(0) == 1, "the template writes the BOS (<s>, id 0); encoding must not add another"
     want = expected(reference, prompt, max_tokens=10, temperature=0.5, seed=3)
     api = client(server)
     whole = api.chat.completions.create(model="chat-model", messages=messages, max_tokens=10,
