@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import math
 import os
 import platform
@@ -355,6 +356,7 @@ def _ms(value: object) -> str:
 
 
 def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> dict[str, object]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Hydra logs INFO: one line per request otherwise
     result = asyncio.run(run_bench(spec, console))
     console.print(table(result))
     before, after = result["server_before"], result["server_after"]

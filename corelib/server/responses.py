@@ -46,6 +46,7 @@ class Formatter:
     include_usage: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    _templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # per choice: a chunk around its text
 
     @property
     def object(self) -> str:
@@ -102,6 +103,15 @@ class Formatter:
             body["usage"] = None
         return event(body)
 
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """``_chunk(index, text, None)``, built around one ``json.dumps`` of the text: the hot path of streaming."""
+        cut = self._templates.get(index)
+        if cut is None:
+            marker = "\u0000"  # json.dumps escapes it, so it appears nowhere else in the chunk
+            head, tail = self._chunk(index, marker, None).split(json.dumps(marker).encode(), 1)
+            cut = self._templates[index] = (head, tail)
+        return cut[0] + json.dumps(text, ensure_ascii=False).encode() + cut[1]
+
     async def stream(self, request_ids: list[str], updates: AsyncIterator[Update]) -> AsyncIterator[bytes]:
         """SSE events until every choice finished, then the usage (when asked for) and ``[DONE]``."""
         index = {request_id: i for i, request_id in enumerate(request_ids)}
@@ -121,7 +131,7 @@ class Formatter:
                 completion_tokens += len(update.output.output_token_ids)
                 yield self._chunk(i, text, FINISH_REASONS[update.output.finish_reason])
             elif text:
-                yield self._chunk(i, text, None)
+                yield self._text_chunk(i, text)
         if self.include_usage:
             yield event({**self._head(chunk=True), "choices": [], "usage": self.usage(completion_tokens)})
         yield DONE
