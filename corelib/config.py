@@ -265,6 +265,7 @@ class ServeBenchConfig:
     api_key: str | None = None  # sent as Authorization: Bearer
     model: str | None = None  # model name sent; null: the first of /v1/models
     settle_s: float = 30.0  # after the load, how long to wait for the server to return to idle
+    sample_s: float = 10.0  # during the load, read the server's /metrics this often (0: never)
 
 
 @dataclass

@@ -15,6 +15,7 @@ TTFT is send to first text, TPOT the time after the first text per remaining tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -300,6 +301,15 @@ async def _settle(client: Client, within_s: float) -> tuple[dict[str, float], fl
         await asyncio.sleep(0.2)
 
 
+async def _sample(client: Client, every_s: float, samples: list[dict[str, float]]) -> None:
+    """The server's gauges every ``every_s`` seconds while the load runs: memory over time shows a leak."""
+    start = time.perf_counter()
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            samples.append({"t_s": time.perf_counter() - start, **await client.metrics()})
+        await asyncio.sleep(every_s)
+
+
 async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, object]:
     if spec.num_requests <= 0 and spec.duration_s <= 0:
         raise ConfigError("server.bench: set num_requests or duration_s (both are 0, so the load would never end)")
@@ -318,9 +328,15 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
                                "python -m corelib serve, or set server.bench.url") from None
         load = Load(spec, model)
         points = []
-        for mode, level in levels:
-            console.print(f"corelib: bench-serve: {mode} {level:g} ...")
-            points.append(await _run_point(client, load, mode, level))
+        samples: list[dict[str, float]] = []
+        sampler = asyncio.create_task(_sample(client, spec.sample_s, samples)) if spec.sample_s > 0 else None
+        try:
+            for mode, level in levels:
+                console.print(f"corelib: bench-serve: {mode} {level:g} ...")
+                points.append(await _run_point(client, load, mode, level))
+        finally:
+            if sampler is not None:
+                sampler.cancel()
         after, waited = await _settle(client, spec.settle_s)
     finally:
         await client.http.aclose()
@@ -330,7 +346,7 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
         "url": spec.url, "endpoint": spec.endpoint.value, "model": model,
         "settings": {k: v for k, v in asdict(spec).items() if k != "api_key"},
         "points": [{**asdict(p), "lost": p.lost} for p in points],
-        "server_before": before, "server_after": after, "settle_s": waited,
+        "server_before": before, "server_after": after, "settle_s": waited, "server_samples": samples,
     }
 
 
@@ -366,6 +382,12 @@ def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> di
     console.print(f"corelib: server before / after the load: KV blocks free {free[0]:.0f} / {free[1]:.0f} of "
                   f"{after.get('corelib_kv_blocks_total', math.nan):.0f}; resident memory {rss[0]:.1f} / "
                   f"{rss[1]:.1f} MiB", soft_wrap=True)
+    samples = result["server_samples"]
+    assert isinstance(samples, list)
+    if len(samples) >= 2:
+        first, last = (s.get("process_resident_memory_bytes", math.nan) / 2**20 for s in (samples[0], samples[-1]))
+        console.print(f"corelib: server resident memory during the load: {first:.1f} MiB at "
+                      f"{samples[0]['t_s']:.0f} s, {last:.1f} MiB at {samples[-1]['t_s']:.0f} s")
     path = run_dir.file("bench_serve.json")
     path.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"corelib: wrote {path}")
