@@ -90,16 +90,21 @@ def _serve_modules() -> None:
 def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     _serve_modules()
     from corelib.engine.api import Engine
-    from corelib.server.serve import build_state, serve
+    from corelib.server.serve import bind, build_state, serve
 
     api_key = cfg.server.api_key or None
     shown = cfg.copy()  # the files of the run directory never hold the key
     if api_key is not None:
         shown.server.api_key = "<set>"
     startup, _ = prepare(shown, registry, output_dir)
-    state = build_state(lambda: Engine(startup), startup.config.server, api_key)
-    serve(state, startup.config.server, lambda line: console.print(f"corelib: {line}", markup=False,
-                                                                     soft_wrap=True))
+    server = startup.config.server
+    sock = bind(server.host, server.port)  # a taken port fails before the engine is built
+    try:
+        state = build_state(lambda: Engine(startup), server, api_key)
+    except BaseException:
+        sock.close()
+        raise
+    serve(state, server, sock, lambda line: console.print(f"corelib: {line}", markup=False, soft_wrap=True))
 
 
 def bench_serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from corelib.errors import one_line
-from corelib.server.bridge import EngineBridge, Overloaded, Unavailable, Update
+from corelib.server.bridge import EngineBridge, Overloaded, TooLarge, Unavailable, Update
 from corelib.server.chat import ChatTemplate
 from corelib.server.inputs import Prepared, prepare_chat, prepare_completion
 from corelib.server.metrics import ServerMetrics
@@ -151,6 +151,8 @@ def build_app(state: ServerState) -> FastAPI:
     def start(prepared: Prepared, stream: bool) -> _Call:
         try:
             return _Call(bridge, prepared, stream)
+        except TooLarge as error:
+            raise ApiError(400, str(error), param="n") from None
         except Overloaded as error:
             raise ApiError(429, str(error), "rate_limit_error", code="too_many_requests") from None
         except Unavailable as error:

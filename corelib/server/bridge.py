@@ -60,6 +60,7 @@ class EngineInfo:
     max_num_seqs: int
     model_name: str
     model_path: str | None
+    notices: tuple[str, ...] = ()  # what the engine had to say at start
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class Snapshot:
 
 class Overloaded(Exception):
     """More requests than engine.max_num_seqs + server.max_waiting are live."""
+
+
+class TooLarge(Exception):
+    """One request asks for more choices than the server ever holds at once."""
 
 
 class Unavailable(Exception):
@@ -185,6 +190,9 @@ class EngineBridge:
             raise Unavailable(f"the engine stopped after an error: {self.failure}")
         if self.draining or self._stopping:
             raise Unavailable(SHUTDOWN)
+        if len(requests) > self._capacity:
+            raise TooLarge(f"the request asks for {len(requests)} choices (prompts x n); this server holds at most "
+                           f"{self._capacity} requests at once (engine.max_num_seqs + server.max_waiting)")
         with self._counters.lock:
             if self._counters.live + len(requests) > self._capacity:
                 raise Overloaded(
@@ -254,7 +262,7 @@ class EngineBridge:
         try:
             cfg = engine.startup.config
             self._info = EngineInfo(engine.tokenizer, engine.vocab_size, cfg.model.max_model_len,
-                                    cfg.engine.max_num_seqs, cfg.model.name, cfg.model.path)
+                                    cfg.engine.max_num_seqs, cfg.model.name, cfg.model.path, tuple(engine.notices))
             self._capacity = cfg.engine.max_num_seqs + self._max_waiting
             self._metrics.kv_blocks_total.set(_kv_blocks(engine)[1])
         except BaseException as error:  # noqa: BLE001 - raised again by start(), on the caller's thread

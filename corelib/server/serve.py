@@ -91,11 +91,13 @@ def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
     return _Uvicorn(config, on_exit=lambda: state.bridge.drain(server.shutdown_grace_s))
 
 
-def serve(state: ServerState, server: ServerConfig, announce: Callable[[str], None] = print) -> None:
-    """Serve until a signal stops it; the engine is closed on the way out, whatever happens."""
+def serve(state: ServerState, server: ServerConfig, sock: socket.socket,
+          announce: Callable[[str], None] = print) -> None:
+    """Serve on ``sock`` (from :func:`bind`) until a signal stops it; the engine is closed on the way out."""
     try:
-        sock = bind(server.host, server.port)
         host, port = sock.getsockname()[:2]
+        for notice in state.bridge.info.notices:
+            announce(notice)
         chat = (f"chat template: {state.template.origin}" if state.bridge.info.tokenizer is not None
                 else "no tokenizer: prompts are token ids, and /v1/chat/completions is refused")
         announce(f"serving {state.model_name!r} at http://{host}:{port}/v1 (pid {os.getpid()}); {chat}")
@@ -132,11 +134,11 @@ def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None
                     api_key: str | None = None) -> RunningServer:
     """Build an engine from overrides and serve it on a background thread (``server.port=0``: a free port)."""
     server = server or ServerConfig(port=0)
-    state = build_state(lambda: Engine.from_overrides(list(overrides)), server, api_key)
+    sock = bind(server.host, server.port)
     try:
-        sock = bind(server.host, server.port)
+        state = build_state(lambda: Engine.from_overrides(list(overrides)), server, api_key)
     except BaseException:
-        state.bridge.close()
+        sock.close()
         raise
     host, port = sock.getsockname()[:2]
     uv = _uvicorn(state, server)
@@ -144,4 +146,7 @@ def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None
     thread.start()
     while not uv.started and thread.is_alive():
         threading.Event().wait(0.01)
+    if not uv.started:
+        state.bridge.close()
+        raise CorelibError(f"the HTTP server on {host}:{port} did not start; its log says why")
     return RunningServer(state, f"http://{host}:{port}", uv, thread)

@@ -43,6 +43,7 @@ def error_of(response: httpx.Response, status: int) -> dict[str, object]:
         ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
         ({"prompt": "x", "temprature": 0.5}, "temprature", "not a parameter"),
         ({"max_tokens": 3}, "prompt", "required"),
+        ({"prompt": [[0, 5]] * 65, "n": 2}, "n", "at most 128 requests at once"),
     ],
 )
 def test_a_bad_completion_request_is_a_400_naming_the_field(
