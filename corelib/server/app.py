@@ -21,8 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from corelib.errors import one_line
-from corelib.server.bridge import EngineBridge, Overloaded, TooLarge, Unavailable, Update
+from corelib.server.bridge import EngineBridge
 from corelib.server.chat import ChatTemplate
+from corelib.server.events import Overloaded, TooLarge, Unavailable, Update
 from corelib.server.inputs import Prepared, prepare_chat, prepare_completion
 from corelib.server.metrics import ServerMetrics
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
@@ -114,7 +115,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        metrics.rejected.labels(str(error.status)).inc()
+        metrics.errors.labels(str(error.status)).inc()
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
@@ -127,6 +128,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
         log.error("%s %s failed: %s", request.method, request.url.path, one_line(error), exc_info=error)
+        metrics.errors.labels("500").inc()
         body = ApiError(500, f"internal error: {one_line(error)}", "server_error").body()
         return JSONResponse(body, status_code=500)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import RequestError
-from corelib.server.bridge import EngineInfo
 from corelib.server.chat import ChatTemplate, ChatTemplateError
+from corelib.server.events import EngineInfo
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, bad_request
 
 SEED_LIMIT = 2**62  # the engine's counter-based sampler takes seeds in [0, 2**62)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from corelib.server.bridge import Update
+from corelib.server.events import Update
 from corelib.server.inputs import Prepared, token_text
 from corelib.server.protocol import ApiError, JsonObject
 
