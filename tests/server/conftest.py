@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servekit import write_chat_checkpoint
 
 from corelib.config import ServerConfig
 from corelib.engine.api import Engine
 from corelib.server.serve import RunningServer, start_in_thread
+from server.servekit import write_chat_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from contextlib import ExitStack
 import httpx
 import openai
 import pytest
-from servekit import metrics, wait_idle
 
 from corelib.config import ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
+from server.servekit import metrics, wait_idle
 
 KEY = "sekret-key"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servekit import data_lines, finished, metrics, wait_idle
 
 from corelib import faults
 from corelib.config import ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
+from server.servekit import data_lines, finished, metrics, wait_idle
 
 LONG = {"prompt": [0, 5, 6, 7], "max_tokens": 240, "ignore_eos": True}
 

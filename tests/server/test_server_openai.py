@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from servekit import wait_idle
 
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.server.chat import ChatTemplate
 from corelib.server.serve import RunningServer
+from server.servekit import wait_idle
 
 
 def client(server: RunningServer) -> openai.OpenAI:
