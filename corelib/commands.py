@@ -90,7 +90,7 @@ def _serve_modules() -> None:
 def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     _serve_modules()
     from corelib.engine.api import Engine
-    from corelib.server.serve import bind, build_state, serve
+    from corelib.server.serve import bind, build_state, check_server, serve
 
     api_key = cfg.server.api_key or None
     shown = cfg.copy()  # the files of the run directory never hold the key
@@ -98,6 +98,7 @@ def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> N
         shown.server.api_key = "<set>"
     startup, _ = prepare(shown, registry, output_dir)
     server = startup.config.server
+    check_server(server)
     sock = bind(server.host, server.port)  # a taken port fails before the engine is built
     try:
         state = build_state(lambda: Engine(startup), server, api_key)

@@ -239,6 +239,17 @@ def register_schemas() -> None:
     cs.store(name="corelib_schema", node=CorelibConfig)
 
 
+class LogLevel(str, enum.Enum):
+    """uvicorn's log levels."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
 class Endpoint(str, enum.Enum):
     """Which OpenAI route ``bench-serve`` loads."""
 
@@ -279,6 +290,6 @@ class ServerConfig:
     served_model_name: str | None = None  # name in /v1/models and responses; null: the model's name
     chat_template: str | None = None  # a Jinja chat template file; null: the checkpoint's, else a plain one
     shutdown_grace_s: float = 10.0  # on SIGTERM, how long running requests may finish before they are aborted
-    log_level: str = "info"  # uvicorn's log level: critical, error, warning, info, debug
+    log_level: LogLevel = LogLevel.info  # uvicorn's log level
     access_log: bool = False  # one log line per HTTP request
     bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)

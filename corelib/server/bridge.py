@@ -238,7 +238,11 @@ class EngineBridge:
                 self._deadline = None
                 self._abort_all(engine, SHUTDOWN)
             if self._live:
-                self._deliver(self._step(engine, tracker))
+                deltas = self._step(engine, tracker)
+                self._deliver(deltas)
+                if not deltas and self._live and not engine.has_unfinished:
+                    # Cannot happen while the engine keeps its word; never spin on requests it forgot.
+                    self._end_all("the engine lost track of the request", server_error=True)
 
     def _commands(self, block: bool) -> list[_Command]:
         commands = [self._inbox.get()] if block else []

@@ -21,7 +21,7 @@ import uvicorn
 
 from corelib.config import ServerConfig
 from corelib.engine.api import Engine
-from corelib.errors import CorelibError
+from corelib.errors import ConfigError, CorelibError
 from corelib.server.app import ServerState, build_app
 from corelib.server.bridge import EngineBridge
 from corelib.server.chat import ChatTemplate
@@ -49,6 +49,16 @@ def build_state(build_engine: Callable[[], Engine], server: ServerConfig, api_ke
         bridge.close()
         raise
     return ServerState(bridge, metrics, template, model_name(server, info.model_name, info.model_path), api_key)
+
+
+def check_server(server: ServerConfig) -> None:
+    """Refuse settings that cannot work, naming the key, before anything is built."""
+    if not 0 <= server.port <= 65535:
+        raise ConfigError(f"server.port={server.port}: must be in [0, 65535] (0: any free port)")
+    if server.max_waiting < 0:
+        raise ConfigError(f"server.max_waiting={server.max_waiting}: must be >= 0")
+    if not 0 <= server.shutdown_grace_s < float("inf"):
+        raise ConfigError(f"server.shutdown_grace_s={server.shutdown_grace_s}: must be a number of seconds >= 0")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -85,7 +95,7 @@ class _Uvicorn(uvicorn.Server):
 
 def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
     config = uvicorn.Config(
-        build_app(state), log_level=server.log_level, access_log=server.access_log, lifespan="off",
+        build_app(state), log_level=server.log_level.value, access_log=server.access_log, lifespan="off",
         timeout_graceful_shutdown=int(server.shutdown_grace_s + SHUTDOWN_SLACK_S) + 1,
     )
     return _Uvicorn(config, on_exit=lambda: state.bridge.drain(server.shutdown_grace_s))
@@ -134,6 +144,7 @@ def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None
                     api_key: str | None = None) -> RunningServer:
     """Build an engine from overrides and serve it on a background thread (``server.port=0``: a free port)."""
     server = server or ServerConfig(port=0)
+    check_server(server)
     sock = bind(server.host, server.port)
     try:
         state = build_state(lambda: Engine.from_overrides(list(overrides)), server, api_key)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from corelib.config import ServerConfig
+from corelib.config import LogLevel, ServerConfig
 from corelib.engine.api import Engine
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import write_chat_checkpoint
@@ -26,7 +26,7 @@ def overrides(model_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(overrides: list[str]) -> Iterator[RunningServer]:
-    config = ServerConfig(port=0, log_level="warning", max_waiting=64, served_model_name="chat-model")
+    config = ServerConfig(port=0, log_level=LogLevel.warning, max_waiting=64, served_model_name="chat-model")
     running = start_in_thread(overrides, config)
     yield running
     running.stop()

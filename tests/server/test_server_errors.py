@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from corelib.config import ServerConfig
+from corelib.cli import main
+from corelib.config import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import metrics, wait_idle
 
@@ -94,7 +96,7 @@ def test_the_openai_client_raises_bad_request_with_the_param(server: RunningServ
 @pytest.fixture(scope="module")
 def guarded(overrides: list[str]) -> Iterator[RunningServer]:
     """One request decodes, one waits, more are refused; every /v1 request needs the key."""
-    config = ServerConfig(port=0, log_level="warning", max_waiting=1, served_model_name="m")
+    config = ServerConfig(port=0, log_level=LogLevel.warning, max_waiting=1, served_model_name="m")
     running = start_in_thread([*overrides, "engine.max_num_seqs=1"], config, api_key=KEY)
     yield running
     running.stop()
@@ -130,3 +132,18 @@ def test_beyond_running_and_waiting_a_request_is_429_and_served_once_there_is_ro
     with httpx.Client(base_url=guarded.url, headers=headers, timeout=30) as http:
         response = http.post("/v1/completions", json={"prompt": [0, 5], "max_tokens": 2})
         assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [("server.port=70000", "server.port=70000: must be in [0, 65535]"),
+     ("server.max_waiting=-1", "server.max_waiting=-1: must be >= 0"),
+     ("server.log_level=loud", "server.log_level"),
+     ("server.bench.endpoint=chatty", "server.bench.endpoint")],
+)
+def test_a_bad_server_setting_is_one_line_naming_the_key(
+    override: str, fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "backend=npu", override, f"hydra.run.dir={tmp_path}"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("corelib: error: ") and fragment in lines[0], lines

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from corelib import faults
-from corelib.config import ServerConfig
+from corelib.config import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import data_lines, finished, metrics, wait_idle
 
@@ -47,7 +47,7 @@ def test_a_client_that_gives_up_on_a_whole_response_is_aborted(server: RunningSe
 
 
 def test_stopping_lets_a_running_request_finish_within_the_grace_period(overrides: list[str]) -> None:
-    running = start_in_thread(overrides, ServerConfig(port=0, log_level="warning", shutdown_grace_s=30))
+    running = start_in_thread(overrides, ServerConfig(port=0, log_level=LogLevel.warning, shutdown_grace_s=30))
     lines: list[str] = []
 
     def read() -> None:
@@ -71,7 +71,7 @@ def test_stopping_lets_a_running_request_finish_within_the_grace_period(override
 def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(overrides: list[str], stream: bool) -> None:
     body = {"prompt": [0, 5, 6], "max_tokens": 40, "ignore_eos": True, "stream": stream}
     with faults.injected("forward@8"), start_in_thread([*overrides, "engine.timeout_s=5"],
-                                                       ServerConfig(port=0, log_level="warning")) as running:
+                                                       ServerConfig(port=0, log_level=LogLevel.warning)) as running:
         with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=30) as response:
             status, lines = response.status_code, list(response.iter_lines())
         if stream:
