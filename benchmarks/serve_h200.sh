@@ -65,7 +65,7 @@ engine = json.loads((out / "engine" / "bench.json").read_text())["points"][0]
 print(f"engine alone (bench, batch {engine['batch_size']}, async on): TPOT {engine['tpot_ms']:.3f} ms, "
       f"{engine['tokens_per_s']:.0f} tok/s")
 print(f"{'load':>12} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} {'/engine':>8} "
-      f"{'lost':>5} {'dup':>4}")
+      f"{'refused':>7} {'lost':>5} {'dup':>4}")
 for name in ("clients64", "rates"):
     result = json.loads((out / name / "bench_serve.json").read_text())
     for p in result["points"]:
@@ -73,7 +73,7 @@ for name in ("clients64", "rates"):
         tpot = p["tpot_ms_p50"] or float("nan")
         print(f"{p['load']:>6g} {unit:<5} {p['requests_per_s']:>7.1f} {p['output_tokens_per_s']:>8.0f} "
               f"{p['ttft_ms_p50'] or 0:>8.1f}/{p['ttft_ms_p99'] or 0:<8.1f} {tpot:>8.3f}/{p['tpot_ms_p99'] or 0:<8.3f} "
-              f"{tpot / engine['tpot_ms']:>8.2f} {p['lost']:>5} {p['duplicated']:>4}")
+              f"{tpot / engine['tpot_ms']:>8.2f} {p['refused']:>7} {p['lost']:>5} {p['duplicated']:>4}")
     after = result["server_after"]
     print(f"   after {name}: KV blocks free {after.get('corelib_kv_blocks_free'):.0f} of "
           f"{after.get('corelib_kv_blocks_total'):.0f}, resident {after.get('process_resident_memory_bytes', 0) / 2**20:.0f} MiB")

@@ -45,7 +45,7 @@ WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "cl
 class Outcome:
     """One request as the client saw it."""
 
-    status: str = "incomplete"  # completed, disconnected, failed, incomplete
+    status: str = "incomplete"  # completed, disconnected, refused (429/503 before any answer), failed, incomplete
     error: str | None = None
     completion_tokens: int = 0
     pieces: int = 0  # chunks that carried text
@@ -69,6 +69,7 @@ class Point:
     requests: int
     completed: int
     disconnected: int
+    refused: int  # turned away up front (429 overloaded, 503 shutting down): said so, nothing lost
     failed: int
     incomplete: int
     duplicated: int
@@ -165,7 +166,9 @@ class Client:
             async with self.http.stream("POST", self.path, json=payload) as response:
                 if response.status_code != 200:
                     body = (await response.aread()).decode(errors="replace")
-                    outcome.status, outcome.error = "failed", f"HTTP {response.status_code}: {_message(body)}"
+                    refused = response.status_code in (429, 503)
+                    outcome.status = "refused" if refused else "failed"
+                    outcome.error = f"HTTP {response.status_code}: {_message(body)}"
                     return outcome
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
@@ -268,8 +271,8 @@ async def _run_point(client: Client, load: Load, mode: str, level: float) -> Poi
 
 
 def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float) -> Point:
-    by_status = {s: [o for o in outcomes if o.status == s] for s in ("completed", "disconnected", "failed",
-                                                                   "incomplete")}
+    by_status = {s: [o for o in outcomes if o.status == s] for s in ("completed", "disconnected", "refused",
+                                                                   "failed", "incomplete")}
     completed = by_status["completed"]
     errors: dict[str, int] = {}
     for o in outcomes:
@@ -279,7 +282,8 @@ def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float
     tpot = [o.tpot_s * 1e3 for o in completed if o.tpot_s is not None]
     return Point(
         mode=mode, load=level, requests=len(outcomes), completed=len(completed),
-        disconnected=len(by_status["disconnected"]), failed=len(by_status["failed"]),
+        disconnected=len(by_status["disconnected"]), refused=len(by_status["refused"]),
+        failed=len(by_status["failed"]),
         incomplete=len(by_status["incomplete"]), duplicated=sum(1 for o in outcomes if o.duplicated),
         duration_s=duration, requests_per_s=len(completed) / duration if duration > 0 else 0.0,
         output_tokens_per_s=sum(o.completion_tokens for o in completed) / duration if duration > 0 else 0.0,
@@ -352,8 +356,8 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
 
 def table(result: dict[str, object]) -> Table:
     out = Table(title=f"bench-serve {result['url']} ({result['endpoint']}, {result['model']})")
-    for column in ("load", "requests", "ok", "hung up", "lost", "dup", "req/s", "out tok/s", "TTFT ms p50/p99",
-                   "TPOT ms p50/p99"):
+    for column in ("load", "requests", "ok", "hung up", "refused", "lost", "dup", "req/s", "out tok/s",
+                   "TTFT ms p50/p99", "TPOT ms p50/p99"):
         out.add_column(column, justify="right")
     points = result["points"]
     assert isinstance(points, list)
@@ -361,7 +365,8 @@ def table(result: dict[str, object]) -> Table:
         unit = "req/s" if p["mode"] == "rate" else "clients"
         out.add_row(
             f"{p['load']:g} {unit}", str(p["requests"]), str(p["completed"]), str(p["disconnected"]),
-            str(p["lost"]), str(p["duplicated"]), f"{p['requests_per_s']:.2f}", f"{p['output_tokens_per_s']:.1f}",
+            str(p["refused"]), str(p["lost"]), str(p["duplicated"]), f"{p['requests_per_s']:.2f}",
+            f"{p['output_tokens_per_s']:.1f}",
             f"{_ms(p['ttft_ms_p50'])}/{_ms(p['ttft_ms_p99'])}", f"{_ms(p['tpot_ms_p50'])}/{_ms(p['tpot_ms_p99'])}",
         )
     return out

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from corelib.config import Endpoint, ServeBenchConfig
+from corelib.config import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
 from corelib.errors import ConfigError
 from corelib.server.loadgen import run_bench
-from corelib.server.serve import RunningServer
+from corelib.server.serve import RunningServer, start_in_thread
 
 
 def spec(server: RunningServer, **changes: object) -> ServeBenchConfig:
@@ -56,3 +56,13 @@ def test_chat_load_from_a_dataset(server: RunningServer, tmp_path: Path) -> None
 def test_a_bad_load_setting_is_one_line(server: RunningServer, changes: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         asyncio.run(run_bench(spec(server, **changes), Console(quiet=True)))
+
+
+def test_requests_turned_away_with_429_are_refused_not_lost(overrides: list[str]) -> None:
+    config = ServerConfig(port=0, log_level=LogLevel.warning, max_waiting=0)
+    with start_in_thread([*overrides, "engine.max_num_seqs=1"], config) as small:
+        result = asyncio.run(run_bench(spec(small, concurrency=[6], num_requests=12), Console(quiet=True)))
+    points = result["points"]
+    assert isinstance(points, list) and len(points) == 1
+    assert points[0]["refused"] > 0 and points[0]["lost"] == 0, points[0]
+    assert points[0]["completed"] + points[0]["refused"] == 12
