@@ -1,4 +1,4 @@
-"""``python -m corelib {run,plan,backends,bench} [hydra overrides]``, and ``trace-plot``.
+"""``python -m corelib {run,plan,backends,bench,serve,bench-serve} [hydra overrides]``, and ``trace-plot``.
 
 Exit codes: 0 success, 2 bad configuration or a refused plan, 1 runtime failure, 130 on
 Ctrl-C, 143 on SIGTERM (the same clean shutdown as Ctrl-C). An error prints one line
@@ -35,6 +35,8 @@ commands:
   backends  list installed backend plugins and whether they run natively, emulated, or not at all
   bench     sweep batch size, handoff, transport and backend; print a table, write bench.json
   trace-plot  render decode steps of trace.json files (engine.trace=true) into a PNG (trace-plot --help)
+  serve     an OpenAI-compatible HTTP server over the engine (server.port=8000; needs corelib[serve])
+  bench-serve  load a running server (server.bench.*): throughput, TTFT, TPOT, lost responses
 
 Every command but backends takes Hydra overrides: pick an option per group (backend=npu,
 model=small-0.6b) and set any key (engine.async_token_handoff=on). COMMAND --help lists them.
@@ -66,8 +68,12 @@ _PLAIN_FLAGS = frozenset(
      "-sc", "--shell-completion"}
 )
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
+<<<<<<< HEAD
 _COMMANDS = ("run", "plan", "backends", "bench", "trace-plot")
 _job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log
+=======
+_COMMANDS = ("run", "plan", "backends", "bench", "trace-plot", "serve", "bench-serve")
+>>>>>>> server
 # Flags that leave the config tree as it is, so composing without them gives the same result.
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 
@@ -381,9 +387,10 @@ def _hydra_raises(prog: str, argv: list[str]) -> Iterator[None]:
 
 
 def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
-    from corelib.commands import bench_task, plan_task, run_task
+    from corelib.commands import bench_serve_task, bench_task, plan_task, run_task, serve_task
 
-    return {"run": run_task, "plan": plan_task, "bench": bench_task}
+    return {"run": run_task, "plan": plan_task, "bench": bench_task, "serve": serve_task,
+            "bench-serve": bench_serve_task}
 
 
 def _trace_plot_command(rest: list[str]) -> int:

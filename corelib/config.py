@@ -346,9 +346,86 @@ class CorelibConfig:
     features: dict[str, FeatureConfig] = field(default_factory=dict, metadata=doc("the feature gates, as data"))
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata=doc("which backend plugins may load"))
     bench: BenchConfig = field(default_factory=BenchConfig, metadata=doc("the sweep of bench"))
+    server: ServerConfig = field(  # noqa: PLW0108 - defined below
+        default_factory=lambda: ServerConfig(), metadata=doc("the HTTP server of serve, and bench-serve's load")
+    )
 
 
 def register_schemas() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="corelib_schema", node=CorelibConfig)
+
+
+class LogLevel(str, enum.Enum):
+    """uvicorn's log levels."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
+class Endpoint(str, enum.Enum):
+    """Which OpenAI route ``bench-serve`` loads."""
+
+    completions = "completions"
+    chat = "chat"
+
+
+@dataclass
+class ServeBenchConfig:
+    """``server.bench``: the load ``python -m corelib bench-serve`` puts on a running server."""
+
+    url: str = field(default="http://127.0.0.1:8000", metadata=doc("the server's base URL"))
+    endpoint: Endpoint = field(
+        default=Endpoint.completions, metadata=doc("completions or chat (chat needs a tokenizer)")
+    )
+    rates: list[float] = field(default_factory=list, metadata=doc("requests/s with Poisson arrivals, one point each"))
+    concurrency: list[int] = field(
+        default_factory=lambda: [8], metadata=doc("fixed numbers of clients, one point each")
+    )
+    num_requests: int = field(default=64, metadata=doc("requests per point (0: as many as duration_s allows)"))
+    duration_s: float = field(default=0.0, metadata=doc("seconds per point (0: until num_requests are sent)"))
+    dataset: str | None = field(
+        default=None, metadata=doc('JSONL file with {"prompt": ...} per line; null: random token-id prompts')
+    )
+    prompt_len: int = field(default=32, metadata=doc("tokens of a random prompt"))
+    output_len: int = field(default=64, metadata=doc("tokens asked of every request (EOS ignored)"))
+    disconnect_fraction: float = field(default=0.0, metadata=doc("share of clients that hang up mid-stream"))
+    seed: int = field(default=0, metadata=doc("prompts, arrivals and disconnects"))
+    timeout_s: float = field(default=300.0, metadata=doc("longest one request may take"))
+    api_key: str | None = field(default=None, metadata=doc("sent as Authorization: Bearer"))
+    model: str | None = field(default=None, metadata=doc("model name sent; null: the first of /v1/models"))
+    settle_s: float = field(
+        default=30.0, metadata=doc("after the load, how long to wait for the server to return to idle")
+    )
+    sample_s: float = field(
+        default=10.0, metadata=doc("during the load, read the server's /metrics this often (0: never)")
+    )
+
+
+@dataclass
+class ServerConfig:
+    """``server/<name>.yaml``: the OpenAI-compatible HTTP server of ``python -m corelib serve``."""
+
+    host: str = field(default="127.0.0.1", metadata=doc("interface to listen on (0.0.0.0: every interface)"))
+    port: int = field(default=8000, metadata=doc("TCP port"))
+    api_key: str | None = field(
+        default=None, metadata=doc("when set, every /v1 request needs Authorization: Bearer KEY")
+    )
+    max_waiting: int = field(default=256, metadata=doc("requests accepted beyond engine.max_num_seqs; more get 429"))
+    served_model_name: str | None = field(
+        default=None, metadata=doc("name in /v1/models and responses; null: the model's name")
+    )
+    chat_template: str | None = field(
+        default=None, metadata=doc("a Jinja chat template file; null: the checkpoint's, else a plain one")
+    )
+    shutdown_grace_s: float = field(
+        default=10.0, metadata=doc("on SIGTERM, how long running requests may finish before they are aborted")
+    )
+    log_level: LogLevel = field(default=LogLevel.info, metadata=doc("uvicorn's log level"))
+    access_log: bool = field(default=False, metadata=doc("one log line per HTTP request"))
+    bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)
