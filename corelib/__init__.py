@@ -13,11 +13,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 __version__ = "0.1.0"
 
-<<<<<<< HEAD
 # The environment a worker process gets is the one corelib saw first (see corelib/isolation.py):
 # import it here, before a Hydra job's env_set or anything else can change os.environ.
 from corelib import isolation as _isolation  # noqa: F401
-=======
+
 # ``corelib.LLM`` and ``corelib.SamplingParams`` load the engine (and torch) on first use only,
 # so ``python -m corelib --help`` and config checks stay quick.
 if TYPE_CHECKING:
@@ -32,4 +31,3 @@ def __getattr__(name: str) -> object:
 
         return getattr(llm, name)
     raise AttributeError(f"module 'corelib' has no attribute {name!r}")
->>>>>>> server

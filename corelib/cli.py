@@ -68,12 +68,8 @@ _PLAIN_FLAGS = frozenset(
      "-sc", "--shell-completion"}
 )
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-<<<<<<< HEAD
-_COMMANDS = ("run", "plan", "backends", "bench", "trace-plot")
-_job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log
-=======
 _COMMANDS = ("run", "plan", "backends", "bench", "trace-plot", "serve", "bench-serve")
->>>>>>> server
+_job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log
 # Flags that leave the config tree as it is, so composing without them gives the same result.
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 

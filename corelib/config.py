@@ -346,8 +346,9 @@ class CorelibConfig:
     features: dict[str, FeatureConfig] = field(default_factory=dict, metadata=doc("the feature gates, as data"))
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata=doc("which backend plugins may load"))
     bench: BenchConfig = field(default_factory=BenchConfig, metadata=doc("the sweep of bench"))
-    server: ServerConfig = field(  # noqa: PLW0108 - defined below
-        default_factory=lambda: ServerConfig(), metadata=doc("the HTTP server of serve, and bench-serve's load")
+    server: ServerConfig = field(
+        default_factory=lambda: ServerConfig(),  # noqa: PLW0108 - ServerConfig is defined below
+        metadata=doc("the HTTP server of serve, and bench-serve's load"),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10]]
 
 
 @pytest.fixture
-def engine() -> Engine:
+def engine() -> Iterator[Engine]:
     with Engine.from_overrides(["backend=cpu"]) as built:
         yield built
 
