@@ -26,6 +26,8 @@ import pluggy
 
 from corelib.backend import Backend
 from corelib.errors import PluginError, one_line
+from corelib.models.registry import Architecture
+from corelib.models.registry import register as register_architecture
 
 PROJECT = "corelib"
 ENTRY_POINT_GROUP = "corelib.backends"
@@ -55,6 +57,15 @@ class BackendHookSpecs:
         Return rule: results of all plugins are collected; a plugin may only ship configs for
         backends it provides. The YAML becomes the option ``backend=<name>`` and is validated
         like the built-in ones.
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def corelib_models(self) -> Sequence[Architecture]:
+        """Return model architectures this plugin adds (``model.architecture=<name>``).
+
+        Return rule: results of all plugins are collected; a name may be taken once (the
+        built-in ``llama``, ``qwen2``, ``qwen3`` and ``hybrid`` included).
         """
         raise NotImplementedError
 
@@ -257,9 +268,12 @@ class PluginRegistry:
                         f"hook corelib_backends returned a {type(backend).__name__}; "
                         "expected instances of corelib.backend.Backend"
                     )
-            if not backends:
-                raise TypeError("it provides no backend (implement the hook corelib_backends)")
+            architectures = [a for result in self._call(record.name, "corelib_models") for a in result]
+            if not backends and not architectures:
+                raise TypeError("it provides no backend and no model (implement corelib_backends or corelib_models)")
             configs = self._configs_of(record.name, [b.name for b in backends])
+            for architecture in architectures:
+                register_architecture(architecture, f"plugin {record.name!r}")
         except BaseException as error:  # noqa: BLE001 - a broken plugin is reported, not fatal
             self._unless_signalled(error)
             record.status = "failed"

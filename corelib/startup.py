@@ -6,7 +6,7 @@ This runs once at the entry point; everything below it receives typed objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -19,7 +19,11 @@ from corelib.features import Plan, evaluate
 from corelib.limits import check_limits, check_memory
 from corelib.models import model_facts
 from corelib.models.hf_config import resolve_checkpoint
+from corelib.ops import OP_NAMES
 from corelib.plugins import PluginRegistry
+
+if TYPE_CHECKING:
+    from corelib.engine.options import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Startup:
     spec: DeviceSpec
     plan: Plan
     messages: tuple[str, ...]
+    options: EngineOptions  # the plan, as the engine uses it
 
 
 def start(raw: DictConfig, registry: PluginRegistry) -> Startup:
@@ -62,7 +67,15 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     check_memory(config, resolution.spec)
     messages.append(resolution.message)
     plan = evaluate(config.features, raw, resolution.spec.capabilities.as_dict(), model_facts(config.model))
-    return Startup(raw, config, backend, resolution.spec, plan, tuple(messages))
+    from corelib.engine.options import EngineOptions  # the engine package imports this module
+
+    provider = backend.op_provider()
+    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider)
+    if options.fused_ops and provider is not None:
+        rest = [op for op in OP_NAMES if op not in options.fused_ops]
+        messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"
+                        + (f"; the reference runs {', '.join(rest)}" if rest else ""))
+    return Startup(raw, config, backend, resolution.spec, plan, tuple(messages), options)
 
 
 def _typed(raw: DictConfig) -> CorelibConfig:

@@ -32,7 +32,6 @@ from corelib.engine.block_manager import BlockManager
 from corelib.engine.build import EngineLayout, ModelFactory, load_model
 from corelib.engine.core import EngineCore
 from corelib.engine.executor import EXECUTORS, InprocExecutor
-from corelib.engine.options import EngineOptions
 from corelib.engine.pipeline import StepPipeline
 from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
@@ -128,9 +127,7 @@ class Engine:
         self.plan: Plan = startup.plan
         cfg = startup.config
         engine_cfg, model_cfg = cfg.engine, cfg.model
-        provider = startup.backend.op_provider()
-        self.options = EngineOptions.from_startup(cfg, self.plan, startup.spec.capabilities,
-                                                  provider.op_names() if provider is not None else ())
+        self.options = startup.options
         self._ids = itertools.count()
         self._closed = False
         self._failure: BaseException | None = None

@@ -15,6 +15,7 @@ from corelib.config import CorelibConfig, Transport
 from corelib.device import Capabilities
 from corelib.engine.sequence import Sequence as Seq
 from corelib.features import Plan, Requirement
+from corelib.ops import OpProvider
 
 
 class Staging(str, enum.Enum):
@@ -54,6 +55,7 @@ class EngineOptions:
     tp: int
     staging: Staging  # how a step's inputs reach the device where the model runs
     fused_ops: tuple[str, ...]  # the ops the backend's provider runs instead of the reference (empty: none)
+    attention_reads_live_blocks_only: bool  # the fused decode attention reads only live blocks: no KV buckets
     compile: bool  # torch.compile the decode layer
     timeout_s: float
     step_check: StepCheck
@@ -63,19 +65,15 @@ class EngineOptions:
         """Steps on the device at once, at most (one token buffer each)."""
         return self.run_ahead + 1
 
-    @property
-    def attention_reads_live_blocks_only(self) -> bool:
-        """Decode attention reads each sequence's live blocks whatever the block-table width."""
-        return "paged_decode_attention" in self.fused_ops
-
     @classmethod
     def from_startup(cls, config: CorelibConfig, plan: Plan, capabilities: Capabilities,
-                     fused_op_names: tuple[str, ...] = ()) -> EngineOptions:
-        """``fused_op_names``: what the backend's op provider offers (used when the fused_ops gate allows)."""
+                     provider: OpProvider | None = None) -> EngineOptions:
+        """``provider``: the backend's op provider (used when the fused_ops gate allows)."""
         engine = config.engine
         async_handoff = plan.is_enabled("async_token_handoff")
         decision = plan.decisions.get("async_token_handoff")
         step_check = StepCheck(decision.step_requirements if decision is not None and async_handoff else ())
+        fused = provider.op_names() if provider is not None and plan.is_enabled("fused_ops") else ()
         return cls(
             graphs=plan.is_enabled("graph"),
             async_handoff=async_handoff,
@@ -83,7 +81,9 @@ class EngineOptions:
             transport=engine.transport,
             tp=engine.tp,
             staging=_staging(engine.transport, plan, capabilities),
-            fused_ops=fused_op_names if plan.is_enabled("fused_ops") else (),
+            fused_ops=fused,
+            attention_reads_live_blocks_only="paged_decode_attention" in fused and provider is not None
+            and provider.live_blocks_only,
             compile=engine.compile,
             timeout_s=engine.timeout_s,
             step_check=step_check,

@@ -146,8 +146,7 @@ class ModelRunner:
 
     def _emit(self, logits: torch.Tensor, rows: int, slots: torch.Tensor, views: dict[str, torch.Tensor],
               sample_positions: torch.Tensor, sampled: bool) -> None:
-        sampling = SamplingInputs(views["temperature"][:rows], views["top_k"][:rows], views["top_p"][:rows],
-                                  views["seeds"][:rows], sample_positions) if sampled else None
+        sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
         tokens = self.ops.sample(logits, sampling)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.

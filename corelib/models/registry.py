@@ -87,7 +87,8 @@ _REGISTERED: dict[str, Architecture] = {variant.name: variant for variant in BUI
 
 def register(architecture: Architecture, source: str) -> None:
     """Add an architecture (from a plugin's ``corelib_models`` hook); a name may be taken once."""
-    if architecture.name in _REGISTERED and _REGISTERED[architecture.name] is not architecture:
+    known = _REGISTERED.get(architecture.name)
+    if known is not None and type(known) is not type(architecture):
         raise ConfigError(f"{source} registers model architecture {architecture.name!r}, which exists already")
     _REGISTERED[architecture.name] = architecture
 

@@ -194,6 +194,7 @@ class MluOps:
     """The ``torch_mlu_ops`` op provider: norms, RoPE, prefill attention and SiLU-and-multiply."""
 
     name = "torch_mlu_ops"
+    live_blocks_only = False  # decode attention stays on the reference, which gathers the whole width
 
     def available(self) -> str | None:
         try:

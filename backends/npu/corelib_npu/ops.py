@@ -242,6 +242,7 @@ class NpuOps:
     """The ``torch_npu`` op provider: every op but sampling, through torch_npu's fused kernels."""
 
     name = "torch_npu"
+    live_blocks_only = False  # lengths are static per graph: every row reads the width it is given, masked
 
     def available(self) -> str | None:
         try:

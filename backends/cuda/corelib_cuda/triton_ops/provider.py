@@ -22,6 +22,7 @@ class TritonOps:
     """Fused CUDA ops written in Triton: launch-light, graph-capturable, block sizes chosen by rule."""
 
     name = "triton"
+    live_blocks_only = True  # the decode kernel splits each sequence's own length (seq_lens) over its programs
 
     def available(self) -> str | None:
         try:
