@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextvars
 import io
 import logging
-import math
 import os
 import threading
 import time
@@ -193,16 +192,6 @@ def reporting(progress: Progress) -> Iterator[Progress]:
         yield progress
     finally:
         _current.reset(token)
-
-
-def size_of(shape: tuple[int, ...], itemsize: int) -> str:
-    """``1.5 GiB``: the bytes a tensor of ``shape`` with ``itemsize``-byte elements takes, for a task's name."""
-    count: float = math.prod(shape) * itemsize
-    for unit in ("B", "KiB", "MiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"
 
 
 def say(console: Console, message: str) -> None:

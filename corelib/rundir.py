@@ -82,12 +82,6 @@ class RunDir:
     def write_metrics(self, metrics: Mapping[str, Any]) -> Path:
         return self._write("metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
-    def write_outputs(self, records: Iterable[RequestRecord]) -> Path:
-        with self.outputs() as writer:
-            for record in records:
-                writer.write(record)
-        return writer.path
-
     def outputs(self) -> OutputsWriter:
         """``outputs.jsonl``, opened for one line per request as each finishes."""
         return OutputsWriter(self.path / "outputs.jsonl")

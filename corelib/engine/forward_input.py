@@ -58,9 +58,6 @@ class InputBuilder:
         lengths = [seq.num_tokens for seq in step.seqs]
         return prefill_layout(sum(lengths), len(lengths), max(lengths))
 
-    def layout_for(self, step: ScheduledStep) -> ArenaLayout:
-        return self.decode if step.kind is StepKind.decode else self.prefill_layout(step)
-
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 

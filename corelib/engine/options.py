@@ -14,7 +14,7 @@ from typing import Any
 from corelib.config import CorelibConfig, Transport
 from corelib.device import Capabilities
 from corelib.engine.sequence import Sequence as Seq
-from corelib.features import Plan, Requirement
+from corelib.features import Plan, Requirement, failing_step_requirements
 from corelib.ops import OpProvider
 
 
@@ -38,10 +38,9 @@ class StepCheck:
         if not self.requirements:
             return []
         facts: list[Mapping[str, Any]] = [
-            {"request": {"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)}}
-            for s in seqs
+            {"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)} for s in seqs
         ]
-        return [r.reason for r in self.requirements if not all(r.holds(f) for f in facts)]
+        return failing_step_requirements(self.requirements, facts)
 
 
 @dataclass(frozen=True)

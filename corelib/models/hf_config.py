@@ -24,10 +24,10 @@ from omegaconf import DictConfig
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.models import registry
 from corelib.models.hub import resolve_model_path
 from corelib.models.llama import DTYPES
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -125,7 +125,7 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     rope_source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     theta_key = f"{rope_source}.rope_theta" if "rope_theta" in rope else "rope_theta"
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
-    arch = ARCHITECTURES[architecture]
+    arch = registry.hf_architecture([architecture]) or architecture
     fields: dict[str, Any] = {
         "architecture": arch,
         "vocab_size": need("vocab_size"),
@@ -152,12 +152,13 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
 
 
 def _architecture(hf: Mapping[str, Any], config_file: Path) -> str:
+    """The first of config.json's ``architectures`` that a registered architecture loads."""
     names = hf.get("architectures") or []
-    supported = ", ".join(ARCHITECTURES)
+    supported = ", ".join(registry.hf_architecture_names())
     if not isinstance(names, list) or not names:
         raise ConfigError(f"{config_file} names no architectures; supported: {supported}")
     for name in names:
-        if name in ARCHITECTURES:
+        if registry.hf_architecture([str(name)]) is not None:
             return str(name)
     raise ConfigError(f"{config_file}: architectures={names} is not supported; supported: {supported}")
 
@@ -171,7 +172,8 @@ def _refuse_unsupported(hf: Mapping[str, Any], architecture: str, config_file: P
         problems.append(f"quantization_config (quant_method={method}): quantized checkpoints are not supported")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']}: only silu is supported")
-    if architecture != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+    variant = registry.hf_architecture([architecture])
+    if variant is not None and not registry.llama_variant(variant).attention_bias and hf.get("attention_bias"):
         problems.append("attention_bias=true: biases on the attention projections are not supported")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true: biases on the MLP projections are not supported")
