@@ -37,7 +37,7 @@ from corelib.errors import ConfigError
 from corelib.plugins import PluginRegistry
 from corelib.progress import say, show
 from corelib.rundir import RunDir
-from corelib.startup import start
+from corelib.startup import Startup, start
 from corelib.workload import Request, arrival_offsets, build_workload
 
 
@@ -51,6 +51,7 @@ class BenchPoint:
     handoff: str
     batch_size: int
     tpot_ms: float
+    ops: str  # who runs the ops: "reference", or the provider's name
     tokens_per_s: float
     occupancy: float | None
     idle_gap_median_us: float | None
@@ -140,7 +141,8 @@ def _overrides(cfg: DictConfig) -> list[str]:
     except ValueError:
         task = []
     return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=", "engine.tp=",
-                                                   "engine.transport=", "engine.shm.materialization="))]
+                                                   "engine.transport=", "engine.shm.materialization=",
+                                                   "engine.fused_ops="))]
 
 
 def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
@@ -165,12 +167,12 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     largest = max(spec.batch_sizes)
     seen: set[tuple[object, ...]] = set()
     devices: list[str] = []
-    for backend, tp, requested, asked, handoff in itertools.product(
-        backends, spec.tp, spec.transport, spec.materialization, spec.handoff
+    for backend, fused, tp, requested, asked, handoff in itertools.product(
+        backends, spec.fused_ops, spec.tp, spec.transport, spec.materialization, spec.handoff
     ):
         transport = "shm" if tp > 1 else requested  # ranks are worker processes fed over shm
         materialization = asked if transport == "shm" else "auto"  # it only matters for shm
-        key = (backend, tp, transport, materialization, handoff)
+        key = (backend, fused, tp, transport, materialization, handoff)
         if key in seen:
             continue
         seen.add(key)
@@ -181,6 +183,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             f"engine.transport={transport}",
             f"engine.shm.materialization={materialization}",
             f"engine.async_token_handoff={handoff}",
+            f"engine.fused_ops={fused}",
             f"engine.max_num_seqs={max(largest, 1)}",
             f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, 256)}",
         ]
@@ -190,9 +193,10 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             say(console, f"bench: skipping {backend or 'default'}/{transport}/{materialization}/{handoff}: {error}")
             continue
         devices.extend(startup.messages)
+        ops = _ops_label(startup)
         with Engine(startup) as engine:
             label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp} {transport} "
-                     f"{engine.materialization} handoff={handoff}")
+                     f"{engine.materialization} handoff={handoff} ops={ops}")
             for batch_size in spec.batch_sizes:
                 _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
                 first_step = engine.core.metrics.num_steps
@@ -211,6 +215,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     handoff="on" if engine.async_handoff else "off",
                     batch_size=batch_size,
                     tpot_ms=tpot,
+                    ops=ops,
                     tokens_per_s=statistics.median(r[1] for r in repeats),
                     occupancy=device["occupancy"],
                     idle_gap_median_us=device["idle_gap_median_us"],
@@ -241,33 +246,40 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     return points
 
 
+def _ops_label(startup: Startup) -> str:
+    fused = startup.options.fused_ops
+    provider = startup.backend.op_provider()
+    return "reference" if not fused or provider is None else provider.name
+
+
 def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Async/sync TPOT at equal everything else, from the same run."""
     out = []
-    index = {(p.backend, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
-    for (backend, tp, transport, materialization, handoff, batch_size), point in index.items():
+    index = {(p.backend, p.ops, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
+    for (backend, ops, tp, transport, materialization, handoff, batch_size), point in index.items():
         if handoff != "on":
             continue
-        sync = index.get((backend, tp, transport, materialization, "off", batch_size))
+        sync = index.get((backend, ops, tp, transport, materialization, "off", batch_size))
         if sync is not None:
-            out.append({"backend": backend, "tp": tp, "transport": transport, "materialization": materialization,
-                        "batch_size": batch_size, "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
+            out.append({"backend": backend, "ops": ops, "tp": tp, "transport": transport,
+                        "materialization": materialization, "batch_size": batch_size,
+                        "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
     return out
 
 
 def bench_table(points: list[BenchPoint]) -> Table:
     table = Table(title="corelib bench (one process, side by side)")
-    for column in ("backend", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy", "gap µs",
-                   "xport µs p50/p99", "async/sync"):
+    for column in ("backend", "ops", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy",
+                   "gap µs", "xport µs p50/p99", "async/sync"):
         table.add_column(column, justify="right")
-    ratio = {(r["backend"], r["tp"], r["transport"], r["materialization"], r["batch_size"]): r["async_over_sync_tpot"]
-             for r in ratios(points)}
+    ratio = {(r["backend"], r["ops"], r["tp"], r["transport"], r["materialization"], r["batch_size"]):
+             r["async_over_sync_tpot"] for r in ratios(points)}
     for p in points:
-        key = (p.backend, p.tp, p.transport, p.materialization, p.batch_size)
+        key = (p.backend, p.ops, p.tp, p.transport, p.materialization, p.batch_size)
         r = ratio.get(key) if p.handoff == "on" else None
         xport = "-" if p.transport_us_p50 is None else f"{p.transport_us_p50:.0f}/{p.transport_us_p99 or 0:.0f}"
         table.add_row(
-            f"{p.backend}/{p.runtime}", str(p.tp), p.transport, p.materialization, p.handoff, str(p.batch_size),
+            f"{p.backend}/{p.runtime}", p.ops, str(p.tp), p.transport, p.materialization, p.handoff, str(p.batch_size),
             f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
             "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
             "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",

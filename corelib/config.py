@@ -323,6 +323,9 @@ class BenchConfig:
     materialization: list[str] = field(
         default_factory=lambda: ["auto"], metadata=doc("auto, early and/or ordered (shm only)")
     )
+    fused_ops: list[str] = field(
+        default_factory=lambda: ["auto"], metadata=doc("fused_ops modes compared (auto, on, off): fused vs reference")
+    )
     backends: list[str] = field(default_factory=list, metadata=doc("backends to sweep; empty: the selected one"))
     tp: list[int] = field(
         default_factory=lambda: [1], metadata=doc("tensor-parallel ranks to sweep; tp > 1 always runs over shm")
