@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from corelib.models.llama import LayerWeights, ModelShape, ModelWeights
 from corelib.models.rope import inv_freq
@@ -27,9 +28,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # nn.Linear: x @ W^T + b
-    out = x @ weight.t()
-    return out if bias is None else out + bias
+    return F.linear(x, weight, bias)  # nn.Linear: x @ W^T + b
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:

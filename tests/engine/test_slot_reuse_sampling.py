@@ -9,6 +9,8 @@ left behind by the slot's previous owner (or never written) show up as a differe
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from support import EngineFactory, reference_sampled, seeded_weights
 
@@ -17,9 +19,11 @@ from corelib.models.reference import reference_generate
 
 PROMPT = [17, 4, 250, 31, 9, 77]
 OTHER_PROMPT = [3, 141, 59, 26]
-MAX_TOKENS = 24
+LONG_PROMPT = [5, 6, 7]
+MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.3, top_k=40, top_p=0.9, seed=1234, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
 
 NPU = ["backend=npu", "backend.emulator.chaos=0.2"]
 TARGETS = [
@@ -29,22 +33,31 @@ TARGETS = [
 ]
 
 
+@functools.cache
+def reference(prompt: tuple[int, ...], sampling: SamplingParams) -> list[int]:
+    """The plain reference's tokens for one request (every target runs the default model)."""
+    weights = seeded_weights([])
+    if sampling.temperature == 0:
+        return reference_generate(weights, prompt, sampling.max_tokens)
+    return reference_sampled(weights, prompt, sampling)
+
+
+def test_the_sampled_settings_change_the_decode_steps() -> None:
+    # The prefill samples from the request itself; only decode steps read the slot's settings.
+    # Sampling must change the tokens there too, or a slot left greedy would go unseen.
+    sampled = reference(tuple(PROMPT), SAMPLED)
+    assert sampled != reference(tuple(PROMPT), GREEDY)
+    after_first = SamplingParams(max_tokens=MAX_TOKENS - 1, ignore_eos=True)
+    assert sampled[1:] != reference((*PROMPT, sampled[0]), after_first)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_sampled_request_in_a_slot_a_greedy_one_held(make_engine: EngineFactory, target: list[str]) -> None:
     overrides = [*target, "engine.max_num_seqs=1"]
     reused = make_engine(overrides).generate([OTHER_PROMPT, PROMPT], [GREEDY, SAMPLED])
     alone = make_engine(overrides).generate([PROMPT], [SAMPLED])[0]
-    weights = seeded_weights(overrides)
-    expected = reference_sampled(weights, PROMPT, SAMPLED)
-    greedy = reference_generate(weights, PROMPT, MAX_TOKENS)
-
-    assert expected != greedy, "the sampled settings were meant to change the tokens"
-    # The prefill samples from the request itself; only decode steps read the slot's settings.
-    # Sampling there must change the tokens too, or a slot left greedy would go unseen.
-    assert expected[1:] != reference_generate(weights, [*PROMPT, expected[0]], MAX_TOKENS - 1), (
-        "the sampled settings were meant to change the decode steps, not only the first token"
-    )
-    assert reused[0].output_token_ids == reference_generate(weights, OTHER_PROMPT, MAX_TOKENS)
+    expected = reference(tuple(PROMPT), SAMPLED)
+    assert reused[0].output_token_ids == reference(tuple(OTHER_PROMPT), GREEDY)
     assert alone.output_token_ids == expected, "a sampled request in a fresh engine did not sample its own settings"
     assert reused[1].output_token_ids == expected, (
         "a sampled request in a slot a greedy request held decoded with the old owner's settings"
@@ -56,13 +69,10 @@ def test_a_greedy_request_in_a_slot_a_sampled_one_held(make_engine: EngineFactor
     # Two slots: a short sampled request leaves slot 0 to the greedy one while a long sampled
     # request keeps decoding, so the greedy request shares sampled decode steps, where each
     # row's own temperature decides (a batch of greedy requests alone never samples at all).
-    short = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
-    overrides = [*target, "engine.max_num_seqs=2"]
-    engine = make_engine(overrides)
-    first, long, greedy = engine.generate([OTHER_PROMPT, [5, 6, 7], PROMPT], [short, SAMPLED, GREEDY])
-    weights = seeded_weights(overrides)
-    assert first.output_token_ids == reference_sampled(weights, OTHER_PROMPT, short)
-    assert long.output_token_ids == reference_sampled(weights, [5, 6, 7], SAMPLED)
-    assert greedy.output_token_ids == reference_generate(weights, PROMPT, MAX_TOKENS), (
+    engine = make_engine([*target, "engine.max_num_seqs=2"])
+    first, long, greedy = engine.generate([OTHER_PROMPT, LONG_PROMPT, PROMPT], [SHORT, SAMPLED, GREEDY])
+    assert first.output_token_ids == reference(tuple(OTHER_PROMPT), SHORT)
+    assert long.output_token_ids == reference(tuple(LONG_PROMPT), SAMPLED)
+    assert greedy.output_token_ids == reference(tuple(PROMPT), GREEDY), (
         "a greedy request in a slot a sampled request held sampled with the old owner's settings"
     )

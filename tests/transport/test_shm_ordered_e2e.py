@@ -5,9 +5,10 @@ under chaos. Ordered materialization copies each frame into a snapshot the step 
 the ring slot is given back, so the producer may rewrite the slot at once. Without the
 snapshot the late copy reads whatever the scheduler wrote into the slot next.
 
-The scheduler keeps at most two steps in flight and reads a step's tokens before writing
-the step after next, so with two ring slots a step's slot is reused only once its step is
-done; the race needs a frame between two steps. Two ways a real run gets one, each tested:
+Running one step ahead, the scheduler has at most two steps in flight and reads a step's
+tokens before writing the step after next, so with two ring slots a step's slot is reused
+only once its step is done; the race needs a frame between two steps. Two ways a real run
+gets one, each tested:
 
 - ``engine.memory_stats()`` between steps (how a server samples memory while requests run):
   each such frame shifts the ring by one, so the next step lands in the slot of the step
