@@ -38,6 +38,14 @@ class Materialization(str, enum.Enum):
     ordered = "ordered"
 
 
+class WeightInit(str, enum.Enum):
+    """Where random weights are generated: decided by the model's size, on the CPU, or on the model's device."""
+
+    auto = "auto"
+    cpu = "cpu"
+    device = "device"
+
+
 class Transport(str, enum.Enum):
     """How scheduled steps reach the model: in this process, or through a shared-memory ring."""
 
@@ -128,6 +136,14 @@ class ModelConfig:
         metadata=doc("float32, bfloat16, float16, or auto: the checkpoint's dtype (float32 without one)"),
     )
     seed: int = field(default=0, metadata=doc("seed of the random weights"))
+    init: WeightInit = field(
+        default=WeightInit.auto,
+        metadata=doc(
+            "random weights: cpu (one float32 stream, the same on every device), device (each tensor "
+            "on the model's device from a generator seeded by seed and its name: fast), auto: cpu up "
+            "to 1 B parameters, device above"
+        ),
+    )
     eos_token_id: int = field(default=1, metadata=doc("end-of-sequence token id; -1: none"))
     extra_eos_token_ids: list[int] = field(
         default_factory=list, metadata=doc("more ids that end a request like eos_token_id")
@@ -207,6 +223,13 @@ class EngineConfig:
         default=None, metadata=doc("not implemented; the gates refuse async handoff with one")
     )
     tp: int = field(default=1, metadata=doc("tensor-parallel ranks (needs transport=shm)"))
+    fast_allreduce: Mode = field(
+        default=Mode.auto,
+        metadata=doc(
+            "tensor parallelism: small all-reduces through device symmetric memory (one kernel, "
+            "inside the graphs) instead of the collective library"
+        ),
+    )
     timeout_s: float = field(
         default=60.0, metadata=doc("longest any wait may take before it fails naming what it waited for")
     )

@@ -11,7 +11,8 @@ rewrites ``os.environ`` could otherwise hand a worker a ``PYTHONPATH`` with an a
 - its environment is the one this process had when corelib was imported, minus ``PYTHON*``;
   only variables that choose devices, ranks, threads or corelib's own switches follow the
   current environment (a test arming ``CORELIB_FAULTS``, torchrun's ``MASTER_PORT``): none of
-  them can make a process load code.
+  them can make a process load code;
+- multicast collectives are switched off (:data:`NO_MULTICAST`), whatever the environment says.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ RUNTIME_PREFIXES = ("CORELIB_",)
 # environment should not suggest otherwise.
 DROPPED_PREFIXES = ("PYTHON",)
 
+# Multicast (NVLink SHARP) collectives can take down GPUs that other jobs share, and no corelib
+# path needs them: NCCL, torch's symmetric memory and NVSHMEM each get their switch turned off.
+# Variables of libraries a device does not load are inert.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 # Runs in the worker: take the path and the module from argv, then run the module as __main__.
 _BOOT = (
     "import runpy, sys; "
@@ -48,7 +54,10 @@ def _is_runtime(name: str) -> bool:
 
 
 def worker_environment() -> dict[str, str]:
-    """The environment of a worker: this process's at start, plus the runtime variables as they are now."""
+    """The environment of a worker: this process's at start, plus the runtime variables as they are now.
+
+    Multicast stays off (:data:`NO_MULTICAST`) even where the environment switches it on.
+    """
     env: dict[str, str] = {}
     for name in sorted({*_STARTUP_ENVIRONMENT, *os.environ}):
         if name.startswith(DROPPED_PREFIXES):
@@ -56,6 +65,7 @@ def worker_environment() -> dict[str, str]:
         value = os.environ.get(name) if _is_runtime(name) else _STARTUP_ENVIRONMENT.get(name)
         if value is not None:
             env[name] = value
+    env.update(NO_MULTICAST)
     return env
 
 

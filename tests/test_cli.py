@@ -45,9 +45,12 @@ def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     assert plan["backend"] == "npu"
     assert plan["runtime"] == "emulated"
     assert plan["capabilities"]["pageable_h2d_is_staged"] is False
-    assert set(plan["features"]) == {"graph", "async_token_handoff", "shm_ordered_materialization", "fused_ops"}
-    assert all(plan["features"][name]["enabled"] for name in plan["features"] if name != "fused_ops")
+    assert set(plan["features"]) == {"graph", "async_token_handoff", "shm_ordered_materialization", "fused_ops",
+                                     "fast_allreduce"}
+    off = {"fused_ops", "fast_allreduce"}
+    assert all(plan["features"][name]["enabled"] for name in plan["features"] if name not in off)
     assert not plan["features"]["fused_ops"]["enabled"], "the emulator runs the reference ops"
+    assert not plan["features"]["fast_allreduce"]["enabled"], "one rank has nothing to all-reduce"
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ class EngineOptions:
     run_ahead: int  # steps the scheduler may submit beyond the one it reads next (0: synchronous)
     transport: Transport
     tp: int
+    fast_allreduce: bool  # small tensor-parallel all-reduces through symmetric memory (corelib.engine.parallel)
     staging: Staging  # how a step's inputs reach the device where the model runs
     fused_ops: tuple[str, ...]  # the ops the backend's provider runs instead of the reference (empty: none)
     attention_reads_live_blocks_only: bool  # the fused decode attention reads only live blocks: no KV buckets
@@ -79,6 +80,7 @@ class EngineOptions:
             run_ahead=engine.run_ahead if async_handoff else 0,
             transport=engine.transport,
             tp=engine.tp,
+            fast_allreduce=plan.is_enabled("fast_allreduce"),
             staging=_staging(engine.transport, plan, capabilities),
             fused_ops=fused,
             attention_reads_live_blocks_only="paged_decode_attention" in fused and provider is not None
