@@ -64,3 +64,15 @@ def test_a_pool_beyond_host_memory_is_refused_where_the_device_is_the_host(
             limits.check_memory(cfg, spec)
     limits.check_memory(cfg, DeviceSpec("cuda", Runtime.native, Capabilities()))  # the device's own memory: its call
     limits.check_memory(config("engine.num_kv_blocks=1000"), emulated)
+
+
+def test_llama_8b_over_two_native_gpus_is_not_refused_for_the_host_memory_it_never_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_machine(tmp_path, monkeypatch, available_gib=8, cgroup_gib=None)  # less than the 15 GiB of weights
+    cfg = config("model=llama-8b", "engine.transport=shm", "engine.tp=2")
+    assert limits.weight_bytes(cfg) == 8_030_261_248 * 2
+    limits.check_memory(cfg, DeviceSpec("cuda", Runtime.native, Capabilities(symmetric_memory=True)))
+    with pytest.raises(ConfigError, match=r"the weights need 15\.0 GiB .* but 8\.0 GiB of host memory"):
+        limits.check_memory(config("model=llama-8b", "engine.num_kv_blocks=8"),
+                            DeviceSpec("cuda", Runtime.emulated, Capabilities()))
