@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 from collections.abc import Callable
@@ -41,7 +43,9 @@ def _rank(rank: int, port: int, failing_rank: int, results: Any) -> None:
 
     os.environ.pop("NCCL_NVLS_ENABLE", None)
     device = PluginRegistry().get("cpu").open(DeviceSpec("cpu", Runtime.native, CPU_CLAIMING_SYMMETRIC))
-    all_reduce = init_group(device, rank, 2, "127.0.0.1", port, 30.0, fast_allreduce=True)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        all_reduce = init_group(device, rank, 2, "127.0.0.1", port, 30.0, fast_allreduce=True)
     summed = all_reduce(torch.full((3, 4), float(rank + 1)))  # 1 + 2 on every rank
 
     def create(device: torch.device, collective: AllReduce) -> AllReduce:
@@ -54,6 +58,7 @@ def _rank(rank: int, port: int, failing_rank: int, results: Any) -> None:
     results.put({
         "rank": rank,
         "init_group_sum": summed.tolist(),
+        "init_group_stderr": said.getvalue(),
         "chosen": type(chosen).__name__,
         "routed": routed.tolist(),
         "environment": {name: os.environ.get(name) for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",

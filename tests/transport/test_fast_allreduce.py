@@ -177,6 +177,7 @@ def two_ranks_both_ready() -> dict[int, dict[str, Any]]:
 def test_over_gloo_init_group_keeps_the_collective_and_sums(two_ranks_one_failing: dict[int, dict[str, Any]]) -> None:
     for rank in (0, 1):
         assert two_ranks_one_failing[rank]["init_group_sum"] == [[3.0] * 4] * 3
+        assert two_ranks_one_failing[rank]["init_group_stderr"] == "", "host memory has no peers to try mapping"
 
 
 @pytest.mark.slow
@@ -245,3 +246,20 @@ def test_the_cuda_probe_narrows_symmetric_memory_where_torch_lacks_it(monkeypatc
     monkeypatch.setattr(torch.ops, "symm_mem", OldOps())
     assert symmetric_memory_missing() == f"torch {torch.__version__} lacks torch.ops.symm_mem.two_shot_all_reduce_"
     assert CUDABackend()._narrow(None) == {"symmetric_memory": False}
+
+
+@pytest.mark.parametrize(("dtype", "enabled"), [("bfloat16", True), ("float32", True), ("float16", False)])
+def test_the_gate_enables_symmetric_memory_only_for_the_dtypes_its_kernels_sum(dtype: str, enabled: bool) -> None:
+    from omegaconf import OmegaConf
+
+    from corelib.features import evaluate
+    from corelib.models import model_facts
+
+    cfg = compose_config(["backend=npu", "engine.transport=shm", "engine.tp=2", f"model.dtype={dtype}"])
+    capabilities = {**OmegaConf.to_container(cfg.backend.capabilities), "symmetric_memory": True}  # type: ignore[dict-item]
+    typed = OmegaConf.to_object(cfg)
+    plan = evaluate(cfg.features, cfg, capabilities, model_facts(typed.model))  # type: ignore[union-attr]
+    decision = plan.decisions["fast_allreduce"]
+    assert decision.enabled is enabled, decision.reasons
+    if not enabled:
+        assert decision.reasons == ("the symmetric-memory kernels sum bfloat16 and float32 only (model.dtype)",)
