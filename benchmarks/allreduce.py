@@ -183,6 +183,9 @@ def main() -> None:
     print(f"{report['device']} x2, torch {report['torch']}, CUDA {report['cuda']}")
     for line in table(report):
         print(line)
+    for row in report["rows"]:  # one line each, in the form benchmarks/h200.sh collects
+        print(f"all-reduce per decode step, tp=2, {row['model']} batch {row['batch']}: {row['ms_per_step']:.3f} ms "
+              f"({2 * row['layers']} all-reduces, {row['path']} {row['route']}, {row['mode']})")
     for note in report["notes"]:
         print(f"note: {note}")
     if args.out:

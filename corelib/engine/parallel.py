@@ -188,6 +188,10 @@ class SymmetricAllReduce:
         self._copy_in_kernel = hasattr(ops, "one_shot_all_reduce_copy_out")
         self.calls = {r: 0 for r in Route}  # per route, for tests and benchmarks
         self.handle: object = None  # the rendezvous handle: the peers' mappings live as long as it
+        # Under engine.compile the decode layer is compiled with this call inside: run it eagerly
+        # (a graph break each) rather than have the compiler trace buffer views and these ops.
+        disable: Any = getattr(getattr(torch, "compiler", None), "disable", None)
+        self._run: AllReduce = disable(self._all_reduce) if disable is not None else self._all_reduce
 
     @classmethod
     def create(cls, device: torch.device, fallback: AllReduce,
@@ -220,6 +224,9 @@ class SymmetricAllReduce:
         return route(tensor, self.buffer_bytes, self._one_shot_max_bytes)
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._run(tensor)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         chosen = self.route(tensor)
         self.calls[chosen] += 1
         if chosen is Route.collective:
