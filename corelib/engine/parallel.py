@@ -31,12 +31,13 @@ from corelib.isolation import NO_MULTICAST
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 # One kernel copies the input in, waits for the peers, reads and sums their copies: the fewest
-# steps, and every rank reads world x bytes, so it is for small messages. vLLM's custom
-# all-reduce takes the one-shot path up to 512 KiB on 2 to 4 ranks; a decode step of up to 64
-# sequences at hidden 4096 in bfloat16 is that size.
+# steps, but every rank reads world x bytes, so it is for small messages. vLLM's custom
+# all-reduce takes its one-shot kernel below 512 KiB on up to 4 ranks (always on 2); a decode
+# step of 64 sequences at hidden 4096 in bfloat16 is 512 KiB.
 ONE_SHOT_MAX_BYTES = 512 * 1024
 # Up to this, two-shot (each rank sums its share and writes it to every peer) through the buffer,
-# copied in and out; above it (long prefills), the collective library's bandwidth wins anyway.
+# copied in and out: prefills of up to 1024 tokens at hidden 4096. Longer ones, a step or two
+# per request, take the collective library rather than a larger buffer on every device.
 SYMMETRIC_BUFFER_BYTES = 8 * 1024 * 1024
 # The symmetric-memory kernels sum these dtypes (CUDASymmetricMemoryOps.cu dispatches no others).
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
