@@ -58,7 +58,7 @@ bench() {  # bench NAME CAP overrides...
   part "$name" "$cap" python3 -m corelib bench backend=cuda backend.runtime=native model=llama-8b \
     model.max_model_len=1024 "bench.transport=[shm]" "bench.handoff=[on]" "bench.materialization=[auto]" \
     "bench.batch_sizes=[1,32]" bench.prompt_len=32 bench.output_len=64 bench.warmup_steps=8 bench.repeats=2 \
-    "engine.graph_batch_sizes=[1,32]" engine.fused_ops=auto "$@" hydra.run.dir="$out/$name"
+    "bench.fused_ops=[auto]" "engine.graph_batch_sizes=[1,32]" "$@" hydra.run.dir="$out/$name"
   grep -h "bench: skipping" "$out/$name.log" >>"$summary" || true  # bench skips a refused point and goes on
 }
 

@@ -209,8 +209,7 @@ def test_a_worker_starts_with_multicast_off_whatever_the_environment_says(monkey
 
 
 def _options(overrides: list[str]) -> EngineOptions:
-    startup = start(compose_config(overrides), PluginRegistry())
-    return EngineOptions.from_startup(startup.config, startup.plan, startup.spec.capabilities)
+    return start(compose_config(overrides), PluginRegistry()).options
 
 
 def test_the_options_carry_the_gate_decision() -> None:
