@@ -143,14 +143,16 @@ def local_weights(engine: Engine) -> ModelWeights:
 def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
     """The seeded random weights an engine built with ``overrides`` runs, on the CPU, for the reference.
 
-    Built from the model config alone (Hugging Face tensors from ``random_state_dict``), not
-    taken from an engine, so a test needs nothing of the engine's insides.
+    Built from the model config alone, not taken from an engine, so a test needs nothing of the
+    engine's insides: Hugging Face tensors from ``random_state_dict``, or drawn tensor by tensor
+    where ``model.init`` says so (``corelib.models.random_init``; the CPU is the device here).
     """
     import torch
     from omegaconf import OmegaConf
 
     from corelib.compose import compose_config
     from corelib.config import CorelibConfig
+    from corelib.models import random_init
     from corelib.models.llama import ModelShape, build_weights, random_state_dict
 
     config = OmegaConf.to_object(compose_config(list(overrides)))
@@ -158,6 +160,8 @@ def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
     if config.model.path:
         raise ValueError("seeded_weights builds random weights; this config names a checkpoint (model.path)")
     shape = ModelShape.from_config(config.model)
+    if random_init.init_on_device(config.model, shape):
+        return random_init.seeded_weights(shape, config.model.seed, torch.device("cpu"))
     return build_weights(shape, random_state_dict(shape, config.model.seed), torch.device("cpu"))
 
 

@@ -2,9 +2,9 @@
 
 tests/test_features.py derives its cases from the YAML it tests, so a requirement deleted from
 ``conf/features/`` takes its own test with it. Here the lists are literal: deleting, loosening
-or re-scoping any requirement of these three gates fails a test, and so does a requirement
-that stops changing the plan when its fact fails. Gates other than these three (added later
-as YAML) are left alone.
+or re-scoping any requirement of these gates fails a test, and so does a requirement that
+stops changing the plan when its fact fails. Gates not listed here (added later as YAML) are
+left alone.
 """
 
 from __future__ import annotations
@@ -53,16 +53,25 @@ EXPECTED: dict[str, set[Requirement]] = {
         ("features.async_token_handoff", "eq", True, "start", True),
         ("capabilities.pageable_h2d_is_staged", "eq", False, "start", True),
     },
+    "fast_allreduce": {
+        ("config.engine.tp", "ge", 2, "start", False),
+        ("capabilities.symmetric_memory", "eq", True, "start", False),
+        ("config.model.dtype", "in", ("bfloat16", "float32", "auto"), "start", False),
+        ("features.graph", "eq", True, "start", True),
+    },
 }
 
-# Where every start requirement of the three gates holds: the npu profile over SHM.
-BASE = ("backend=npu", "engine.transport=shm")
+# Where every start requirement of these gates holds: the npu profile over SHM with two ranks,
+# and symmetric memory, which the npu profile lacks.
+BASE = ("backend=npu", "engine.transport=shm", "engine.tp=2")
+BASE_CAPABILITIES = {"symmetric_memory": True}
 
 # The setting that switches each gate on (refuse when a requirement fails).
 ON = {
     "graph": "engine.graph=on",
     "async_token_handoff": "engine.async_token_handoff=on",
     "shm_ordered_materialization": "engine.shm.materialization=ordered",
+    "fast_allreduce": "engine.fast_allreduce=on",
 }
 
 
@@ -93,6 +102,9 @@ FAILING: dict[str, Failing] = {
     "config.engine.transport": Failing(overrides=("engine.transport=inproc",)),
     "model.device_decode_inputs": Failing(model={"device_decode_inputs": False}),
     "model.recurrent_state": Failing(overrides=("model=hybrid-tiny",)),
+    "config.engine.tp": Failing(overrides=("engine.tp=1",)),
+    "capabilities.symmetric_memory": Failing(capabilities={"symmetric_memory": False}),
+    "config.model.dtype": Failing(overrides=("model.dtype=float16",)),
 }
 
 # Per-step facts: one request of the batch with exactly this fact failing.
@@ -122,7 +134,9 @@ def _loaded(gate: str) -> DictConfig:
 def _as_tuple(requirement: DictConfig) -> Requirement:
     value = OmegaConf.to_container(requirement, enum_to_str=True)
     assert isinstance(value, dict), "a requirement composes to a mapping"
-    return (value["fact"], value["op"], value["value"], value["scope"], value["auto_only"])
+    listed = value["value"]  # a list value (op in) compares as a tuple: requirements live in sets
+    return (value["fact"], value["op"], tuple(listed) if isinstance(listed, list) else listed, value["scope"],
+            value["auto_only"])
 
 
 def _reason(gate: str, fact: str) -> str:
@@ -138,7 +152,8 @@ def _plan(failing: Failing, *overrides: str) -> Plan:
     assert isinstance(typed, CorelibConfig), "the composed config must follow the schema"
     declared = OmegaConf.to_container(cfg.backend.capabilities)
     assert isinstance(declared, dict), "backend.capabilities composes to a mapping"
-    capabilities = {**{str(name): value for name, value in declared.items()}, **failing.capabilities}
+    capabilities = {**{str(name): value for name, value in declared.items()}, **BASE_CAPABILITIES,
+                    **failing.capabilities}
     facts = {**model_facts(typed.model), **failing.model}
     return evaluate(cfg.features, cfg, capabilities, facts)
 

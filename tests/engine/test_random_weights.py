@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import support
 import torch
 from omegaconf import OmegaConf
 from support import EngineFactory, local_weights
@@ -123,11 +124,14 @@ def test_model_init_chooses_the_weights_the_engine_builds() -> None:
 
 
 def test_an_engine_on_device_drawn_weights_matches_the_reference(make_engine: EngineFactory) -> None:
-    engine = make_engine(["backend=cpu", "model.init=device"])
+    overrides = ["backend=cpu", "model.init=device"]
+    engine = make_engine(overrides)
+    reference = support.seeded_weights(overrides)  # from the config alone, as the reference tests build it
+    assert torch.equal(reference.embed, local_weights(engine).embed)
     prompts = [[5, 6, 7], list(range(10, 30))]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.output_token_ids == reference_generate(local_weights(engine), prompt, 8)
+        assert out.output_token_ids == reference_generate(reference, prompt, 8)
 
 
 @pytest.mark.slow
