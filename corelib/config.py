@@ -455,4 +455,6 @@ class ServerConfig:
     )
     log_level: LogLevel = field(default=LogLevel.info, metadata=doc("uvicorn's log level"))
     access_log: bool = field(default=False, metadata=doc("one log line per HTTP request"))
-    bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)
+    bench: ServeBenchConfig = field(
+        default_factory=ServeBenchConfig, metadata=doc("the load bench-serve puts on a running server")
+    )
