@@ -68,10 +68,13 @@ def test_stopping_lets_a_running_request_finish_within_the_grace_period(override
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(overrides: list[str], stream: bool) -> None:
+def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(
+    overrides: list[str], stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = {"prompt": [0, 5, 6], "max_tokens": 40, "ignore_eos": True, "stream": stream}
-    with faults.injected("forward@8"), start_in_thread([*overrides, "engine.timeout_s=5"],
-                                                       ServerConfig(port=0, log_level=LogLevel.warning)) as running:
+    monkeypatch.setenv(faults.ENV, "forward@8")  # read by the engine process when it starts
+    config = ServerConfig(port=0, log_level=LogLevel.warning)
+    with start_in_thread([*overrides, "engine.timeout_s=5"], config) as running:
         with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=30) as response:
             status, lines = response.status_code, list(response.iter_lines())
         if stream:
