@@ -8,6 +8,7 @@ need ``Authorization: Bearer KEY`` when an API key is set), ``GET /health`` and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from corelib.server.inputs import Prepared, prepare_chat, prepare_completion
 from corelib.server.messages import Final
 from corelib.server.metrics import ServerMetrics
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
-from corelib.server.responses import Formatter, failure
+from corelib.server.responses import DONE, Formatter, event, failure
 
 log = logging.getLogger("corelib.server")
 
@@ -69,8 +70,10 @@ class EventStream(Response):
         send = scope.get(RAW_SEND, send)
         call, formatter = self._call, self._formatter
         watcher = asyncio.ensure_future(_watch(receive, call))
+        started = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
             body, done = formatter.start(call.ids), False
             while not done:
                 batch = await call.take()
@@ -83,6 +86,14 @@ class EventStream(Response):
                     body = b""
         except OSError:
             pass  # the connection broke while writing: the client is gone
+        except Exception as error:
+            if not started:
+                raise  # the middleware answers 500
+            # Past the headers only the stream can say it: an error event, then the end.
+            log.error("a stream failed: %s", one_line(error), exc_info=error)
+            problem = ApiError(500, f"internal error: {one_line(error)}", "server_error")
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": event(problem.body()) + DONE, "more_body": False})
         finally:
             watcher.cancel()
             call.abort_unfinished()

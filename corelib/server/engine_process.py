@@ -82,6 +82,7 @@ class EngineProcess:
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
+        self._build_failed = False
         command_read, self._command_fd = os.pipe()
         self._frame_fd, frame_write = os.pipe()
         for fd in (command_read, frame_write):
@@ -115,11 +116,28 @@ class EngineProcess:
     def start(self) -> EngineFacts:
         """Wait (bounded) until the engine is built; its build error is raised here, the process stopped."""
         try:
-            facts = self._await_ready()
+            return self._await_ready()
         except BaseException:
-            self.stop()
+            # A build that failed ends its process on its own; one still building (Ctrl-C, a
+            # timeout) would only read a Stop once built, and has nothing to drain: kill it.
+            self._abandon(wait_s=10.0 if self._build_failed else 0.0)
             raise
-        return facts
+
+    def _abandon(self, wait_s: float) -> None:
+        self._stopped = True
+        self._commands.put(None)
+        try:
+            self.process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        self._pump.join(5.0)
+        for fd in (self._command_fd, self._frame_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _await_ready(self) -> EngineFacts:
         deadline = time.monotonic() + self._startup_timeout_s
@@ -137,6 +155,7 @@ class EngineProcess:
                                    "says why")
             for message in self._decoder.feed(data):
                 if isinstance(message, Failed):
+                    self._build_failed = True
                     raise message.error
                 if isinstance(message, Ready):
                     return message.facts
@@ -214,10 +233,7 @@ class EngineProcess:
             if self._loop is not None and not self._loop.is_closed():
                 with contextlib.suppress(Exception):  # the loop may be another thread's, or stopping
                     self._loop.remove_reader(self._frame_fd)
-            self._pump.join(5.0)
-            for fd in (self._command_fd, self._frame_fd):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self._close_pipes()
         code = self.process.returncode
         if running and code != 0:
             raise CorelibError(f"{self.name} {_exit_status(code)} while stopping; its output above says why")

@@ -36,6 +36,7 @@ from rich.table import Table
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
 from corelib.rundir import RunDir
+from corelib.server.sse_client import ResponseError, SseClient
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")
@@ -150,36 +151,39 @@ def _read_dataset(path: Path) -> list[Prompt]:
 
 
 class Client:
+    """Streams through :class:`~corelib.server.sse_client.SseClient` (cheap per event); the rest through httpx."""
+
     def __init__(self, spec: ServeBenchConfig) -> None:
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        self.http = httpx.AsyncClient(base_url=spec.url.rstrip("/"), headers=headers, limits=limits,
+        self.http = httpx.AsyncClient(base_url=spec.url.rstrip("/"), headers=headers,
                                       timeout=httpx.Timeout(spec.timeout_s, connect=30.0))
+        self.sse = SseClient(spec.url, headers, spec.timeout_s, connect_timeout_s=30.0)
         self.path = "/v1/chat/completions" if spec.endpoint is Endpoint.chat else "/v1/completions"
         self.output_len = spec.output_len
+
+    async def aclose(self) -> None:
+        await self.sse.aclose()
+        await self.http.aclose()
 
     async def request(self, payload: dict[str, object], hang_up: int | None) -> Outcome:
         outcome = Outcome()
         sent = time.perf_counter()
         first = last = None
         try:
-            async with self.http.stream("POST", self.path, json=payload) as response:
-                if response.status_code != 200:
-                    body = (await response.aread()).decode(errors="replace")
-                    refused = response.status_code in (429, 503)
+            async with self.sse.post(self.path, payload) as response:
+                if response.status != 200:
+                    body = (await response.read()).decode(errors="replace")
+                    refused = response.status in (429, 503)
                     outcome.status = "refused" if refused else "failed"
-                    outcome.error = f"HTTP {response.status_code}: {_message(body)}"
+                    outcome.error = f"HTTP {response.status}: {_message(body)}"
                     return outcome
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: "):]
-                    if data == "[DONE]":
+                async for data in response.events():
+                    if data == b"[DONE]":
                         outcome.done_markers += 1
                         continue
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        outcome.error = _message(data)
+                        outcome.error = _message(data.decode(errors="replace"))
                         continue
                     if chunk.get("usage"):
                         outcome.completion_tokens = int(chunk["usage"]["completion_tokens"])
@@ -195,7 +199,7 @@ class Client:
                     if hang_up is not None and outcome.pieces >= hang_up:
                         outcome.status = "disconnected"
                         return outcome  # leaving the block closes the connection mid-stream
-        except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
+        except (ResponseError, json.JSONDecodeError, OSError, TimeoutError) as error:
             outcome.status, outcome.error = "failed", f"{type(error).__name__}: {error}"
             return outcome
         outcome.latency_s = time.perf_counter() - sent
@@ -343,7 +347,7 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
                 sampler.cancel()
         after, waited = await _settle(client, spec.settle_s)
     finally:
-        await client.http.aclose()
+        await client.aclose()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
