@@ -143,14 +143,15 @@ class RunningServer:
         self.stop()
 
 
-def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None, api_key: str | None = None,
-                    placement: Placement = "process") -> RunningServer:
-    """Build an engine from overrides and serve it on a background thread (``server.port=0``: a free port)."""
+def start_in_thread(engine: Sequence[str] | EngineRecipe, server: ServerConfig | None = None,
+                    api_key: str | None = None, placement: Placement = "process") -> RunningServer:
+    """Serve an engine (overrides, or a recipe) on a background thread (``server.port=0``: a free port)."""
     server = server or ServerConfig(port=0)
     check_server(server)
+    recipe = engine if isinstance(engine, EngineRecipe) else EngineRecipe.of_overrides(engine)
     sock = bind(server.host, server.port)
     try:
-        state = build_state(EngineRecipe.of_overrides(overrides), server, api_key, placement)
+        state = build_state(recipe, server, api_key, placement)
     except BaseException:
         sock.close()
         raise
