@@ -97,7 +97,7 @@ def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(
 @pytest.mark.parametrize(("stop", "code", "said"), [
     ("sigterm", 128 + signal.SIGTERM, "corelib: terminated (SIGTERM)"),  # a service manager: the main process
     ("ctrl-c", 130, "corelib: interrupted"),  # a terminal: the whole group, the engine process too
-])
+], ids=["sigterm", "ctrl-c"])
 def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_process(
     tmp_path: Path, stop: str, code: int, said: str
 ) -> None:
