@@ -21,6 +21,7 @@ from corelib.errors import CorelibError
 from corelib.server.sse_client import ResponseError, SseClient
 
 TPOT_HISTOGRAM = "corelib_time_per_output_token_seconds"
+ENGINE_RSS = "corelib_engine_process_resident_memory_bytes"  # when the engine runs in a process of its own
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Client:
         response = await self.http.get("/metrics")
         response.raise_for_status()
         wanted = {"corelib_kv_blocks_free", "corelib_kv_blocks_total", "corelib_requests_running",
-                  "corelib_requests_waiting", "process_resident_memory_bytes", f"{TPOT_HISTOGRAM}_sum",
+                  "corelib_requests_waiting", "process_resident_memory_bytes", ENGINE_RSS, f"{TPOT_HISTOGRAM}_sum",
                   f"{TPOT_HISTOGRAM}_count"}
         figures: dict[str, float] = {}
         for family in text_string_to_metric_families(response.text):

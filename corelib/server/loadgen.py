@@ -37,7 +37,7 @@ from rich.table import Table
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
 from corelib.rundir import RunDir
-from corelib.server.loadclient import TPOT_HISTOGRAM, Client, Outcome
+from corelib.server.loadclient import ENGINE_RSS, TPOT_HISTOGRAM, Client, Outcome
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")
@@ -298,9 +298,12 @@ def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> di
     assert isinstance(before, dict) and isinstance(after, dict)
     rss = [f.get("process_resident_memory_bytes", 0.0) / 2**20 for f in (before, after)]
     free = [f.get("corelib_kv_blocks_free", math.nan) for f in (before, after)]
+    engine = [f.get(ENGINE_RSS, math.nan) / 2**20 for f in (before, after)]
     console.print(f"corelib: server before / after the load: KV blocks free {free[0]:.0f} / {free[1]:.0f} of "
                   f"{after.get('corelib_kv_blocks_total', math.nan):.0f}; resident memory {rss[0]:.1f} / "
-                  f"{rss[1]:.1f} MiB", soft_wrap=True)
+                  f"{rss[1]:.1f} MiB" + ("" if math.isnan(engine[0]) else
+                                         f", its engine process {engine[0]:.1f} / {engine[1]:.1f} MiB"),
+                  soft_wrap=True)
     samples = result["server_samples"]
     assert isinstance(samples, list)
     if len(samples) >= 2:

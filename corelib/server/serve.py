@@ -44,6 +44,8 @@ def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
     metrics = ServerMetrics()
     bridge = EngineBridge(recipe, server.max_waiting, metrics, placement)
     info = bridge.start()
+    if bridge.engine_pid is not None:
+        metrics.watch_engine_process(bridge.engine_pid)
     try:
         template = ChatTemplate.load(info.model_path, server.chat_template)
     except BaseException:
