@@ -70,6 +70,9 @@ class EngineLoop:
     def _serve(self) -> None:
         tracker = DeltaTracker(self._engine.tokenizer)
         while True:
+            # Told to stop and nothing left: return before waiting for a command that may never come.
+            if self._stopping and not self._live:
+                return
             for command in self._commands(block=not self._live):
                 self._handle(command)
             if self._stopping and not self._live:

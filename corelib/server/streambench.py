@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m corelib.server.streambench", description=__doc__.split("\n")[0])
     parser.add_argument("mode", nargs="?", choices=["bench", "serve"], default="bench",
                         help="bench (default): start a fake server and load it; serve: only the server")
-    parser.add_argument("--step-ms", default="2", help="the fake engine's step, ms; a comma list gives one row each")
+    parser.add_argument("--step-ms", help="the fake engine's step, ms (default 2); a comma list gives one row each; "
+                        "with --url only a label")
     parser.add_argument("--host-ms", type=float, default=0.0, help="of each step, ms the fake spends holding the GIL")
     parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
     parser.add_argument("--tokens", type=int, default=256, help="tokens each request asks for")
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, action="append", default=[], help="with --url: the server's processes")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    steps = [float(s) for s in args.step_ms.split(",")]
+    steps = [float(s) for s in (args.step_ms or "2").split(",")]
     if args.mode == "serve":
         serve_fake(steps[0], args.host_ms, args.clients, args.placement)
         return 0
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         pids = {f"pid {pid}": pid for pid in args.pid}
         results.append(asyncio.run(load(args.url, pids, args.clients, args.tokens, args.warmup, args.seconds,
-                                        steps[0] if args.step_ms != "2" else None)))
+                                        steps[0] if args.step_ms else None)))
         print(_row(results[-1]), flush=True)
     for step_ms in [] if args.url else steps:
         process, url, pids = _start_server(args, step_ms)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import queue
+import threading
 
 from corelib.engine.api import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker
+from corelib.server.engine_loop import EngineLoop
 from corelib.server.fake import FakeEngine, FakeSpec
 from corelib.server.inputs import Prepared
-from corelib.server.messages import Abort, Command, Decoder, Final, Frame, StepFrame, Submit, encode
+from corelib.server.messages import Abort, Command, Decoder, Final, Frame, StepFrame, Stop, Submit, encode
 from corelib.server.responses import Formatter
 
 
@@ -91,3 +94,17 @@ def test_the_stand_in_engine_gives_one_token_per_request_each_step_and_honours_a
         outputs.update({d.request_id: d.output for d in engine.step_tokens(tracker) if d.output is not None})
     assert {k: (len(o.output_token_ids), o.finish_reason) for k, o in outputs.items()} == {
         "a": (3, "length"), "c": (3, "length")}
+
+
+def test_the_engine_loop_told_to_stop_ends_what_runs_and_returns() -> None:
+    inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+    frames: list[Frame] = []
+    inbox.put(Submit([("a", [1], SamplingParams(max_tokens=1000))], final_only=False))
+    inbox.put(Stop("the server is shutting down"))
+    runner = threading.Thread(target=EngineLoop(FakeEngine(FakeSpec(step_ms=0.1)), inbox, frames.append).run,
+                              daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive(), "the engine loop kept waiting for commands after Stop"
+    finals = [final for frame in frames if isinstance(frame, StepFrame) for final in frame.finals]
+    assert [(f.request_id, f.ended_by) for f in finals] == [("a", "the server is shutting down")]
