@@ -117,8 +117,9 @@ class _EngineThread:
 
     pid: int | None = None
 
-    def __init__(self, recipe: EngineRecipe, stop_timeout_s: float) -> None:
+    def __init__(self, recipe: EngineRecipe, startup_timeout_s: float, stop_timeout_s: float) -> None:
         self._recipe = recipe
+        self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="corelib-engine", daemon=True)
@@ -134,7 +135,10 @@ class _EngineThread:
 
     def start(self) -> EngineFacts:
         self._thread.start()
-        self._ready.wait()
+        if not self._ready.wait(self._startup_timeout_s):
+            self._inbox.put(Stop(SHUTDOWN))  # taken once it is built; the thread is a daemon
+            raise CorelibError(f"the engine thread did not finish building the engine within "
+                               f"{self._startup_timeout_s:g} s")
         if self._start_error is not None:
             self._thread.join()
             raise self._start_error
@@ -245,7 +249,7 @@ class EngineBridge:
         if self._placement == "process":
             self._link = _Process(self._recipe, self._startup_timeout_s, self._stop_timeout_s)
         else:
-            self._link = _EngineThread(self._recipe, self._stop_timeout_s)
+            self._link = _EngineThread(self._recipe, self._startup_timeout_s, self._stop_timeout_s)
         facts = self._link.start()
         self._info = EngineInfo(self._link.tokenizer, facts.vocab_size, facts.max_model_len, facts.max_num_seqs,
                                 facts.model_name, facts.model_path, facts.notices)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from corelib.server.served import EngineRecipe
 
 log = logging.getLogger("corelib.server")
 SHUTDOWN_SLACK_S = 5.0  # beyond the grace period: time for the aborted requests' last events
+HTTP_START_TIMEOUT_S = 60.0
+HTTP_STOP_TIMEOUT_S = 60.0
 
 
 def model_name(server: ServerConfig, name: str, path: str | None) -> str:
@@ -135,8 +138,10 @@ class RunningServer:
         if grace_s is not None:
             self.state.bridge.drain(grace_s)
         self._server.handle_exit(0, None)
-        self._thread.join(60)
+        self._thread.join(HTTP_STOP_TIMEOUT_S)
         self.state.bridge.close()
+        if self._thread.is_alive():
+            raise CorelibError(f"the HTTP server thread did not stop within {HTTP_STOP_TIMEOUT_S:g} s")
 
     def __enter__(self) -> RunningServer:
         return self
@@ -161,9 +166,12 @@ def start_in_thread(engine: Sequence[str] | EngineRecipe, server: ServerConfig |
     uv = _uvicorn(state, server)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="corelib-http", daemon=True)
     thread.start()
-    while not uv.started and thread.is_alive():
+    deadline = time.monotonic() + HTTP_START_TIMEOUT_S
+    while not uv.started and thread.is_alive() and time.monotonic() < deadline:
         threading.Event().wait(0.01)
     if not uv.started:
+        uv.should_exit = True
         state.bridge.close()
-        raise CorelibError(f"the HTTP server on {host}:{port} did not start; its log says why")
+        raise CorelibError(f"the HTTP server on {host}:{port} did not start within {HTTP_START_TIMEOUT_S:g} s; "
+                           "its log says why")
     return RunningServer(state, f"http://{host}:{port}", uv, thread)

@@ -22,7 +22,10 @@ from corelib.server.fake import FakeEngine, FakeSpec
 from corelib.text import Tokenizer
 
 if TYPE_CHECKING:
+    from corelib.backend import DeviceSpec
+    from corelib.config import CorelibConfig
     from corelib.engine.api import Engine
+    from corelib.features import Plan
     from corelib.startup import Startup
 
 
@@ -98,17 +101,35 @@ class EngineAdapter:
 
 
 @dataclass(frozen=True)
+class StartupParts:
+    """A Startup without its backend object, which the engine process looks up by name again."""
+
+    raw: DictConfig
+    config: CorelibConfig
+    spec: DeviceSpec
+    plan: Plan
+    messages: tuple[str, ...]
+
+    def startup(self) -> Startup:
+        from corelib.plugins import PluginRegistry
+        from corelib.startup import Startup
+
+        backend = PluginRegistry().get(self.spec.backend)
+        return Startup(self.raw, self.config, backend, self.spec, self.plan, self.messages)
+
+
+@dataclass(frozen=True)
 class EngineRecipe:
-    """How to build the served engine: from overrides, from a composed config, or the stand-in."""
+    """How to build the served engine: from overrides, from the decisions of a startup, or the stand-in."""
 
     overrides: tuple[str, ...] | None = None
-    config: DictConfig | None = None
+    startup: StartupParts | None = None
     fake: FakeSpec | None = None
 
     def __post_init__(self) -> None:
-        given = sum(part is not None for part in (self.overrides, self.config, self.fake))
+        given = sum(part is not None for part in (self.overrides, self.startup, self.fake))
         if given != 1:
-            raise ValueError(f"an EngineRecipe takes exactly one of overrides, config and fake ({given} given)")
+            raise ValueError(f"an EngineRecipe takes exactly one of overrides, startup and fake ({given} given)")
 
     @classmethod
     def of_overrides(cls, overrides: Sequence[str]) -> EngineRecipe:
@@ -116,8 +137,8 @@ class EngineRecipe:
 
     @classmethod
     def of_startup(cls, startup: Startup) -> EngineRecipe:
-        """The engine ``Engine(startup)`` builds: its checked config goes through start again where it is built."""
-        return cls(config=startup.raw)
+        """The engine ``Engine(startup)`` builds, with the checks and choices already made (nothing re-resolved)."""
+        return cls(startup=StartupParts(startup.raw, startup.config, startup.spec, startup.plan, startup.messages))
 
     def build(self) -> ServedEngine:
         if self.fake is not None:
@@ -126,5 +147,5 @@ class EngineRecipe:
 
         if self.overrides is not None:
             return EngineAdapter(Engine.from_overrides(list(self.overrides)))
-        assert self.config is not None, "checked in __post_init__"
-        return EngineAdapter(Engine.from_config(self.config))
+        assert self.startup is not None, "checked in __post_init__"
+        return EngineAdapter(Engine(self.startup.startup()))
