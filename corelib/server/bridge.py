@@ -98,7 +98,10 @@ class Call:
 class _Link(Protocol):
     """Where the engine loop runs: an engine process, or a thread of this process."""
 
-    pid: int | None
+    tokenizer: Tokenizer | None  # the engine's, once started
+
+    @property
+    def pid(self) -> int | None: ...
 
     def start(self) -> EngineFacts: ...
 
@@ -115,7 +118,7 @@ class _Link(Protocol):
 class _EngineThread:
     """The engine loop on a thread of this process: frames reach the event loop by call_soon_threadsafe."""
 
-    pid: int | None = None
+    pid = None
 
     def __init__(self, recipe: EngineRecipe, startup_timeout_s: float, stop_timeout_s: float) -> None:
         self._recipe = recipe
@@ -230,7 +233,7 @@ class EngineBridge:
         self._placement = placement
         self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
-        self._link: _EngineThread | _Process | None = None
+        self._link: _Link | None = None
         self._info: EngineInfo | None = None
         self._capacity = 0
         self._ids = itertools.count()
@@ -246,12 +249,14 @@ class EngineBridge:
     # ------------------------------------------------------------------ start and facts
     def start(self) -> EngineInfo:
         """Build the engine (in its process, or on its thread) and wait, bounded, until it is ready."""
+        link: _Link
         if self._placement == "process":
-            self._link = _Process(self._recipe, self._startup_timeout_s, self._stop_timeout_s)
+            link = _Process(self._recipe, self._startup_timeout_s, self._stop_timeout_s)
         else:
-            self._link = _EngineThread(self._recipe, self._startup_timeout_s, self._stop_timeout_s)
-        facts = self._link.start()
-        self._info = EngineInfo(self._link.tokenizer, facts.vocab_size, facts.max_model_len, facts.max_num_seqs,
+            link = _EngineThread(self._recipe, self._startup_timeout_s, self._stop_timeout_s)
+        self._link = link
+        facts = link.start()
+        self._info = EngineInfo(link.tokenizer, facts.vocab_size, facts.max_model_len, facts.max_num_seqs,
                                 facts.model_name, facts.model_path, facts.notices)
         self._capacity = facts.max_num_seqs + self._max_waiting
         self._metrics.kv_blocks_total.set(facts.kv_blocks_total)
@@ -327,7 +332,7 @@ class EngineBridge:
         finally:
             self._answers.pop(token, None)
 
-    def _attached(self) -> _EngineThread | _Process:
+    def _attached(self) -> _Link:
         if self._link is None:
             raise RuntimeError("the engine is not built yet: call start() first")
         loop = asyncio.get_running_loop()

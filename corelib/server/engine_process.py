@@ -87,8 +87,9 @@ class EngineProcess:
         self._frame_fd, frame_write = os.pipe()
         for fd in (command_read, frame_write):
             _grow_pipe(fd)
-        args = EngineProcessArgs(recipe, command_read, frame_write, os.getpid(), stop_timeout_s, write_timeout_s)
         try:
+            args = pickle.dumps(EngineProcessArgs(recipe, command_read, frame_write, os.getpid(), stop_timeout_s,
+                                                  write_timeout_s))
             self.process = subprocess.Popen(worker_command(MODULE), env=worker_environment(), stdin=subprocess.PIPE,
                                             pass_fds=(command_read, frame_write))
         except BaseException:
@@ -99,7 +100,7 @@ class EngineProcess:
         os.close(frame_write)
         assert self.process.stdin is not None, "Popen was asked for a stdin pipe"
         with contextlib.suppress(BrokenPipeError):  # it died at once: start() says how
-            self.process.stdin.write(pickle.dumps(args))
+            self.process.stdin.write(args)
         with contextlib.suppress(BrokenPipeError):
             self.process.stdin.close()
         self._pump = threading.Thread(target=self._send_commands, name="corelib-engine-commands", daemon=True)
@@ -215,7 +216,7 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ stopping
     def stop(self, why: str = "the server is shutting down") -> None:
-        """Ask the engine to stop, wait for it (bounded), then terminate or kill it. Safe to call twice."""
+        """Ask the engine to stop and wait for it (bounded), else kill it. Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
