@@ -44,8 +44,8 @@ def alive(pid: int) -> bool:
 
 def children() -> set[int]:
     pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids.update(int(pid) for pid in (task / "children").read_text().split())
+    for thread in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids.update(int(pid) for pid in (thread / "children").read_text().split())
     return {pid for pid in pids if alive(pid)}
 
 
