@@ -93,8 +93,8 @@ def _serve_modules() -> None:
 
 def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     _serve_modules()
-    from corelib.engine.api import Engine
     from corelib.server.serve import bind, build_state, check_server, serve
+    from corelib.server.served import EngineRecipe
 
     api_key = cfg.server.api_key or None
     shown = cfg.copy()  # the files of the run directory never hold the key
@@ -105,7 +105,7 @@ def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> N
     check_server(server)
     sock = bind(server.host, server.port)  # a taken port fails before the engine is built
     try:
-        state = build_state(lambda: Engine(startup), server, api_key)
+        state = build_state(EngineRecipe.of_startup(startup), server, api_key)
     except BaseException:
         sock.close()
         raise

@@ -8,26 +8,27 @@ need ``Authorization: Bearer KEY`` when an API key is set), ``GET /health`` and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from corelib.errors import one_line
-from corelib.server.bridge import EngineBridge
+from corelib.server.bridge import Call, EngineBridge
 from corelib.server.chat import ChatTemplate
-from corelib.server.events import Overloaded, TooLarge, Unavailable, Update
+from corelib.server.events import Overloaded, TooLarge, Unavailable
 from corelib.server.inputs import Prepared, prepare_chat, prepare_completion
+from corelib.server.messages import Final
 from corelib.server.metrics import ServerMetrics
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
-from corelib.server.responses import Formatter, failure
+from corelib.server.responses import DONE, Formatter, event, failure
 
 log = logging.getLogger("corelib.server")
 
@@ -45,71 +46,84 @@ class ServerState:
     api_key: str | None = None
 
 
-class EventStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends: complete, failed, or the client gone."""
+RAW_SEND = "corelib.send"  # the scope key of the server's own send (see build_app)
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._on_close = on_close
+
+class EventStream(Response):
+    """An SSE answer: one write per wakeup, holding everything its choices produced since the last one.
+
+    It writes with the server's own ``send``, past the middleware, which only watches the
+    messages of a response and has nothing to do once one started. Whatever ends it (done, the
+    engine failed, the client hung up), the choices left unfinished are aborted.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, call: Call, formatter: Formatter) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._call = call
+        self._formatter = formatter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send = scope.get(RAW_SEND, send)
+        call, formatter = self._call, self._formatter
+        watcher = asyncio.ensure_future(_watch(receive, call))
+        started = False
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
+            body, done = formatter.start(call.ids), False
+            while not done:
+                batch = await call.take()
+                if not batch:
+                    return  # the client hung up
+                events, done = formatter.events(batch)
+                body += events
+                if body or done:
+                    await send({"type": "http.response.body", "body": body, "more_body": not done})
+                    body = b""
+        except OSError:
+            pass  # the connection broke while writing: the client is gone
+        except Exception as error:
+            if not started:
+                raise  # the middleware answers 500
+            # Past the headers only the stream can say it: an error event, then the end.
+            log.error("a stream failed: %s", one_line(error), exc_info=error)
+            problem = ApiError(500, f"internal error: {one_line(error)}", "server_error")
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": event(problem.body()) + DONE, "more_body": False})
         finally:
-            self._on_close()
+            watcher.cancel()
+            call.abort_unfinished()
 
 
-class ClientGone(Exception):
-    """The client closed the connection before its response was ready."""
-
-
-class _Call:
-    """One HTTP request's choices in the engine: their updates, and aborting those left unfinished."""
-
-    def __init__(self, bridge: EngineBridge, prepared: Prepared, stream: bool) -> None:
-        self.bridge = bridge
-        self.sink: asyncio.Queue[Update] = asyncio.Queue()
-        self.ids = bridge.submit(prepared.requests, self.sink, final_only=not stream)
-        self.unfinished = set(self.ids)
-
-    async def updates(self) -> AsyncIterator[Update]:
-        while self.unfinished:
-            update = await self.sink.get()
-            if update.finished:
-                self.unfinished.discard(update.request_id)
-            yield update
-
-    def abort_unfinished(self) -> None:
-        self.bridge.abort(sorted(self.unfinished))
-
-    async def finals(self, request: Request) -> list[Update]:
-        """Every choice's last update, in choice order; ClientGone if the client hangs up first."""
-        finals: dict[str, Update] = {}
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            while self.unfinished:
-                getter = asyncio.ensure_future(self.sink.get())
-                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    raise ClientGone
-                update = getter.result()
-                if update.finished:
-                    self.unfinished.discard(update.request_id)
-                    finals[update.request_id] = update
-        finally:
-            gone.cancel()
-            self.abort_unfinished()
-        return [finals[i] for i in self.ids]
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _watch(receive: Receive, call: Call) -> None:
+    """Tell ``call`` when its client hangs up (after the body, the server's receive waits for just that)."""
+    while (await receive())["type"] != "http.disconnect":
         pass
+    call.hang_up()
 
 
-def build_app(state: ServerState) -> FastAPI:
+async def finals(call: Call, receive: Receive) -> list[Final] | None:
+    """Every choice's last update, in choice order; None if the client hangs up first."""
+    got: dict[str, Final] = {}
+    watcher = asyncio.ensure_future(_watch(receive, call))
+    try:
+        while call.unfinished:
+            batch = await call.take()
+            if not batch:
+                return None
+            got.update((update.request_id, update) for update in batch if type(update) is Final)
+    finally:
+        watcher.cancel()
+        call.abort_unfinished()
+    return [got[i] for i in call.ids]
+
+
+def build_app(state: ServerState) -> ASGIApp:
+    """The routes, and the server's own send handed to streams in the scope (see :class:`EventStream`)."""
     app = FastAPI(title="corelib", docs_url=None, redoc_url=None, openapi_url=None)
     bridge, metrics = state.bridge, state.metrics
 
@@ -150,9 +164,9 @@ def build_app(state: ServerState) -> FastAPI:
                            "invalid_request_error", "model", "model_not_found")
         return parsed
 
-    def start(prepared: Prepared, stream: bool) -> _Call:
+    def start(prepared: Prepared, stream: bool) -> Call:
         try:
-            return _Call(bridge, prepared, stream)
+            return bridge.submit(prepared.requests, final_only=not stream)
         except TooLarge as error:
             raise ApiError(400, str(error), param="n") from None
         except Overloaded as error:
@@ -160,18 +174,17 @@ def build_app(state: ServerState) -> FastAPI:
         except Unavailable as error:
             raise ApiError(503, str(error), "service_unavailable") from None
 
-    async def answer(request: Request, formatter: Formatter, call: _Call, stream: bool) -> Response:
+    async def answer(request: Request, formatter: Formatter, call: Call, stream: bool) -> Response:
         if stream:
-            return EventStream(formatter.stream(call.ids, call.updates()), call.abort_unfinished)
-        try:
-            finals = await call.finals(request)
-        except ClientGone:
+            return EventStream(call, formatter)
+        whole = await finals(call, request.receive)
+        if whole is None:
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
-        for update in finals:
+        for update in whole:
             problem = failure(update)
             if problem is not None:
                 raise problem
-        return JSONResponse(formatter.response(finals))
+        return JSONResponse(formatter.response(whole))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -205,13 +218,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        snapshot = await bridge.snapshot()
-        metrics.waiting.set(snapshot.waiting)
-        metrics.running.set(snapshot.running)
-        metrics.kv_blocks_free.set(snapshot.kv_blocks_free)
-        metrics.kv_blocks_total.set(snapshot.kv_blocks_total)
-        metrics.occupancy.set(snapshot.occupancy if snapshot.occupancy is not None else float("nan"))
-        metrics.engine_up.set(0 if snapshot.failure else 1)
+        try:
+            snapshot = await bridge.snapshot()
+        except Unavailable:
+            metrics.engine_up.set(0)  # the rest keeps its last values
+        else:
+            metrics.waiting.set(snapshot.waiting)
+            metrics.running.set(snapshot.running)
+            metrics.kv_blocks_free.set(snapshot.kv_blocks_free)
+            metrics.kv_blocks_total.set(snapshot.kv_blocks_total)
+            metrics.occupancy.set(snapshot.occupancy if snapshot.occupancy is not None else float("nan"))
+            metrics.engine_up.set(0 if snapshot.failure else 1)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await app(scope, receive, send)
+
+    return asgi

@@ -1,29 +1,12 @@
-"""What passes between the engine thread and the server: updates, engine facts, snapshots, refusals."""
+"""What the server knows of its engine: its facts, snapshots of its state, and why it refuses a request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corelib.engine.api import RequestOutput
 from corelib.text import Tokenizer
 
 SHUTDOWN = "the server is shutting down"
-
-
-@dataclass(frozen=True)
-class Update:
-    """New output of one request; the last one has ``output`` or ``ended_by``."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    output: RequestOutput | None = None  # the engine's final record
-    ended_by: str | None = None  # the server ended the request: why
-    server_error: bool = False  # ended by an engine failure (not by a shutdown)
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None or self.ended_by is not None
 
 
 @dataclass(frozen=True)
@@ -36,6 +19,20 @@ class EngineInfo:
     max_num_seqs: int
     model_name: str
     model_path: str | None
+    notices: tuple[str, ...] = ()  # what the engine had to say at start
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine tells the server about itself; picklable, so it crosses from an engine process."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    model_name: str
+    model_path: str | None
+    tokenizer_path: str | None  # the tokenizer.json the engine decodes with; the server encodes with the same
+    kv_blocks_total: int
     notices: tuple[str, ...] = ()  # what the engine had to say at start
 
 

@@ -6,10 +6,12 @@ a list of token ids) or are random token ids. Every request streams with ``ignor
 ``max_tokens=output_len``, so each has a known length, and is checked: exactly one finished
 choice, one ``[DONE]``, usage equal to what was asked. A share of clients hang up mid-stream
 on purpose. Before and after the load the server's ``/metrics`` give its KV blocks and
-resident memory, so a leak shows.
+resident memory, so a leak shows, and before and after each point its TPOT histogram gives
+the engine's own TPOT beside the clients'.
 
 Throughput counts completed requests over the span from the first send to the last answer;
-TTFT is send to first text, TPOT the time after the first text per remaining token.
+TTFT is send to first text, TPOT the time after the first text per remaining token
+(:mod:`corelib.server.loadclient`).
 """
 
 from __future__ import annotations
@@ -29,35 +31,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
 from corelib.rundir import RunDir
+from corelib.server.loadclient import ENGINE_RSS, TPOT_HISTOGRAM, Client, Outcome
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")
-
-
-@dataclass
-class Outcome:
-    """One request as the client saw it."""
-
-    status: str = "incomplete"  # completed, disconnected, refused (429/503 before any answer), failed, incomplete
-    error: str | None = None
-    completion_tokens: int = 0
-    pieces: int = 0  # chunks that carried text
-    finishes: int = 0  # choices that reported a finish_reason
-    done_markers: int = 0  # [DONE] lines
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    latency_s: float | None = None
-
-    @property
-    def duplicated(self) -> bool:
-        return self.finishes > 1 or self.done_markers > 1
 
 
 @dataclass
@@ -80,6 +63,10 @@ class Point:
     ttft_ms_p99: float | None
     tpot_ms_p50: float | None
     tpot_ms_p99: float | None
+    tpot_ms_mean: float | None = None
+    # The engine's own TPOT of the requests that finished during the point (the server's
+    # /metrics): what the clients saw beyond it is the server's doing.
+    engine_tpot_ms_mean: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -149,95 +136,6 @@ def _read_dataset(path: Path) -> list[Prompt]:
     return prompts
 
 
-class Client:
-    def __init__(self, spec: ServeBenchConfig) -> None:
-        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        self.http = httpx.AsyncClient(base_url=spec.url.rstrip("/"), headers=headers, limits=limits,
-                                      timeout=httpx.Timeout(spec.timeout_s, connect=30.0))
-        self.path = "/v1/chat/completions" if spec.endpoint is Endpoint.chat else "/v1/completions"
-        self.output_len = spec.output_len
-
-    async def request(self, payload: dict[str, object], hang_up: int | None) -> Outcome:
-        outcome = Outcome()
-        sent = time.perf_counter()
-        first = last = None
-        try:
-            async with self.http.stream("POST", self.path, json=payload) as response:
-                if response.status_code != 200:
-                    body = (await response.aread()).decode(errors="replace")
-                    refused = response.status_code in (429, 503)
-                    outcome.status = "refused" if refused else "failed"
-                    outcome.error = f"HTTP {response.status_code}: {_message(body)}"
-                    return outcome
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: "):]
-                    if data == "[DONE]":
-                        outcome.done_markers += 1
-                        continue
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        outcome.error = _message(data)
-                        continue
-                    if chunk.get("usage"):
-                        outcome.completion_tokens = int(chunk["usage"]["completion_tokens"])
-                    for choice in chunk.get("choices", []):
-                        piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-                        if piece:
-                            now = time.perf_counter()
-                            first = first or now
-                            last = now
-                            outcome.pieces += 1
-                        if choice.get("finish_reason"):
-                            outcome.finishes += 1
-                    if hang_up is not None and outcome.pieces >= hang_up:
-                        outcome.status = "disconnected"
-                        return outcome  # leaving the block closes the connection mid-stream
-        except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
-            outcome.status, outcome.error = "failed", f"{type(error).__name__}: {error}"
-            return outcome
-        outcome.latency_s = time.perf_counter() - sent
-        if first is not None:
-            outcome.ttft_s = first - sent
-            if last is not None and outcome.completion_tokens > 1:
-                outcome.tpot_s = (last - first) / (outcome.completion_tokens - 1)
-        complete = outcome.finishes == 1 and outcome.done_markers == 1 and outcome.error is None
-        if complete and outcome.completion_tokens == self.output_len:
-            outcome.status = "completed"
-        elif outcome.error is not None:
-            outcome.status = "failed"
-        return outcome
-
-    async def metrics(self) -> dict[str, float]:
-        """The server's gauges that tell whether it is back to idle."""
-        response = await self.http.get("/metrics")
-        response.raise_for_status()
-        wanted = {"corelib_kv_blocks_free", "corelib_kv_blocks_total", "corelib_requests_running",
-                  "corelib_requests_waiting", "process_resident_memory_bytes"}
-        figures: dict[str, float] = {}
-        for family in text_string_to_metric_families(response.text):
-            for sample in family.samples:
-                if sample.name in wanted:
-                    figures[sample.name] = sample.value
-        return figures
-
-    async def model(self) -> str:
-        response = await self.http.get("/v1/models")
-        if response.status_code != 200:
-            raise CorelibError(f"{self.http.base_url}/v1/models answered {response.status_code}: "
-                               f"{_message(response.text)}")
-        return str(response.json()["data"][0]["id"])
-
-
-def _message(body: str) -> str:
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return body[:200]
-
-
 async def _run_point(client: Client, load: Load, mode: str, level: float) -> Point:
     spec = load.spec
     limit = spec.num_requests or math.inf
@@ -249,6 +147,7 @@ async def _run_point(client: Client, load: Load, mode: str, level: float) -> Poi
         payload, hang_up = load.next_request()
         outcomes.append(await client.request(payload, hang_up))
 
+    engine_before = await _engine_tpot(client)
     sent = 0
     if mode == "rate":
         tasks: list[asyncio.Task[None]] = []
@@ -267,7 +166,20 @@ async def _run_point(client: Client, load: Load, mode: str, level: float) -> Poi
                 await one()
 
         await asyncio.gather(*(worker() for _ in range(int(level))))
-    return _summarize(mode, level, outcomes, time.perf_counter() - start)
+    point = _summarize(mode, level, outcomes, time.perf_counter() - start)
+    engine_after = await _engine_tpot(client)
+    if engine_before is not None and engine_after is not None and engine_after[1] > engine_before[1]:
+        point.engine_tpot_ms_mean = (engine_after[0] - engine_before[0]) * 1e3 / (engine_after[1] - engine_before[1])
+    return point
+
+
+async def _engine_tpot(client: Client) -> tuple[float, float] | None:
+    """(seconds, requests) summed by the server's TPOT histogram so far; None if /metrics cannot be read."""
+    try:
+        figures = await client.metrics()
+    except httpx.HTTPError:
+        return None
+    return figures.get(f"{TPOT_HISTOGRAM}_sum", 0.0), figures.get(f"{TPOT_HISTOGRAM}_count", 0.0)
 
 
 def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float) -> Point:
@@ -288,7 +200,8 @@ def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float
         duration_s=duration, requests_per_s=len(completed) / duration if duration > 0 else 0.0,
         output_tokens_per_s=sum(o.completion_tokens for o in completed) / duration if duration > 0 else 0.0,
         ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
-        tpot_ms_p50=percentile(tpot, 50), tpot_ms_p99=percentile(tpot, 99), errors=errors,
+        tpot_ms_p50=percentile(tpot, 50), tpot_ms_p99=percentile(tpot, 99),
+        tpot_ms_mean=sum(tpot) / len(tpot) if tpot else None, errors=errors,
     )
 
 
@@ -343,7 +256,7 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
                 sampler.cancel()
         after, waited = await _settle(client, spec.settle_s)
     finally:
-        await client.http.aclose()
+        await client.aclose()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
@@ -357,7 +270,7 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
 def table(result: dict[str, object]) -> Table:
     out = Table(title=f"bench-serve {result['url']} ({result['endpoint']}, {result['model']})")
     for column in ("load", "requests", "ok", "hung up", "refused", "lost", "dup", "req/s", "out tok/s",
-                   "TTFT ms p50/p99", "TPOT ms p50/p99"):
+                   "TTFT ms p50/p99", "TPOT ms p50/p99", "TPOT mean: clients/engine ms"):
         out.add_column(column, justify="right")
     points = result["points"]
     assert isinstance(points, list)
@@ -368,12 +281,13 @@ def table(result: dict[str, object]) -> Table:
             str(p["refused"]), str(p["lost"]), str(p["duplicated"]), f"{p['requests_per_s']:.2f}",
             f"{p['output_tokens_per_s']:.1f}",
             f"{_ms(p['ttft_ms_p50'])}/{_ms(p['ttft_ms_p99'])}", f"{_ms(p['tpot_ms_p50'])}/{_ms(p['tpot_ms_p99'])}",
+            f"{_ms(p['tpot_ms_mean'], 3)}/{_ms(p['engine_tpot_ms_mean'], 3)}",
         )
     return out
 
 
-def _ms(value: object) -> str:
-    return "-" if not isinstance(value, float) else f"{value:.1f}"
+def _ms(value: object, digits: int = 1) -> str:
+    return "-" if not isinstance(value, float) else f"{value:.{digits}f}"
 
 
 def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> dict[str, object]:
@@ -384,9 +298,12 @@ def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> di
     assert isinstance(before, dict) and isinstance(after, dict)
     rss = [f.get("process_resident_memory_bytes", 0.0) / 2**20 for f in (before, after)]
     free = [f.get("corelib_kv_blocks_free", math.nan) for f in (before, after)]
+    engine = [f.get(ENGINE_RSS, math.nan) / 2**20 for f in (before, after)]
     console.print(f"corelib: server before / after the load: KV blocks free {free[0]:.0f} / {free[1]:.0f} of "
                   f"{after.get('corelib_kv_blocks_total', math.nan):.0f}; resident memory {rss[0]:.1f} / "
-                  f"{rss[1]:.1f} MiB", soft_wrap=True)
+                  f"{rss[1]:.1f} MiB" + ("" if math.isnan(engine[0]) else
+                                         f", its engine process {engine[0]:.1f} / {engine[1]:.1f} MiB"),
+                  soft_wrap=True)
     samples = result["server_samples"]
     assert isinstance(samples, list)
     if len(samples) >= 2:

@@ -1,6 +1,6 @@
 """The server's Prometheus metrics, in a registry of its own (so several servers fit one process).
 
-Counters and histograms are updated by the engine thread as requests finish; the gauges
+Counters and histograms are updated as the engine's frames report requests finished; the gauges
 (queue depth, running requests, KV blocks, device occupancy) are read from the engine
 between two steps when ``/metrics`` is scraped.
 """
@@ -44,6 +44,10 @@ class ServerMetrics:
         self.occupancy = Gauge(f"{PREFIX}_device_occupancy", "Device busy / (busy + idle) in recent steady decode",
                                registry=r)
         self.engine_up = Gauge(f"{PREFIX}_engine_up", "1 while the engine serves, 0 after it failed", registry=r)
+
+    def watch_engine_process(self, pid: int) -> None:
+        """Also expose the engine process's memory and CPU, as ``corelib_engine_process_*``."""
+        ProcessCollector(namespace=f"{PREFIX}_engine", pid=lambda: pid, registry=self.registry)
 
     def finished(self, output: RequestOutput) -> None:
         """Count one finished request (called on the engine thread)."""

@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
-from corelib.server.events import Update
 from corelib.server.inputs import Prepared, token_text
+from corelib.server.messages import Delta, Final, Update
 from corelib.server.protocol import ApiError, JsonObject
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
-def failure(update: Update) -> ApiError | None:
+def failure(update: Final) -> ApiError | None:
     """The error to answer for a request that did not finish normally, or None."""
     if update.ended_by is not None:
         if update.server_error:
@@ -47,6 +47,9 @@ class Formatter:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # per choice: a chunk around its text
+    _index: dict[str, int] = field(default_factory=dict)  # streaming: request id -> choice
+    _left: int = 0  # streaming: choices not finished yet
+    _completion_tokens: int = 0
 
     @property
     def object(self) -> str:
@@ -62,17 +65,17 @@ class Formatter:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def text(self, update: Update) -> str:
+    def text(self, update: Final) -> str:
         return update.text if self.has_tokenizer else token_text(update.token_ids)
 
-    def final_text(self, update: Update) -> str:
+    def final_text(self, update: Final) -> str:
         output = update.output
         if output is None:
             return ""
         return (output.text or "") if self.has_tokenizer else token_text(output.output_token_ids)
 
     # ------------------------------------------------------------------ whole responses
-    def response(self, finals: list[Update]) -> JsonObject:
+    def response(self, finals: list[Final]) -> JsonObject:
         choices: list[JsonObject] = []
         completion_tokens = 0
         for index, update in enumerate(finals):
@@ -112,29 +115,51 @@ class Formatter:
             cut = self._templates[index] = (head, tail)
         return cut[0] + json.dumps(text, ensure_ascii=False).encode() + cut[1]
 
-    async def stream(self, request_ids: list[str], updates: AsyncIterator[Update]) -> AsyncIterator[bytes]:
-        """SSE events until every choice finished, then the usage (when asked for) and ``[DONE]``."""
-        index = {request_id: i for i, request_id in enumerate(request_ids)}
-        if self.chat:
-            for i in range(len(request_ids)):
-                yield self._chunk(i, None, None, role=True)
-        completion_tokens = 0
-        async for update in updates:
-            i = index[update.request_id]
-            problem = failure(update) if update.finished else None
+    def start(self, request_ids: list[str]) -> bytes:
+        """What a stream begins with (a chat names the assistant's role in each choice); then :meth:`events`."""
+        self._index = {request_id: i for i, request_id in enumerate(request_ids)}
+        self._left = len(request_ids)
+        self._completion_tokens = 0
+        if not self.chat:
+            return b""
+        return b"".join(self._chunk(i, None, None, role=True) for i in range(len(request_ids)))
+
+    def events(self, batch: list[Update]) -> tuple[bytes, bool]:
+        """The SSE events of every update since the last call, and whether the stream is complete.
+
+        All the new text of a choice makes one event: a client that reads a step late, or a
+        server that writes it late, sends one event where it would have sent several.
+        """
+        if len(batch) == 1 and type(batch[0]) is tuple:  # the common case: one choice, one step's tokens
+            request_id, token_ids, text = cast(Delta, batch[0])
+            text = text if self.has_tokenizer else token_text(token_ids)
+            return (self._text_chunk(self._index[request_id], text) if text else b""), False
+        texts: dict[int, list[str]] = {}
+        out: list[bytes] = []
+        for update in batch:
+            i = self._index[update[0]]
+            if type(update) is not Final:
+                text = update[2] if self.has_tokenizer else token_text(update[1])
+                if text:
+                    texts.setdefault(i, []).append(text)
+                continue
+            assert isinstance(update, Final), "a batch holds deltas and finals only"
+            problem = failure(update)
             if problem is not None:
-                yield event(problem.body())
-                yield DONE
-                return
-            text = self.text(update)
-            if update.output is not None:
-                completion_tokens += len(update.output.output_token_ids)
-                yield self._chunk(i, text, FINISH_REASONS[update.output.finish_reason])
-            elif text:
-                yield self._text_chunk(i, text)
+                out += [self._text_chunk(j, "".join(pieces)) for j, pieces in texts.items()]
+                return b"".join([*out, event(problem.body()), DONE]), True
+            assert update.output is not None, "a final without an error carries the engine's output"
+            self._completion_tokens += len(update.output.output_token_ids)
+            text = "".join(texts.pop(i, ())) + self.text(update)
+            out.append(self._chunk(i, text, FINISH_REASONS[update.output.finish_reason]))
+            self._left -= 1
+        out += [self._text_chunk(j, "".join(pieces)) for j, pieces in texts.items()]
+        if self._left > 0:
+            return b"".join(out), False
         if self.include_usage:
-            yield event({**self._head(chunk=True), "choices": [], "usage": self.usage(completion_tokens)})
-        yield DONE
+            out.append(event({**self._head(chunk=True), "choices": [], "usage": self.usage(self._completion_tokens)}))
+        out.append(DONE)
+        return b"".join(out), True
 
 
 def event(body: JsonObject) -> bytes:

@@ -1,8 +1,8 @@
-"""Run the server: the engine thread, the app, uvicorn, and an orderly stop.
+"""Run the server: the engine (in a process of its own), the app, uvicorn, and an orderly stop.
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections and answers new requests on
 open ones with 503; running requests may finish for ``server.shutdown_grace_s`` seconds, then
-they are aborted and their clients told why; the engine is closed and its thread joined.
+they are aborted and their clients told why; the engine is closed and its process waited for.
 ``python -m corelib serve`` then exits 143 (SIGTERM) or 130 (Ctrl-C), like every command.
 """
 
@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +21,17 @@ from types import FrameType
 import uvicorn
 
 from corelib.config import ServerConfig
-from corelib.engine.api import Engine
 from corelib.errors import ConfigError, CorelibError
 from corelib.server.app import ServerState, build_app
-from corelib.server.bridge import EngineBridge
+from corelib.server.bridge import EngineBridge, Placement
 from corelib.server.chat import ChatTemplate
 from corelib.server.metrics import ServerMetrics
+from corelib.server.served import EngineRecipe
 
 log = logging.getLogger("corelib.server")
 SHUTDOWN_SLACK_S = 5.0  # beyond the grace period: time for the aborted requests' last events
+HTTP_START_TIMEOUT_S = 60.0
+HTTP_STOP_TIMEOUT_S = 60.0
 
 
 def model_name(server: ServerConfig, name: str, path: str | None) -> str:
@@ -38,11 +41,14 @@ def model_name(server: ServerConfig, name: str, path: str | None) -> str:
     return Path(path).expanduser().resolve().name if path else name
 
 
-def build_state(build_engine: Callable[[], Engine], server: ServerConfig, api_key: str | None) -> ServerState:
-    """Start the engine thread (the engine is built on it) and everything the routes need."""
+def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
+                placement: Placement = "process") -> ServerState:
+    """Start the engine (built in its own process, or on a thread of this one) and everything the routes need."""
     metrics = ServerMetrics()
-    bridge = EngineBridge(build_engine, server.max_waiting, metrics)
+    bridge = EngineBridge(recipe, server.max_waiting, metrics, placement)
     info = bridge.start()
+    if bridge.engine_pid is not None:
+        metrics.watch_engine_process(bridge.engine_pid)
     try:
         template = ChatTemplate.load(info.model_path, server.chat_template)
     except BaseException:
@@ -110,7 +116,9 @@ def serve(state: ServerState, server: ServerConfig, sock: socket.socket,
             announce(notice)
         chat = (f"chat template: {state.template.origin}" if state.bridge.info.tokenizer is not None
                 else "no tokenizer: prompts are token ids, and /v1/chat/completions is refused")
-        announce(f"serving {state.model_name!r} at http://{host}:{port}/v1 (pid {os.getpid()}); {chat}")
+        engine = state.bridge.engine_pid
+        pids = f"pid {os.getpid()}" + (f", engine process pid {engine}" if engine is not None else "")
+        announce(f"serving {state.model_name!r} at http://{host}:{port}/v1 ({pids}); {chat}")
         _uvicorn(state, server).run(sockets=[sock])
     finally:
         state.bridge.close()
@@ -130,8 +138,10 @@ class RunningServer:
         if grace_s is not None:
             self.state.bridge.drain(grace_s)
         self._server.handle_exit(0, None)
-        self._thread.join(60)
+        self._thread.join(HTTP_STOP_TIMEOUT_S)
         self.state.bridge.close()
+        if self._thread.is_alive():
+            raise CorelibError(f"the HTTP server thread did not stop within {HTTP_STOP_TIMEOUT_S:g} s")
 
     def __enter__(self) -> RunningServer:
         return self
@@ -140,14 +150,15 @@ class RunningServer:
         self.stop()
 
 
-def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None,
-                    api_key: str | None = None) -> RunningServer:
-    """Build an engine from overrides and serve it on a background thread (``server.port=0``: a free port)."""
+def start_in_thread(engine: Sequence[str] | EngineRecipe, server: ServerConfig | None = None,
+                    api_key: str | None = None, placement: Placement = "process") -> RunningServer:
+    """Serve an engine (overrides, or a recipe) on a background thread (``server.port=0``: a free port)."""
     server = server or ServerConfig(port=0)
     check_server(server)
+    recipe = engine if isinstance(engine, EngineRecipe) else EngineRecipe.of_overrides(engine)
     sock = bind(server.host, server.port)
     try:
-        state = build_state(lambda: Engine.from_overrides(list(overrides)), server, api_key)
+        state = build_state(recipe, server, api_key, placement)
     except BaseException:
         sock.close()
         raise
@@ -155,9 +166,12 @@ def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None
     uv = _uvicorn(state, server)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="corelib-http", daemon=True)
     thread.start()
-    while not uv.started and thread.is_alive():
+    deadline = time.monotonic() + HTTP_START_TIMEOUT_S
+    while not uv.started and thread.is_alive() and time.monotonic() < deadline:
         threading.Event().wait(0.01)
     if not uv.started:
+        uv.should_exit = True
         state.bridge.close()
-        raise CorelibError(f"the HTTP server on {host}:{port} did not start; its log says why")
+        raise CorelibError(f"the HTTP server on {host}:{port} did not start within {HTTP_START_TIMEOUT_S:g} s; "
+                           "its log says why")
     return RunningServer(state, f"http://{host}:{port}", uv, thread)

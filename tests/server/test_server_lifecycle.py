@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,10 +69,13 @@ def test_stopping_lets_a_running_request_finish_within_the_grace_period(override
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(overrides: list[str], stream: bool) -> None:
+def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(
+    overrides: list[str], stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = {"prompt": [0, 5, 6], "max_tokens": 40, "ignore_eos": True, "stream": stream}
-    with faults.injected("forward@8"), start_in_thread([*overrides, "engine.timeout_s=5"],
-                                                       ServerConfig(port=0, log_level=LogLevel.warning)) as running:
+    monkeypatch.setenv(faults.ENV, "forward@8")  # read by the engine process when it starts
+    config = ServerConfig(port=0, log_level=LogLevel.warning)
+    with start_in_thread([*overrides, "engine.timeout_s=5"], config) as running:
         with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=30) as response:
             status, lines = response.status_code, list(response.iter_lines())
         if stream:
@@ -90,16 +94,23 @@ def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(overr
 
 
 @pytest.mark.slow
-def test_sigterm_stops_accepting_aborts_what_runs_with_a_reason_and_exits(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stop", "code", "said"), [
+    ("sigterm", 128 + signal.SIGTERM, "corelib: terminated (SIGTERM)"),  # a service manager: the main process
+    ("ctrl-c", 130, "corelib: interrupted"),  # a terminal: the whole group, the engine process too
+], ids=["sigterm", "ctrl-c"])
+def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_process(
+    tmp_path: Path, stop: str, code: int, said: str
+) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CORELIB_API_KEY", None)
     command = [sys.executable, "-m", "corelib", "serve", "backend=npu", "server.port=0", "server.log_level=warning",
                "server.shutdown_grace_s=0.5", f"hydra.run.dir={tmp_path / 'run'}",
                "backend.emulator.launch_latency_us=300"]  # slow enough that 400 tokens outlast the grace period
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, start_new_session=True)
     try:
-        url = _announced_url(process)
+        url, engine = _announced(process)
+        assert _alive(engine)
         lines: list[str] = []
         body = {"prompt": [0, 5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
 
@@ -112,29 +123,43 @@ def test_sigterm_stops_accepting_aborts_what_runs_with_a_reason_and_exits(tmp_pa
         while len(data_lines(lines)) < 1 and reader.is_alive():
             time.sleep(0.01)
         sent = time.monotonic()
-        process.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            process.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(process.pid, signal.SIGINT)
         reader.join(20)
-        assert not reader.is_alive(), "the stream did not end after SIGTERM"
+        assert not reader.is_alive(), "the stream did not end after the signal"
         events = data_lines(lines)
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
-        assert process.wait(20) == 128 + signal.SIGTERM
+        assert process.wait(20) == code
         assert time.monotonic() - sent < 10
+        assert not _alive(engine), "the engine process outlived the server"
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/models", timeout=2)
     finally:
         process.kill()
         _, stderr = process.communicate()
-    assert "corelib: terminated (SIGTERM)" in stderr
+    assert said in stderr
     assert "Traceback" not in stderr, stderr
 
 
-def _announced_url(process: subprocess.Popen[str]) -> str:
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _announced(process: subprocess.Popen[str]) -> tuple[str, int]:
+    """The URL and the engine process's pid from the line the server prints once it serves."""
     assert process.stdout is not None
     deadline = time.monotonic() + 60
     for line in process.stdout:
         if "serving" in line and "http://" in line:
-            return line.split("at ", 1)[1].split()[0]
+            match = re.search(r"at (\S+) \(pid \d+, engine process pid (\d+)\)", line)
+            assert match is not None, line
+            return match[1], int(match[2])
         assert time.monotonic() < deadline, "the server did not start within 60 s"
     raise AssertionError(f"the server exited before serving: {process.stderr.read() if process.stderr else ''}")
