@@ -123,6 +123,7 @@ class ShmConfig:
     num_slots: int = 4  # frames in the ring
     slot_bytes: int = 1 << 20  # bytes per frame, header included
     register_host: bool = False  # pin the SHM region in place (shows the race on real DMA)
+    spin_us: float = 150.0  # a waiting end re-checks the ring this long (yielding the GIL) before it sleeps
 
 
 @dataclass

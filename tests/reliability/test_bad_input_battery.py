@@ -26,8 +26,8 @@ from leakkit import Holdings, settled
 from support import Cli, assert_user_error
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 from corelib.engine.transport import ShmExecutor
+from corelib.engine.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 from corelib.errors import WorkerDied
 
 ENGINE = ["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=4", "model.max_model_len=64"]
@@ -173,7 +173,7 @@ TABLE: list[tuple[str, str, Case]] = [
     ("frame", "truncated", FrameCase("bad checksum .*corrupted or truncated", tamper=_cut_stale)),
     ("frame", "truncated-resealed", FrameCase(r"payload of \d+ bytes is shorter than its layout",
                                               tamper=_cut_resealed)),
-    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 3", poke=_poke("version", 9))),
+    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 4", poke=_poke("version", 9))),
     ("frame", "bad-magic", FrameCase("bad magic 0x0badf00d", poke=_poke("magic", 0x0BADF00D))),
     ("frame", "oversize", FrameCase(r"payload length 9999999 exceeds the slot's \d+",
                                     poke=_poke("payload_len", 9999999))),

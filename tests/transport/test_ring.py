@@ -30,7 +30,7 @@ def wired() -> Iterator[Make]:
 
     yield make
     for w in made:
-        w.ring.close()
+        w.close()
 
 
 def header(step: int = 0) -> FrameHeader:
