@@ -143,7 +143,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     transport_us_p99=percentile(transport_us, 99),
                 )
                 points.append(point)
-                console.print(f"corelib: bench {label} bs={batch_size}: TPOT {tpot:.3f} ms")
+                console.print(f"corelib: bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_transport_note(point)}")
     table = bench_table(points)
     console.print(table)
     payload = {
@@ -156,6 +156,13 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     (run_dir.path / "bench.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     console.print(f"corelib: wrote {run_dir.path / 'bench.json'}")
     return points
+
+
+def _transport_note(point: BenchPoint) -> str:
+    """The SHM hop (producer commit to inputs staged in the worker), where there is one."""
+    if point.transport_us_p50 is None:
+        return ""
+    return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
 
 
 def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:

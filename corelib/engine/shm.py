@@ -162,7 +162,7 @@ class Segment:
             if create:
                 os.ftruncate(fd, size)
                 self._reserve(fd)
-            self.map = mmap.mmap(fd, size)
+            self.map = self._map(fd)
         except BaseException:
             os.close(fd)
             if create:
@@ -196,6 +196,13 @@ class Segment:
                 f"{_mib(_free_bytes(directory))} free: free space there, or lower engine.shm.num_slots or "
                 "engine.shm.slot_bytes"
             ) from None
+
+    def _map(self, fd: int) -> mmap.mmap:
+        try:
+            return mmap.mmap(fd, self.size)
+        except (OSError, ValueError) as error:
+            reason = error.strerror if isinstance(error, OSError) else str(error)
+            raise TransportError(f"shared memory segment {self.name}: cannot map {_mib(self.size)}: {reason}") from None
 
     def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over part of the segment (no copy)."""

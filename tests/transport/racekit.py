@@ -8,6 +8,7 @@ check launched on the compute stream compares what reached the device with the p
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -75,7 +76,7 @@ def race(
             frame = consumer.read()
             if widen is not None and isinstance(stager, EarlyStager):
                 widen(device, stager.stream)
-            staged = stager.receive(input_of(frame, "race frame"), lambda frame=frame: consumer.release(frame))
+            staged = stager.receive(input_of(frame, "race frame"), functools.partial(consumer.release, frame))
             stager.to_device(staged, target)
 
             def check(step: int = step) -> None:
