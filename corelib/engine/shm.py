@@ -246,8 +246,13 @@ class Ring:
         self.num_consumers = num_consumers
         self.capacity = slot_bytes - HEADER_BYTES
         self.base = control_bytes(num_consumers)
+        try:
+            barrier = doorbell.register()
+        except TransportError:
+            segment.close()
+            raise
         self.words = segment.view[: self.base].cast("Q")
-        if not doorbell.register():
+        if not barrier:
             self.words[ALWAYS] = 1  # no waiters' barrier in this process: publishers ring every time
         # One tensor over all slots, slots as views of it: registering ``whole`` pins them all.
         self.whole = segment.tensor(self.base, num_slots * slot_bytes)

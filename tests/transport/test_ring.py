@@ -194,3 +194,28 @@ def test_a_dead_peer_is_named_at_once_while_waiting(wired: Make) -> None:
         killer.join()
         os.close(read_end)
     assert time.monotonic() - started < 0.2, "the death was noticed by a periodic check, not at once"
+
+
+def test_without_membarrier_every_publication_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corelib.engine import doorbell
+
+    monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
+    monkeypatch.setattr(doorbell, "STORES_IN_ORDER", True)
+    w = wire()
+    try:
+        assert w.ring.words[ALWAYS] == 1, "a process without the waiters' barrier must mark the ring"
+        w.producer.write(header(0))
+        assert os.eventfd_read(w.fds[0]) == 1, "the producer must ring even a consumer that does not sleep"
+    finally:
+        w.close()
+
+
+def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corelib.engine import doorbell
+
+    monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
+    monkeypatch.setattr(doorbell, "STORES_IN_ORDER", False)
+    before = {p.name for p in SHM_DIR.iterdir()}
+    with pytest.raises(TransportError, match=r"needs membarrier\(2\).*use engine\.transport=inproc"):
+        wire()
+    assert {p.name for p in SHM_DIR.iterdir()} <= before, "the segment of a ring that refused to start was left"
