@@ -16,6 +16,7 @@ The scheduler side and the worker side both import this module; neither imports 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,11 +83,15 @@ class ArenaLayout:
         return out
 
     def encode(self) -> list[int]:
-        """The layout as integers, for a frame header: per field a dtype code, rank and dims."""
+        """The layout as integers, for a frame header: per field a dtype code, rank and dims (a new list)."""
+        return list(self._words)
+
+    @functools.cached_property
+    def _words(self) -> tuple[int, ...]:
         words = [len(self.fields)]
         for f in self.fields:
             words += [_DTYPE_CODES[f.dtype], len(f.shape), *f.shape]
-        return words
+        return tuple(words)
 
     @classmethod
     def decode(cls, names: Sequence[str], words: Sequence[int]) -> ArenaLayout:

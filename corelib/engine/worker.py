@@ -198,7 +198,11 @@ def main() -> None:
         worker.run()
     except BaseException as error:  # noqa: BLE001 - reported to the scheduler
         worker.report(error)
-    sys.exit(0)
+    # Everything the worker holds was released by run(); tearing down the interpreter (torch's
+    # modules, about a second) would only make the scheduler's close wait for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
