@@ -74,7 +74,7 @@ for (transport, materialization, bs), runs in sorted(points.items(), key=lambda 
     else:
         xport = "-"
     verdict = " ".join(f"{name}:{'ok' if good else 'MISS'}" for name, good in checks)
-    failed += [name for name, good in checks if not good]
+    failed += [name.split("=")[0] if "/" in name else name for name, good in checks if not good]
     occ = "-" if occupancy is None else f"{100 * occupancy:.1f} %"
     print(f"{label:<12} {bs:>4} {t:>8.3f} {xport:>17} {occ:>9}  {verdict}")
 print(f"== targets missed: {len(failed)}" + (f" ({', '.join(sorted(set(failed)))})" if failed else ""))
