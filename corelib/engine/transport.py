@@ -206,11 +206,21 @@ class ShmExecutor(Executor):
                              sent_at=time.perf_counter(), layout=fi.layout.encode())
         try:
             self.producer.write(header, fi.arena[: fi.layout.nbytes])
-        except (TransportError, WorkerDied) as error:
+        except TransportError as error:
             self.failure = error
             raise
+        except WorkerDied as error:
+            self.failure = self._named(error, fi.step_id)
+            raise self.failure from None
         release()  # the frame holds a copy: the host arena is free
         return _ShmFuture(self, fi.step_id)
+
+    def _named(self, error: WorkerDied, step_id: int) -> WorkerDied:
+        """With several ranks, the one that stopped first may only report a peer's silence (a collective
+        that timed out): add how far each rank got, which names the one that stalled."""
+        if len(self.ranks) < 2:
+            return error
+        return WorkerDied(f"{error}; at step {step_id}: {self.producer.progress()}")
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -227,8 +237,8 @@ class ShmExecutor(Executor):
             self.failure = TransportError(f"{error}; {self.producer.progress()}")
             raise self.failure from None
         except WorkerDied as error:
-            self.failure = error
-            raise
+            self.failure = self._named(error, step_id)
+            raise self.failure from None
         try:
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
                 self.failure = TransportError(f"result ring: expected the tokens of step {step_id}, got "

@@ -1,4 +1,5 @@
 """Shared-memory segments: a full /dev/shm, a failed map, a sweep across PID namespaces, exit without close."""
+# ``shm`` below is the segment module: SHM_DIR, where segments live, is read from it at each creation.
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from corelib.engine import shm
-from corelib.engine.shm import PREFIX, Ring, Segment, sweep_stale
+from corelib.engine import segment as shm
+from corelib.engine.segment import PREFIX, Segment, sweep_stale
+from corelib.engine.shm import Ring
 from corelib.errors import TransportError
 
 NOT_A_PID = 2**22 + 4242  # above the default pid_max: the sweeper cannot see such a process
@@ -50,11 +52,12 @@ def test_a_full_shm_is_a_one_line_error_not_sigbus(tiny_shm: Path) -> None:
     child = run_python("""
         import sys
         from pathlib import Path
-        from corelib.engine import shm
+        from corelib.engine import segment
+        from corelib.engine.shm import Ring
         from corelib.errors import TransportError
-        shm.SHM_DIR = Path(sys.argv[1])
+        segment.SHM_DIR = Path(sys.argv[1])
         try:
-            ring = shm.Ring.create("in", 4, 1 << 20)
+            ring = Ring.create("in", 4, 1 << 20)
             ring.whole.fill_(7)
         except TransportError as error:
             print(error)
