@@ -43,8 +43,18 @@ from corelib.engine.api import Engine
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
-from corelib.models.llama import ModelShape, ModelWeights, build_weights, hf_parameter_shapes, random_state_dict
+from corelib.models.base import Model
+from corelib.models.llama import (
+    LlamaModel,
+    ModelShape,
+    ModelWeights,
+    build_weights,
+    hf_parameter_shapes,
+    random_state_dict,
+)
+from corelib.models.registry import llama_variant
 from corelib.models.rope import inv_freq
+from corelib.models.sharding import TensorShard
 from corelib.plugins import PluginRegistry
 from corelib.startup import Startup, start
 
@@ -118,7 +128,7 @@ def corelib_run(engine: Engine, prompts: list[list[int]], new_tokens: int,
     device = engine.core.metrics.device_summary(first_step)
     return {
         "tpot_ms": statistics.median(tpots), "repeats_tpot_ms": tpots, "warmup_s": warmup_s,
-        "async_token_handoff": engine.async_handoff, "graphs": engine.plan.is_enabled("graph"),
+        "async_token_handoff": engine.async_handoff, "graphs": engine.options.graphs,
         "graph_steps": engine.local_runner.num_graph_steps, "eager_steps": engine.local_runner.num_eager_steps,
         "occupancy": device["occupancy"], "idle_gap_median_us": device["idle_gap_median_us"],
     }, tokens
@@ -288,10 +298,13 @@ def run(args: argparse.Namespace) -> Json:
     state = {name: cpu_state.pop(name).to(device=torch_device, dtype=shape.dtype) for name in list(cpu_state)}
     built: list[ModelWeights] = []
 
-    def shared_weights(_: CorelibConfig, device: Device) -> ModelWeights:
+    def shared_weights(config: CorelibConfig, device: Device, shard: TensorShard | None) -> Model:
+        if shard is not None:
+            raise ValueError("peers.py compares one device; it does not shard")
         if not built:
             built.append(build_weights(shape, state, device.torch_device))
-        return built[0]
+        architecture = llama_variant(config.model.architecture)
+        return LlamaModel(built[0], architecture.facts(config.model), compile_decode=config.engine.compile)
 
     model, result["transformers"] = load_transformers(args, shape, state, torch_device)
     result["model"] = {"preset": args.model, "dtype": str(shape.dtype).removeprefix("torch."), "seed": args.seed,

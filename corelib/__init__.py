@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 # PyTorch imports every installed device extension at `import torch` (device-backend
 # autoload). A vendor extension without its driver libraries then breaks torch itself, so
@@ -11,3 +12,22 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 __version__ = "0.1.0"
+
+# The environment a worker process gets is the one corelib saw first (see corelib/isolation.py):
+# import it here, before a Hydra job's env_set or anything else can change os.environ.
+from corelib import isolation as _isolation  # noqa: F401
+
+# ``corelib.LLM`` and ``corelib.SamplingParams`` load the engine (and torch) on first use only,
+# so ``python -m corelib --help`` and config checks stay quick.
+if TYPE_CHECKING:
+    from corelib.llm import LLM, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    if name in ("LLM", "SamplingParams"):
+        from corelib import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'corelib' has no attribute {name!r}")

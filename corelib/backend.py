@@ -146,8 +146,9 @@ def resolve_runtime(backend: Backend, cfg: BackendConfig, timeout_s: float) -> R
             f"backend {backend.name} is unavailable here ({availability.reason}) and cannot be emulated"
         )
     else:
-        # The emulator runs the reference ops: a backend's fused kernels need its hardware.
-        capabilities = declared.narrow(fused_ops=False)
+        # The emulator runs the reference ops: a backend's fused kernels need its hardware, and
+        # its memory is host memory that no peer device maps.
+        capabilities = declared.narrow(fused_ops=False, symmetric_memory=False)
         runtime = Runtime.emulated
         why = f" because {availability.reason}" if availability is not None else " (backend.runtime=emulated)"
         message = f"{backend.name}: running on the stream emulator with the {backend.name} profile{why}"

@@ -5,12 +5,17 @@ measured side by side. One engine is built per (backend, transport, materializat
 handoff) and reused across batch sizes; each batch size first runs a warm-up round.
 A point decodes ``batch_size`` requests of ``prompt_len`` tokens for ``output_len`` new
 tokens each (EOS ignored), so every decode step has exactly ``batch_size`` sequences.
+
+Where the workload says how requests arrive (``workload.request_rate``,
+``workload.max_concurrency`` or ``workload.dataset``), every engine also serves that workload,
+as ``run`` would, and a second table gives its TTFT, TPOT and throughput side by side.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -24,13 +29,16 @@ from rich.console import Console
 from rich.table import Table
 
 from corelib.compose import compose_config
-from corelib.engine.api import Engine
+from corelib.config import WorkloadConfig
+from corelib.engine.api import Engine, RequestOutput
 from corelib.engine.metrics import percentile
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
 from corelib.plugins import PluginRegistry
+from corelib.progress import say, show
 from corelib.rundir import RunDir
-from corelib.startup import start
+from corelib.startup import Startup, start
+from corelib.workload import Request, arrival_offsets, build_workload
 
 
 @dataclass
@@ -43,6 +51,7 @@ class BenchPoint:
     handoff: str
     batch_size: int
     tpot_ms: float
+    ops: str  # who runs the ops: "reference", or the provider's name
     tokens_per_s: float
     occupancy: float | None
     idle_gap_median_us: float | None
@@ -51,6 +60,76 @@ class BenchPoint:
     repeats_tpot_ms: list[float] = field(default_factory=list)
     transport_us_p50: float | None = None  # shm: producer commit to inputs ready in the worker
     transport_us_p99: float | None = None
+
+
+@dataclass
+class ServePoint:
+    """One engine serving the configured workload (arrivals, concurrency, dataset), as ``run`` does."""
+
+    label: str
+    handoff: str
+    requests: int
+    requests_failed: int
+    request_rate: float
+    max_concurrency: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p99: float | None
+
+
+def wants_serving(workload: WorkloadConfig) -> bool:
+    """Whether the workload describes traffic (arrivals, a concurrency cap or a dataset) worth serving."""
+    steady = 0 < workload.request_rate < math.inf
+    return steady or workload.max_concurrency > 0 or bool(workload.dataset)
+
+
+def serve(engine: Engine, workload: WorkloadConfig, label: str) -> ServePoint:
+    """Serve ``workload`` to the end through ``engine``; latency percentiles and throughput."""
+    from corelib.run import drive
+
+    model = engine.startup.config.model
+    requests = build_workload(workload, model.vocab_size, model.eos_token_id, engine.tokenizer)
+    outputs: list[RequestOutput] = []
+
+    def keep(request: Request, output: RequestOutput) -> None:
+        outputs.append(output)
+
+    start = time.perf_counter()
+    drive(engine, requests, arrival_offsets(workload, len(requests)), workload.max_concurrency, keep)
+    wall = time.perf_counter() - start
+    ttft = [o.ttft_ms for o in outputs if o.ttft_ms is not None]
+    tpot = [o.tpot_ms for o in outputs if o.tpot_ms is not None]
+    return ServePoint(
+        label=label,
+        handoff="on" if engine.async_handoff else "off",
+        requests=len(outputs),
+        requests_failed=sum(1 for o in outputs if o.finish_reason == "error"),
+        request_rate=workload.request_rate,
+        max_concurrency=workload.max_concurrency,
+        wall_s=wall,
+        tokens_per_s=sum(len(o.output_token_ids) for o in outputs) / wall if wall > 0 else 0.0,
+        ttft_ms_p50=percentile(ttft, 50),
+        ttft_ms_p99=percentile(ttft, 99),
+        tpot_ms_p50=percentile(tpot, 50),
+        tpot_ms_p99=percentile(tpot, 99),
+    )
+
+
+def serve_table(points: list[ServePoint]) -> Table:
+    table = Table(title="corelib bench: the workload served (arrivals as configured)")
+    for column in ("engine", "requests (error)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "wall s"):
+        table.add_column(column, justify="right")
+
+    def pair(low: float | None, high: float | None) -> str:
+        return "-" if low is None else f"{low:.2f}/{high or 0:.2f}"
+
+    for p in points:
+        table.add_row(p.label, f"{p.requests} ({p.requests_failed})", pair(p.ttft_ms_p50, p.ttft_ms_p99),
+                      pair(p.tpot_ms_p50, p.tpot_ms_p99), f"{p.tokens_per_s:.0f}", f"{p.wall_s:.2f}")
+    return table
 
 
 def _overrides(cfg: DictConfig) -> list[str]:
@@ -62,7 +141,8 @@ def _overrides(cfg: DictConfig) -> list[str]:
     except ValueError:
         task = []
     return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=", "engine.tp=",
-                                                   "engine.transport=", "engine.shm.materialization="))]
+                                                   "engine.transport=", "engine.shm.materialization=",
+                                                   "engine.fused_ops="))]
 
 
 def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
@@ -83,15 +163,16 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     base = _overrides(cfg)
     backends = list(spec.backends) or [None]
     points: list[BenchPoint] = []
+    served: list[ServePoint] = []
     largest = max(spec.batch_sizes)
     seen: set[tuple[object, ...]] = set()
     devices: list[str] = []
-    for backend, tp, requested, asked, handoff in itertools.product(
-        backends, spec.tp, spec.transport, spec.materialization, spec.handoff
+    for backend, fused, tp, requested, asked, handoff in itertools.product(
+        backends, spec.fused_ops, spec.tp, spec.transport, spec.materialization, spec.handoff
     ):
         transport = "shm" if tp > 1 else requested  # ranks are worker processes fed over shm
         materialization = asked if transport == "shm" else "auto"  # it only matters for shm
-        key = (backend, tp, transport, materialization, handoff)
+        key = (backend, fused, tp, transport, materialization, handoff)
         if key in seen:
             continue
         seen.add(key)
@@ -102,19 +183,20 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             f"engine.transport={transport}",
             f"engine.shm.materialization={materialization}",
             f"engine.async_token_handoff={handoff}",
+            f"engine.fused_ops={fused}",
             f"engine.max_num_seqs={max(largest, 1)}",
             f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, 256)}",
         ]
         try:
             startup = start(compose_config(overrides), registry)
         except ConfigError as error:
-            console.print(f"corelib: bench: skipping {backend or 'default'}/{transport}/{materialization}/"
-                          f"{handoff}: {error}")
+            say(console, f"bench: skipping {backend or 'default'}/{transport}/{materialization}/{handoff}: {error}")
             continue
         devices.extend(startup.messages)
+        ops = _ops_label(startup)
         with Engine(startup) as engine:
             label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp} {transport} "
-                     f"{engine.materialization} handoff={handoff}")
+                     f"{engine.materialization} handoff={handoff} ops={ops}")
             for batch_size in spec.batch_sizes:
                 _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
                 first_step = engine.core.metrics.num_steps
@@ -133,6 +215,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     handoff="on" if engine.async_handoff else "off",
                     batch_size=batch_size,
                     tpot_ms=tpot,
+                    ops=ops,
                     tokens_per_s=statistics.median(r[1] for r in repeats),
                     occupancy=device["occupancy"],
                     idle_gap_median_us=device["idle_gap_median_us"],
@@ -143,18 +226,23 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     transport_us_p99=percentile(transport_us, 99),
                 )
                 points.append(point)
-                console.print(f"corelib: bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_transport_note(point)}")
-    table = bench_table(points)
-    console.print(table)
+                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_transport_note(point)}")
+            if wants_serving(startup.config.workload):
+                served.append(serve(engine, startup.config.workload, label))
+                say(console, f"bench {label}: served the workload in {served[-1].wall_s:.2f} s")
+    show(console, bench_table(points))
+    if served:
+        show(console, serve_table(served))
     payload = {
         "machine": _machine(devices),
         "overrides": base,
         "bench": {k: list(v) if isinstance(v, list | tuple) else v for k, v in dict(spec).items()},
         "points": [asdict(p) for p in points],
         "ratios": ratios(points),
+        "served": [asdict(p) for p in served],
     }
     (run_dir.path / "bench.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    console.print(f"corelib: wrote {run_dir.path / 'bench.json'}")
+    say(console, f"wrote {run_dir.path / 'bench.json'}")
     return points
 
 
@@ -165,33 +253,40 @@ def _transport_note(point: BenchPoint) -> str:
     return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
 
 
+def _ops_label(startup: Startup) -> str:
+    fused = startup.options.fused_ops
+    provider = startup.backend.op_provider()
+    return "reference" if not fused or provider is None else provider.name
+
+
 def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Async/sync TPOT at equal everything else, from the same run."""
     out = []
-    index = {(p.backend, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
-    for (backend, tp, transport, materialization, handoff, batch_size), point in index.items():
+    index = {(p.backend, p.ops, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
+    for (backend, ops, tp, transport, materialization, handoff, batch_size), point in index.items():
         if handoff != "on":
             continue
-        sync = index.get((backend, tp, transport, materialization, "off", batch_size))
+        sync = index.get((backend, ops, tp, transport, materialization, "off", batch_size))
         if sync is not None:
-            out.append({"backend": backend, "tp": tp, "transport": transport, "materialization": materialization,
-                        "batch_size": batch_size, "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
+            out.append({"backend": backend, "ops": ops, "tp": tp, "transport": transport,
+                        "materialization": materialization, "batch_size": batch_size,
+                        "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
     return out
 
 
 def bench_table(points: list[BenchPoint]) -> Table:
     table = Table(title="corelib bench (one process, side by side)")
-    for column in ("backend", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy", "gap µs",
-                   "xport µs p50/p99", "async/sync"):
+    for column in ("backend", "ops", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy",
+                   "gap µs", "xport µs p50/p99", "async/sync"):
         table.add_column(column, justify="right")
-    ratio = {(r["backend"], r["tp"], r["transport"], r["materialization"], r["batch_size"]): r["async_over_sync_tpot"]
-             for r in ratios(points)}
+    ratio = {(r["backend"], r["ops"], r["tp"], r["transport"], r["materialization"], r["batch_size"]):
+             r["async_over_sync_tpot"] for r in ratios(points)}
     for p in points:
-        key = (p.backend, p.tp, p.transport, p.materialization, p.batch_size)
+        key = (p.backend, p.ops, p.tp, p.transport, p.materialization, p.batch_size)
         r = ratio.get(key) if p.handoff == "on" else None
         xport = "-" if p.transport_us_p50 is None else f"{p.transport_us_p50:.0f}/{p.transport_us_p99 or 0:.0f}"
         table.add_row(
-            f"{p.backend}/{p.runtime}", str(p.tp), p.transport, p.materialization, p.handoff, str(p.batch_size),
+            f"{p.backend}/{p.runtime}", p.ops, str(p.tp), p.transport, p.materialization, p.handoff, str(p.batch_size),
             f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
             "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
             "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",

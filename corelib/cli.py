@@ -1,17 +1,19 @@
-"""``python -m corelib {run,plan,backends,bench} [hydra overrides]``, and ``trace-plot``.
+"""``python -m corelib {run,plan,backends,bench,serve,bench-serve} [hydra overrides]``, and ``trace-plot``.
 
 Exit codes: 0 success, 2 bad configuration or a refused plan, 1 runtime failure, 130 on
 Ctrl-C, 143 on SIGTERM (the same clean shutdown as Ctrl-C). An error prints one line
-(``HYDRA_FULL_ERROR=1`` shows the traceback).
+(``HYDRA_FULL_ERROR=1`` adds the traceback; the exit code stays the same).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +35,8 @@ commands:
   backends  list installed backend plugins and whether they run natively, emulated, or not at all
   bench     sweep batch size, handoff, transport and backend; print a table, write bench.json
   trace-plot  render decode steps of trace.json files (engine.trace=true) into a PNG (trace-plot --help)
+  serve     an OpenAI-compatible HTTP server over the engine (server.port=8000; needs corelib[serve])
+  bench-serve  load a running server (server.bench.*): throughput, TTFT, TPOT, lost responses
 
 Every command but backends takes Hydra overrides: pick an option per group (backend=npu,
 model=small-0.6b) and set any key (engine.async_token_handoff=on). COMMAND --help lists them.
@@ -64,7 +68,8 @@ _PLAIN_FLAGS = frozenset(
      "-sc", "--shell-completion"}
 )
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-_COMMANDS = ("run", "plan", "backends", "bench", "trace-plot")
+_COMMANDS = ("run", "plan", "backends", "bench", "trace-plot", "serve", "bench-serve")
+_job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log
 # Flags that leave the config tree as it is, so composing without them gives the same result.
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 
@@ -107,11 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flush of stdout from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - reported in one line, with its traceback on request
         # Not a user's mistake but a failure inside (a device, a plugin, a bug): still one
         # line naming it, and the exit code of a runtime failure.
         if _full_error():
-            raise
+            traceback.print_exception(error, file=sys.stderr)
+            print(f"corelib: error: {one_line(error)}", file=sys.stderr)
+            return 1
         print(f"corelib: error: {one_line(error)} (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         return 1
 
@@ -139,7 +146,8 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def _report(error: CorelibError) -> int:
     if _full_error():
-        raise error
+        # The traceback, then the same line and exit code as without the variable.
+        traceback.print_exception(error, file=sys.stderr)
     for cause in _causes(error):
         for line in str(cause).splitlines() or [type(cause).__name__]:
             print(f"corelib: error: {line}", file=sys.stderr)
@@ -252,6 +260,15 @@ def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _hydra_command(command: str, rest: list[str]) -> int:
+    from corelib.trust import guarded_composition
+
+    overrides, flags = split_arguments(rest)
+    # Every config Hydra composes from here on is checked before Hydra acts on its hydra node.
+    with guarded_composition():
+        return _guarded_hydra_command(command, overrides, flags)
+
+
+def _guarded_hydra_command(command: str, overrides: list[str], flags: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -259,10 +276,14 @@ def _hydra_command(command: str, rest: list[str]) -> int:
 
     from corelib.compose import translate_error
 
-    overrides, flags = split_arguments(rest)
     if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
         _precheck(overrides)
     registry = _registry(overrides)
+    if {"-h", "--help"} & set(flags):
+        from corelib.config_help import render_help
+
+        print(render_help(command, overrides))
+        return 0
     task_fn = _tasks()[command]
     failures: list[tuple[str, CorelibError]] = []
 
@@ -273,6 +294,13 @@ def _hydra_command(command: str, rest: list[str]) -> int:
         except CorelibError as error:
             # Kept, not raised: Hydra would print its own line about the failed job first.
             failures.append((" ".join(hydra_cfg.overrides.task), error))
+            _job_log.info("error: %s", error)  # the job's run.log says why it stopped; stderr gets it from _report
+        except KeyboardInterrupt as interrupt:
+            _job_log.info("%s", "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted")
+            raise
+        except Exception as error:
+            _job_log.info("error: %s", one_line(error))
+            raise
 
     app = hydra.main(config_path="pkg://corelib.conf", config_name="config", version_base="1.3")(task)
     if not any(o.startswith("hydra.job.name=") for o in overrides):
@@ -355,9 +383,10 @@ def _hydra_raises(prog: str, argv: list[str]) -> Iterator[None]:
 
 
 def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
-    from corelib.commands import bench_task, plan_task, run_task
+    from corelib.commands import bench_serve_task, bench_task, plan_task, run_task, serve_task
 
-    return {"run": run_task, "plan": plan_task, "bench": bench_task}
+    return {"run": run_task, "plan": plan_task, "bench": bench_task, "serve": serve_task,
+            "bench-serve": bench_serve_task}
 
 
 def _trace_plot_command(rest: list[str]) -> int:

@@ -10,8 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from corelib.device import Runtime
+from corelib.errors import ConfigError
 from corelib.features import Plan
 from corelib.plugins import ENTRY_POINT_GROUP, ENV_ALLOW, ENV_BLOCK, PluginRegistry
+from corelib.progress import Progress, reporting, say, show
 from corelib.rundir import RunDir
 from corelib.startup import Startup, start
 
@@ -37,7 +39,7 @@ def plan_table(plan: Plan) -> Table:
 
 def announce(startup: Startup) -> None:
     for message in startup.messages:
-        console.print(f"corelib: {message}", soft_wrap=True)
+        say(console, message)
 
 
 def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tuple[Startup, RunDir]:
@@ -59,21 +61,68 @@ def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tupl
 
 
 def plan_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
-    startup, _ = prepare(cfg, registry, output_dir)
-    console.print(plan_table(startup.plan))
+    startup, run_dir = prepare(cfg, registry, output_dir)
+    show(console, plan_table(startup.plan))
+    say(console, f"wrote {run_dir.path}/{{config.yaml,plan.json}}")
 
 
 def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.run import run
 
     startup, run_dir = prepare(cfg, registry, output_dir)
-    run(startup, run_dir, console)
+    with reporting(Progress(console)):
+        run(startup, run_dir, console)
 
 
 def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.bench import bench
 
-    bench(cfg, registry, RunDir(output_dir), console)
+    with reporting(Progress(console)):
+        bench(cfg, registry, RunDir(output_dir), console)
+
+
+def _serve_modules() -> None:
+    """The server's packages are an extra; without them, one line that says how to get them."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx") if
+               importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"serving needs {', '.join(missing)}: pip install 'corelib[serve]'")
+
+
+def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
+    _serve_modules()
+    from corelib.engine.api import Engine
+    from corelib.server.serve import bind, build_state, check_server, serve
+
+    api_key = cfg.server.api_key or None
+    shown = cfg.copy()  # the files of the run directory never hold the key
+    if api_key is not None:
+        shown.server.api_key = "<set>"
+    startup, _ = prepare(shown, registry, output_dir)
+    server = startup.config.server
+    check_server(server)
+    sock = bind(server.host, server.port)  # a taken port fails before the engine is built
+    try:
+        state = build_state(lambda: Engine(startup), server, api_key)
+    except BaseException:
+        sock.close()
+        raise
+    serve(state, server, sock, lambda line: console.print(f"corelib: {line}", markup=False, soft_wrap=True))
+
+
+def bench_serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
+    _serve_modules()
+    from omegaconf import OmegaConf
+
+    from corelib.config import ServeBenchConfig
+    from corelib.server.loadgen import bench_serve
+
+    spec = OmegaConf.to_object(cfg.server.bench)
+    if not isinstance(spec, ServeBenchConfig):
+        raise ConfigError("server.bench does not follow its schema; keep server: default in the defaults list")
+    bench_serve(spec, RunDir(output_dir), console)
 
 
 def backends_table(registry: PluginRegistry) -> Table:

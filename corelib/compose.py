@@ -29,8 +29,12 @@ CONFIG_NAME = "config"
 TARGET_KEY = "_target_"
 
 
+_plugin_configs: dict[str, bool] = {"ready": False}
+
+
 def prepare_config_store(registry: PluginRegistry) -> None:
-    """Register the schemas and the backend configs that plugins ship outside ``conf/``."""
+    """Register the schemas and the backend configs the plugins ship (the built-in backends' too)."""
+    _plugin_configs["ready"] = True
     register_schemas()
     store = ConfigStore.instance()
     for name, path in registry.config_files.items():
@@ -52,7 +56,15 @@ def hydra_context() -> Iterator[None]:
 
 
 def compose_config(overrides: Sequence[str]) -> DictConfig:
-    """Compose ``config.yaml`` with overrides; any mistake becomes a one-line ConfigError."""
+    """Compose ``config.yaml`` with overrides; any mistake becomes a one-line ConfigError.
+
+    The backend options come from the plugins: unless ``prepare_config_store`` ran with a
+    registry of the caller's, the installed plugins are loaded once to find them.
+    """
+    if not _plugin_configs["ready"]:
+        from corelib.plugins import PluginRegistry
+
+        prepare_config_store(PluginRegistry())
     register_schemas()
     with hydra_context():
         try:

@@ -38,6 +38,14 @@ class Materialization(str, enum.Enum):
     ordered = "ordered"
 
 
+class WeightInit(str, enum.Enum):
+    """Where random weights are generated: decided by the model's size, on the CPU, or on the model's device."""
+
+    auto = "auto"
+    cpu = "cpu"
+    device = "device"
+
+
 class Transport(str, enum.Enum):
     """How scheduled steps reach the model: in this process, or through a shared-memory ring."""
 
@@ -62,125 +70,246 @@ class Scope(str, enum.Enum):
     step = "step"
 
 
+def doc(text: str) -> dict[str, str]:
+    """A key's meaning, as dataclass field metadata; ``COMMAND --help`` shows it beside the key."""
+    return {"help": text}
+
+
 @dataclass
 class EmulatorConfig:
     """The stream emulator's chaos and cost model (``backend.emulator``)."""
 
-    chaos: float = 0.0  # share of stream operations that get a random delay, in [0, 1]
-    chaos_max_ms: float = 2.0  # upper bound of one chaos delay
-    seed: int = 0  # seed of the chaos delays
-    launch_latency_us: float = 0.0  # cost model: extra time per launched closure
-    copy_gb_per_s: float = 0.0  # cost model: copy bandwidth; 0 means copies cost their CPU time only
+    chaos: float = field(default=0.0, metadata=doc("share of stream operations that get a random delay, in [0, 1]"))
+    chaos_max_ms: float = field(default=2.0, metadata=doc("upper bound of one chaos delay, in ms"))
+    seed: int = field(default=0, metadata=doc("seed of the chaos delays"))
+    launch_latency_us: float = field(default=0.0, metadata=doc("cost model: extra time per launched closure, in µs"))
+    copy_gb_per_s: float = field(
+        default=0.0, metadata=doc("cost model: copy bandwidth in GB/s; 0: copies cost their CPU time only")
+    )
 
 
 @dataclass
 class BackendConfig:
     """``backend/<name>.yaml``: which plugin, which runtime, and the declared capabilities."""
 
-    name: str = MISSING  # backend plugin name, or "auto"
-    runtime: RuntimeMode = RuntimeMode.auto  # auto: native if possible, else emulated
-    device_index: int = 0  # which device of the backend's kind
-    capabilities: dict[str, Any] = field(default_factory=dict)  # declared; a probe may narrow them
-    emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
-    candidates: list[str] = field(default_factory=list)  # backend=auto: try these natively, in order
-    fallback: str = ""  # backend=auto: used when no candidate runs natively
+    name: str = field(
+        default=MISSING, metadata=doc("backend plugin name (python -m corelib backends lists them), or auto")
+    )
+    runtime: RuntimeMode = field(
+        default=RuntimeMode.auto,
+        metadata=doc(
+            "native: only on the hardware; emulated: the stream emulator; "
+            "auto: native where the hardware is, else emulated"
+        ),
+    )
+    device_index: int = field(default=0, metadata=doc("which device of the backend's kind"))
+    capabilities: dict[str, Any] = field(
+        default_factory=dict, metadata=doc("what the device can do, as declared; a probe may only narrow it")
+    )
+    emulator: EmulatorConfig = field(
+        default_factory=EmulatorConfig, metadata=doc("the stream emulator's chaos and cost model")
+    )
+    candidates: list[str] = field(default_factory=list, metadata=doc("backend=auto: tried natively, in this order"))
+    fallback: str = field(default="", metadata=doc("backend=auto: used when no candidate runs natively"))
 
 
 @dataclass
 class ModelConfig:
     """``model/<name>.yaml``: the decoder's shape and where its weights come from."""
 
-    name: str = MISSING  # preset name, shown in reports
-    architecture: str = "llama"  # llama, qwen2, qwen3, or hybrid (llama + recurrent conv state)
-    vocab_size: int = 512
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 0  # 0 means hidden_size // num_heads
-    intermediate_size: int = 384
-    max_model_len: int = 512  # longest prompt + output a request may have
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    dtype: str = "float32"  # float32, bfloat16, float16, or auto: the checkpoint's dtype (float32 without one)
-    seed: int = 0  # seed of the random weights
-    eos_token_id: int = 1
-    extra_eos_token_ids: list[int] = field(default_factory=list)  # more ids that end a request like eos_token_id
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qkv bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
-    conv_kernel: int = 4  # hybrid only: width of the causal convolution state
-    multimodal: bool = False  # the model takes non-text inputs
-    path: str | None = None  # a Hugging Face checkpoint directory; None means random weights
-    rope_scaling: dict[str, Any] = field(default_factory=dict)  # config.json's rope_scaling; {}: plain RoPE
+    name: str = field(default=MISSING, metadata=doc("preset name, shown in reports"))
+    architecture: str = field(
+        default="llama", metadata=doc("llama, qwen2, qwen3, or hybrid (llama + a recurrent conv state)")
+    )
+    vocab_size: int = field(default=512, metadata=doc("token ids are 0 .. vocab_size-1"))
+    hidden_size: int = field(default=128, metadata=doc("model width"))
+    num_layers: int = field(default=2, metadata=doc("decoder layers"))
+    num_heads: int = field(default=4, metadata=doc("query heads"))
+    num_kv_heads: int = field(default=2, metadata=doc("key/value heads (grouped-query attention)"))
+    head_dim: int = field(default=0, metadata=doc("per-head width; 0: hidden_size / num_heads"))
+    intermediate_size: int = field(default=384, metadata=doc("SwiGLU width"))
+    max_model_len: int = field(default=512, metadata=doc("longest prompt + output a request may have"))
+    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base"))
+    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon"))
+    dtype: str = field(
+        default="float32",
+        metadata=doc("float32, bfloat16, float16, or auto: the checkpoint's dtype (float32 without one)"),
+    )
+    seed: int = field(default=0, metadata=doc("seed of the random weights"))
+    init: WeightInit = field(
+        default=WeightInit.auto,
+        metadata=doc(
+            "random weights: cpu (one float32 stream, the same on every device), device (each tensor "
+            "on the model's device from a generator seeded by seed and its name: fast), auto: cpu up "
+            "to 1 B parameters, device above"
+        ),
+    )
+    eos_token_id: int = field(default=1, metadata=doc("end-of-sequence token id; -1: none"))
+    extra_eos_token_ids: list[int] = field(
+        default_factory=list, metadata=doc("more ids that end a request like eos_token_id")
+    )
+    tie_word_embeddings: bool = field(default=False, metadata=doc("share the embedding with the LM head"))
+    attention_bias: bool = field(default=False, metadata=doc("qkv bias (Qwen2)"))
+    qk_norm: bool = field(default=False, metadata=doc("per-head RMSNorm on q and k (Qwen3)"))
+    conv_kernel: int = field(default=4, metadata=doc("hybrid only: width of the causal convolution state"))
+    multimodal: bool = field(default=False, metadata=doc("the model takes non-text inputs"))
+    path: str | None = field(
+        default=None,
+        metadata=doc(
+            "a Hugging Face checkpoint directory, or a hub id (Qwen/Qwen3-0.6B) found in the "
+            "Hugging Face cache or downloaded; null: random weights"
+        ),
+    )
+    rope_scaling: dict[str, Any] = field(
+        default_factory=dict, metadata=doc("config.json's rope_scaling (rope_type, factor, ...); {}: plain RoPE")
+    )
 
 
 @dataclass
 class ShmConfig:
     """``engine.shm``: the shared-memory ring between scheduler and workers."""
 
-    materialization: Materialization = Materialization.auto  # early: polling thread issues the H2D
-    num_slots: int = 4  # frames in the ring
-    slot_bytes: int = 1 << 20  # bytes per frame, header included
-    register_host: bool = False  # pin the SHM region in place (shows the race on real DMA)
-    spin_us: float = 150.0  # a waiting end re-checks the ring this long (yielding the GIL) before it sleeps
+    materialization: Materialization = field(
+        default=Materialization.auto,
+        metadata=doc(
+            "who issues the H2D of an SHM frame: early (the "
+            "polling thread), ordered (the prepare stream), "
+            "auto (its gate decides)"
+        ),
+    )
+    num_slots: int = field(default=4, metadata=doc("frames in the ring"))
+    slot_bytes: int = field(default=1 << 20, metadata=doc("bytes per frame, header included"))
+    register_host: bool = field(default=False, metadata=doc("pin the SHM region in place (shows the race on real DMA)"))
+    spin_us: float = field(
+        default=150.0,
+        metadata=doc("microseconds a waiting end re-checks the ring (yielding the GIL) before it sleeps on its "
+                     "eventfd; 0: sleep at once"),
+    )
 
 
 @dataclass
 class EngineConfig:
     """``engine/<name>.yaml``: optimizations, transport, KV cache and batching."""
 
-    graph: Mode = Mode.auto  # capture decode steps as device graphs
-    async_token_handoff: Mode = Mode.auto  # overlap step N+1 on the device with step N on the host
-    run_ahead: int = 1  # with async handoff: steps the scheduler submits beyond the one it reads (1 or 2)
-    fused_ops: Mode = Mode.auto  # the backend's fused kernels in place of the reference ops
-    transport: Transport = Transport.inproc  # inproc, or shm to worker processes
-    shm: ShmConfig = field(default_factory=ShmConfig)
-    kv_cache: str = "paged"  # the only layout implemented; the gates ask for it
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 0  # 0 sizes the pool for max_num_seqs full-length requests
-    max_num_seqs: int = 64  # most requests decoding at once
-    max_num_batched_tokens: int = 2048  # prefill token budget per step
-    graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    compile: bool = False  # torch.compile the decode step (inside the graph where graphs are on)
-    speculative_draft_model: str | None = None  # not implemented; the gates ask for it
-    kv_transfer_connector: str | None = None  # not implemented; the gates ask for it
-    tp: int = 1  # tensor-parallel ranks
-    timeout_s: float = 60.0  # longest any wait may take before it fails naming what it waited for
-    trace: bool = False  # write a Chrome/Perfetto trace of host and device spans
-    metrics_window: int = 10_000  # latest requests and steps kept for percentiles; totals cover all
+    graph: Mode = field(default=Mode.auto, metadata=doc("capture decode steps as device graphs"))
+    async_token_handoff: Mode = field(
+        default=Mode.auto, metadata=doc("overlap step N+1 on the device with the host's work on step N")
+    )
+    run_ahead: int = field(
+        default=1, metadata=doc("with async handoff: steps the scheduler submits beyond the one it reads (1 or 2)")
+    )
+    fused_ops: Mode = field(
+        default=Mode.auto, metadata=doc("run the backend's fused kernels in place of the reference ops")
+    )
+    transport: Transport = field(
+        default=Transport.inproc,
+        metadata=doc("inproc, or shm: the model runs in worker processes fed through shared memory"),
+    )
+    shm: ShmConfig = field(
+        default_factory=ShmConfig, metadata=doc("the shared-memory ring between scheduler and workers")
+    )
+    kv_cache: str = field(default="paged", metadata=doc("KV cache layout; paged is the only one implemented"))
+    block_size: int = field(default=16, metadata=doc("tokens per KV block"))
+    num_kv_blocks: int = field(
+        default=0, metadata=doc("KV blocks in the pool; 0: enough for max_num_seqs requests of max_model_len")
+    )
+    max_num_seqs: int = field(default=64, metadata=doc("most requests decoding at once"))
+    max_num_batched_tokens: int = field(default=2048, metadata=doc("prefill token budget per step"))
+    graph_batch_sizes: list[int] = field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata=doc("decode batch buckets captured as graphs")
+    )
+    compile: bool = field(
+        default=False, metadata=doc("torch.compile the decode step (inside the graph where graphs are on)")
+    )
+    speculative_draft_model: str | None = field(
+        default=None, metadata=doc("not implemented; the gates refuse async handoff with one")
+    )
+    kv_transfer_connector: str | None = field(
+        default=None, metadata=doc("not implemented; the gates refuse async handoff with one")
+    )
+    tp: int = field(default=1, metadata=doc("tensor-parallel ranks (needs transport=shm)"))
+    fast_allreduce: Mode = field(
+        default=Mode.auto,
+        metadata=doc(
+            "tensor parallelism: small all-reduces through device symmetric memory (one kernel, "
+            "inside the graphs) instead of the collective library"
+        ),
+    )
+    timeout_s: float = field(
+        default=60.0, metadata=doc("longest any wait may take before it fails naming what it waited for")
+    )
+    trace: bool = field(
+        default=False,
+        metadata=doc("write trace.json (Chrome/Perfetto) of host and device spans into the run directory"),
+    )
+    metrics_window: int = field(
+        default=10_000, metadata=doc("latest requests and steps kept for percentiles; totals cover all")
+    )
+    refuse_overlong: bool = field(
+        default=False,
+        metadata=doc(
+            "a request whose prompt + max_tokens exceeds model.max_model_len ends with "
+            "finish_reason error; false: it is cut at max_model_len with a warning"
+        ),
+    )
 
 
 @dataclass
 class WorkloadConfig:
-    """``workload/<name>.yaml``: the synthetic requests of a run."""
+    """``workload/<name>.yaml``: the requests of a run, and when they arrive."""
 
-    num_requests: int = 16
-    prompt_len_min: int = 8
-    prompt_len_max: int = 32
-    output_len_min: int = 16
-    output_len_max: int = 32
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = 0  # 0 means no top-k cut
-    top_p: float = 1.0
-    seed: int = 0  # prompts, lengths and sampling seeds
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop_string_fraction: float = 0.0  # share of requests with host-side stop strings
-    multimodal_fraction: float = 0.0  # share of requests flagged multimodal
-    prompts: list[str] = field(default_factory=list)  # text prompts (needs a tokenizer)
+    num_requests: int = field(default=16, metadata=doc("random requests in the run (not with prompts or dataset)"))
+    prompt_len_min: int = field(
+        default=8, metadata=doc("random prompts: fewest tokens (lengths drawn uniformly in [min, max])")
+    )
+    prompt_len_max: int = field(default=32, metadata=doc("random prompts: most tokens"))
+    output_len_min: int = field(
+        default=16, metadata=doc("random requests: smallest max_tokens (drawn uniformly in [min, max])")
+    )
+    output_len_max: int = field(
+        default=32, metadata=doc("largest max_tokens; the max_tokens of prompts and of dataset lines without one")
+    )
+    temperature: float = field(default=0.0, metadata=doc("sampling temperature; 0: greedy"))
+    top_k: int = field(default=0, metadata=doc("keep the k most likely tokens; 0: off"))
+    top_p: float = field(default=1.0, metadata=doc("keep the most likely tokens up to this probability mass; 1: off"))
+    seed: int = field(default=0, metadata=doc("seed of prompts, lengths, arrival times and per-request sampling"))
+    ignore_eos: bool = field(default=False, metadata=doc("keep generating past the EOS token"))
+    stop_token_ids: list[int] = field(default_factory=list, metadata=doc("extra token ids that end a request"))
+    stop_string_fraction: float = field(
+        default=0.0, metadata=doc("share of requests with host-side stop strings (synchronous steps)")
+    )
+    multimodal_fraction: float = field(
+        default=0.0, metadata=doc("share of requests flagged multimodal (synchronous steps)")
+    )
+    prompts: list[str] = field(
+        default_factory=list, metadata=doc("text prompts, one request each (needs model.path with tokenizer.json)")
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata=doc(
+            'a JSONL file, one request a line: {"prompt": TEXT} or {"prompt_token_ids": [IDS]}, optional "max_tokens"'
+        ),
+    )
+    request_rate: float = field(
+        default=0.0, metadata=doc("requests per second, arriving as a Poisson process; 0 or inf: all at once")
+    )
+    max_concurrency: int = field(
+        default=0, metadata=doc("most requests in flight at once; later ones wait for one to finish; 0: no limit")
+    )
 
 
 @dataclass
 class RequirementConfig:
     """One condition of a feature gate: ``fact op value``, and the sentence shown when it fails."""
 
-    fact: str = MISSING  # capabilities.*, config.*, model.*, features.*, request.*
-    reason: str = MISSING  # the sentence shown when the requirement fails
-    op: Op = Op.eq
-    value: Any = True
-    scope: Scope = Scope.start
-    auto_only: bool = False  # a benefit condition: `auto` needs it, `on` does not
+    fact: str = field(default=MISSING, metadata=doc("capabilities.*, config.*, model.*, features.* or request.*"))
+    reason: str = field(default=MISSING, metadata=doc("the sentence shown when the requirement fails"))
+    op: Op = field(default=Op.eq, metadata=doc("how the fact is compared with value"))
+    value: Any = field(default=True, metadata=doc("what the fact is compared with"))
+    scope: Scope = field(
+        default=Scope.start, metadata=doc("start: checked once; step: checked for every scheduled step")
+    )
+    auto_only: bool = field(default=False, metadata=doc("a benefit condition: auto needs it, on does not"))
 
 
 @dataclass
@@ -189,51 +318,148 @@ class FeatureConfig:
 
     # Where the mode is set: another config key (``mode_key``, e.g. engine.graph), or ``mode``
     # right here, so a gate added as YAML alone is switched with features.<name>.mode=on.
-    mode_key: str = ""  # config key holding the feature's mode; empty: use ``mode``
-    mode: Mode | None = None  # the mode of a gate without mode_key
-    mode_map: dict[str, str] = field(default_factory=dict)  # maps mode values to auto/on/off
-    description: str = ""  # one line, shown by `plan`
-    requirements: list[RequirementConfig] = field(default_factory=list)
+    mode_key: str = field(default="", metadata=doc("config key holding the feature's mode; empty: use mode"))
+    mode: Mode | None = field(default=None, metadata=doc("the mode of a gate without mode_key"))
+    mode_map: dict[str, str] = field(default_factory=dict, metadata=doc("maps mode values to auto/on/off"))
+    description: str = field(default="", metadata=doc("one line, shown by plan"))
+    requirements: list[RequirementConfig] = field(
+        default_factory=list, metadata=doc("all must hold for auto to enable it; on refuses if any fails")
+    )
 
 
 @dataclass
 class PluginsConfig:
     """``plugins``: which backend plugins may load."""
 
-    allow: list[str] | None = None  # load only these plugins (None: all)
-    block: list[str] = field(default_factory=list)  # never load these plugins
+    allow: list[str] | None = field(
+        default=None, metadata=doc("load only these plugins (also CORELIB_PLUGINS=a,b); null: all")
+    )
+    block: list[str] = field(
+        default_factory=list, metadata=doc("never load these plugins (also CORELIB_BLOCK_PLUGINS=a,b)")
+    )
 
 
 @dataclass
 class BenchConfig:
     """``bench/<name>.yaml``: the sweep of ``python -m corelib bench``."""
 
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
-    handoff: list[str] = field(default_factory=lambda: ["off", "on"])
-    transport: list[str] = field(default_factory=lambda: ["inproc"])
-    materialization: list[str] = field(default_factory=lambda: ["auto"])
-    backends: list[str] = field(default_factory=list)  # empty: the selected backend only
-    tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel ranks; tp > 1 runs over shm
-    prompt_len: int = 32
-    output_len: int = 64
-    warmup_steps: int = 4
-    repeats: int = 1
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata=doc("decode batch sizes"))
+    handoff: list[str] = field(
+        default_factory=lambda: ["off", "on"], metadata=doc("async token handoff modes compared")
+    )
+    transport: list[str] = field(default_factory=lambda: ["inproc"], metadata=doc("inproc and/or shm"))
+    materialization: list[str] = field(
+        default_factory=lambda: ["auto"], metadata=doc("auto, early and/or ordered (shm only)")
+    )
+    fused_ops: list[str] = field(
+        default_factory=lambda: ["auto"], metadata=doc("fused_ops modes compared (auto, on, off): fused vs reference")
+    )
+    backends: list[str] = field(default_factory=list, metadata=doc("backends to sweep; empty: the selected one"))
+    tp: list[int] = field(
+        default_factory=lambda: [1], metadata=doc("tensor-parallel ranks to sweep; tp > 1 always runs over shm")
+    )
+    prompt_len: int = field(default=32, metadata=doc("prompt tokens per request"))
+    output_len: int = field(default=64, metadata=doc("new tokens per request"))
+    warmup_steps: int = field(default=4, metadata=doc("steps run before timing"))
+    repeats: int = field(default=1, metadata=doc("timed repetitions per point"))
 
 
 @dataclass
 class CorelibConfig:
     """The root of the composed config."""
 
-    backend: BackendConfig = MISSING
-    model: ModelConfig = MISSING
-    engine: EngineConfig = MISSING
-    workload: WorkloadConfig = MISSING
-    features: dict[str, FeatureConfig] = field(default_factory=dict)
-    plugins: PluginsConfig = field(default_factory=PluginsConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
+    backend: BackendConfig = field(default=MISSING, metadata=doc("the device plugin and its runtime"))
+    model: ModelConfig = field(default=MISSING, metadata=doc("the decoder and its weights"))
+    engine: EngineConfig = field(default=MISSING, metadata=doc("optimizations, transport, KV cache and batching"))
+    workload: WorkloadConfig = field(
+        default=MISSING, metadata=doc("the requests of run (and of bench, where it says so)")
+    )
+    features: dict[str, FeatureConfig] = field(default_factory=dict, metadata=doc("the feature gates, as data"))
+    plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata=doc("which backend plugins may load"))
+    bench: BenchConfig = field(default_factory=BenchConfig, metadata=doc("the sweep of bench"))
+    server: ServerConfig = field(
+        default_factory=lambda: ServerConfig(),  # noqa: PLW0108 - ServerConfig is defined below
+        metadata=doc("the HTTP server of serve, and bench-serve's load"),
+    )
 
 
 def register_schemas() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="corelib_schema", node=CorelibConfig)
+
+
+class LogLevel(str, enum.Enum):
+    """uvicorn's log levels."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
+class Endpoint(str, enum.Enum):
+    """Which OpenAI route ``bench-serve`` loads."""
+
+    completions = "completions"
+    chat = "chat"
+
+
+@dataclass
+class ServeBenchConfig:
+    """``server.bench``: the load ``python -m corelib bench-serve`` puts on a running server."""
+
+    url: str = field(default="http://127.0.0.1:8000", metadata=doc("the server's base URL"))
+    endpoint: Endpoint = field(
+        default=Endpoint.completions, metadata=doc("completions or chat (chat needs a tokenizer)")
+    )
+    rates: list[float] = field(default_factory=list, metadata=doc("requests/s with Poisson arrivals, one point each"))
+    concurrency: list[int] = field(
+        default_factory=lambda: [8], metadata=doc("fixed numbers of clients, one point each")
+    )
+    num_requests: int = field(default=64, metadata=doc("requests per point (0: as many as duration_s allows)"))
+    duration_s: float = field(default=0.0, metadata=doc("seconds per point (0: until num_requests are sent)"))
+    dataset: str | None = field(
+        default=None, metadata=doc('JSONL file with {"prompt": ...} per line; null: random token-id prompts')
+    )
+    prompt_len: int = field(default=32, metadata=doc("tokens of a random prompt"))
+    output_len: int = field(default=64, metadata=doc("tokens asked of every request (EOS ignored)"))
+    disconnect_fraction: float = field(default=0.0, metadata=doc("share of clients that hang up mid-stream"))
+    seed: int = field(default=0, metadata=doc("prompts, arrivals and disconnects"))
+    timeout_s: float = field(default=300.0, metadata=doc("longest one request may take"))
+    api_key: str | None = field(default=None, metadata=doc("sent as Authorization: Bearer"))
+    model: str | None = field(default=None, metadata=doc("model name sent; null: the first of /v1/models"))
+    settle_s: float = field(
+        default=30.0, metadata=doc("after the load, how long to wait for the server to return to idle")
+    )
+    sample_s: float = field(
+        default=10.0, metadata=doc("during the load, read the server's /metrics this often (0: never)")
+    )
+
+
+@dataclass
+class ServerConfig:
+    """``server/<name>.yaml``: the OpenAI-compatible HTTP server of ``python -m corelib serve``."""
+
+    host: str = field(default="127.0.0.1", metadata=doc("interface to listen on (0.0.0.0: every interface)"))
+    port: int = field(default=8000, metadata=doc("TCP port"))
+    api_key: str | None = field(
+        default=None, metadata=doc("when set, every /v1 request needs Authorization: Bearer KEY")
+    )
+    max_waiting: int = field(default=256, metadata=doc("requests accepted beyond engine.max_num_seqs; more get 429"))
+    served_model_name: str | None = field(
+        default=None, metadata=doc("name in /v1/models and responses; null: the model's name")
+    )
+    chat_template: str | None = field(
+        default=None, metadata=doc("a Jinja chat template file; null: the checkpoint's, else a plain one")
+    )
+    shutdown_grace_s: float = field(
+        default=10.0, metadata=doc("on SIGTERM, how long running requests may finish before they are aborted")
+    )
+    log_level: LogLevel = field(default=LogLevel.info, metadata=doc("uvicorn's log level"))
+    access_log: bool = field(default=False, metadata=doc("one log line per HTTP request"))
+    bench: ServeBenchConfig = field(
+        default_factory=ServeBenchConfig, metadata=doc("the load bench-serve puts on a running server")
+    )

@@ -55,6 +55,9 @@ class Capabilities:
     pageable_h2d_is_staged: bool = True
     device_is_host: bool = False
     fused_ops: bool = False
+    # Device memory that peer devices of a process group map and read directly, with the torch ops
+    # that all-reduce through it (torch.distributed._symmetric_memory).
+    symmetric_memory: bool = False
     comm_backend: str = "gloo"
 
     FACTS: ClassVar[frozenset[str]] = frozenset(

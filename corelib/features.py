@@ -111,19 +111,20 @@ class Plan:
         decision = self.decisions.get(feature)
         if decision is None or not decision.enabled:
             return []
-        failed: list[str] = []
-        for requirement in decision.step_requirements:
-            for facts in request_facts:
-                if not requirement.holds({"request": facts}):
-                    failed.append(requirement.reason)
-                    break
-        return failed
+        return failing_step_requirements(decision.step_requirements, request_facts)
 
     def as_dict(self) -> dict[str, Any]:
         return {name: d.as_dict() for name, d in self.decisions.items()}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2)
+
+
+def failing_step_requirements(
+    requirements: Sequence[Requirement], request_facts: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """The reasons of the per-step requirements that some request of a batch fails."""
+    return [r.reason for r in requirements if not all(r.holds({"request": facts}) for facts in request_facts)]
 
 
 def evaluate(

@@ -2,8 +2,10 @@
 
 Every backend, built in or third party, is a plugin found through the entry-point group
 ``corelib.backends``; the core never imports one by name. A plugin module implements the
-hooks below with ``@hookimpl``. A plugin that fails to load is recorded and skipped: it only
-becomes an error when its backend is selected.
+hooks below with ``@hookimpl``. A plugin that fails to load, whatever it raises (SystemExit and
+KeyboardInterrupt included, unless a real signal caused them), or whose name another installed
+distribution also registers, is recorded and skipped: it only becomes an error when its
+backend is selected.
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.resources
 import os
-from collections.abc import Iterable, Sequence
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 import pluggy
 
 from corelib.backend import Backend
 from corelib.errors import PluginError, one_line
+from corelib.models.registry import Architecture
+from corelib.models.registry import register as register_architecture
 
 PROJECT = "corelib"
 ENTRY_POINT_GROUP = "corelib.backends"
@@ -53,6 +60,15 @@ class BackendHookSpecs:
         """
         raise NotImplementedError
 
+    @hookspec
+    def corelib_models(self) -> Sequence[Architecture]:
+        """Return model architectures this plugin adds (``model.architecture=<name>``).
+
+        Return rule: results of all plugins are collected; a name may be taken once (the
+        built-in ``llama``, ``qwen2``, ``qwen3`` and ``hybrid`` included).
+        """
+        raise NotImplementedError
+
 
 @dataclass
 class PluginRecord:
@@ -73,13 +89,23 @@ def _env_list(name: str) -> list[str] | None:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+def _distribution(entry_point: importlib.metadata.EntryPoint) -> str:
+    dist = entry_point.dist
+    return f"{dist.name} {dist.version}" if dist is not None else "unknown distribution"
+
+
+def _identity(entry_point: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    dist = entry_point.dist
+    return entry_point.value, dist.name if dist is not None else ""
+
+
 def _package_of(module: str) -> str:
     """``corelib_cpu.plugin`` -> ``corelib_cpu``; a top-level module is its own package."""
     return module.rpartition(".")[0] or module
 
 
 def _shipped_backend_configs() -> set[str]:
-    """Backend options that ship in corelib's ``conf/backend``; a plugin YAML cannot replace them."""
+    """Backend options that ship in corelib's ``conf/backend`` (``auto``); a plugin YAML cannot replace them."""
     try:
         folder = importlib.resources.files("corelib.conf") / "backend"
         return {entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml")}
@@ -115,10 +141,20 @@ class PluginRegistry:
         self._conflicts: dict[str, list[str]] = {}
         self._configs: dict[str, Path] = {}
         self._shipped_configs = _shipped_backend_configs()
+        self._signals: list[int] = []  # signals that arrived while plugin code ran
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
         for entry_point in sorted(entry_points, key=lambda ep: ep.name):
-            self._load(entry_point)
+            same = by_name.setdefault(entry_point.name, [])
+            # The same distribution seen twice on sys.path is one plugin, not two.
+            if not any(_identity(entry_point) == _identity(seen) for seen in same):
+                same.append(entry_point)
+        for name, points in by_name.items():
+            if len(points) == 1:
+                self._load(points[0])
+            else:
+                self._ambiguous(name, points)
 
     def _restriction(self, name: str) -> str:
         """Why plugin ``name`` may not load, or "" if it may."""
@@ -131,22 +167,69 @@ class PluginRegistry:
         return ""
 
     def _load(self, entry_point: importlib.metadata.EntryPoint) -> None:
-        dist = entry_point.dist
-        distribution = f"{dist.name} {dist.version}" if dist is not None else "unknown distribution"
-        record = self._new_record(entry_point.name, distribution)
+        record = self._new_record(entry_point.name, _distribution(entry_point))
         record.package = _package_of(entry_point.module)
         restriction = self._restriction(entry_point.name)
         if restriction:
             record.status = "blocked"
             record.error = restriction
             return
-        try:
-            plugin = entry_point.load()
-        except Exception as error:  # noqa: BLE001 - a broken plugin is reported, not fatal
-            record.status = "failed"
-            record.error = f"import of {entry_point.value} failed: {one_line(error)}"
+        with self._watching_signals():
+            try:
+                plugin = entry_point.load()
+            except BaseException as error:  # noqa: BLE001 - whatever a plugin raises, it is reported and skipped
+                self._unless_signalled(error)
+                record.status = "failed"
+                record.error = f"import of {entry_point.value} failed: {one_line(error)}"
+                return
+            self._add(plugin, record)
+
+    def _ambiguous(self, name: str, entry_points: list[importlib.metadata.EntryPoint]) -> None:
+        """Several distributions register one plugin name: none of them is imported, the rest load as usual."""
+        distributions = [_distribution(ep) for ep in entry_points]
+        record = self._new_record(name, " and ".join(distributions))
+        restriction = self._restriction(name)
+        record.status = "blocked" if restriction else "failed"
+        record.error = restriction or (
+            f"{len(entry_points)} installed distributions register plugin {name!r} ({', '.join(distributions)}); "
+            "corelib cannot tell which one is meant: uninstall all but one"
+        )
+
+    @contextmanager
+    def _watching_signals(self) -> Iterator[None]:
+        """Note Ctrl-C and SIGTERM while plugin code runs, and still let their handlers act.
+
+        A plugin that raises KeyboardInterrupt or SystemExit itself is a broken plugin and is
+        skipped; the same exception caused by a real signal must stop corelib as usual.
+        """
+        self._signals = []
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals are delivered to the main thread only
             return
-        self._add(plugin, record)
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+        watched = {int(signum): handler for signum, handler in previous.items() if handler is not None}
+
+        def notice(signum: int, frame: FrameType | None) -> None:
+            self._signals.append(signum)
+            handler = watched[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        for signum in watched:
+            signal.signal(signum, notice)
+        try:
+            yield
+        finally:
+            for signum, handler in watched.items():
+                signal.signal(signum, handler)
+
+    def _unless_signalled(self, error: BaseException) -> None:
+        """Re-raise ``error`` when a signal caused it; otherwise the caller records the plugin as failed."""
+        if self._signals:
+            raise error
 
     def register(self, plugin: ModuleType | object, name: str) -> None:
         """Register a plugin object directly (for embedding); the same rules as entry points."""
@@ -158,7 +241,8 @@ class PluginRegistry:
             record.status = "blocked"
             record.error = restriction
             return
-        self._add(plugin, record)
+        with self._watching_signals():
+            self._add(plugin, record)
         if record.status == "failed":
             raise PluginError(f"plugin {name!r} failed to register: {record.error}")
 
@@ -184,10 +268,14 @@ class PluginRegistry:
                         f"hook corelib_backends returned a {type(backend).__name__}; "
                         "expected instances of corelib.backend.Backend"
                     )
-            if not backends:
-                raise TypeError("it provides no backend (implement the hook corelib_backends)")
+            architectures = [a for result in self._call(record.name, "corelib_models") for a in result]
+            if not backends and not architectures:
+                raise TypeError("it provides no backend and no model (implement corelib_backends or corelib_models)")
             configs = self._configs_of(record.name, [b.name for b in backends])
-        except Exception as error:  # noqa: BLE001 - a broken plugin is reported, not fatal
+            for architecture in architectures:
+                register_architecture(architecture, f"plugin {record.name!r}")
+        except BaseException as error:  # noqa: BLE001 - a broken plugin is reported, not fatal
+            self._unless_signalled(error)
             record.status = "failed"
             record.error = one_line(error)
             if self.manager.has_plugin(record.name):
@@ -222,7 +310,8 @@ class PluginRegistry:
         caller = self.manager.subset_hook_caller(hook_name, remove_plugins=others)
         try:
             return list(caller())
-        except Exception as error:
+        except BaseException as error:  # SystemExit from a hook: the plugin's failure too
+            self._unless_signalled(error)
             raise RuntimeError(f"hook {hook_name} raised {one_line(error)}") from error
 
     def _claim(self, backend: Backend, plugin_name: str) -> None:

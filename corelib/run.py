@@ -1,4 +1,8 @@
-"""`python -m corelib run`: the workload through the engine, a progress bar, a table, the files.
+"""`python -m corelib run`: the workload through the engine, progress, a table, the files.
+
+Requests join the engine at their arrival times (``workload.request_rate``) and while fewer
+than ``workload.max_concurrency`` are in flight, between engine steps. Each finished request
+is written to ``outputs.jsonl`` at once, so Ctrl-C keeps what finished.
 
 Text prompts (``workload.prompts``) stream their output instead of the progress bar: one
 prompt prints its text as it is generated; several print each answer when it is complete.
@@ -7,17 +11,23 @@ prompt prints its text as it is generated; several print each answer when it is 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from corelib import progress
 from corelib.engine.api import Engine, RequestOutput
-from corelib.rundir import RunDir
+from corelib.engine.streaming import DeltaTracker, TokenDelta
+from corelib.progress import say, show
+from corelib.rundir import OutputsWriter, RunDir, RunDirError
 from corelib.startup import Startup
 from corelib.text import Tokenizer
-from corelib.workload import Request, build_workload
+from corelib.workload import Request, arrival_offsets, build_workload
+
+IDLE_WAIT_S = 0.05  # longest sleep while nothing runs and the next request has not arrived
 
 
 def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
@@ -32,8 +42,11 @@ def summary_table(metrics: dict[str, Any]) -> Table:
     table = Table(title="run summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(metrics["finish_reasons"].items()))
     rows = [
-        ("requests (failed)", f"{metrics['requests']} ({metrics['requests_failed']})"),
+        ("requests (ended in error)", f"{metrics['requests']} ({metrics['requests_failed']})"),
+        ("finish reasons", reasons or "-"),
+        ("arrivals", _arrivals(metrics)),
         ("prompt / output tokens", f"{metrics['prompt_tokens']} / {metrics['output_tokens']}"),
         ("TTFT p50 / p99", f"{_fmt(metrics['ttft_ms_p50'], ' ms')} / {_fmt(metrics['ttft_ms_p99'], ' ms')}"),
         ("TPOT p50 / p99", f"{_fmt(metrics['tpot_ms_p50'], ' ms')} / {_fmt(metrics['tpot_ms_p99'], ' ms')}"),
@@ -52,41 +65,83 @@ def summary_table(metrics: dict[str, Any]) -> Table:
     return table
 
 
-def _with_progress(engine: Engine, total: int, console: Console) -> dict[str, RequestOutput]:
-    outputs: dict[str, RequestOutput] = {}
-    columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("requests", total=total)
-        for output in engine.stream():
-            outputs[output.request_id] = output
-            progress.advance(task)
-    return outputs
+def _arrivals(metrics: dict[str, Any]) -> str:
+    rate, cap = metrics.get("request_rate") or 0.0, metrics.get("max_concurrency") or 0
+    when = "all at once" if rate in (0.0, float("inf")) else f"Poisson, {rate:g} requests/s"
+    return when + (f", at most {cap} in flight" if cap else "")
 
 
-def _stream_text(engine: Engine, requests: dict[str, Request], console: Console) -> dict[str, RequestOutput]:
-    outputs: dict[str, RequestOutput] = {}
-    live = len(requests) == 1
+def drive(
+    engine: Engine,
+    requests: list[Request],
+    offsets: list[float],
+    max_concurrency: int,
+    on_finish: Callable[[Request, RequestOutput], None],
+    on_delta: Callable[[Request, TokenDelta], None] | None = None,
+) -> None:
+    """Add each request at its offset (seconds from now) while fewer than ``max_concurrency``
+    (0: any number) are in flight, and step the engine until every one has finished.
 
-    def write(text: str, style: str | None = None) -> None:
-        console.print(text, style=style, end="", markup=False, highlight=False, soft_wrap=True)
-
-    if live:
-        write(next(iter(requests.values())).prompt or "", "dim")
-    for delta in engine.stream_tokens():
-        if live:
-            write(delta.text)
-        if delta.output is None:
-            continue
-        output = outputs[delta.request_id] = delta.output
-        if live:
-            write("\n")
+    ``on_finish`` sees each output as its request finishes; ``on_delta``, when given, every
+    request's new tokens and text after each step (the engine then streams).
+    """
+    waiting = deque(zip(offsets, requests, strict=True))
+    added: dict[str, Request] = {}
+    tracker = DeltaTracker(engine.tokenizer) if on_delta is not None else None
+    in_flight = 0
+    start = time.perf_counter()
+    while waiting or in_flight:
+        now = time.perf_counter() - start
+        while waiting and waiting[0][0] <= now and (not max_concurrency or in_flight < max_concurrency):
+            _, request = waiting.popleft()
+            request_id = engine.add_request(request.prompt_token_ids, request.sampling, multimodal=request.multimodal)
+            added[request_id] = request
+            in_flight += 1
+        if tracker is not None and on_delta is not None:
+            deltas = engine.step_tokens(tracker)
+            for delta in deltas:
+                on_delta(added[delta.request_id], delta)
+            finished = [d.output for d in deltas if d.output is not None]
+        elif engine.has_unfinished:
+            finished = engine.step()
         else:
-            console.rule(f"request {delta.request_id}", style="dim")
-            write(requests[delta.request_id].prompt or "", "dim")
-            write((output.text or "") + "\n")
+            finished = engine.take_finished()  # requests refused at add_request
+        for output in finished:
+            in_flight -= 1
+            on_finish(added.pop(output.request_id), output)
+        if not finished and not engine.has_unfinished and waiting:
+            time.sleep(min(IDLE_WAIT_S, max(0.0, waiting[0][0] - (time.perf_counter() - start))))
+
+
+class _TextShow:
+    """Prints the text of ``workload.prompts``: live for one prompt, each whole answer for several."""
+
+    def __init__(self, console: Console, count: int) -> None:
+        self.console = console
+        self.live = count == 1
+        self.started: set[str] = set()
+
+    def _write(self, text: str, style: str | None = None) -> None:
+        self.console.print(text, style=style, end="", markup=False, highlight=False, soft_wrap=True)
+
+    def delta(self, request: Request, delta: TokenDelta) -> None:
+        if not self.live:
+            return
+        if delta.request_id not in self.started:
+            self.started.add(delta.request_id)
+            self._write(request.prompt or "", "dim")
+        self._write(delta.text)
+
+    def finished(self, request: Request, output: RequestOutput) -> None:
+        progress.console_log.info("request %s: %s%s", output.request_id, request.prompt or "", output.text or "")
+        if self.live:
+            self._write("\n")  # the prompt and the text came with the deltas
+        else:
+            self.console.rule(f"request {output.request_id}", style="dim")
+            self._write(request.prompt or "", "dim")
+            self._write((output.text or "") + "\n")
         if output.error:
-            console.print(f"corelib: request {delta.request_id} failed: {output.error}", markup=False)
-    return outputs
+            say(self.console, f"request {output.request_id} failed: {output.error}")
 
 
 def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
@@ -94,30 +149,81 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
     cfg = startup.config
     tokenizer = Tokenizer.from_directory(cfg.model.path)
     requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.model.eos_token_id, tokenizer)
-    with Engine(startup) as engine:
+    offsets = arrival_offsets(cfg.workload, len(requests))
+    failed: list[RequestOutput] = []
+    write_error: RunDirError | None = None
+    with Engine(startup) as engine, run_dir.outputs() as outputs:
         for notice in engine.notices:
-            console.print(f"corelib: {notice}", markup=False)
-        ids = [engine.add_request(r.prompt_token_ids, r.sampling, multimodal=r.multimodal) for r in requests]
+            say(console, notice)
+
+        def keep(output: RequestOutput) -> None:
+            if output.error:
+                failed.append(output)
+            outputs.write(output.record())
+
         start = time.perf_counter()
-        if any(r.prompt is not None for r in requests):
-            outputs = _stream_text(engine, dict(zip(ids, requests, strict=True)), console)
-        else:
-            outputs = _with_progress(engine, len(requests), console)
+        try:
+            if cfg.workload.prompts:
+                text = _TextShow(console, len(requests))
+
+                def finished(request: Request, output: RequestOutput) -> None:
+                    text.finished(request, output)
+                    keep(output)
+
+                drive(engine, requests, offsets, cfg.workload.max_concurrency, finished, text.delta)
+            else:
+                with progress.current().task("decoding", total=len(requests), unit="requests") as task:
+
+                    def counted(request: Request, output: RequestOutput) -> None:
+                        keep(output)
+                        task.advance()
+
+                    drive(engine, requests, offsets, cfg.workload.max_concurrency, counted)
+        except RunDirError as error:
+            write_error = error  # the engine closes; the figures of what finished are still written
         wall = time.perf_counter() - start
-        metrics = dict(engine.metrics(wall))
+        metrics = _metrics(engine, startup, wall)
         trace = engine.write_trace(run_dir.file("trace.json")) if cfg.engine.trace else None
-        metrics.update(
-            preemptions=engine.scheduler.num_preemptions,
-            backend=startup.spec.backend,
-            runtime=startup.spec.runtime.value,
-            async_token_handoff=engine.async_handoff,
-            transport=cfg.engine.transport.value,
-            shm_materialization=engine.materialization,
-        )
-    run_dir.write_outputs(outputs[i].record() for i in ids)
-    run_dir.write_metrics(metrics)
-    console.print(summary_table(metrics))
-    console.print(f"corelib: wrote {run_dir.path}/{{config.yaml,plan.json,metrics.json,outputs.jsonl}}")
+    _finish(run_dir, outputs, metrics, failed, write_error, console)
     if trace is not None:
-        console.print(f"corelib: wrote {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+        say(console, f"wrote {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return metrics
+
+
+def _metrics(engine: Engine, startup: Startup, wall: float) -> dict[str, Any]:
+    cfg = startup.config
+    metrics = dict(engine.metrics(wall))
+    metrics.update(
+        preemptions=engine.scheduler.num_preemptions,
+        backend=startup.spec.backend,
+        runtime=startup.spec.runtime.value,
+        async_token_handoff=engine.async_handoff,
+        transport=cfg.engine.transport.value,
+        shm_materialization=engine.materialization,
+        request_rate=cfg.workload.request_rate,
+        max_concurrency=cfg.workload.max_concurrency,
+    )
+    return metrics
+
+
+def _finish(
+    run_dir: RunDir,
+    outputs: OutputsWriter,
+    metrics: dict[str, Any],
+    failed: list[RequestOutput],
+    write_error: RunDirError | None,
+    console: Console,
+) -> None:
+    """Write metrics.json, show the summary and say what went wrong; a failed write is raised last."""
+    try:
+        run_dir.write_metrics(metrics)
+    except RunDirError as error:
+        write_error = RunDirError(f"{write_error}; metrics.json was not written either") if write_error else error
+    show(console, summary_table(metrics))
+    if failed:
+        first = failed[0]
+        say(console, f"{len(failed)} of {metrics['requests']} requests ended in error (finish_reason error in "
+                     f"{outputs.path}); the first, request {first.request_id}: {first.error}")
+    if write_error is not None:
+        raise write_error
+    say(console, f"wrote {run_dir.path}/{{config.yaml,plan.json,metrics.json,outputs.jsonl}}")

@@ -4,20 +4,40 @@
 - ``plan.json``: the startup lines, the backend, runtime and capabilities, and each feature's
   decision and reasons (the same as ``python -m corelib plan`` prints);
 - ``metrics.json``: run-level figures (see :class:`corelib.engine.metrics.RunMetrics`);
-- ``outputs.jsonl``: one :class:`RequestRecord` per line, in request order.
+- ``outputs.jsonl``: one :class:`RequestRecord` per line, written as each request finishes.
+
+Every file is written so that a failure leaves nothing half-written: ``outputs.jsonl`` gets each
+line with one write of the whole line, flushed to the file at once (a run stopped by Ctrl-C
+keeps every request that finished), and a line the disk could only take in part is cut back
+off; the other files are written beside their name and renamed into place. A failed write
+is a :class:`RunDirError` naming the file and the errno.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from corelib.errors import CorelibError
 from corelib.features import Plan
+
+
+class RunDirError(CorelibError):
+    """A file of the run directory could not be written (a full disk, a read-only directory)."""
+
+
+def _write_failed(path: Path, error: OSError, kept: str = "") -> RunDirError:
+    code = errno.errorcode.get(error.errno or 0, str(error.errno))
+    return RunDirError(f"cannot write {path}: {error.strerror or error} ({code}){kept}")
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,8 @@ class RequestRecord:
     finish_reason: str  # stop (EOS or a stop id), length (max_tokens), error, or cancelled
     text: str | None = None  # decoded output, when the model has a tokenizer
     error: str | None = None  # why the request failed, when finish_reason is error
+    ttft_ms: float | None = None  # time to first token: from the request's arrival to its first output token
+    tpot_ms: float | None = None  # time per output token after the first (None with fewer than two)
 
     def as_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -37,7 +59,7 @@ class RequestRecord:
             del record["text"]
         if record["error"] is None:
             del record["error"]
-        return record
+        return record  # ttft_ms and tpot_ms stay, null where not defined: every line has the same columns
 
 
 class RunDir:
@@ -48,33 +70,86 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, config: DictConfig) -> Path:
-        target = self.path / "config.yaml"
-        target.write_text(OmegaConf.to_yaml(config, resolve=True))
-        return target
+        return self._write("config.yaml", OmegaConf.to_yaml(config, resolve=True))
 
     def write_plan(
         self, plan: Plan, messages: Iterable[str] = (), details: Mapping[str, Any] | None = None
     ) -> Path:
         """``{"startup": [lines], **details, "features": {name: decision}}``."""
-        target = self.path / "plan.json"
         payload: dict[str, Any] = {"startup": list(messages), **(details or {}), "features": plan.as_dict()}
-        target.write_text(json.dumps(payload, indent=2) + "\n")
-        return target
+        return self._write("plan.json", json.dumps(payload, indent=2) + "\n")
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> Path:
-        target = self.path / "metrics.json"
-        target.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        return target
+        return self._write("metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
-    def write_outputs(self, records: Iterable[RequestRecord]) -> Path:
-        target = self.path / "outputs.jsonl"
-        with target.open("w") as handle:
-            for record in records:
-                handle.write(json.dumps(record.as_dict()) + "\n")
-        return target
+    def outputs(self) -> OutputsWriter:
+        """``outputs.jsonl``, opened for one line per request as each finishes."""
+        return OutputsWriter(self.path / "outputs.jsonl")
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+    def _write(self, name: str, text: str) -> Path:
+        """Write beside the name, then rename: the file is whole or absent, never cut."""
+        target = self.path / name
+        partial = target.with_name(f".{name}.partial")
+        try:
+            partial.write_text(text)
+            partial.replace(target)
+        except OSError as error:
+            partial.unlink(missing_ok=True)
+            raise _write_failed(target, error) from None
+        return target
+
+
+class OutputsWriter:
+    """Appends whole JSON lines to ``outputs.jsonl``, each on disk before ``write`` returns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines = 0
+        try:
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as error:
+            raise _write_failed(path, error) from None
+        self._size = 0
+
+    def write(self, record: RequestRecord) -> None:
+        if self._fd is None:
+            raise RuntimeError(f"{self.path} is closed")
+        line = (json.dumps(record.as_dict()) + "\n").encode()
+        try:
+            # One write of the whole line, unbuffered: no Python buffer holds finished requests
+            # back, and a reader never sees two half lines interleaved.
+            written = os.write(self._fd, line)
+            while written < len(line):  # a disk that took only part of it: the next write says why
+                written += os.write(self._fd, line[written:])
+        except OSError as error:
+            self._cut_back()
+            raise _write_failed(self.path, error, f"; it keeps the {self.lines} complete line(s) written before"
+                                ) from None
+        self._size += len(line)
+        self.lines += 1
+
+    def _cut_back(self) -> None:
+        """Remove a partly written line, so the file ends with the last complete one."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):  # the file then ends in a cut line; the error names the file
+            os.ftruncate(self._fd, self._size)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> OutputsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
 
 def read_outputs(path: Path) -> list[dict[str, Any]]:

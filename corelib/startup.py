@@ -6,7 +6,7 @@ This runs once at the entry point; everything below it receives typed objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -16,9 +16,14 @@ from corelib.compose import check_schema_keys, check_targets, load_group_option,
 from corelib.config import BackendConfig, CorelibConfig
 from corelib.errors import ConfigError, PluginError
 from corelib.features import Plan, evaluate
+from corelib.limits import check_limits, check_memory
 from corelib.models import model_facts
-from corelib.models.hf_config import NO_EOS, resolve_checkpoint
+from corelib.models.hf_config import resolve_checkpoint
+from corelib.ops import OP_NAMES
 from corelib.plugins import PluginRegistry
+
+if TYPE_CHECKING:
+    from corelib.engine.options import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Startup:
     spec: DeviceSpec
     plan: Plan
     messages: tuple[str, ...]
+    options: EngineOptions  # the plan, as the engine uses it
 
 
 def start(raw: DictConfig, registry: PluginRegistry) -> Startup:
@@ -58,9 +64,18 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     config = _typed(raw)
     check_limits(config)
     resolution = resolve_runtime(backend, config.backend, config.engine.timeout_s)
+    check_memory(config, resolution.spec)
     messages.append(resolution.message)
     plan = evaluate(config.features, raw, resolution.spec.capabilities.as_dict(), model_facts(config.model))
-    return Startup(raw, config, backend, resolution.spec, plan, tuple(messages))
+    from corelib.engine.options import EngineOptions  # the engine package imports this module
+
+    provider = backend.op_provider()
+    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider)
+    if options.fused_ops and provider is not None:
+        rest = [op for op in OP_NAMES if op not in options.fused_ops]
+        messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"
+                        + (f"; the reference runs {', '.join(rest)}" if rest else ""))
+    return Startup(raw, config, backend, resolution.spec, plan, tuple(messages), options)
 
 
 def _typed(raw: DictConfig) -> CorelibConfig:
@@ -73,34 +88,6 @@ def _typed(raw: DictConfig) -> CorelibConfig:
             "the composed config does not follow the corelib schema; keep corelib_schema in its defaults"
         )
     return config
-
-
-def check_limits(config: CorelibConfig) -> None:
-    """Refuse sizes and limits that cannot work, naming the key, before anything is built from them."""
-    engine, model = config.engine, config.model
-    least = {
-        "engine.max_num_seqs": (engine.max_num_seqs, 1),
-        "engine.block_size": (engine.block_size, 1),
-        "engine.max_num_batched_tokens": (engine.max_num_batched_tokens, 1),
-        "engine.shm.num_slots": (engine.shm.num_slots, 1),
-        "engine.metrics_window": (engine.metrics_window, 1),
-        "model.max_model_len": (model.max_model_len, 2),  # a prompt token and room for one output
-        "model.vocab_size": (model.vocab_size, 2),
-    }
-    for key, (value, low) in least.items():
-        if value < low:
-            raise ConfigError(f"{key}={value}: must be at least {low}")
-    if not 0 < engine.timeout_s < float("inf"):
-        raise ConfigError(f"engine.timeout_s={engine.timeout_s}: must be a positive number of seconds")
-    small = [size for size in engine.graph_batch_sizes if size < 1]
-    if small:
-        raise ConfigError(f"engine.graph_batch_sizes: {small[0]} is not a batch size; each must be at least 1")
-    for key, ids in (("model.eos_token_id", [model.eos_token_id]), ("model.extra_eos_token_ids",
-                                                                      model.extra_eos_token_ids)):
-        outside = [token for token in ids if not 0 <= token < model.vocab_size and token != NO_EOS]
-        if outside:
-            raise ConfigError(f"{key}: {outside[0]} is outside the vocabulary [0, {model.vocab_size}) "
-                              f"({NO_EOS}: no end-of-sequence token)")
 
 
 def _check_allowed(raw: DictConfig, registry: PluginRegistry, name: str) -> None:

@@ -45,9 +45,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds (a BOS, for Llama)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (a BOS, for Llama) unless told not to.
+
+        A rendered chat template already holds its special tokens as text, so it is encoded without.
+        """
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))

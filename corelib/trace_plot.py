@@ -17,7 +17,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,29 +104,49 @@ def load_trace(path: Path) -> Timeline:
         raise ConfigError(f"{path}: no such trace file; take one with engine.trace=true") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise ConfigError(f"{path} is not a Chrome trace JSON file ({type(error).__name__}: {error})") from None
+    if not isinstance(events, list):
+        raise ConfigError(f"{path}: traceEvents is a {type(events).__name__}, not a list of events")
     names: dict[tuple[int, int], str] = {}
     order: dict[tuple[int, int], int] = {}
-    for event in events:
-        if event.get("ph") == "M" and event.get("name") in ("thread_name", "thread_sort_index"):
-            key = (event.get("pid", 0), event.get("tid", 0))
-            if event["name"] == "thread_name":
-                names[key] = str(event["args"]["name"])
-            else:
-                order[key] = int(event["args"]["sort_index"])
+    found: list[tuple[tuple[int, int], Span]] = []  # each span with its (pid, tid); lanes are named below
+    for index, event in enumerate(events):
+        try:
+            _read_event(event, names, order, found)
+        except KeyError as error:
+            raise ConfigError(f"{path}: trace event {index} has no {error}; is it a corelib trace.json?") from None
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ConfigError(f"{path}: trace event {index} is malformed ({error}); is it a corelib trace.json?"
+                              ) from None
     spans = []
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        key = (event.get("pid", 0), event.get("tid", 0))
+    for key, span in found:
         names.setdefault(key, f"{key[0]}/{key[1]}")
-        spans.append(Span(lane=names[key], is_device=key[0] == DEVICE_PID, name=event["name"],
-                          category=event.get("cat", ""), start_ms=event["ts"] / 1e3,
-                          duration_ms=event.get("dur", 0.0) / 1e3, args=event.get("args", {})))
+        spans.append(replace(span, lane=names[key]))
     spans.sort(key=lambda s: s.start_ms)
     keys = sorted(names, key=lambda k: (k[0] == DEVICE_PID, order.get(k, 0), k[1]))
     lanes = [(k[0] == DEVICE_PID, names[k]) for k in keys]
-    metadata = data.get("otherData", {}).get("corelib", {}) if isinstance(data, dict) else {}
-    return Timeline(path, spans, lanes, metadata)
+    other = data.get("otherData") if isinstance(data, dict) else None
+    metadata = other.get("corelib") if isinstance(other, dict) else None
+    return Timeline(path, spans, lanes, metadata if isinstance(metadata, dict) else {})
+
+
+def _read_event(event: Any, names: dict[tuple[int, int], str], order: dict[tuple[int, int], int],
+                found: list[tuple[tuple[int, int], Span]]) -> None:
+    """One trace event into lane names, lane order or a span; raises on a missing or mistyped field."""
+    if not isinstance(event, dict):
+        raise TypeError(f"a {type(event).__name__}, not an object")
+    key = (int(event.get("pid", 0)), int(event.get("tid", 0)))
+    phase, name = event.get("ph"), event.get("name")
+    if phase == "M" and name == "thread_name":
+        names[key] = str(event["args"]["name"])
+    elif phase == "M" and name == "thread_sort_index":
+        order[key] = int(event["args"]["sort_index"])
+    elif phase == "X":
+        args = event.get("args", {})
+        if not isinstance(args, dict):
+            raise TypeError(f"its args are a {type(args).__name__}, not an object")
+        found.append((key, Span(lane="", is_device=key[0] == DEVICE_PID, name=str(event["name"]),
+                                category=str(event.get("cat", "")), start_ms=float(event["ts"]) / 1e3,
+                                duration_ms=float(event.get("dur", 0.0)) / 1e3, args=args)))
 
 
 def select_window(timeline: Timeline, num_steps: int, first_step: int | None = None) -> Window:

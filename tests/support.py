@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from corelib.engine import Engine
+    from corelib.engine import Engine, SamplingParams
     from corelib.models.llama import ModelWeights
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -38,6 +38,10 @@ FIXTURE_PLUGINS = {
     "foreign_config": "corelib_oddities.foreign_config",
     "badcaps": "corelib_oddities.badcaps",
     "evil": "corelib_oddities.evil",
+    "exits": "corelib_oddities.exits",
+    "interrupts": "corelib_oddities.interrupts",
+    "hook_exits": "corelib_oddities.hook_exits",
+    "sleeps": "corelib_oddities.sleeps",
 }
 
 
@@ -134,3 +138,54 @@ def local_weights(engine: Engine) -> ModelWeights:
     if not isinstance(weights, ModelWeights):
         raise TypeError(f"{type(engine.local_runner.model).__name__} is not of the Llama family")
     return weights
+
+
+def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
+    """The seeded random weights an engine built with ``overrides`` runs, on the CPU, for the reference.
+
+    Built from the model config alone, not taken from an engine, so a test needs nothing of the
+    engine's insides: Hugging Face tensors from ``random_state_dict``, or drawn tensor by tensor
+    where ``model.init`` says so (``corelib.models.random_init``; the CPU is the device here).
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    from corelib.compose import compose_config
+    from corelib.config import CorelibConfig
+    from corelib.models import random_init
+    from corelib.models.llama import ModelShape, build_weights, random_state_dict
+
+    config = OmegaConf.to_object(compose_config(list(overrides)))
+    assert isinstance(config, CorelibConfig), "the composed config must follow the schema"
+    if config.model.path:
+        raise ValueError("seeded_weights builds random weights; this config names a checkpoint (model.path)")
+    shape = ModelShape.from_config(config.model)
+    if random_init.init_on_device(config.model, shape):
+        return random_init.seeded_weights(shape, config.model.seed, torch.device("cpu"))
+    return build_weights(shape, random_state_dict(shape, config.model.seed), torch.device("cpu"))
+
+
+def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
+    """What a request samples, computed one full forward per token by the plain reference.
+
+    The engine's sampler draws its noise from (seed, position of the new token, token id),
+    so the same draws follow from the reference logits: ``max_tokens`` tokens, no stops.
+    """
+    import torch
+
+    from corelib.models.reference import reference_logits
+    from corelib.ops import SamplingInputs
+    from corelib.ops.sampling import sample_rows
+
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(sampling.max_tokens):
+            inputs = SamplingInputs(
+                temperature=torch.tensor([float(sampling.temperature)]),
+                top_k=torch.tensor([sampling.top_k], dtype=torch.int64),
+                top_p=torch.tensor([float(sampling.top_p)]),
+                seeds=torch.tensor([sampling.seed], dtype=torch.int64),
+                positions=torch.tensor([len(tokens)], dtype=torch.int64),
+            )
+            tokens.append(int(sample_rows(reference_logits(weights, tokens)[None], inputs)[0]))
+    return tokens[len(prompt) :]

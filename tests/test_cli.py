@@ -27,6 +27,7 @@ def test_no_command_prints_the_usage_as_an_error(cli: Cli) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     cli: Cli, tmp_path: Path
 ) -> None:
@@ -44,10 +45,15 @@ def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     assert plan["backend"] == "npu"
     assert plan["runtime"] == "emulated"
     assert plan["capabilities"]["pageable_h2d_is_staged"] is False
-    assert set(plan["features"]) == {"graph", "async_token_handoff", "shm_ordered_materialization"}
-    assert all(plan["features"][name]["enabled"] for name in plan["features"])
+    assert set(plan["features"]) == {"graph", "async_token_handoff", "shm_ordered_materialization", "fused_ops",
+                                     "fast_allreduce"}
+    off = {"fused_ops", "fast_allreduce"}
+    assert all(plan["features"][name]["enabled"] for name in plan["features"] if name not in off)
+    assert not plan["features"]["fused_ops"]["enabled"], "the emulator runs the reference ops"
+    assert not plan["features"]["fast_allreduce"]["enabled"], "one rank has nothing to all-reduce"
 
 
+@pytest.mark.slow
 def test_multirun_plans_every_job_in_its_own_directory(cli: Cli, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = cli("plan", "-m", "backend=auto,npu", f"hydra.sweep.dir={sweep}")
@@ -121,6 +127,7 @@ def test_a_bad_input_is_one_line_and_exit_2(cli: Cli, args: list[str], fragments
     assert_user_error(cli(*args), *fragments)
 
 
+@pytest.mark.slow
 def test_on_for_a_feature_the_backend_cannot_do_lists_every_unmet_requirement(cli: Cli) -> None:
     result = cli("plan", "backend=cpu", "engine.async_token_handoff=on")
     assert_user_error(
@@ -133,6 +140,7 @@ def test_on_for_a_feature_the_backend_cannot_do_lists_every_unmet_requirement(cl
     )
 
 
+@pytest.mark.slow
 def test_a_failing_job_of_a_multirun_is_named(cli: Cli, tmp_path: Path) -> None:
     result = cli("plan", "-m", "backend=cpu,npu", "engine.graph=on", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert_user_error(result, "job [backend=cpu engine.graph=on]: engine.graph=on refused", lines=2)

@@ -20,8 +20,10 @@ from corelib.errors import ConfigError, PlanRefused
 from corelib.features import Plan, evaluate
 from corelib.models import model_facts
 
-# Where every start requirement of every shipped gate holds: the npu profile, SHM transport.
-BASE_OVERRIDES = ["backend=npu", "engine.transport=shm"]
+# Where every start requirement of every shipped gate holds: the npu profile, SHM transport, two
+# tensor-parallel ranks, and (below) symmetric memory, which the npu profile lacks.
+BASE_OVERRIDES = ["backend=npu", "engine.transport=shm", "engine.tp=2"]
+BASE_CAPABILITIES = {"symmetric_memory": True}
 
 
 @dataclass
@@ -29,7 +31,7 @@ class Scenario:
     """A config plus the capability and model facts the gates are evaluated against."""
 
     overrides: list[str] = field(default_factory=lambda: list(BASE_OVERRIDES))
-    capabilities: dict[str, Any] = field(default_factory=dict)
+    capabilities: dict[str, Any] = field(default_factory=lambda: dict(BASE_CAPABILITIES))
     model: dict[str, Any] = field(default_factory=dict)
 
     def evaluate(self) -> Plan:
@@ -67,9 +69,13 @@ def _mode_override(name: str, gate: DictConfig, mode: Mode) -> str:
     return f"{key}={_mode_value(gate, mode)}"
 
 
-def _break(scenario: Scenario, fact: str, value: Any, gates: DictConfig) -> None:
-    """Change the scenario so that ``fact == value`` no longer holds."""
+def _break(scenario: Scenario, fact: str, value: Any, gates: DictConfig, op: str = "eq") -> None:
+    """Change the scenario so that ``fact op value`` no longer holds."""
     namespace, _, rest = fact.partition(".")
+    if op != "eq":
+        assert namespace == "config", f"no way to make {fact} {op} {value} fail yet: extend _break"
+        scenario.overrides.append(f"{rest}={_config_value_failing(rest, op, value)}")
+        return
     if namespace == "capabilities":
         scenario.capabilities[rest] = not value if isinstance(value, bool) else f"not-{value}"
     elif namespace == "model":
@@ -90,6 +96,14 @@ def _other_config_value(key: str, value: Any) -> str:
     if key == "engine.transport":  # an enum: the other member
         return "inproc" if value == "shm" else "shm"
     return f"not-{value}"
+
+
+def _config_value_failing(key: str, op: str, value: Any) -> str:
+    if op == "ge":
+        return str(value - 1)
+    if op == "in" and key == "model.dtype":
+        return next(d for d in ("float16", "float64") if d not in value)
+    raise AssertionError(f"no way to make {key} {op} {value} fail yet: extend _config_value_failing")
 
 
 def _start_requirements(gates: DictConfig) -> list[tuple[str, int]]:
@@ -131,6 +145,12 @@ def test_the_gates_of_the_design_exist_with_their_requirements(gates: DictConfig
         "features.async_token_handoff",
         "capabilities.pageable_h2d_is_staged",
     } <= facts["shm_ordered_materialization"]
+    assert {
+        "config.engine.tp",
+        "capabilities.symmetric_memory",
+        "config.model.dtype",
+        "features.graph",
+    } <= facts["fast_allreduce"]
 
 
 def test_every_gate_is_enabled_under_auto_when_every_requirement_holds() -> None:
@@ -146,7 +166,7 @@ def test_auto_disables_and_lists_the_reason_of_each_failed_requirement(
 ) -> None:
     requirement = gates[gate].requirements[index]
     scenario = Scenario()
-    _break(scenario, requirement.fact, requirement.value, gates)
+    _break(scenario, requirement.fact, requirement.value, gates, requirement.op.value)
     decision = scenario.evaluate().decisions[gate]
     assert not decision.enabled
     assert requirement.reason in decision.reasons
@@ -158,7 +178,7 @@ def test_on_refuses_each_failed_requirement_unless_it_only_matters_to_auto(
 ) -> None:
     requirement = gates[gate].requirements[index]
     scenario = Scenario()
-    _break(scenario, requirement.fact, requirement.value, gates)
+    _break(scenario, requirement.fact, requirement.value, gates, requirement.op.value)
     scenario.overrides.append(_mode_override(gate, gates[gate], Mode.on))
     if requirement.auto_only:
         decision = scenario.evaluate().decisions[gate]
@@ -178,7 +198,7 @@ def test_on_lists_every_unmet_requirement_at_once(gates: DictConfig, gate: str) 
     required = [r for r in gates[gate].requirements if r.scope.value == "start" and not r.auto_only]
     for requirement in required:
         if not requirement.fact.startswith("features."):  # a dependency has its own gate
-            _break(scenario, requirement.fact, requirement.value, gates)
+            _break(scenario, requirement.fact, requirement.value, gates, requirement.op.value)
     scenario.overrides.append(_mode_override(gate, gates[gate], Mode.on))
     with pytest.raises(PlanRefused) as refused:
         scenario.evaluate()

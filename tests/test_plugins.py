@@ -72,13 +72,22 @@ def test_two_plugins_claiming_one_backend_is_an_error_naming_both() -> None:
     assert registry.get("npu").name == "npu"  # the other backends stay usable
 
 
-def test_two_entry_points_with_one_name_are_an_error() -> None:
+def test_two_entry_points_with_one_name_are_both_skipped_and_the_rest_load() -> None:
     twice = [
-        *fixture_entry_points("toy"),
-        importlib.metadata.EntryPoint("toy", "corelib_toy.plugin", "corelib.backends"),
+        *fixture_entry_points("toy", "no_backends"),
+        importlib.metadata.EntryPoint("toy", "corelib_oddities.second_cpu", "corelib.backends"),
     ]
-    with pytest.raises(PluginError, match=r"two plugins are named 'toy'"):
-        PluginRegistry(entry_points=twice)
+    registry = PluginRegistry(entry_points=[*twice, *builtin_entry_points()])
+    assert registry.records["toy"].status == "failed"
+    assert "2 installed distributions register plugin 'toy'" in registry.records["toy"].error
+    assert "toy" not in registry.backend_names and "npu" in registry.backend_names
+    with pytest.raises(PluginError, match=r"backend 'toy': plugin 'toy' .* failed to load: 2 installed distributions"):
+        registry.get("toy")
+
+
+def test_one_distribution_seen_twice_is_one_plugin() -> None:
+    registry = PluginRegistry(entry_points=[*fixture_entry_points("toy"), *fixture_entry_points("toy")])
+    assert registry.records["toy"].status == "loaded"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import Cli, fixture_entry_points, install_fixture_plugins
+from support import Cli, builtin_entry_points, fixture_entry_points, install_fixture_plugins
 
 from corelib.backend import DeviceSpec, resolve_runtime
 from corelib.compose import compose_config, prepare_config_store
@@ -58,3 +58,23 @@ def test_the_third_party_device_works() -> None:
         assert torch.equal(dst, src * 2)
         assert start_event.elapsed_ms(done) >= 0.0
     assert device.is_closed
+
+
+@pytest.mark.usefixtures("fixture_plugins_importable", "clean_config_store")
+def test_a_plugin_architecture_runs_without_an_edit_of_the_engine() -> None:
+    from corelib_toy.model import bigram_table
+
+    from corelib.engine import Engine, SamplingParams
+
+    registry = PluginRegistry(entry_points=[*builtin_entry_points(), *fixture_entry_points("toy")])
+    prepare_config_store(registry)
+    startup = start(compose_config(["backend=npu", "model.architecture=bigram", "engine.async_token_handoff=on"]),
+                    registry)
+    table = bigram_table(startup.config.model)
+    with Engine(startup) as engine:
+        (output,) = engine.generate([[5, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    expected, token = [], 9
+    for _ in range(6):
+        token = int(table[token].argmax())
+        expected.append(token)
+    assert output.output_token_ids == expected

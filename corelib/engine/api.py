@@ -14,6 +14,7 @@ With a checkpoint that has a tokenizer, prompts may be text and outputs carry te
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import threading
 import time
@@ -31,7 +32,6 @@ from corelib.engine.block_manager import BlockManager
 from corelib.engine.build import EngineLayout, ModelFactory, load_model
 from corelib.engine.core import EngineCore
 from corelib.engine.executor import EXECUTORS, InprocExecutor
-from corelib.engine.options import EngineOptions
 from corelib.engine.pipeline import StepPipeline
 from corelib.engine.runner import ModelRunner
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
@@ -45,6 +45,8 @@ from corelib.features import Plan
 from corelib.rundir import RequestRecord
 from corelib.startup import Startup
 from corelib.text import Tokenizer
+
+log = logging.getLogger("corelib.engine")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class RequestOutput:
             finish_reason=self.finish_reason,
             text=self.text,
             error=self.error,
+            ttft_ms=self.ttft_ms,
+            tpot_ms=self.tpot_ms,
         )
 
 
@@ -123,9 +127,7 @@ class Engine:
         self.plan: Plan = startup.plan
         cfg = startup.config
         engine_cfg, model_cfg = cfg.engine, cfg.model
-        provider = startup.backend.op_provider()
-        self.options = EngineOptions.from_startup(cfg, self.plan, startup.spec.capabilities,
-                                                  provider.op_names() if provider is not None else ())
+        self.options = startup.options
         self._ids = itertools.count()
         self._closed = False
         self._failure: BaseException | None = None
@@ -289,6 +291,14 @@ class Engine:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         seq.sampling.validate(self.vocab_size)
+        room = limit - len(seq.prompt_token_ids)
+        if seq.sampling.max_tokens > room:
+            overlong = (f"max_tokens={seq.sampling.max_tokens} with a prompt of {len(seq.prompt_token_ids)} tokens "
+                        f"exceeds model.max_model_len={limit}")
+            if self.startup.config.engine.refuse_overlong:
+                raise RequestError(f"{overlong}; ask for at most {room} tokens (engine.refuse_overlong=true)")
+            log.warning("request %s: %s; it ends after at most %d tokens (engine.refuse_overlong=true refuses it "
+                        "instead)", seq.request_id, overlong, room)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (finish_reason 'abort'): its KV blocks go back, tokens in flight are dropped.

@@ -28,29 +28,31 @@ class BucketPolicy:
     batch_buckets: tuple[int, ...]  # empty: graphs off, every decode step runs eagerly
     kv_buckets: tuple[int, ...]
     max_blocks: int
-    param_update: bool
+    param_update: bool  # graphs are captured at the full width and updated to each step's width
+    live_blocks_only: bool = False  # attention reads each sequence's live blocks: one full-width graph serves
 
     @classmethod
     def build(cls, graphs: bool, batch_sizes: Sequence[int], max_rows: int, max_blocks: int,
-              param_update: bool) -> BucketPolicy:
+              param_update: bool, live_blocks_only: bool = False) -> BucketPolicy:
         if not graphs:
-            return cls((), (), max_blocks, param_update)
+            return cls((), (), max_blocks, param_update, live_blocks_only)
         batches = tuple(sorted({b for b in batch_sizes if 0 < b <= max_rows}))
-        kv = (max_blocks,) if param_update else tuple(powers_of_two_upto(max_blocks))
-        return cls(batches, kv, max_blocks, param_update)
+        single = param_update or live_blocks_only
+        kv = (max_blocks,) if single else tuple(powers_of_two_upto(max_blocks))
+        return cls(batches, kv, max_blocks, param_update, live_blocks_only)
 
     def decode_shape(self, num_seqs: int, kv_needed: int) -> tuple[int, int, bool]:
         """(rows, KV columns, use a graph) for a decode batch."""
         if not self.batch_buckets or num_seqs > self.batch_buckets[-1]:
             return num_seqs, kv_needed, False
         rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_seqs)]
-        if self.param_update:
+        if self.param_update or self.live_blocks_only:
             return rows, kv_needed, True
         return rows, self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_needed)], True
 
     def graph_kv(self, kv_blocks: int) -> int:
         """The KV width the serving graph was captured with."""
-        return self.max_blocks if self.param_update else kv_blocks
+        return self.max_blocks if self.param_update or self.live_blocks_only else kv_blocks
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, KV width) to capture, largest first (they share one memory pool)."""

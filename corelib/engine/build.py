@@ -91,7 +91,7 @@ class EngineLayout:
 
     def buckets(self, options: EngineOptions, param_update: bool) -> BucketPolicy:
         return BucketPolicy.build(options.graphs, self.graph_batch_sizes, self.rows, self.max_blocks,
-                                  param_update or options.attention_reads_live_blocks_only)
+                                  param_update, options.attention_reads_live_blocks_only)
 
 
 def load_model(config: CorelibConfig, device: Device, shard: TensorShard | None = None) -> Model:

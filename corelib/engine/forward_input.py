@@ -15,6 +15,7 @@ import torch
 from corelib.engine.scheduler import ScheduledStep, StepKind
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.engine.wire import RELAY, ArenaLayout, decode_layout, prefill_layout
+from corelib.ops import SAMPLING_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -49,18 +50,13 @@ class InputBuilder:
         self.decode = decode_layout(max_rows, max_blocks)
         slots = pad_slot + 1
         self.slot_tables = torch.zeros((slots, max_blocks), dtype=torch.int32)
-        self.slot_top_k = torch.zeros((slots,), dtype=torch.int64)
-        self.slot_seeds = torch.zeros((slots,), dtype=torch.int64)
-        self.slot_temperature = torch.zeros((slots,), dtype=torch.float32)
-        self.slot_top_p = torch.ones((slots,), dtype=torch.float32)
+        # Per-slot sampling values, one host table per column, refreshed when a slot changes owner.
+        self.slot_sampling = {c.name: torch.full((slots,), c.neutral, dtype=c.dtype) for c in SAMPLING_COLUMNS}
         self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * slots  # seq_id, blocks_epoch, blocks written
 
     def prefill_layout(self, step: ScheduledStep) -> ArenaLayout:
         lengths = [seq.num_tokens for seq in step.seqs]
         return prefill_layout(sum(lengths), len(lengths), max(lengths))
-
-    def layout_for(self, step: ScheduledStep) -> ArenaLayout:
-        return self.decode if step.kind is StepKind.decode else self.prefill_layout(step)
 
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -70,11 +66,8 @@ class InputBuilder:
         owner, epoch, written = self._owners[slot]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
-            sampling = seq.sampling
-            self.slot_top_k[slot] = sampling.top_k
-            self.slot_seeds[slot] = sampling.seed
-            self.slot_temperature[slot] = sampling.temperature
-            self.slot_top_p[slot] = sampling.top_p
+            for column in SAMPLING_COLUMNS:
+                self.slot_sampling[column.name][slot] = getattr(seq.sampling, column.param)
             written = 0
         if written < len(table):
             self.slot_tables[slot, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
@@ -106,10 +99,8 @@ class InputBuilder:
         v["slot_mapping"][:n] = block * self.block_size + positions % self.block_size
         v["seq_lens"][:n] = positions + 1
         v["state_indices"][:n] = slot_t
-        v["top_k"][:n] = self.slot_top_k[slot_t]
-        v["seeds"][:n] = self.slot_seeds[slot_t]
-        v["temperature"][:n] = self.slot_temperature[slot_t]
-        v["top_p"][:n] = self.slot_top_p[slot_t]
+        for name, table in self.slot_sampling.items():
+            v[name][:n] = table[slot_t]
         v["block_tables"][:n, :kv_blocks] = self.slot_tables[slot_t, :kv_blocks]
         if bucket > n:
             self._pad_decode(v, n, bucket, kv_blocks)
@@ -118,11 +109,12 @@ class InputBuilder:
 
     def _pad_decode(self, v: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int) -> None:
         """Padded rows: token 0 at position 0 of the pad slot, written to the null block, greedy."""
-        for name in ("input_ids", "positions", "slot_mapping", "top_k", "seeds", "temperature"):
+        for name in ("input_ids", "positions", "slot_mapping"):
             v[name][first:last] = 0
         v["seq_lens"][first:last] = 1
         v["state_indices"][first:last] = self.pad_slot
-        v["top_p"][first:last] = 1.0
+        for column in SAMPLING_COLUMNS:
+            v[column.name][first:last] = column.neutral
         v["block_tables"][first:last, :kv_blocks] = 0
 
     def fill_padding(self, arena: torch.Tensor, rows: int, kv_blocks: int) -> None:
@@ -155,9 +147,8 @@ class InputBuilder:
         v["pad_index"].copy_(torch.where(valid, starts[:, None] + columns[None, :], 0))
         v["last_index"].copy_(ends - 1)
         v["state_indices"].copy_(torch.tensor([s.slot if s.slot is not None else self.pad_slot for s in step.seqs]))
-        v["top_k"].copy_(torch.tensor([s.sampling.top_k for s in step.seqs], dtype=torch.int64))
-        v["seeds"].copy_(torch.tensor([s.sampling.seed for s in step.seqs], dtype=torch.int64))
-        v["temperature"].copy_(torch.tensor([s.sampling.temperature for s in step.seqs], dtype=torch.float32))
-        v["top_p"].copy_(torch.tensor([s.sampling.top_p for s in step.seqs], dtype=torch.float32))
+        for column in SAMPLING_COLUMNS:
+            values = [getattr(s.sampling, column.param) for s in step.seqs]
+            v[column.name].copy_(torch.tensor(values, dtype=column.dtype))
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
         return ForwardInput(step_id, StepKind.prefill, len(lengths), len(lengths), 0, sample, layout, arena)

@@ -14,7 +14,8 @@ from typing import Any
 from corelib.config import CorelibConfig, Transport
 from corelib.device import Capabilities
 from corelib.engine.sequence import Sequence as Seq
-from corelib.features import Plan, Requirement
+from corelib.features import Plan, Requirement, failing_step_requirements
+from corelib.ops import OpProvider
 
 
 class Staging(str, enum.Enum):
@@ -37,10 +38,9 @@ class StepCheck:
         if not self.requirements:
             return []
         facts: list[Mapping[str, Any]] = [
-            {"request": {"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)}}
-            for s in seqs
+            {"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)} for s in seqs
         ]
-        return [r.reason for r in self.requirements if not all(r.holds(f) for f in facts)]
+        return failing_step_requirements(self.requirements, facts)
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,10 @@ class EngineOptions:
     run_ahead: int  # steps the scheduler may submit beyond the one it reads next (0: synchronous)
     transport: Transport
     tp: int
+    fast_allreduce: bool  # small tensor-parallel all-reduces through symmetric memory (corelib.engine.parallel)
     staging: Staging  # how a step's inputs reach the device where the model runs
     fused_ops: tuple[str, ...]  # the ops the backend's provider runs instead of the reference (empty: none)
+    attention_reads_live_blocks_only: bool  # the fused decode attention reads only live blocks: no KV buckets
     compile: bool  # torch.compile the decode layer
     timeout_s: float
     step_check: StepCheck
@@ -63,27 +65,26 @@ class EngineOptions:
         """Steps on the device at once, at most (one token buffer each)."""
         return self.run_ahead + 1
 
-    @property
-    def attention_reads_live_blocks_only(self) -> bool:
-        """Decode attention reads each sequence's live blocks whatever the block-table width."""
-        return "paged_decode_attention" in self.fused_ops
-
     @classmethod
     def from_startup(cls, config: CorelibConfig, plan: Plan, capabilities: Capabilities,
-                     fused_op_names: tuple[str, ...] = ()) -> EngineOptions:
-        """``fused_op_names``: what the backend's op provider offers (used when the fused_ops gate allows)."""
+                     provider: OpProvider | None = None) -> EngineOptions:
+        """``provider``: the backend's op provider (used when the fused_ops gate allows)."""
         engine = config.engine
         async_handoff = plan.is_enabled("async_token_handoff")
         decision = plan.decisions.get("async_token_handoff")
         step_check = StepCheck(decision.step_requirements if decision is not None and async_handoff else ())
+        fused = provider.op_names() if provider is not None and plan.is_enabled("fused_ops") else ()
         return cls(
             graphs=plan.is_enabled("graph"),
             async_handoff=async_handoff,
             run_ahead=engine.run_ahead if async_handoff else 0,
             transport=engine.transport,
             tp=engine.tp,
+            fast_allreduce=plan.is_enabled("fast_allreduce"),
             staging=_staging(engine.transport, plan, capabilities),
-            fused_ops=fused_op_names if plan.is_enabled("fused_ops") else (),
+            fused_ops=fused,
+            attention_reads_live_blocks_only="paged_decode_attention" in fused and provider is not None
+            and provider.live_blocks_only,
             compile=engine.compile,
             timeout_s=engine.timeout_s,
             step_check=step_check,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from corelib import faults
+from corelib import faults, progress
 from corelib.device import Device, Graph, Stream
 from corelib.engine.buckets import BucketPolicy
 from corelib.engine.forward_input import ForwardInput, InputBuilder
@@ -45,7 +45,9 @@ class ModelRunner:
         self.builder = builder
         self.buckets = buckets
         self.handoff = handoff
-        self.state = model.allocate_state(device, num_blocks, builder.block_size, num_slots)
+        with progress.current().task("allocating the KV cache", total=1) as task:
+            self.state = model.allocate_state(device, num_blocks, builder.block_size, num_slots)
+            task.advance()
         self.decode_arena = None if device.capabilities.device_is_host else device.empty(
             (builder.decode.nbytes,), torch.uint8)
         self.graphs: dict[tuple[int, int, bool], Graph] = {}
@@ -56,8 +58,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ graphs
     def capture(self) -> None:
         """Capture every decode bucket, largest first (greedy; sampling variants when first needed)."""
-        for rows, kv in self.buckets.shapes():
-            self._capture(rows, kv, False)
+        shapes = self.buckets.shapes()
+        with progress.current().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
+            for rows, kv in shapes:
+                self._capture(rows, kv, False)
+                task.advance()
 
     def prepare(self, fi: ForwardInput) -> None:
         """Capture the graph ``fi`` needs if it is missing; call before its inputs are staged."""
@@ -141,8 +146,7 @@ class ModelRunner:
 
     def _emit(self, logits: torch.Tensor, rows: int, slots: torch.Tensor, views: dict[str, torch.Tensor],
               sample_positions: torch.Tensor, sampled: bool) -> None:
-        sampling = SamplingInputs(views["temperature"][:rows], views["top_k"][:rows], views["top_p"][:rows],
-                                  views["seeds"][:rows], sample_positions) if sampled else None
+        sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
         tokens = self.ops.sample(logits, sampling)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.

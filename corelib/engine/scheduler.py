@@ -82,10 +82,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def has_pending(self) -> bool:
-        return any(seq.num_pending for seq in self.running)
-
     def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | Drain | None:
         """The next step, ``Drain`` if in-flight tokens are needed first, or None if idle."""
         chosen = self._choose_prefill()

@@ -111,11 +111,6 @@ class Sequence:
         return self.num_tokens + self.num_pending
 
     @property
-    def num_outputs_committed(self) -> int:
-        """Outputs seen plus outputs in flight."""
-        return len(self.output_token_ids) + self.num_pending
-
-    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 

@@ -15,7 +15,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from corelib.engine.wire import (
     result_bytes,
 )
 from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
+from corelib.isolation import worker_command, worker_environment
 from corelib.startup import Startup
 
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
@@ -122,7 +122,8 @@ class ShmExecutor(Executor):
                 if rank == 0:
                     child_ends += [out_bell, out_room]
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "corelib.engine.worker"], stdin=subprocess.PIPE, pass_fds=child_ends,
+                    worker_command("corelib.engine.worker"), env=worker_environment(), stdin=subprocess.PIPE,
+                    pass_fds=child_ends,
                 )
                 assert process.stdin is not None, "Popen was asked for a stdin pipe"
                 process.stdin.write(pickle.dumps(args))

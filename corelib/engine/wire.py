@@ -28,6 +28,7 @@ from corelib.backend import DeviceSpec
 from corelib.config import CorelibConfig
 from corelib.engine.options import EngineOptions
 from corelib.errors import TransportError
+from corelib.ops import SAMPLING_COLUMNS
 
 ALIGN = 64
 RELAY = -1  # a decode row's input id: take the token from the device relay, not from the host
@@ -123,10 +124,7 @@ DECODE_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("slot_mapping", torch.int64),  # KV cache slot of the new token: block * block_size + offset
     ("seq_lens", torch.int64),  # keys to attend to, the new token included
     ("state_indices", torch.int64),  # per-sequence slot: token relay, recurrent state
-    ("top_k", torch.int64),
-    ("seeds", torch.int64),
-    ("temperature", torch.float32),
-    ("top_p", torch.float32),
+    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
 )
 DECODE_FIELD_NAMES = (*(name for name, _ in DECODE_FIELDS), "block_tables")
 
@@ -135,10 +133,7 @@ PREFILL_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
 PREFILL_SEQ_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("last_index", torch.int64),  # index of each sequence's last token in the flat tokens
     ("state_indices", torch.int64),
-    ("top_k", torch.int64),
-    ("seeds", torch.int64),
-    ("temperature", torch.float32),
-    ("top_p", torch.float32),
+    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
 )
 PREFILL_FIELD_NAMES = (
     *PREFILL_TOKEN_FIELDS, "cu_seqlens", "pad_index", "valid", *(name for name, _ in PREFILL_SEQ_FIELDS)

@@ -160,7 +160,7 @@ class Worker:
         shard = None
         if args.world_size > 1:
             all_reduce = init_group(device, args.rank, args.world_size, args.master_address, args.master_port,
-                                    self.timeout)
+                                    self.timeout, fast_allreduce=args.options.fast_allreduce)
             shard = TensorShard(args.rank, args.world_size, all_reduce)
         model = load_model(args.config, device, shard)
         options = args.options

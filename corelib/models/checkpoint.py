@@ -8,13 +8,16 @@ dtypes are checked from the file headers before any tensor is read.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
 
+from corelib import progress
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models.hf_config import checkpoint_directory, resolved_model_config
@@ -55,7 +58,8 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
             f"{directory} lacks tensor {missing[0]!r}{more}, which config.json implies "
             f"({cfg.architecture}, tie_word_embeddings={str(cfg.tie_word_embeddings).lower()})"
         )
-    with _open_all(directory, sorted({files[name] for name in expected}), device) as handles:
+    reading = progress.current().task(f"loading weights from {directory.name}", total=len(expected), unit="tensors")
+    with _open_all(directory, sorted({files[name] for name in expected}), device) as handles, reading as task:
         for name, dims in expected.items():
             _check_tensor(handles[files[name]], name, dims, files[name])
 
@@ -64,6 +68,8 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
             if shard is not None:
                 tensor = shard.slice(name, tensor)
             moved = tensor.to(device=device, dtype=shape.dtype)
+            _check_finite(moved, tensor, name, directory / files[name])
+            task.advance()
             # On the CPU that may still be a view of the memory-mapped file: unaligned (slower,
             # and matmuls round differently) and tied to the file staying unchanged. Own it.
             return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved
@@ -85,6 +91,7 @@ def tensor_files(directory: Path) -> dict[str, str]:
                           f"with {INDEX_FILE}{hint}")
     files: dict[str, str] = {}
     for shard in shards:
+        check_weight_file(directory / shard)
         with _safe_open(directory / shard, "cpu") as handle:
             names = handle.keys()
         for name in names:
@@ -99,10 +106,55 @@ def _index_map(index: Path, directory: Path) -> dict[str, str]:
         raise ConfigError(f"{index} cannot be read: {' '.join(str(error).split())}") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index} has no weight_map; expected {{\"weight_map\": {{tensor name: shard file}}}}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not _inside(shard):
+            raise ConfigError(f"{index}: tensor {name!r} names shard {shard!r}; a shard must be a file name "
+                              f"inside {directory} (no absolute path, no '..')")
     for shard in sorted(set(weight_map.values())):
-        if not (directory / shard).is_file():
+        if not os.path.lexists(directory / shard):
             raise ConfigError(f"{index} names shard {shard}, which is missing from {directory}")
+        check_weight_file(directory / shard)
     return {str(name): str(shard) for name, shard in weight_map.items()}
+
+
+def _inside(shard: str) -> bool:
+    """A relative path that stays in the directory as written. Symlinks are followed later on
+    purpose: a Hugging Face cache snapshot links every file to ``../../blobs/``."""
+    path = PurePosixPath(shard)
+    return bool(shard) and not path.is_absolute() and ".." not in path.parts and "\\" not in shard
+
+
+def check_weight_file(path: Path) -> None:
+    """A regular file (after symlinks) that this process can read; else a ConfigError saying what it is.
+
+    Opened without blocking first: safetensors would wait forever, deaf to Ctrl-C, on a FIFO.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise ConfigError(f"{path} cannot be opened: {error.strerror or error}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path} is {_kind(mode)}, not a regular file; a checkpoint's weights must be files")
+
+
+def _kind(mode: int) -> str:
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _check_finite(moved: torch.Tensor, source: torch.Tensor, name: str, path: Path) -> None:
+    """One reduction per tensor at load: NaN or infinite weights would make every token id 0."""
+    if bool(torch.isfinite(moved).all()):
+        return
+    if bool(torch.isfinite(source).all()):
+        raise ConfigError(f"{path}: tensor {name!r} overflows {moved.dtype} (values beyond its range); "
+                          "choose a wider model.dtype")
+    raise ConfigError(f"{path}: tensor {name!r} has NaN or infinite values; the checkpoint is damaged")
 
 
 @contextmanager

@@ -14,6 +14,7 @@ scheduler, the workload and the loader all see the same effective values.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,9 +24,10 @@ from omegaconf import DictConfig
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.models import registry
+from corelib.models.hub import resolve_model_path
 from corelib.models.llama import DTYPES
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -111,18 +113,30 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
         rope.setdefault("original_max_position_embeddings", max_positions)
         if rope.get("factor") is None and rope["rope_type"] == "yarn":
             rope["factor"] = max_positions / rope["original_max_position_embeddings"]
-    arch = ARCHITECTURES[architecture]
+    def optional(key: str) -> int | None:
+        return need(key) if hf.get(key) is not None else None
+
+    def positive(key: str, value: Any) -> float:
+        # json reads NaN and Infinity; either would reach the norm or RoPE and make every token 0
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{config_file}: {key} must be a finite number > 0 (got {value!r})")
+        return float(value)
+
+    rope_source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    theta_key = f"{rope_source}.rope_theta" if "rope_theta" in rope else "rope_theta"
+    theta = rope.pop("rope_theta", hf.get("rope_theta"))
+    arch = registry.hf_architecture([architecture]) or architecture
     fields: dict[str, Any] = {
         "architecture": arch,
         "vocab_size": need("vocab_size"),
         "hidden_size": hidden,
         "num_layers": need("num_hidden_layers"),
         "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hidden // heads,
+        "num_kv_heads": optional("num_key_value_heads") or heads,
+        "head_dim": optional("head_dim") or hidden // heads,
         "intermediate_size": need("intermediate_size"),
-        "rope_theta": float(rope.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_ROPE_THETA),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _DEFAULT_ROPE_THETA if theta is None else positive(theta_key, theta),
+        "rms_norm_eps": positive("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": arch == "qwen2",
         "qk_norm": arch == "qwen3",
@@ -138,12 +152,13 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
 
 
 def _architecture(hf: Mapping[str, Any], config_file: Path) -> str:
+    """The first of config.json's ``architectures`` that a registered architecture loads."""
     names = hf.get("architectures") or []
-    supported = ", ".join(ARCHITECTURES)
+    supported = ", ".join(registry.hf_architecture_names())
     if not isinstance(names, list) or not names:
         raise ConfigError(f"{config_file} names no architectures; supported: {supported}")
     for name in names:
-        if name in ARCHITECTURES:
+        if registry.hf_architecture([str(name)]) is not None:
             return str(name)
     raise ConfigError(f"{config_file}: architectures={names} is not supported; supported: {supported}")
 
@@ -157,7 +172,8 @@ def _refuse_unsupported(hf: Mapping[str, Any], architecture: str, config_file: P
         problems.append(f"quantization_config (quant_method={method}): quantized checkpoints are not supported")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']}: only silu is supported")
-    if architecture != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+    variant = registry.hf_architecture([architecture])
+    if variant is not None and not registry.llama_variant(variant).attention_bias and hf.get("attention_bias"):
         problems.append("attention_bias=true: biases on the attention projections are not supported")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true: biases on the MLP projections are not supported")
@@ -211,7 +227,7 @@ def resolve_checkpoint(raw: DictConfig) -> list[str]:
         if model.get("dtype") == "auto":
             model.dtype = "float32"
         return []
-    checkpoint = read_checkpoint_config(str(path))
+    checkpoint = read_checkpoint_config(resolve_model_path(str(path)))  # a hub id becomes its cached snapshot
     current = ModelConfig(name=str(model.name), max_model_len=int(model.max_model_len), dtype=str(model.dtype))
     resolved, notes = checkpoint.apply(current)
     for key in (*checkpoint.fields, "max_model_len", "dtype", "path"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from corelib import progress
 from corelib.config import ModelConfig
 from corelib.device import Device
 from corelib.errors import ConfigError
@@ -159,14 +160,17 @@ def random_state_dict(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     """
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
-    for name, dims in hf_parameter_shapes(shape).items():
-        if name.endswith("norm.weight"):
-            state[name] = 1.0 + 0.1 * torch.randn(dims, generator=generator)
-        elif name.endswith("conv.weight"):
-            state[name] = torch.randn(dims, generator=generator) / dims[0]
-        else:
-            scale = 0.5 if name.endswith(".bias") else 1.0 / dims[-1] ** 0.5
-            state[name] = scale * torch.randn(dims, generator=generator)
+    shapes = hf_parameter_shapes(shape)
+    with progress.current().task("generating random weights", total=len(shapes), unit="tensors") as task:
+        for name, dims in shapes.items():
+            if name.endswith("norm.weight"):
+                state[name] = 1.0 + 0.1 * torch.randn(dims, generator=generator)
+            elif name.endswith("conv.weight"):
+                state[name] = torch.randn(dims, generator=generator) / dims[0]
+            else:
+                scale = 0.5 if name.endswith(".bias") else 1.0 / dims[-1] ** 0.5
+                state[name] = scale * torch.randn(dims, generator=generator)
+            task.advance()
     return state
 
 
@@ -181,7 +185,9 @@ def build_weights(
     for name, dims in expected.items():
         if tuple(state[name].shape) != dims:
             raise ConfigError(f"tensor {name!r} has shape {tuple(state[name].shape)}; expected {dims}")
-    return assemble_weights(shape, lambda name: state[name].to(device=device, dtype=shape.dtype), device)
+    with progress.current().task("placing weights on the device", total=len(expected), unit="tensors") as task:
+        return assemble_weights(shape, lambda name: task.advanced(state[name].to(device=device, dtype=shape.dtype)),
+                                device)
 
 
 def assemble_weights(shape: ModelShape, get: Callable[[str], torch.Tensor], device: torch.device) -> ModelWeights:

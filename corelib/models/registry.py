@@ -87,7 +87,8 @@ _REGISTERED: dict[str, Architecture] = {variant.name: variant for variant in BUI
 
 def register(architecture: Architecture, source: str) -> None:
     """Add an architecture (from a plugin's ``corelib_models`` hook); a name may be taken once."""
-    if architecture.name in _REGISTERED and _REGISTERED[architecture.name] is not architecture:
+    known = _REGISTERED.get(architecture.name)
+    if known is not None and type(known) is not type(architecture):
         raise ConfigError(f"{source} registers model architecture {architecture.name!r}, which exists already")
     _REGISTERED[architecture.name] = architecture
 
@@ -130,8 +131,13 @@ def model_facts(cfg: ModelConfig) -> dict[str, bool | str]:
 
 
 def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | None = None) -> ModelWeights:
-    """Random seeded weights, or a checkpoint when ``model.path`` is set; ``shard``: one rank's part."""
+    """Random seeded weights, or a checkpoint when ``model.path`` is set; ``shard``: one rank's part.
+
+    Random weights come from the CPU path or are drawn on the device, as ``model.init`` says
+    (``corelib.models.random_init``); either way every rank starts from the same full tensors.
+    """
     from corelib.models.llama import ModelShape, build_weights
+    from corelib.models.random_init import init_on_device, seeded_weights
 
     if cfg.path:
         from corelib.models.checkpoint import load_checkpoint
@@ -140,6 +146,10 @@ def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | N
         weights.all_reduce = shard.all_reduce if shard is not None else None
         return weights
     shape = ModelShape.from_config(cfg)
+    if init_on_device(cfg, shape):
+        weights = seeded_weights(shape, cfg.seed, device, shard)
+        weights.all_reduce = shard.all_reduce if shard is not None else None
+        return weights
     state = _random_state(shape, cfg.seed)  # the full model, identical on every rank
     if shard is None:
         return build_weights(shape, state, device)

@@ -8,11 +8,22 @@ the provider's ops while the rest stay on the reference.
 
 from corelib.ops.spec import (
     OP_NAMES,
+    SAMPLING_COLUMNS,
     OpProvider,
     Ops,
     PagedAttention,
+    SamplingColumn,
     SamplingInputs,
     VarlenAttention,
 )
 
-__all__ = ["OP_NAMES", "OpProvider", "Ops", "PagedAttention", "SamplingInputs", "VarlenAttention"]
+__all__ = [
+    "OP_NAMES",
+    "SAMPLING_COLUMNS",
+    "OpProvider",
+    "Ops",
+    "PagedAttention",
+    "SamplingColumn",
+    "SamplingInputs",
+    "VarlenAttention",
+]

@@ -35,7 +35,8 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     """Gumbel(0, 1) noise [B, K] for the given token ids [B, K]; seeds and positions are [B]."""
     key = _mix64(seeds * _POSITION_KEY + positions)  # [B]
     bits = _mix64(key[:, None] ^ token_ids)  # [B, K]
-    uniform = (((bits >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0
+    # The mix's last step, x ^ (x >> 31), shifts arithmetically: bit 63 always ends 0. Bits 39-62 are uniform.
+    uniform = (((bits >> 39) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0
     return -torch.log(-torch.log(uniform))
 
 

@@ -70,6 +70,27 @@ class VarlenAttention:
 
 
 @dataclass(frozen=True)
+class SamplingColumn:
+    """A per-request sampling value, as it travels from ``SamplingParams`` to the device."""
+
+    name: str  # the field of SamplingInputs and of the step's input arena
+    dtype: torch.dtype
+    param: str  # the attribute of corelib.engine.SamplingParams it comes from
+    neutral: float  # its value on padded rows (and on greedy ones): changes nothing
+
+
+# Every per-request sampling value. The input arenas, the packer and the runner iterate over
+# this list: a new sampling option is a column here, a field of SamplingInputs, its math in
+# corelib/ops/sampling.py and its SamplingParams field.
+SAMPLING_COLUMNS: tuple[SamplingColumn, ...] = (
+    SamplingColumn("temperature", torch.float32, "temperature", 0.0),
+    SamplingColumn("top_k", torch.int64, "top_k", 0),
+    SamplingColumn("top_p", torch.float32, "top_p", 1.0),
+    SamplingColumn("seeds", torch.int64, "seed", 0),
+)
+
+
+@dataclass(frozen=True)
 class SamplingInputs:
     """Per-row sampling values on the device, all [B]: temperature 0 means greedy."""
 
@@ -78,6 +99,11 @@ class SamplingInputs:
     top_p: torch.Tensor  # float32, 1: no cut
     seeds: torch.Tensor  # int64
     positions: torch.Tensor  # int64: the position of the sampled token (the counter of the noise)
+
+    @classmethod
+    def from_views(cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor) -> SamplingInputs:
+        """The first ``rows`` rows of a step's sampling columns."""
+        return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions)
 
 
 class RmsNorm(Protocol):
@@ -189,19 +215,16 @@ class Ops:
         """The ops some provider other than the reference runs."""
         return tuple(op for op in OP_NAMES if self.providers.get(op, "reference") != "reference")
 
-    @property
-    def attention_reads_live_blocks_only(self) -> bool:
-        """Decode attention reads only each sequence's live blocks, whatever the block-table width.
-
-        Then a graph captured at the full width serves every batch (no KV-width buckets).
-        """
-        return "paged_decode_attention" in self.fused
 
 
 class OpProvider(Protocol):
     """What a backend offers: a name, the ops it provides, and how to load them for a device."""
 
     name: str
+    #: its paged_decode_attention reads only each sequence's live blocks (seq_lens), whatever the
+    #: block-table width: then one graph captured at the full width serves every batch, with no
+    #: KV-width buckets. False when the kernel's cost grows with the width it is given.
+    live_blocks_only: bool
 
     def available(self) -> str | None:
         """None when the provider can load here; else why not, in one line (a missing package)."""

@@ -29,6 +29,18 @@ from corelib.testing.helpers import (
     warm_up,
 )
 
+# The op conformance tests run with the suite (they skip where a backend has no op provider).
+from corelib.testing.op_conformance import (  # noqa: F401
+    test_op_replays_in_a_graph_on_new_inputs,
+    test_paged_decode_attention_matches_reference,
+    test_prefill_attention_matches_reference,
+    test_provider_loads_the_ops_it_names,
+    test_rms_norm_matches_reference,
+    test_rope_kv_write_matches_reference,
+    test_sample_matches_reference,
+    test_silu_mul_matches_reference,
+)
+
 #: how long a busy stream stays busy: far longer than the host needs to act meanwhile
 BUSY_S = 0.1
 

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from corelib.backend import DeviceSpec
 from corelib.config import RuntimeMode
-from corelib.device import Device
+from corelib.device import Device, Runtime
 from corelib.errors import BackendUnavailable
 from corelib.plugins import PluginRegistry
 from corelib.testing.helpers import Busy, default_busy
 from corelib.testing.targets import Target, discover_targets, resolve_spec
 
+if TYPE_CHECKING:
+    from corelib.testing.op_conformance import OpTarget
+
 # Plain asserts in the suite get pytest's explanations although its module is not test_*.py.
-pytest.register_assert_rewrite("corelib.testing.conformance")
+pytest.register_assert_rewrite("corelib.testing.conformance", "corelib.testing.op_conformance")
 
 _registry_key = pytest.StashKey[PluginRegistry]()
 _targets_key = pytest.StashKey[list[Target]]()
@@ -56,6 +60,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (the op conformance sweep)")
     registry = _registry(config)
     for name in registry.backend_names:
         mark = registry.get(name).hardware_mark
@@ -129,3 +134,28 @@ def conformance_device(conformance_spec: DeviceSpec, request: pytest.FixtureRequ
 def conformance_busy(conformance_device: Device) -> Busy | None:
     """How to keep a stream busy on this device; override it for a backend the default cannot drive."""
     return default_busy(conformance_device)
+
+
+@pytest.fixture
+def op_target(conformance_spec: DeviceSpec, request: pytest.FixtureRequest) -> OpTarget:
+    """The target's op provider loaded on its device; skips, naming why, where there is none to test."""
+    from corelib.testing.op_conformance import OpTarget
+
+    backend = _registry(request.config).get(conformance_spec.backend)
+    provider = backend.op_provider()
+    if provider is None:
+        pytest.skip(f"{backend.name} offers no op provider: it runs the reference ops")
+    if conformance_spec.runtime is not Runtime.native:
+        pytest.skip(f"{backend.name}: op provider {provider.name!r} loads only on the native runtime")
+    reason = provider.available()
+    if reason is not None:
+        pytest.skip(f"{backend.name}: op provider {provider.name!r} is unavailable: {reason}")
+    device: Device = request.getfixturevalue("conformance_device")
+    return OpTarget(
+        provider=provider.name,
+        declared=provider.op_names(),
+        loaded=provider.load(device),
+        torch_device=device.torch_device,
+        device=device,
+        no_graph_reason=f"{device.name} cannot capture graphs",
+    )

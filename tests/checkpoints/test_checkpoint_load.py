@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import local_weights
 import torch
+from support import local_weights
 
 from corelib.compose import compose_config, prepare_config_store
 from corelib.config import ModelConfig

@@ -20,7 +20,7 @@ OpenDevice = Callable[..., EmulatedDevice]
 
 @functools.cache
 def profile(name: str) -> Capabilities:
-    """The capabilities that conf/backend/<name>.yaml declares."""
+    """The capabilities that backend <name>'s YAML declares."""
     register_schemas()
     node = load_group_option("backend", name)
     return Capabilities.from_mapping(OmegaConf.to_container(node.capabilities))  # type: ignore[arg-type]

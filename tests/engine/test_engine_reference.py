@@ -24,11 +24,13 @@ def check_against_reference(make_engine: EngineFactory, overrides: list[str]) ->
     return engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "hybrid-tiny"])
 def test_cpu_matches_reference(make_engine: EngineFactory, model: str) -> None:
     check_against_reference(make_engine, ["backend=cpu", f"model={model}"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_architecture_flags_match_reference(make_engine: EngineFactory, arch: str) -> None:
     check_against_reference(make_engine, ["backend=cpu", f"model.architecture={arch}"])

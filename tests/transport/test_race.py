@@ -25,6 +25,7 @@ def test_ordered_materialization_has_no_mismatch_over_5000_steps() -> None:
     assert race(NPU_CHAOS, ordered=True, steps=5000) == 0
 
 
+@pytest.mark.slow
 def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
     # cuda stages a pageable source when the copy is issued: the early path keeps working there
     assert race(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.5",

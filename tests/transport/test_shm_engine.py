@@ -27,6 +27,7 @@ def tokens(overrides: list[str]) -> list[list[int]]:
         return [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -91,13 +92,13 @@ def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
 
 def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
     from corelib.compose import compose_config
-    from corelib.engine.options import EngineOptions, Staging
+    from corelib.engine.options import Staging
     from corelib.engine.staging import HostStager, build_stager
     from corelib.plugins import PluginRegistry
     from corelib.startup import start
 
     startup = start(compose_config(["backend=cpu", "engine.transport=shm"]), PluginRegistry())
-    options = EngineOptions.from_startup(startup.config, startup.plan, startup.spec.capabilities)
+    options = startup.options
     assert options.staging is Staging.host
     with startup.backend.open(startup.spec) as device:
         stager = build_stager(options.staging, device, device.stream("compute"), 1024, 2, 1.0)

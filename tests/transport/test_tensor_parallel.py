@@ -29,6 +29,7 @@ def our_segments() -> set[str]:
     return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{PREFIX}-{os.getpid()}-")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend",
     [
@@ -88,6 +89,7 @@ def _start_tp(backend: list[str], timeout: float) -> tuple[Engine, ShmExecutor]:
     return engine, executor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_killing_one_rank_is_a_clean_error_within_the_timeout(backend: list[str]) -> None:
     before = our_segments()
@@ -104,6 +106,7 @@ def test_killing_one_rank_is_a_clean_error_within_the_timeout(backend: list[str]
     assert our_segments() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str]) -> None:
     engine, executor = _start_tp(backend, timeout=2.0)
@@ -122,6 +125,7 @@ def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str]) -> None:
     assert all(rank.process.poll() is not None for rank in executor.ranks)
 
 
+@pytest.mark.slow
 def test_torchrun_launches_one_process_and_its_rendezvous_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     from corelib.engine.parallel import rendezvous
 

@@ -7,16 +7,20 @@ Vendor APIs used, all from the Cambricon/torch_mlu repository (package torch_mlu
 - ``torch.mlu.device_count``, which honours MLU_VISIBLE_DEVICES (and CN_VISIBLE_DEVICES):
   torch_mlu/mlu/__init__.py
 torch_mlu binds no host registration (its ``torch.mlu.cnrt()`` module exposes only error
-strings and the profiler), so ``host_register`` stays false in conf/backend/mlu.yaml.
+strings and the profiler), so ``host_register`` stays false in mlu.yaml.
+The fused ops (torch_mlu_ops kernels) are offered through ``op_provider``: corelib_mlu/ops.py.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corelib.backend import DeviceSpec
 from corelib.native import TorchDevice, TorchModuleBackend
+
+if TYPE_CHECKING:
+    from corelib.ops import OpProvider
 
 
 class MluDevice(TorchDevice):
@@ -32,6 +36,11 @@ class MLUBackend(TorchModuleBackend):
     device_type = "mlu"
     visible_env = "MLU_VISIBLE_DEVICES"
     device_label = "MLU"
+
+    def op_provider(self) -> OpProvider:
+        from corelib_mlu.ops import MluOps
+
+        return MluOps()
 
     def _narrow(self, module: Any) -> dict[str, bool]:
         return {} if hasattr(module, "MLUGraph") else {"graphs": False}

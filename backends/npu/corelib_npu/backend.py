@@ -9,18 +9,22 @@ Vendor APIs used, all from the Ascend/pytorch repository (package torch_npu):
   aclrtHostUnregister, returning the aclError): torch_npu/npu/__init__.py,
   torch_npu/csrc/npu/npurt.cpp
 - ``torch_npu.npu.device_count``, which honours ASCEND_RT_VISIBLE_DEVICES: torch_npu/npu/__init__.py
+The fused ops (torch_npu's npu_* kernels) are offered through ``op_provider``: corelib_npu/ops.py.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corelib.backend import DeviceSpec
 from corelib.device import Graph
 from corelib.errors import DeviceError
 from corelib.native import TorchDevice, TorchModuleBackend
 from corelib_npu.graph import TASK_UPDATE_API, NpuGraph
+
+if TYPE_CHECKING:
+    from corelib.ops import OpProvider
 
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 # aclrtHostRegisterV2 flags (CANN acl_rt.h, as used in torch_npu's npurt tests): MAPPED keeps
@@ -77,6 +81,11 @@ class NPUBackend(TorchModuleBackend):
     device_type = "npu"
     visible_env = VISIBLE_ENV
     device_label = "NPU"
+
+    def op_provider(self) -> OpProvider:
+        from corelib_npu.ops import NpuOps
+
+        return NpuOps()
 
     def _narrow(self, module: Any) -> dict[str, bool]:
         narrow: dict[str, bool] = {}

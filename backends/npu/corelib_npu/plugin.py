@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from corelib.backend import Backend
 from corelib.plugins import hookimpl
@@ -12,3 +13,9 @@ from corelib_npu.backend import NPUBackend
 @hookimpl
 def corelib_backends() -> Sequence[Backend]:
     return [NPUBackend()]
+
+
+@hookimpl
+def corelib_backend_configs() -> dict[str, str]:
+    """The npu backend's YAML (``backend=npu``), shipped with the plugin like any third party's."""
+    return {"npu": str(Path(__file__).with_name("npu.yaml"))}

@@ -1,0 +1,97 @@
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
+# ruff: noqa: N803 - compile-time constants are upper case, as in every Triton kernel
+"""RMSNorm, with the residual add fused: one read of x (and the residual), one write of each output."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from corelib_cuda.triton_ops.common import check, check_float, next_power_of_2
+
+_OP = "rms_norm"
+_MAX_HIDDEN = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, h_ptr,
+    num_rows, inner, hidden, eps,
+    x_s0, x_s1, r_s0, r_s1,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    # A row r of x [outer, inner, H] sits at (r // inner) * s0 + (r % inner) * s1: the per-head
+    # q/k norm reads [T, n, hd] straight out of the fused qkv output without a copy.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < num_rows
+    col_ok = cols < hidden
+    mask = row_ok[:, None] & col_ok[None, :]
+    outer, within = rows // inner, rows % inner
+    x = tl.load(x_ptr + (outer * x_s0 + within * x_s1)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    dense = rows[:, None] * hidden + cols[None, :]  # outputs are contiguous [rows, H]
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + (outer * r_s0 + within * r_s1)[:, None] + cols[None, :], mask=mask, other=0.0)
+        # The sum is rounded to the model dtype, and the statistics use the rounded sum, as
+        # the reference does (h = x + residual in the model dtype).
+        h = (x + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + dense, h, mask=mask)
+        x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    normed = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds here
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dense, normed * w[None, :], mask=mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _config(hidden: int) -> tuple[int, int, int]:
+    """(rows per program, padded H, warps): about 2048 values per program, at least one row."""
+    block_h = next_power_of_2(hidden)
+    rows = max(1, min(16, 2048 // block_h))
+    warps = 4 if block_h * rows <= 4096 else 8
+    return rows, block_h, warps
+
+
+def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor, inner, s0, s1) with rows of t addressed as (r // inner) * s0 + (r % inner) * s1."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() > 3:
+        t = t.reshape(-1, t.shape[-1])
+    if t.dim() == 3:
+        return t, t.shape[1], t.stride(0), t.stride(1)
+    if t.dim() == 2:
+        return t, 1, t.stride(0), 0
+    return t, 1, 0, 0
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # x [..., H] (may be a strided view), weight [H], residual like x -> (normed [..., H], h [..., H])
+    hidden = x.shape[-1]
+    check_float(_OP, x=x, weight=weight)
+    check(weight.shape == (hidden,), _OP, f"weight has shape {tuple(weight.shape)}; expected ({hidden},)")
+    check(hidden <= _MAX_HIDDEN, _OP, f"hidden size {hidden} is above {_MAX_HIDDEN}; use the reference op")
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype, _OP,
+              f"residual is {residual.dtype} {tuple(residual.shape)}; expected x's {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = x.numel() // max(hidden, 1)
+    if num_rows == 0:
+        return out, h
+    xs, inner, x_s0, x_s1 = _as_rows(x)
+    rs, _, r_s0, r_s1 = _as_rows(residual) if residual is not None else (xs, inner, 0, 0)
+    rows, block_h, warps = _config(hidden)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        xs, rs, weight, out, h,
+        num_rows, inner, hidden, eps,
+        x_s0, x_s1, r_s0, r_s1,
+        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_H=block_h, num_warps=warps,
+    )  # fmt: skip
+    return out, h

@@ -1,0 +1,63 @@
+"""The Triton op provider of the cuda backend: every op of corelib.ops, as Triton kernels.
+
+Nothing here imports Triton until ``available()`` or ``load()`` is asked: the backend must
+still probe, plan and emulate on machines without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from corelib.device import Device
+from corelib.errors import one_line
+from corelib.ops import OP_NAMES
+from corelib_cuda.triton_ops.common import interpreting
+
+INSTALL_HINT = "pip install 'corelib-cuda[triton]'"
+
+
+class TritonOps:
+    """Fused CUDA ops written in Triton: launch-light, graph-capturable, block sizes chosen by rule."""
+
+    name = "triton"
+    live_blocks_only = True  # the decode kernel splits each sequence's own length (seq_lens) over its programs
+
+    def available(self) -> str | None:
+        try:
+            import triton  # noqa: F401 - only whether it imports
+        except ImportError:
+            return f"Triton is not installed ({INSTALL_HINT})"
+        except Exception as error:  # noqa: BLE001 - a broken install is a reason, not a crash
+            return f"Triton does not import: {one_line(error)}"
+        if not interpreting() and not torch.cuda.is_available():
+            return "Triton needs a CUDA device and torch sees none (TRITON_INTERPRET=1 runs the kernels on the CPU)"
+        return None
+
+    def op_names(self) -> tuple[str, ...]:
+        return OP_NAMES
+
+    def load(self, device: Device) -> Mapping[str, object]:
+        from corelib_cuda.triton_ops.activation import silu_mul
+        from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
+        from corelib_cuda.triton_ops.norm import rms_norm
+        from corelib_cuda.triton_ops.prefill_attention import prefill_attention
+        from corelib_cuda.triton_ops.rope import rope_kv_write
+        from corelib_cuda.triton_ops.sampling import sample
+
+        expected = "cpu" if interpreting() else "cuda"
+        if device.torch_device.type != expected:
+            raise ValueError(
+                f"the triton ops run on {expected} tensors (TRITON_INTERPRET={int(interpreting())}); "
+                f"device {device.name!r} holds {device.torch_device.type} tensors"
+            )
+        ops: dict[str, object] = {
+            "rms_norm": rms_norm,
+            "rope_kv_write": rope_kv_write,
+            "paged_decode_attention": paged_decode_attention,
+            "prefill_attention": prefill_attention,
+            "silu_mul": silu_mul,
+            "sample": sample,
+        }
+        return ops

@@ -1,0 +1,119 @@
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
+# ruff: noqa: N803 - compile-time constants are upper case, as in every Triton kernel
+"""RoPE on q and k with the paged KV write: one kernel per step reads qk and v once."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from corelib_cuda.triton_ops.common import check, check_float, last_dim_contiguous, next_power_of_2
+
+_OP = "rope_kv_write"
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    qk_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, out_ptr,
+    qk_s0, qk_s1, v_s0, v_s1, cs_s0, cs_s1,
+    kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
+    block_size,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    # One program per token: every q and k head rotated, k and v written to the token's slot.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    heads = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < HALF
+    mask = (heads < NUM_Q + NUM_KV)[:, None] & d_ok[None, :]
+    src = qk_ptr + t * qk_s0 + heads[:, None] * qk_s1 + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos = cs_ptr + pos * cs_s0 + d
+    c1 = tl.load(cos, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(cos + cs_s1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(cos + cs_s1 + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    # x * cos + rotate_half(x) * sin with each product rounded to the model dtype, as the
+    # reference computes it in that dtype.
+    dtype = out_ptr.dtype.element_ty
+    o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    o1, o2 = o1.to(dtype), o2.to(dtype)
+    dst = out_ptr + t * ((NUM_Q + NUM_KV) * 2 * HALF) + heads[:, None] * (2 * HALF) + d[None, :]
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+
+    slot = tl.load(slot_ptr + t)
+    block, offset = slot // block_size, slot % block_size
+    # Rows NUM_Q.. of the rotated tile are the keys; a negative slot (padding) writes nothing.
+    # (the slot test is broadcast to a tensor first: the interpreter cannot mask with a scalar)
+    writes = (heads >= NUM_Q) & (slot + heads * 0 >= 0)
+    k_mask = mask & writes[:, None]
+    k_dst = kc_ptr + block * kc_sb + offset * kc_st + (heads - NUM_Q)[:, None] * kc_sh + d[None, :]
+    tl.store(k_dst, o1, mask=k_mask)
+    tl.store(k_dst + HALF, o2, mask=k_mask)
+
+    kv = tl.arange(0, BLOCK_KV)
+    full = tl.arange(0, 2 * BLOCK_HALF)
+    v_mask = ((kv < NUM_KV) & (slot + kv * 0 >= 0))[:, None] & (full < 2 * HALF)[None, :]
+    v = tl.load(v_ptr + t * v_s0 + kv[:, None] * v_s1 + full[None, :], mask=v_mask, other=0.0)
+    v_dst = vc_ptr + block * vc_sb + offset * vc_st + kv[:, None] * vc_sh + full[None, :]
+    tl.store(v_dst, v, mask=v_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _config(heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(padded heads, padded KV heads, padded half head dim, warps)."""
+    block_heads, block_half = next_power_of_2(heads), next_power_of_2(head_dim // 2)
+    warps = 4 if block_heads * block_half <= 2048 else 8
+    return block_heads, next_power_of_2(kv_heads), block_half, warps
+
+
+def rope_kv_write(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    # qk [T, nh+nkv, hd], v [T, nkv, hd] (views of one qkv output), positions [T], cos_sin [L, 2, hd],
+    # k_cache / v_cache [NB, bs, nkv, hd], slot_mapping [T] -> rotated qk [T, nh+nkv, hd]
+    check_float(_OP, qk=qk, v=v, cos_sin=cos_sin)
+    check(qk.dim() == 3 and v.dim() == 3 and k_cache.dim() == 4, _OP,
+          f"expected qk [T, nh+nkv, hd], v [T, nkv, hd], caches [NB, bs, nkv, hd]; got qk {tuple(qk.shape)}, "
+          f"v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)}")
+    tokens, heads, head_dim = qk.shape
+    kv_heads = v.shape[1]
+    check(v.shape == (tokens, kv_heads, head_dim) and 0 < kv_heads < heads and head_dim % 2 == 0, _OP,
+          f"v {tuple(v.shape)} does not match qk {tuple(qk.shape)} (hd even, fewer KV heads than q+k heads)")
+    check(k_cache.shape == v_cache.shape and k_cache.shape[2:] == (kv_heads, head_dim), _OP,
+          f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}; expected [NB, bs, {kv_heads}, {head_dim}]")
+    check(k_cache.dtype == qk.dtype == v.dtype == v_cache.dtype, _OP, "qk, v and the caches need one dtype")
+    check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, head_dim), _OP,
+          f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {head_dim}]")
+    check(positions.shape == (tokens,) and slot_mapping.shape == (tokens,), _OP,
+          f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)}; expected ({tokens},)")
+    check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, _OP, "the caches need a contiguous last dim")
+    out = torch.empty((tokens, heads, head_dim), dtype=qk.dtype, device=qk.device)
+    if tokens == 0:
+        return out
+    qk, v, cos_sin = last_dim_contiguous(qk), last_dim_contiguous(v), last_dim_contiguous(cos_sin)
+    block_heads, block_kv, block_half, warps = _config(heads, kv_heads, head_dim)
+    _rope_kv_write_kernel[(tokens,)](
+        qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, out,
+        qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0), cos_sin.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[1],
+        NUM_Q=heads - kv_heads, NUM_KV=kv_heads, HALF=head_dim // 2,
+        BLOCK_HEADS=block_heads, BLOCK_KV=block_kv, BLOCK_HALF=block_half, num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,215 @@
+"""Fused ops on Cambricon MLUs through torch_mlu_ops (tmo): the ``torch_mlu_ops`` op provider.
+
+Written against torch_mlu_ops as its own callers use it and checked only against a recording
+stand-in that follows those conventions (tests/backends/test_vendor_ops.py); it has not run on
+an MLU.
+
+| corelib op             | torch_mlu_ops function             | graph-safe | notes                     |
+|------------------------|------------------------------------|------------|---------------------------|
+| rms_norm               | fused_rms_norm                     | yes        | residual add fused        |
+| rope_kv_write          | apply_rotary (+ torch index_copy_) | yes        | KV write: cache layout    |
+| paged_decode_attention | (reference)                        | -          | needs another cache layout|
+| prefill_attention      | flash_attention (packed)           | yes        | host max_seqlen is given  |
+| silu_mul               | active(act_mode="silu", gated)     | yes        |                           |
+| sample                 | (reference)                        | -          | plain torch already       |
+
+Sources: the Python conventions from Cambricon/vllm-mlu vllm_mlu/_mlu_ops.py and
+DeepLink-org/dlinfer dlinfer/vendor/camb/camb_ops.py (both call ``torch_mlu_ops`` as ``tmo``);
+the shape, dtype and contiguity checks from jd-opensource/xllm xllm/core/kernels/mlu/*.cpp,
+which wrap the same kernels in C++.
+
+- ``fused_rms_norm(x, residual, gamma, beta, bias, eps, store_output_before_norm, quant_scale)``:
+  x [T, H]; returns normed, or (normed, x + residual) when residual is given and
+  store_output_before_norm is true (dlinfer's rms_norm / add_rms_norm).
+- ``apply_rotary(input, sin_cache, cos_cache, position_ids, cu_seqlens, interleaved, discrete,
+  dynamic_ntk, max_seqlen)``: sin before cos; interleaved=False is rotate-half ("fold", neox).
+  With discrete=False, position_ids=None and an input of [1, S, heads, hd], row s of sin/cos
+  [S, hd] rotates token s (dlinfer's apply_rotary_pos_emb), so the rows are gathered by position
+  on the device first. vllm-mlu assigns its result back to the input, so it may rotate in
+  place: it gets a private copy of qk.
+- ``active(input, act_mode="silu", is_gated=True)``: silu(first half) * second half (dlinfer's
+  silu_and_mul).
+- ``flash_attention(q, k, v, out, cu_seq_lens_q, cu_seq_lens_kv, alibi_slope, attn_bias,
+  max_seq_len_q, max_seq_len_kv, softmax_scale, is_causal, window_size_left, window_size_right,
+  compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [T, nkv, hd], cu_seq_lens [n+1] int32
+  on the device (vllm-mlu's query_start_loc), causal within each sequence.
+
+Left on the reference, and why:
+- the KV write and decode attention: ``reshape_paged_cache`` and ``single_query_cached_kv_attn``
+  take caches of [num_blocks, num_kv_heads, block_size, head_dim] and check them contiguous
+  (xllm reshape_paged_cache.cpp, single_query_cached_kv_attn.cpp); corelib allocates
+  [num_blocks, block_size, num_kv_heads, head_dim], whose permuted view is not contiguous. They
+  become usable once a provider may choose the cache layout;
+- sampling.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Protocol, cast
+
+import torch
+
+from corelib.device import Device
+from corelib.errors import one_line
+from corelib.ops import VarlenAttention
+from corelib.ops import reference as ref
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+VENDOR_FUNCTIONS = ("fused_rms_norm", "apply_rotary", "active", "flash_attention")
+
+
+class TorchMluOps(Protocol):
+    """The part of torch_mlu_ops these ops call, with the argument order its callers use."""
+
+    def fused_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        gamma: torch.Tensor,
+        beta: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        store_output_before_norm: bool,
+        quant_scale: torch.Tensor | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def apply_rotary(
+        self,
+        input: torch.Tensor,
+        sin_cache: torch.Tensor,
+        cos_cache: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        interleaved: bool,
+        discrete: bool,
+        dynamic_ntk: bool,
+        max_seqlen: int,
+    ) -> torch.Tensor: ...
+
+    def active(self, input: torch.Tensor, act_mode: str, is_gated: bool) -> torch.Tensor: ...
+
+    def flash_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None,
+        cu_seq_lens_q: torch.Tensor | None,
+        cu_seq_lens_kv: torch.Tensor | None,
+        alibi_slope: torch.Tensor | None,
+        attn_bias: torch.Tensor | None,
+        max_seq_len_q: int,
+        max_seq_len_kv: int,
+        softmax_scale: float,
+        is_causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        compute_dtype: torch.dtype,
+        return_lse: bool,
+    ) -> object: ...
+
+
+class MluKernels:
+    """corelib's ops over the torch_mlu_ops module ``tmo``; a call outside a known limit takes the reference."""
+
+    def __init__(self, tmo: TorchMluOps) -> None:
+        self.tmo = tmo
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype not in _FLOAT or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+            return ref.rms_norm(x, weight, eps, residual)
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]: the kernel takes 2-D rows
+        if residual is None:
+            normed = self.tmo.fused_rms_norm(flat, None, weight, None, None, eps, False, None)
+            return cast(torch.Tensor, normed).view(x.shape), x
+        result = self.tmo.fused_rms_norm(flat, residual.reshape(flat.shape), weight, None, None, eps, True, None)
+        normed, summed = cast(tuple[torch.Tensor, torch.Tensor], result)
+        return normed.view(x.shape), summed.view(x.shape)
+
+    def rope_kv_write(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        if qk.dtype not in _FLOAT or cos_sin.dtype != qk.dtype:
+            return ref.rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        tokens = qk.shape[0]
+        nkv, hd = v.shape[1], v.shape[2]
+        cos, sin = cos_sin[positions, 0], cos_sin[positions, 1]  # [T, hd], row t for token t
+        work = qk.clone(memory_format=torch.contiguous_format)[None]  # [1, T, nh+nkv, hd], ours to rotate
+        rotated = self.tmo.apply_rotary(work, sin, cos, None, None, False, False, False, tokens)[0]
+        k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, rotated[:, -nkv:])
+        v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+        return rotated
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
+    ) -> torch.Tensor:
+        if q.dtype not in _HALF or q.shape[1] % k.shape[1] != 0:
+            return ref.prefill_attention(q, k, v, attn, scale)
+        cu_seqlens = attn.cu_seqlens.to(torch.int32)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.tmo.flash_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out,
+            cu_seqlens,
+            cu_seqlens,  # keys are the same packed tokens
+            None,
+            None,
+            attn.max_seqlen,
+            attn.max_seqlen,
+            scale,
+            True,
+            -1,
+            -1,
+            torch.float32,  # accumulate in float32, as vllm-mlu's default
+            False,
+        )
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _FLOAT:
+            return ref.silu_mul(x)
+        return self.tmo.active(x.contiguous(), act_mode="silu", is_gated=True)
+
+
+def _import_torch_mlu_ops() -> ModuleType:
+    return importlib.import_module("torch_mlu_ops")
+
+
+class MluOps:
+    """The ``torch_mlu_ops`` op provider: norms, RoPE, prefill attention and SiLU-and-multiply."""
+
+    name = "torch_mlu_ops"
+    live_blocks_only = False  # decode attention stays on the reference, which gathers the whole width
+
+    def available(self) -> str | None:
+        try:
+            tmo = _import_torch_mlu_ops()
+        except Exception as error:  # noqa: BLE001 - ImportError, OSError, RuntimeError alike are reasons
+            return f"torch_mlu_ops cannot be imported ({one_line(error)}); install Cambricon's torch_mlu_ops"
+        missing = [fn for fn in VENDOR_FUNCTIONS if not callable(getattr(tmo, fn, None))]
+        if missing:
+            version = getattr(tmo, "__version__", "of unknown version")
+            return f"torch_mlu_ops {version} lacks {', '.join(missing)}; install a torch_mlu_ops that has them"
+        return None
+
+    def op_names(self) -> tuple[str, ...]:
+        return ("rms_norm", "rope_kv_write", "prefill_attention", "silu_mul")
+
+    def load(self, device: Device) -> Mapping[str, object]:
+        kernels = MluKernels(cast(TorchMluOps, _import_torch_mlu_ops()))
+        return {name: getattr(kernels, name) for name in self.op_names()}

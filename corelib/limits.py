@@ -1,0 +1,166 @@
+"""Sizes and values that cannot work, refused at startup with one line naming the key.
+
+Without these checks a zero or negative size surfaced deep inside as a ZeroDivisionError or
+a tensor with a negative dimension (exit 1), a NaN norm epsilon or a negative RoPE base ran
+to the end and produced token 0 everywhere (exit 0), and a KV pool larger than the machine
+failed with a MemoryError after a long wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from corelib.backend import DeviceSpec
+from corelib.config import CorelibConfig
+from corelib.device import Runtime
+from corelib.errors import ConfigError
+from corelib.models.hf_config import NO_EOS
+
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def check_limits(config: CorelibConfig) -> None:
+    """Refuse sizes and limits that cannot work, naming the key, before anything is built from them."""
+    engine, model = config.engine, config.model
+    least = {
+        "engine.max_num_seqs": (engine.max_num_seqs, 1),
+        "engine.block_size": (engine.block_size, 1),
+        "engine.max_num_batched_tokens": (engine.max_num_batched_tokens, 1),
+        "engine.num_kv_blocks": (engine.num_kv_blocks, 0),  # 0: sized for max_num_seqs full requests
+        "engine.shm.num_slots": (engine.shm.num_slots, 1),
+        "engine.metrics_window": (engine.metrics_window, 1),
+        "model.max_model_len": (model.max_model_len, 2),  # a prompt token and room for one output
+        "model.vocab_size": (model.vocab_size, 2),
+        "model.hidden_size": (model.hidden_size, 1),
+        "model.num_layers": (model.num_layers, 1),
+        "model.num_heads": (model.num_heads, 1),
+        "model.num_kv_heads": (model.num_kv_heads, 1),
+        "model.head_dim": (model.head_dim, 0),  # 0: hidden_size // num_heads
+        "model.intermediate_size": (model.intermediate_size, 1),
+    }
+    if model.architecture == "hybrid":
+        least["model.conv_kernel"] = (model.conv_kernel, 1)
+    for key, (value, low) in least.items():
+        if value < low:
+            raise ConfigError(f"{key}={value}: must be at least {low}")
+    if not 0 < engine.timeout_s < float("inf"):
+        raise ConfigError(f"engine.timeout_s={engine.timeout_s}: must be a positive number of seconds")
+    small = [size for size in engine.graph_batch_sizes if size < 1]
+    if small:
+        raise ConfigError(f"engine.graph_batch_sizes: {small[0]} is not a batch size; each must be at least 1")
+    for key, ids in (("model.eos_token_id", [model.eos_token_id]), ("model.extra_eos_token_ids",
+                                                                      model.extra_eos_token_ids)):
+        outside = [token for token in ids if not 0 <= token < model.vocab_size and token != NO_EOS]
+        if outside:
+            raise ConfigError(f"{key}: {outside[0]} is outside the vocabulary [0, {model.vocab_size}) "
+                              f"({NO_EOS}: no end-of-sequence token)")
+    check_model_math(config)
+
+
+def check_model_math(config: CorelibConfig) -> None:
+    """The shape and the numbers the decoder computes with: a wrong one gives garbage, not an error."""
+    model = config.model
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(f"model.num_heads={model.num_heads} is not a multiple of model.num_kv_heads="
+                          f"{model.num_kv_heads}")
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    if head_dim < 2 or head_dim % 2:
+        source = (f"model.head_dim={model.head_dim}" if model.head_dim else
+                  f"model.hidden_size={model.hidden_size} // model.num_heads={model.num_heads} = {head_dim}")
+        raise ConfigError(f"{source}: RoPE rotates pairs, so the head dimension must be even and at least 2; "
+                          "set model.head_dim or change the sizes")
+    for key, value in (("model.rms_norm_eps", model.rms_norm_eps), ("model.rope_theta", model.rope_theta)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{key}={value}: must be a finite number > 0")
+    for name, value in _numbers(model.rope_scaling):
+        if not math.isfinite(value):
+            raise ConfigError(f"model.rope_scaling.{name}={value}: must be a finite number")
+
+
+def _numbers(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    found: list[tuple[str, float]] = []
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            found += _numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found.append((f"{prefix}{key}", float(value)))
+    return found
+
+
+def check_memory(config: CorelibConfig, spec: DeviceSpec) -> None:
+    """Refuse a KV cache and weights that cannot fit in host memory, where the device's memory is the host's.
+
+    The stream emulator and a device that is the host allocate from this machine's memory;
+    a native accelerator's free memory is known only once it is opened, so it is left to the
+    device.
+    """
+    if spec.runtime is not Runtime.emulated and not spec.capabilities.device_is_host:
+        return
+    available = available_host_bytes()
+    if available is None:
+        return
+    kv, per_block, num_blocks = kv_cache_bytes(config)
+    weights = weight_bytes(config)
+    if kv + weights <= available:
+        return
+    have = f"{_gib(available)} of host memory are available"
+    engine = config.engine
+    if kv >= weights:
+        key = (f"engine.num_kv_blocks={engine.num_kv_blocks}" if engine.num_kv_blocks else
+               f"engine.max_num_seqs={engine.max_num_seqs} x model.max_model_len={config.model.max_model_len}")
+        raise ConfigError(f"{key}: the KV cache needs {_gib(kv)} ({num_blocks} blocks of {per_block} bytes) and the "
+                          f"weights {_gib(weights)}, but {have}; lower engine.num_kv_blocks (or engine.max_num_seqs)")
+    raise ConfigError(f"model={config.model.name}: the weights need {_gib(weights)} and the KV cache {_gib(kv)}, "
+                      f"but {have}; choose a smaller model or model.dtype")
+
+
+def kv_cache_bytes(config: CorelibConfig) -> tuple[int, int, int]:
+    """(total bytes, bytes per block, blocks) of the paged KV cache this config allocates, null block included."""
+    engine, model = config.engine, config.model
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    max_blocks = -(-model.max_model_len // engine.block_size)
+    num_blocks = engine.num_kv_blocks or engine.max_num_seqs * max_blocks + 1
+    per_block = model.num_layers * 2 * engine.block_size * model.num_kv_heads * head_dim * _dtype_bytes(model.dtype)
+    return num_blocks * per_block, per_block, num_blocks
+
+
+def weight_bytes(config: CorelibConfig) -> int:
+    """The parameters' bytes in the model dtype (the same count as the checkpoint names)."""
+    model = config.model
+    h, inter, layers = model.hidden_size, model.intermediate_size, model.num_layers
+    head_dim = model.head_dim or h // model.num_heads
+    q, kv = model.num_heads * head_dim, model.num_kv_heads * head_dim
+    per_layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * inter * h
+    heads = 1 if model.tie_word_embeddings else 2
+    return (heads * model.vocab_size * h + layers * per_layer + h) * _dtype_bytes(model.dtype)
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(name, 4)
+
+
+def available_host_bytes() -> int | None:
+    """Memory this process can still get: MemAvailable, capped by a cgroup v2 limit; None if unknown."""
+    candidates: list[int] = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    if not candidates:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            candidates.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    with contextlib.suppress(OSError, ValueError):
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            candidates.append(int(limit) - int((CGROUP / "memory.current").read_text().strip()))
+    return min(candidates) if candidates else None
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"

@@ -1,0 +1,171 @@
+"""From a validated OpenAI request to engine requests: prompt token ids and SamplingParams per choice.
+
+Everything a client can get wrong is found here and answered as a 400 naming the field, so
+the engine only sees requests it can run.
+
+Choices: a completions ``prompt`` that is a list of strings or a list of token-id lists is
+several prompts; each gets ``n`` choices, numbered prompt by prompt (prompt 0's choices first,
+as OpenAI numbers them). Choice ``i`` samples with ``seed + i``, so ``n`` choices with one
+seed differ, and the same request with the same seed gives the same text. Without a seed
+each choice draws a random one.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from corelib.engine.sequence import SamplingParams
+from corelib.errors import RequestError
+from corelib.server.chat import ChatTemplate, ChatTemplateError
+from corelib.server.events import EngineInfo
+from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, bad_request
+
+SEED_LIMIT = 2**62  # the engine's counter-based sampler takes seeds in [0, 2**62)
+NO_TOKENIZER = (
+    "this model has no tokenizer (random weights, or a checkpoint without tokenizer.json), so it takes "
+    "token ids only"
+)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The engine requests of one HTTP request."""
+
+    prompts: list[list[int]]  # token ids of each prompt
+    requests: list[tuple[list[int], SamplingParams]]  # one per choice, in choice order
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def token_text(token_ids: Sequence[int]) -> str:
+    """The text of tokens for a model without a tokenizer: each id as ``<id>``, as the engine writes it."""
+    return "".join(f"<{t}>" for t in token_ids)
+
+
+def prepare_completion(request: CompletionRequest, info: EngineInfo) -> Prepared:
+    prompt = request.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request("prompt: the list is empty; send at least one prompt", "prompt")
+    raw: list[str | list[int]]
+    if isinstance(prompt, str):
+        raw = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        raw = [[int(p) for p in prompt if isinstance(p, int)]]
+    else:
+        raw = [p if isinstance(p, str) else list(p) for p in prompt if isinstance(p, str | list)]
+    prompts = [_encode(p, info) for p in raw]
+    return _prepared(request, prompts, request.max_tokens, "max_tokens", info)
+
+
+def prepare_chat(request: ChatRequest, info: EngineInfo, template: ChatTemplate) -> Prepared:
+    if info.tokenizer is None:
+        raise bad_request(f"messages: chat needs text, but {NO_TOKENIZER}; use /v1/completions with token ids, "
+                          "or serve a checkpoint with tokenizer.json (model.path=...)", "messages")
+    messages: list[JsonObject] = []
+    for position, message in enumerate(request.messages):
+        record: JsonObject = message.model_dump(exclude_none=True)
+        record["content"] = _text_content(message.content, position)
+        messages.append(record)
+    try:
+        text = template.render(messages)
+    except ChatTemplateError as error:
+        raise bad_request(f"messages: the chat template refused them: {error}", "messages") from None
+    # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
+    prompt = info.tokenizer.encode(text, add_special_tokens=template.is_fallback)
+    _check_prompt(prompt, info, "messages")
+    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    return _prepared(request, [prompt], request.max_output_tokens, param, info)
+
+
+def _text_content(content: object, position: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces: list[str] = []
+    for part in content if isinstance(content, list) else []:
+        kind = getattr(part, "type", None)
+        if kind != "text" or getattr(part, "text", None) is None:
+            raise bad_request(f"messages.{position}.content: only text parts are supported (got a {kind!r} part)",
+                              f"messages.{position}.content")
+        pieces.append(str(part.text))
+    return "".join(pieces)
+
+
+def _encode(prompt: str | list[int], info: EngineInfo) -> list[int]:
+    if isinstance(prompt, str):
+        if info.tokenizer is None:
+            raise bad_request(f"prompt: {NO_TOKENIZER}; send a list of token ids", "prompt")
+        ids = info.tokenizer.encode(prompt)
+    else:
+        ids = prompt
+    _check_prompt(ids, info, "prompt")
+    return ids
+
+
+def _check_prompt(ids: list[int], info: EngineInfo, param: str) -> None:
+    if not ids:
+        raise bad_request(f"{param}: the prompt is empty", param)
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise bad_request(f"{param}: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", param)
+    if len(ids) >= info.max_model_len:
+        raise bad_request(
+            f"{param}: the prompt has {len(ids)} tokens; this model's context is {info.max_model_len} tokens "
+            "(prompt and output), which leaves no room for output", param,
+        )
+
+
+def _prepared(
+    request: CompletionRequest | ChatRequest, prompts: list[list[int]], max_tokens: int | None, max_param: str,
+    info: EngineInfo,
+) -> Prepared:
+    if request.seed is not None and not 0 <= request.seed < SEED_LIMIT:
+        raise bad_request(f"seed={request.seed}: must be in [0, 2**62)", "seed")
+    requests: list[tuple[list[int], SamplingParams]] = []
+    for prompt in prompts:
+        room = info.max_model_len - len(prompt)
+        wanted = room if max_tokens is None else max_tokens
+        if wanted > room:
+            raise bad_request(
+                f"{max_param}={wanted}: the prompt has {len(prompt)} tokens and this model's context is "
+                f"{info.max_model_len}, so at most {room} tokens can be generated", max_param,
+            )
+        for _ in range(request.n):
+            choice = len(requests)
+            seed = (request.seed + choice) % SEED_LIMIT if request.seed is not None else random.randrange(SEED_LIMIT)
+            sampling = SamplingParams(
+                max_tokens=wanted,
+                temperature=request.temperature,
+                top_k=0 if request.top_k == -1 else request.top_k,  # -1: vLLM's word for no cut
+                top_p=request.top_p,
+                seed=seed,
+                stop_token_ids=tuple(request.stop_token_ids or ()),
+                ignore_eos=request.ignore_eos,
+                stop_strings=request.stop_strings,
+            )
+            _validate(sampling, info, max_param)
+            requests.append((prompt, sampling))
+    return Prepared(prompts, requests)
+
+
+_FIELD = re.compile(r"^sampling\.(\w+)")
+_PARAM_OF_FIELD = {"stop_strings": "stop"}
+
+
+def _validate(sampling: SamplingParams, info: EngineInfo, max_param: str) -> None:
+    try:
+        sampling.validate(info.vocab_size)
+    except RequestError as error:
+        message = str(error)
+        match = _FIELD.match(message)
+        field = match.group(1) if match else None
+        param = max_param if field == "max_tokens" else _PARAM_OF_FIELD.get(field or "", field)
+        if match and param is not None:
+            message = param + message[match.end():]
+        raise ApiError(400, message, param=param) from None

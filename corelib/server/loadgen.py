@@ -1,0 +1,399 @@
+"""``python -m corelib bench-serve``: load a running server and measure what clients see.
+
+Like vLLM's benchmark_serving: the load is a request rate (Poisson arrivals) or a fixed number
+of concurrent clients; prompts come from a JSONL file (``{"prompt": ...}`` per line: text, or
+a list of token ids) or are random token ids. Every request streams with ``ignore_eos`` and
+``max_tokens=output_len``, so each has a known length, and is checked: exactly one finished
+choice, one ``[DONE]``, usage equal to what was asked. A share of clients hang up mid-stream
+on purpose. Before and after the load the server's ``/metrics`` give its KV blocks and
+resident memory, so a leak shows.
+
+Throughput counts completed requests over the span from the first send to the last answer;
+TTFT is send to first text, TPOT the time after the first text per remaining token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from corelib.config import Endpoint, ServeBenchConfig
+from corelib.errors import ConfigError, CorelibError
+from corelib.rundir import RunDir
+
+Prompt = str | list[int]
+WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    status: str = "incomplete"  # completed, disconnected, refused (429/503 before any answer), failed, incomplete
+    error: str | None = None
+    completion_tokens: int = 0
+    pieces: int = 0  # chunks that carried text
+    finishes: int = 0  # choices that reported a finish_reason
+    done_markers: int = 0  # [DONE] lines
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+
+    @property
+    def duplicated(self) -> bool:
+        return self.finishes > 1 or self.done_markers > 1
+
+
+@dataclass
+class Point:
+    """One load level and what it gave."""
+
+    mode: str  # rate or concurrency
+    load: float
+    requests: int
+    completed: int
+    disconnected: int
+    refused: int  # turned away up front (429 overloaded, 503 shutting down): said so, nothing lost
+    failed: int
+    incomplete: int
+    duplicated: int
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p99: float | None
+    errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def lost(self) -> int:
+        return self.failed + self.incomplete
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+class Load:
+    """The requests of a run: prompts, payloads, who hangs up and when."""
+
+    def __init__(self, spec: ServeBenchConfig, model: str) -> None:
+        self.spec = spec
+        self.model = model
+        self.rng = random.Random(spec.seed)
+        self.prompts = _read_dataset(Path(spec.dataset)) if spec.dataset else None
+        self._cycle: Iterator[Prompt] | None = itertools.cycle(self.prompts) if self.prompts else None
+
+    def next_request(self) -> tuple[dict[str, object], int | None]:
+        """A payload and, for a client that will hang up, after how many text chunks."""
+        spec = self.spec
+        prompt = next(self._cycle) if self._cycle is not None else self._random_prompt()
+        hang_up = None
+        if self.rng.random() < spec.disconnect_fraction:
+            hang_up = self.rng.randint(1, max(1, spec.output_len - 1))
+        payload: dict[str, object] = {
+            "model": self.model, "max_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if spec.endpoint is Endpoint.chat:
+            text = prompt if isinstance(prompt, str) else " ".join(str(t) for t in prompt)
+            payload["messages"] = [{"role": "user", "content": text}]
+        else:
+            payload["prompt"] = prompt
+        return payload, hang_up
+
+    def _random_prompt(self) -> Prompt:
+        if self.spec.endpoint is Endpoint.chat:
+            return " ".join(self.rng.choice(WORDS) for _ in range(self.spec.prompt_len))
+        return [self.rng.randrange(2, 256) for _ in range(self.spec.prompt_len)]  # inside any real vocabulary
+
+
+def _read_dataset(path: Path) -> list[Prompt]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise ConfigError(f"server.bench.dataset={path}: cannot be read ({error.strerror})") from None
+    prompts: list[Prompt] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f'{path}:{number}: expected a JSON object with "prompt" per line') from None
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            raise ConfigError(f"{path}:{number}: a prompt is text or a list of token ids")
+        prompts.append(prompt)
+    if not prompts:
+        raise ConfigError(f"server.bench.dataset={path}: holds no prompts")
+    return prompts
+
+
+class Client:
+    def __init__(self, spec: ServeBenchConfig) -> None:
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        self.http = httpx.AsyncClient(base_url=spec.url.rstrip("/"), headers=headers, limits=limits,
+                                      timeout=httpx.Timeout(spec.timeout_s, connect=30.0))
+        self.path = "/v1/chat/completions" if spec.endpoint is Endpoint.chat else "/v1/completions"
+        self.output_len = spec.output_len
+
+    async def request(self, payload: dict[str, object], hang_up: int | None) -> Outcome:
+        outcome = Outcome()
+        sent = time.perf_counter()
+        first = last = None
+        try:
+            async with self.http.stream("POST", self.path, json=payload) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    refused = response.status_code in (429, 503)
+                    outcome.status = "refused" if refused else "failed"
+                    outcome.error = f"HTTP {response.status_code}: {_message(body)}"
+                    return outcome
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        outcome.done_markers += 1
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        outcome.error = _message(data)
+                        continue
+                    if chunk.get("usage"):
+                        outcome.completion_tokens = int(chunk["usage"]["completion_tokens"])
+                    for choice in chunk.get("choices", []):
+                        piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        if piece:
+                            now = time.perf_counter()
+                            first = first or now
+                            last = now
+                            outcome.pieces += 1
+                        if choice.get("finish_reason"):
+                            outcome.finishes += 1
+                    if hang_up is not None and outcome.pieces >= hang_up:
+                        outcome.status = "disconnected"
+                        return outcome  # leaving the block closes the connection mid-stream
+        except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
+            outcome.status, outcome.error = "failed", f"{type(error).__name__}: {error}"
+            return outcome
+        outcome.latency_s = time.perf_counter() - sent
+        if first is not None:
+            outcome.ttft_s = first - sent
+            if last is not None and outcome.completion_tokens > 1:
+                outcome.tpot_s = (last - first) / (outcome.completion_tokens - 1)
+        complete = outcome.finishes == 1 and outcome.done_markers == 1 and outcome.error is None
+        if complete and outcome.completion_tokens == self.output_len:
+            outcome.status = "completed"
+        elif outcome.error is not None:
+            outcome.status = "failed"
+        return outcome
+
+    async def metrics(self) -> dict[str, float]:
+        """The server's gauges that tell whether it is back to idle."""
+        response = await self.http.get("/metrics")
+        response.raise_for_status()
+        wanted = {"corelib_kv_blocks_free", "corelib_kv_blocks_total", "corelib_requests_running",
+                  "corelib_requests_waiting", "process_resident_memory_bytes"}
+        figures: dict[str, float] = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    figures[sample.name] = sample.value
+        return figures
+
+    async def model(self) -> str:
+        response = await self.http.get("/v1/models")
+        if response.status_code != 200:
+            raise CorelibError(f"{self.http.base_url}/v1/models answered {response.status_code}: "
+                               f"{_message(response.text)}")
+        return str(response.json()["data"][0]["id"])
+
+
+def _message(body: str) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return body[:200]
+
+
+async def _run_point(client: Client, load: Load, mode: str, level: float) -> Point:
+    spec = load.spec
+    limit = spec.num_requests or math.inf
+    end = time.perf_counter() + spec.duration_s if spec.duration_s > 0 else math.inf
+    outcomes: list[Outcome] = []
+    start = time.perf_counter()
+
+    async def one() -> None:
+        payload, hang_up = load.next_request()
+        outcomes.append(await client.request(payload, hang_up))
+
+    sent = 0
+    if mode == "rate":
+        tasks: list[asyncio.Task[None]] = []
+        next_at = start
+        while sent < limit and next_at < end:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one()))
+            sent += 1
+            next_at += load.rng.expovariate(level)
+        await asyncio.gather(*tasks)
+    else:
+        counter = itertools.count()
+
+        async def worker() -> None:
+            while next(counter) < limit and time.perf_counter() < end:
+                await one()
+
+        await asyncio.gather(*(worker() for _ in range(int(level))))
+    return _summarize(mode, level, outcomes, time.perf_counter() - start)
+
+
+def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float) -> Point:
+    by_status = {s: [o for o in outcomes if o.status == s] for s in ("completed", "disconnected", "refused",
+                                                                   "failed", "incomplete")}
+    completed = by_status["completed"]
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o.error:
+            errors[o.error] = errors.get(o.error, 0) + 1
+    ttft = [o.ttft_s * 1e3 for o in completed if o.ttft_s is not None]
+    tpot = [o.tpot_s * 1e3 for o in completed if o.tpot_s is not None]
+    return Point(
+        mode=mode, load=level, requests=len(outcomes), completed=len(completed),
+        disconnected=len(by_status["disconnected"]), refused=len(by_status["refused"]),
+        failed=len(by_status["failed"]),
+        incomplete=len(by_status["incomplete"]), duplicated=sum(1 for o in outcomes if o.duplicated),
+        duration_s=duration, requests_per_s=len(completed) / duration if duration > 0 else 0.0,
+        output_tokens_per_s=sum(o.completion_tokens for o in completed) / duration if duration > 0 else 0.0,
+        ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
+        tpot_ms_p50=percentile(tpot, 50), tpot_ms_p99=percentile(tpot, 99), errors=errors,
+    )
+
+
+async def _settle(client: Client, within_s: float) -> tuple[dict[str, float], float]:
+    """The server's gauges once nothing runs and every KV block is free (or ``within_s`` passed)."""
+    start = time.perf_counter()
+    while True:
+        figures = await client.metrics()
+        idle = (figures.get("corelib_requests_running", 0) + figures.get("corelib_requests_waiting", 0) == 0
+                and figures.get("corelib_kv_blocks_free") == figures.get("corelib_kv_blocks_total"))
+        waited = time.perf_counter() - start
+        if idle or waited >= within_s:
+            return figures, waited
+        await asyncio.sleep(0.2)
+
+
+async def _sample(client: Client, every_s: float, samples: list[dict[str, float]]) -> None:
+    """The server's gauges every ``every_s`` seconds while the load runs: memory over time shows a leak."""
+    start = time.perf_counter()
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            samples.append({"t_s": time.perf_counter() - start, **await client.metrics()})
+        await asyncio.sleep(every_s)
+
+
+async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, object]:
+    if spec.num_requests <= 0 and spec.duration_s <= 0:
+        raise ConfigError("server.bench: set num_requests or duration_s (both are 0, so the load would never end)")
+    if not 0 <= spec.disconnect_fraction <= 1:
+        raise ConfigError(f"server.bench.disconnect_fraction={spec.disconnect_fraction}: must be in [0, 1]")
+    levels = [("rate", float(r)) for r in spec.rates] + [("concurrency", float(c)) for c in spec.concurrency]
+    if not levels or any(level <= 0 for _, level in levels):
+        raise ConfigError("server.bench: give positive rates (requests/s) or concurrency values")
+    client = Client(spec)
+    try:
+        try:
+            model = spec.model or await client.model()
+            before, _ = await _settle(client, spec.settle_s)
+        except httpx.HTTPError as error:
+            raise CorelibError(f"cannot reach the server at {spec.url}: {error}; start it with "
+                               "python -m corelib serve, or set server.bench.url") from None
+        load = Load(spec, model)
+        points = []
+        samples: list[dict[str, float]] = []
+        sampler = asyncio.create_task(_sample(client, spec.sample_s, samples)) if spec.sample_s > 0 else None
+        try:
+            for mode, level in levels:
+                console.print(f"corelib: bench-serve: {mode} {level:g} ...")
+                points.append(await _run_point(client, load, mode, level))
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+        after, waited = await _settle(client, spec.settle_s)
+    finally:
+        await client.http.aclose()
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": {"python": platform.python_version(), "cpu_count": os.cpu_count()},
+        "url": spec.url, "endpoint": spec.endpoint.value, "model": model,
+        "settings": {k: v for k, v in asdict(spec).items() if k != "api_key"},
+        "points": [{**asdict(p), "lost": p.lost} for p in points],
+        "server_before": before, "server_after": after, "settle_s": waited, "server_samples": samples,
+    }
+
+
+def table(result: dict[str, object]) -> Table:
+    out = Table(title=f"bench-serve {result['url']} ({result['endpoint']}, {result['model']})")
+    for column in ("load", "requests", "ok", "hung up", "refused", "lost", "dup", "req/s", "out tok/s",
+                   "TTFT ms p50/p99", "TPOT ms p50/p99"):
+        out.add_column(column, justify="right")
+    points = result["points"]
+    assert isinstance(points, list)
+    for p in points:
+        unit = "req/s" if p["mode"] == "rate" else "clients"
+        out.add_row(
+            f"{p['load']:g} {unit}", str(p["requests"]), str(p["completed"]), str(p["disconnected"]),
+            str(p["refused"]), str(p["lost"]), str(p["duplicated"]), f"{p['requests_per_s']:.2f}",
+            f"{p['output_tokens_per_s']:.1f}",
+            f"{_ms(p['ttft_ms_p50'])}/{_ms(p['ttft_ms_p99'])}", f"{_ms(p['tpot_ms_p50'])}/{_ms(p['tpot_ms_p99'])}",
+        )
+    return out
+
+
+def _ms(value: object) -> str:
+    return "-" if not isinstance(value, float) else f"{value:.1f}"
+
+
+def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> dict[str, object]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Hydra logs INFO: one line per request otherwise
+    result = asyncio.run(run_bench(spec, console))
+    console.print(table(result))
+    before, after = result["server_before"], result["server_after"]
+    assert isinstance(before, dict) and isinstance(after, dict)
+    rss = [f.get("process_resident_memory_bytes", 0.0) / 2**20 for f in (before, after)]
+    free = [f.get("corelib_kv_blocks_free", math.nan) for f in (before, after)]
+    console.print(f"corelib: server before / after the load: KV blocks free {free[0]:.0f} / {free[1]:.0f} of "
+                  f"{after.get('corelib_kv_blocks_total', math.nan):.0f}; resident memory {rss[0]:.1f} / "
+                  f"{rss[1]:.1f} MiB", soft_wrap=True)
+    samples = result["server_samples"]
+    assert isinstance(samples, list)
+    if len(samples) >= 2:
+        first, last = (s.get("process_resident_memory_bytes", math.nan) / 2**20 for s in (samples[0], samples[-1]))
+        console.print(f"corelib: server resident memory during the load: {first:.1f} MiB at "
+                      f"{samples[0]['t_s']:.0f} s, {last:.1f} MiB at {samples[-1]['t_s']:.0f} s")
+    path = run_dir.file("bench_serve.json")
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"corelib: wrote {path}")
+    return result

@@ -1,0 +1,163 @@
+"""Run the server: the engine thread, the app, uvicorn, and an orderly stop.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections and answers new requests on
+open ones with 503; running requests may finish for ``server.shutdown_grace_s`` seconds, then
+they are aborted and their clients told why; the engine is closed and its thread joined.
+``python -m corelib serve`` then exits 143 (SIGTERM) or 130 (Ctrl-C), like every command.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from corelib.config import ServerConfig
+from corelib.engine.api import Engine
+from corelib.errors import ConfigError, CorelibError
+from corelib.server.app import ServerState, build_app
+from corelib.server.bridge import EngineBridge
+from corelib.server.chat import ChatTemplate
+from corelib.server.metrics import ServerMetrics
+
+log = logging.getLogger("corelib.server")
+SHUTDOWN_SLACK_S = 5.0  # beyond the grace period: time for the aborted requests' last events
+
+
+def model_name(server: ServerConfig, name: str, path: str | None) -> str:
+    """``server.served_model_name``, else the checkpoint directory's name, else the preset's."""
+    if server.served_model_name:
+        return server.served_model_name
+    return Path(path).expanduser().resolve().name if path else name
+
+
+def build_state(build_engine: Callable[[], Engine], server: ServerConfig, api_key: str | None) -> ServerState:
+    """Start the engine thread (the engine is built on it) and everything the routes need."""
+    metrics = ServerMetrics()
+    bridge = EngineBridge(build_engine, server.max_waiting, metrics)
+    info = bridge.start()
+    try:
+        template = ChatTemplate.load(info.model_path, server.chat_template)
+    except BaseException:
+        bridge.close()
+        raise
+    return ServerState(bridge, metrics, template, model_name(server, info.model_name, info.model_path), api_key)
+
+
+def check_server(server: ServerConfig) -> None:
+    """Refuse settings that cannot work, naming the key, before anything is built."""
+    if not 0 <= server.port <= 65535:
+        raise ConfigError(f"server.port={server.port}: must be in [0, 65535] (0: any free port)")
+    if server.max_waiting < 0:
+        raise ConfigError(f"server.max_waiting={server.max_waiting}: must be >= 0")
+    if not 0 <= server.shutdown_grace_s < float("inf"):
+        raise ConfigError(f"server.shutdown_grace_s={server.shutdown_grace_s}: must be a number of seconds >= 0")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, so the port is known (``port=0`` picks a free one) before the app starts."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise CorelibError(f"server.host={host}: cannot listen there ({error.strerror or error})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise CorelibError(f"cannot listen on {host}:{port}: {error.strerror or error}; "
+                           "choose another port with server.port=N") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which also drains the engine when a signal asks it to stop."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
+    config = uvicorn.Config(
+        build_app(state), log_level=server.log_level.value, access_log=server.access_log, lifespan="off",
+        timeout_graceful_shutdown=int(server.shutdown_grace_s + SHUTDOWN_SLACK_S) + 1,
+    )
+    return _Uvicorn(config, on_exit=lambda: state.bridge.drain(server.shutdown_grace_s))
+
+
+def serve(state: ServerState, server: ServerConfig, sock: socket.socket,
+          announce: Callable[[str], None] = print) -> None:
+    """Serve on ``sock`` (from :func:`bind`) until a signal stops it; the engine is closed on the way out."""
+    try:
+        host, port = sock.getsockname()[:2]
+        for notice in state.bridge.info.notices:
+            announce(notice)
+        chat = (f"chat template: {state.template.origin}" if state.bridge.info.tokenizer is not None
+                else "no tokenizer: prompts are token ids, and /v1/chat/completions is refused")
+        announce(f"serving {state.model_name!r} at http://{host}:{port}/v1 (pid {os.getpid()}); {chat}")
+        _uvicorn(state, server).run(sockets=[sock])
+    finally:
+        state.bridge.close()
+
+
+@dataclass
+class RunningServer:
+    """A server on a background thread (tests, notebooks): ``url``, then ``stop()``."""
+
+    state: ServerState
+    url: str
+    _server: _Uvicorn
+    _thread: threading.Thread
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain like SIGTERM does (``grace_s`` overrides the configured grace), stop uvicorn, close the engine."""
+        if grace_s is not None:
+            self.state.bridge.drain(grace_s)
+        self._server.handle_exit(0, None)
+        self._thread.join(60)
+        self.state.bridge.close()
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_in_thread(overrides: Sequence[str], server: ServerConfig | None = None,
+                    api_key: str | None = None) -> RunningServer:
+    """Build an engine from overrides and serve it on a background thread (``server.port=0``: a free port)."""
+    server = server or ServerConfig(port=0)
+    check_server(server)
+    sock = bind(server.host, server.port)
+    try:
+        state = build_state(lambda: Engine.from_overrides(list(overrides)), server, api_key)
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    uv = _uvicorn(state, server)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="corelib-http", daemon=True)
+    thread.start()
+    while not uv.started and thread.is_alive():
+        threading.Event().wait(0.01)
+    if not uv.started:
+        state.bridge.close()
+        raise CorelibError(f"the HTTP server on {host}:{port} did not start; its log says why")
+    return RunningServer(state, f"http://{host}:{port}", uv, thread)

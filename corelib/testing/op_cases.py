@@ -1,0 +1,201 @@
+"""Inputs of the op conformance cases: each case builds the same tensors from a seed on any device.
+
+Tensors are drawn on the CPU from a seeded generator and then moved, so a case is the same on
+every device; ``build(seed)`` with another seed keeps every shape (a captured graph's static
+buffers take the new values) and, for decode, shuffles the context lengths among the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from corelib.ops import PagedAttention, SamplingInputs, VarlenAttention
+
+LONG_CONTEXT = 1900
+VOCAB = 151936
+F32, BF16 = torch.float32, torch.bfloat16
+#: what a case's build() returns: the op's arguments, in order (decode adds the live-slot mask)
+Args = tuple[object, ...]
+
+
+class Case(Protocol):
+    def build(self, seed: int, device: torch.device) -> Args:
+        """The op's arguments on ``device``; the same for the same seed on every device."""
+        ...
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = F32) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def ragged(batch: int, block_size: int, long: int) -> tuple[int, ...]:
+    """Context lengths over the block edges; from 3 rows on, the last row is padding (length 1)."""
+    pattern = [long, 1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3, 5 * block_size - 1]
+    lengths = list(itertools.islice(itertools.cycle(pattern), batch))
+    if batch >= 3:
+        lengths[-1] = 1
+    return tuple(lengths)
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    dtype: torch.dtype
+    batch: int
+    group: int  # query heads per KV head
+    head_dim: int
+    block_size: int
+    long: int = LONG_CONTEXT
+    kv_heads: int = 2
+    lengths: tuple[int, ...] = ()  # default: ragged
+
+    def seq_lengths(self) -> tuple[int, ...]:
+        return self.lengths or ragged(self.batch, self.block_size, self.long)
+
+    @property
+    def width(self) -> int:
+        """Block-table width: two padding columns (block 0) past the longest context."""
+        return -(-max(self.long, *self.seq_lengths()) // self.block_size) + 2
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        bs, lengths, width = self.block_size, list(self.seq_lengths()), self.width
+        if seed:  # other lengths on the same static shapes: a replayed graph must follow them
+            lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]
+        padded = self.batch >= 3 and not self.lengths
+        num_blocks = self.batch * width + 1
+        kc = randn(gen, num_blocks, bs, self.kv_heads, self.head_dim, dtype=self.dtype)
+        vc = randn(gen, num_blocks, bs, self.kv_heads, self.head_dim, dtype=self.dtype)
+        owners = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the padding block
+        tables = torch.zeros(self.batch, width, dtype=torch.int32)
+        live = torch.zeros(num_blocks, bs, dtype=torch.bool)
+        if padded:  # a padded row: one key, on block 0
+            lengths[-1] = 1
+        for row, length in enumerate(lengths):
+            blocks = owners[row * width : row * width + -(-length // bs)]
+            if padded and row == self.batch - 1:
+                blocks = torch.zeros(1, dtype=torch.int64)
+            tables[row, : len(blocks)] = blocks.to(torch.int32)
+            live.view(-1)[(blocks[:, None] * bs + torch.arange(bs)).view(-1)[:length]] = True
+        q = randn(gen, self.batch, self.kv_heads * self.group, self.head_dim, dtype=self.dtype)
+        attn = PagedAttention(tables.to(device), torch.tensor(lengths, device=device), bs)
+        return q.to(device), kc.to(device), vc.to(device), attn, self.head_dim**-0.5, live.to(device)
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    dtype: torch.dtype
+    group: int
+    head_dim: int
+    lengths: tuple[int, ...]
+    kv_heads: int = 2
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        nh, nkv, hd, tokens = self.kv_heads * self.group, self.kv_heads, self.head_dim, sum(self.lengths)
+        # q and k as the model passes them: views of the rotated [T, nh+nkv, hd]; v of the fused qkv
+        qk = randn(gen, tokens, nh + nkv, hd, dtype=self.dtype)
+        v = randn(gen, tokens, (nh + 2 * nkv) * hd, dtype=self.dtype)[:, (nh + nkv) * hd :].view(tokens, nkv, hd)
+        cu = torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int64, device=device)
+        qk, v = qk.to(device), v.to(device)
+        return qk[:, :nh], qk[:, nh:], v, VarlenAttention(cu, max(self.lengths)), hd**-0.5
+
+
+@dataclass(frozen=True)
+class RopeCase:
+    dtype: torch.dtype
+    tokens: int
+    group: int
+    head_dim: int
+    block_size: int
+    kv_heads: int = 2
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        nkv, hd = self.kv_heads, self.head_dim
+        nh = nkv * self.group
+        qkv = randn(gen, self.tokens, (nh + 2 * nkv) * hd, dtype=self.dtype).to(device)
+        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
+        positions = torch.randint(0, 4096, (self.tokens,), generator=gen)
+        num_blocks = -(-self.tokens // self.block_size) + 3
+        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.tokens]
+        kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        qk = qkv[:, : (nh + nkv) * hd].view(self.tokens, nh + nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].view(self.tokens, nkv, hd)
+        return qk, v, positions.to(device), cos_sin.to(device), kc.to(device), vc.to(device), slots.to(device)
+
+
+@dataclass(frozen=True)
+class NormCase:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    residual: bool = False
+    per_head: bool = False  # x is [T, n, hd] read out of a wider fused output, as q/k norm does
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        if self.per_head:
+            tokens, heads, hd = self.shape
+            x = randn(gen, tokens, 3 * heads * hd, dtype=self.dtype).to(device)[:, : heads * hd].view(self.shape)
+        else:
+            x = randn(gen, *self.shape, dtype=self.dtype).to(device)
+        residual = randn(gen, *self.shape, dtype=self.dtype).to(device) if self.residual else None
+        weight = (1.0 + 0.1 * randn(gen, self.shape[-1])).to(self.dtype).to(device)
+        return x, weight, 1e-6, residual
+
+
+@dataclass(frozen=True)
+class SiluCase:
+    dtype: torch.dtype
+    tokens: int
+    inter: int
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        return (randn(gen, self.tokens, 2 * self.inter, dtype=self.dtype).to(device),)
+
+
+@dataclass(frozen=True)
+class SampleCase:
+    batch: int
+    vocab: int = VOCAB
+    ties: bool = False  # logits from bfloat16 values: many equal maxima
+    sampled: bool = False  # rows with temperature, top-k and top-p among greedy rows
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        logits = randn(gen, self.batch, self.vocab) * 3
+        if self.ties:
+            logits = logits.round()  # small integers: the maximum repeats in every row
+        sampling = None
+        if self.sampled:
+            rows = torch.arange(self.batch) % 4
+            sampling = SamplingInputs(
+                temperature=torch.tensor([0.0, 0.7, 1.0, 1.5])[rows].to(device),
+                top_k=torch.tensor([0, 50, 0, 10])[rows].to(device),
+                top_p=torch.tensor([1.0, 0.9, 0.5, 1.0])[rows].to(device),
+                seeds=torch.randint(0, 2**40, (self.batch,), generator=gen).to(device),
+                positions=torch.randint(0, 4096, (self.batch,), generator=gen).to(device),
+            )
+        return logits.to(device), sampling
+
+
+def case_id(case: object) -> str:
+    """The fields a case sets, e.g. ``bfloat16-batch3-group8-head_dim128-block_size32-long300``."""
+    parts = []
+    for f in dataclasses.fields(case):  # type: ignore[arg-type]
+        value = getattr(case, f.name)
+        if isinstance(value, torch.dtype):
+            parts.append(str(value).removeprefix("torch."))
+        elif value is True:
+            parts.append(f.name)
+        elif f.default is dataclasses.MISSING or (value != f.default and value is not False):
+            text = "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            parts.append(f"{f.name}{text}")
+    return "-".join(parts)

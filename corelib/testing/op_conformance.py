@@ -1,0 +1,273 @@
+"""Op conformance: every op a backend's provider offers, checked against the plain-torch reference.
+
+The tests ask for ``op_target`` (see :class:`OpTarget`). They run with the backend conformance
+suite, whose plugin loads each backend's op provider on its native runtime; they skip, naming
+why, where a backend has no provider, runs emulated, or its provider cannot load here. A test
+module may override ``op_target`` to run the same checks elsewhere (Triton's CPU interpreter).
+
+What is checked, over GQA ratios 1/2/4/8, head dims 64/128, block sizes 16/32, batches 1/3/32/128
+and ragged context lengths (1, bs-1, bs, bs+1, a long one, padded rows on block 0):
+
+- float outputs: max |provided - reference| <= tol * max |reference|, tol per dtype in
+  ``TOLERANCES`` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
+- sampled token ids: exactly the reference's (greedy ties go to the lowest id; sampled rows
+  use the same counter-based noise);
+- paged decode attention reads only live keys: every cache slot past a sequence's length (and
+  every block no sequence owns) holds NaN, as stale cache memory may;
+- under graph capture: each op captured once in a device graph on static buffers, the inputs
+  changed (decode: other context lengths per row), replayed, and compared with the reference on
+  the new inputs (prefill keeps its lengths: its max_seqlen is a host int).
+
+The default run takes a few cases per op; the full sweep is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from corelib.device import Device
+from corelib.ops import Ops, PagedAttention
+from corelib.testing.op_cases import (
+    BF16,
+    F32,
+    Args,
+    Case,
+    DecodeCase,
+    NormCase,
+    PrefillCase,
+    RopeCase,
+    SampleCase,
+    SiluCase,
+    case_id,
+)
+
+#: the normwise tolerance of each dtype, relative to the reference output's largest magnitude
+TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+Call = Callable[[Ops, Args], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class OpTarget:
+    """One op provider loaded for one device: what the tests run against."""
+
+    provider: str
+    declared: tuple[str, ...]  # provider.op_names()
+    loaded: Mapping[str, object]  # provider.load(device)
+    torch_device: torch.device
+    device: Device | None = None  # graphs are captured through it; None skips the graph tests
+    no_graph_reason: str = "no device to capture graphs on"
+
+    @property
+    def ops(self) -> Ops:
+        """The reference ops with this provider's swapped in."""
+        return Ops.reference().with_provider(self.provider, self.loaded)
+
+    def require(self, op: str) -> Ops:
+        if op not in self.loaded:
+            pytest.skip(f"op provider {self.provider!r} does not offer {op}")
+        return self.ops
+
+
+def _decode_call(ops: Ops, args: Args, poison: bool) -> tuple[torch.Tensor, ...]:
+    q, kc, vc, attn, scale, live = args
+    assert isinstance(q, torch.Tensor) and isinstance(kc, torch.Tensor) and isinstance(vc, torch.Tensor)
+    assert isinstance(attn, PagedAttention) and isinstance(scale, float) and isinstance(live, torch.Tensor)
+    if poison:  # keys past each length may hold anything: NaN must not leak into the output
+        dead = ~live[:, :, None, None]
+        kc, vc = kc.masked_fill(dead, float("nan")), vc.masked_fill(dead, float("nan"))
+    return (ops.paged_decode_attention(q, kc, vc, attn, scale),)
+
+
+def _params(default: Sequence[Case], sweep: Sequence[Case]) -> Sequence[object]:
+    slow = [pytest.param(c, id=case_id(c), marks=pytest.mark.slow) for c in sweep]
+    return [pytest.param(c, id=case_id(c)) for c in default] + slow
+
+
+# -- cases -------------------------------------------------------------------------------------
+
+_GEOMETRY = list(itertools.product((F32, BF16), (1, 2, 4, 8), (64, 128), (16, 32)))
+DECODE_CASES = [
+    DecodeCase(F32, 1, 1, 64, 16, lengths=(1,)),
+    DecodeCase(F32, 1, 2, 128, 32, kv_heads=1),  # one long sequence: the split-K path
+    DecodeCase(F32, 3, 4, 64, 16, long=70),
+    DecodeCase(F32, 5, 1, 128, 16, lengths=(15, 16, 17, 33, 1)),
+    DecodeCase(BF16, 3, 8, 128, 32, long=300),
+    DecodeCase(BF16, 32, 2, 64, 16, long=100, kv_heads=1),
+]
+DECODE_SWEEP = [DecodeCase(d, (1, 3, 32, 128)[i % 4], g, hd, bs) for i, (d, g, hd, bs) in enumerate(_GEOMETRY)]
+PREFILL_CASES = [
+    PrefillCase(F32, 1, 64, (1,)),
+    PrefillCase(F32, 4, 64, (5, 70, 1)),
+    PrefillCase(BF16, 2, 128, (33, 100)),
+]
+PREFILL_SWEEP = [PrefillCase(d, g, hd, (1, bs - 1, bs, bs + 1, 130)) for d, g, hd, bs in _GEOMETRY[::2]]
+ROPE_CASES = [RopeCase(F32, 5, 2, 64, 16), RopeCase(BF16, 3, 2, 128, 32, kv_heads=8), RopeCase(F32, 1, 8, 128, 16)]
+ROPE_SWEEP = [RopeCase(d, (1, 3, 32, 128)[i % 4], g, hd, bs) for i, (d, g, hd, bs) in enumerate(_GEOMETRY)]
+NORM_CASES = [
+    NormCase(F32, (3, 1024)),
+    NormCase(F32, (3, 1536), residual=True),  # not a power of two (Qwen2-1.5B)
+    NormCase(BF16, (2, 8192), residual=True),
+    NormCase(F32, (5, 4, 128), per_head=True),
+    NormCase(BF16, (3, 2, 64), per_head=True),
+]
+NORM_SWEEP = [
+    NormCase(d, (rows, hidden), residual=r)
+    for d, rows, hidden, r in itertools.product((F32, BF16), (1, 32, 128), (64, 1024, 3000, 8192), (False, True))
+] + [NormCase(d, (t, 16, hd), per_head=True) for d, t, hd in itertools.product((F32, BF16), (1, 128), (64, 128))]
+SILU_CASES = [SiluCase(F32, 3, 1000), SiluCase(BF16, 1, 3072)]
+SILU_SWEEP = [SiluCase(d, t, i) for d, t, i in itertools.product((F32, BF16), (1, 32, 128), (3072, 1000))]
+SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 1000, sampled=True)]
+SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True)]
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Same shape and dtype; max error within the dtype's tolerance of the reference's scale."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, reference {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, reference {expected.dtype}"
+    if expected.dtype in (torch.int64, torch.int32):
+        assert torch.equal(actual, expected), f"{what}: {actual.tolist()} != reference {expected.tolist()}"
+        return
+    tol = TOLERANCES[expected.dtype]
+    a, e = actual.float(), expected.float()
+    assert bool(torch.isfinite(a).all()), f"{what}: {int((~torch.isfinite(a)).sum())} values are NaN or inf"
+    error = float((a - e).abs().max()) / max(float(e.abs().max()), 1e-6) if e.numel() else 0.0
+    assert error <= tol, f"{what}: max error {error:.2e} of the reference's scale, above {tol:g} ({expected.dtype})"
+
+
+def _check(target: OpTarget, op: str, case: Case, call: Call) -> None:
+    ops = target.require(op)
+    actual = call(ops, case.build(0, target.torch_device))
+    expected = call(Ops.reference(), case.build(0, target.torch_device))
+    for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert_matches(a, e, f"{target.provider}.{op} output {index} ({case_id(case)})")
+
+
+def _norm(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    x, weight, eps, residual = args
+    return ops.rms_norm(x, weight, eps, residual)  # type: ignore[arg-type]
+
+
+def _rope(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    qk, v, positions, cos_sin, kc, vc, slots = args
+    out = ops.rope_kv_write(qk, v, positions, cos_sin, kc, vc, slots)  # type: ignore[arg-type]
+    return out, kc, vc  # type: ignore[return-value]
+
+
+def _prefill(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.prefill_attention(*args),)  # type: ignore[arg-type]
+
+
+def _silu(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.silu_mul(*args),)  # type: ignore[arg-type]
+
+
+def _sample(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.sample(*args),)  # type: ignore[arg-type]
+
+
+def _decode(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return _decode_call(ops, args, poison=ops.providers["paged_decode_attention"] != "reference")
+
+
+CALLS: dict[str, Call] = {
+    "rms_norm": _norm,
+    "rope_kv_write": _rope,
+    "paged_decode_attention": _decode,
+    "prefill_attention": _prefill,
+    "silu_mul": _silu,
+    "sample": _sample,
+}
+
+
+def test_provider_loads_the_ops_it_names(op_target: OpTarget) -> None:
+    assert set(op_target.loaded) == set(op_target.declared), "load() must return exactly op_names()"
+    assert all(callable(fn) for fn in op_target.loaded.values())
+    assert set(op_target.ops.fused) == set(op_target.declared)
+
+
+@pytest.mark.parametrize("case", _params(NORM_CASES, NORM_SWEEP))
+def test_rms_norm_matches_reference(op_target: OpTarget, case: NormCase) -> None:
+    _check(op_target, "rms_norm", case, _norm)
+
+
+@pytest.mark.parametrize("case", _params(ROPE_CASES, ROPE_SWEEP))
+def test_rope_kv_write_matches_reference(op_target: OpTarget, case: RopeCase) -> None:
+    _check(op_target, "rope_kv_write", case, _rope)
+
+
+@pytest.mark.parametrize("case", _params(DECODE_CASES, DECODE_SWEEP))
+def test_paged_decode_attention_matches_reference(op_target: OpTarget, case: DecodeCase) -> None:
+    _check(op_target, "paged_decode_attention", case, _decode)
+
+
+@pytest.mark.parametrize("case", _params(PREFILL_CASES, PREFILL_SWEEP))
+def test_prefill_attention_matches_reference(op_target: OpTarget, case: PrefillCase) -> None:
+    _check(op_target, "prefill_attention", case, _prefill)
+
+
+@pytest.mark.parametrize("case", _params(SILU_CASES, SILU_SWEEP))
+def test_silu_mul_matches_reference(op_target: OpTarget, case: SiluCase) -> None:
+    _check(op_target, "silu_mul", case, _silu)
+
+
+@pytest.mark.parametrize("case", _params(SAMPLE_CASES, SAMPLE_SWEEP))
+def test_sample_matches_reference(op_target: OpTarget, case: SampleCase) -> None:
+    _check(op_target, "sample", case, _sample)
+
+
+GRAPH_CASES: dict[str, Case] = {
+    "rms_norm": NormCase(BF16, (3, 1024), residual=True),
+    "rope_kv_write": RopeCase(BF16, 3, 2, 128, 16),
+    "paged_decode_attention": DecodeCase(BF16, 3, 4, 128, 16, long=300),
+    "prefill_attention": PrefillCase(BF16, 2, 64, (5, 40)),
+    "silu_mul": SiluCase(BF16, 3, 3072),
+    "sample": SampleCase(3, ties=True),
+}
+
+
+def _copy_into(static: object, fresh: object) -> None:
+    """Copy new input values into the captured static buffers, field by field."""
+    if isinstance(static, torch.Tensor):
+        assert isinstance(fresh, torch.Tensor)
+        static.copy_(fresh)
+    elif isinstance(static, tuple):
+        for s, f in zip(static, fresh, strict=True):  # type: ignore[call-overload]
+            _copy_into(s, f)
+    elif dataclasses.is_dataclass(static):
+        for f in dataclasses.fields(static):
+            _copy_into(getattr(static, f.name), getattr(fresh, f.name))
+    else:
+        assert static == fresh, f"a captured graph cannot change the non-tensor input {static!r}"
+
+
+@pytest.mark.parametrize("op", list(GRAPH_CASES))
+def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> None:
+    ops = op_target.require(op)
+    device = op_target.device
+    if device is None or not device.capabilities.graphs:
+        pytest.skip(f"op provider {op_target.provider!r}: {op_target.no_graph_reason}")
+    case, call = GRAPH_CASES[op], CALLS[op]
+    static = case.build(0, op_target.torch_device)
+    stream = device.stream(f"graph-{op}")
+    captured: list[tuple[torch.Tensor, ...]] = []
+    stream.launch(lambda: call(ops, static))  # compiles and loads the kernels outside capture
+    stream.synchronize()
+    graph = device.graph(f"op-{op}")
+    graph.capture(lambda: stream.launch(lambda: captured.append(call(ops, static))), stream)
+    stream.synchronize()
+    fresh = case.build(1, op_target.torch_device)
+    stream.launch(lambda: _copy_into(static, fresh))
+    graph.replay(stream)
+    stream.synchronize()
+    expected = call(Ops.reference(), case.build(1, op_target.torch_device))
+    for index, (a, e) in enumerate(zip(captured[0], expected, strict=True)):
+        assert_matches(a, e, f"{op_target.provider}.{op} output {index} after graph replay ({case_id(case)})")

@@ -1,0 +1,167 @@
+"""Checkpoint directories built to hang corelib, read files outside them, or make it compute garbage.
+
+Each is refused at start with exit 2 and one line naming the file (and the tensor or key):
+a FIFO or other non-regular file where weights should be, index entries that leave the
+directory, a file corelib may not read, NaN or infinite weights, and a ``config.json`` whose
+norm epsilon or RoPE base is not a finite positive number. A Hugging Face cache snapshot,
+whose files are symlinks into ``../../blobs``, still loads.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from support import run_python
+
+from corelib.cli import main
+from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
+
+TENSOR = "model.layers.0.mlp.up_proj.weight"
+QUICK = ("run", "backend=cpu", "engine.max_num_seqs=2", "workload.num_requests=1", "workload.output_len_min=2",
+         "workload.output_len_max=2", "model.max_model_len=64")
+
+
+def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+            *args: str) -> tuple[int, list[str]]:
+    """``python -m corelib run ...`` in-process; the exit code and the lines on stderr."""
+    monkeypatch.chdir(tmp_path)
+    code = main([*QUICK, *args])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def one_error(result: tuple[int, list[str]], *fragments: str) -> None:
+    code, lines = result
+    assert code == 2, f"exit {code}: {lines}"
+    assert len(lines) == 1 and lines[0].startswith("corelib: error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    write_random_checkpoint(directory, tiny_hf_config())
+    return directory
+
+
+def edit_tensor(directory: Path, change: Callable[[dict[str, torch.Tensor]], None],
+                name: str = "model.safetensors") -> None:
+    with safe_open(str(directory / name), framework="pt") as handle:
+        state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - not a dict
+    change(state)
+    save_file(state, str(directory / name), metadata={"format": "pt"})
+
+
+def move_outside(directory: Path, target: str) -> None:
+    """Move the weights out of the directory and point an index at them with ``target``."""
+    outside = directory.parent / "outside.safetensors"
+    (directory / "model.safetensors").rename(outside)
+    with safe_open(str(outside), framework="pt") as handle:
+        names = list(handle.keys())
+    index = {"weight_map": dict.fromkeys(names, target.format(outside=outside))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_fifo_named_model_safetensors_is_refused_not_waited_on(checkpoint: Path, tmp_path: Path) -> None:
+    (checkpoint / "model.safetensors").unlink()
+    os.mkfifo(checkpoint / "model.safetensors")
+    # In a child process: before this was refused, safetensors waited on the FIFO forever, deaf to signals.
+    result = run_python(["-m", "corelib", *QUICK, f"model.path={checkpoint}"], cwd=tmp_path, timeout=90)
+    assert result.returncode == 2, result.stderr
+    assert f"{checkpoint}/model.safetensors is a FIFO, not a regular file" in result.stderr
+
+
+@pytest.mark.parametrize(("target", "says"), [("../outside.safetensors", "'../outside.safetensors'"),
+                                               ("{outside}", "outside.safetensors'; a shard must be a file name")])
+def test_index_entries_that_leave_the_directory_are_refused(
+    target: str, says: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    move_outside(checkpoint, target)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), "model.safetensors.index.json",
+              says, "(no absolute path, no '..')")
+
+
+def test_a_hugging_face_cache_snapshot_of_symlinks_still_loads(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (checkpoint / "model.safetensors").rename(blobs / "1f2e3d")
+    (checkpoint / "model.safetensors").symlink_to(Path("..") / "blobs" / "1f2e3d")
+    code, lines = run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}")
+    assert code == 0, lines
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_an_unreadable_weight_file_says_so(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (checkpoint / "model.safetensors").chmod(0)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), "cannot be opened: Permission denied")
+
+
+def test_an_unreadable_weight_file_says_so_even_as_root(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a non-root user sees on a mode-000 file, for a test that may run as root.
+    weights, real_open = str(checkpoint / "model.safetensors"), os.open
+
+    def denying_open(path: object, *args: int, **kwargs: int) -> int:
+        if str(path) == weights:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", denying_open)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"),
+              f"{weights} cannot be opened: Permission denied")
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "says"),
+    [
+        (float("nan"), "float32", f"tensor '{TENSOR}' has NaN or infinite values"),
+        (float("-inf"), "float32", f"tensor '{TENSOR}' has NaN or infinite values"),
+        (1e6, "float16", f"tensor '{TENSOR}' overflows torch.float16"),
+    ],
+    ids=["nan", "inf", "overflow"],
+)
+def test_non_finite_weights_are_refused_naming_file_and_tensor(
+    value: float, dtype: str, says: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def poison(state: dict[str, torch.Tensor]) -> None:
+        state[TENSOR][3, 4] = value
+
+    edit_tensor(checkpoint, poison)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}", f"model.dtype={dtype}"),
+              f"{checkpoint}/model.safetensors: ", says)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("rms_norm_eps", float("nan"), "rms_norm_eps must be a finite number > 0 (got nan)"),
+        ("rms_norm_eps", "tiny", "rms_norm_eps must be a finite number > 0 (got 'tiny')"),
+        ("rope_theta", -10000.0, "rope_theta must be a finite number > 0 (got -10000.0)"),
+        ("rope_theta", float("inf"), "rope_theta must be a finite number > 0 (got inf)"),
+        ("head_dim", -16, "head_dim must be a positive integer (got -16)"),
+    ],
+    ids=["eps-nan", "eps-text", "theta-negative", "theta-inf", "head_dim-negative"],
+)
+def test_config_json_values_that_would_compute_garbage_are_refused(
+    key: str, value: object, says: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config[key] = value
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), f"{checkpoint}/config.json: {says}")

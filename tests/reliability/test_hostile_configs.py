@@ -1,0 +1,113 @@
+"""Config files from a shared directory that try to run code or write files through Hydra.
+
+Each case is a real config on ``hydra.searchpath`` (``tests/fixtures/hostile``), run through
+``python -m corelib run`` in a directory holding what the attack aims at: ``victim.txt`` (to be
+truncated or replaced), ``victim-dir/config.yaml`` (to be overwritten) and ``hostile-site/``
+with a ``sitecustomize.py`` that leaves a marker when any Python process imports it. corelib
+must refuse each one with one line naming the key (exit 2), before Hydra acts on it: the
+victims stay as they were and the marker never appears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support import FIXTURES, Cli, assert_user_error
+
+HOSTILE = FIXTURES / "hostile"
+SEARCHPATH = f"hydra.searchpath=[file://{HOSTILE}]"
+QUICK = ("backend=cpu", "workload.num_requests=2", "workload.output_len_min=2", "workload.output_len_max=4",
+         "engine.max_num_seqs=2", "model.max_model_len=64")
+KEEP = "keep\n"
+SITECUSTOMIZE = 'import os\nopen(os.path.join(os.getcwd(), "hostile-ran"), "w").write("imported")\n'
+
+
+@dataclass(frozen=True)
+class Attack:
+    overrides: tuple[str, ...]
+    says: str  # the key the one error line must name, and why
+
+
+ATTACKS = {
+    # an SHM worker would import hostile-site/sitecustomize.py
+    "env-pythonpath": Attack(("workload=env_pythonpath", "engine.transport=shm"),
+                             "hydra.job.env_set.PYTHONPATH: refused: a config may not set environment variables"),
+    "env-ld-preload": Attack(("workload=env_ld_preload", "engine.transport=shm"),
+                             "hydra.job.env_set.LD_PRELOAD: refused"),
+    "callback-open-truncates": Attack(("workload=callback_truncate",),
+                                      "hydra.callbacks.truncate: refused: Hydra callbacks run code"),
+    "callback-copyfile-replaces": Attack(("workload=callback_copy",), "hydra.callbacks.copy: refused"),
+    "job-logging-file-handler": Attack(("workload=job_log_truncate",),
+                                       "hydra.job_logging.handlers.file.filename: refused: 'victim.txt': a log "
+                                       "file must be directly inside the run directory"),
+    "hydra-logging-file-handler": Attack(("workload=hydra_log_truncate",),
+                                         "hydra.hydra_logging.handlers.file.filename: refused"),
+    "logging-factory": Attack(("workload=log_factory",),
+                              "hydra.job_logging.handlers.file.(): refused: logging factories and properties run code"),
+    "logging-option-from-searchpath": Attack(("hydra/job_logging=truncate",),
+                                             "hydra.job_logging.handlers.file.filename: refused"),
+    "launcher-target": Attack(("workload=launcher_truncate",),
+                              "hydra.launcher._target_: refused: 'builtins.open': only Hydra's basic launcher"),
+    "sweeper-target": Attack(("workload=sweeper_truncate",),
+                             "hydra.sweeper._target_: refused: 'builtins.open': only Hydra's basic sweeper"),
+    "sweep-params-env": Attack(("workload=sweep_params_env", "engine.transport=shm"),
+                               "hydra.sweeper.params.+hydra.job.env_set.PYTHONPATH: refused: a sweep may vary the "
+                               "task's keys, not Hydra's"),
+    "sweep-picks-a-hostile-option": Attack(("-m", "workload=default,env_pythonpath", "engine.transport=shm"),
+                                           "hydra.job.env_set.PYTHONPATH: refused"),
+    "overrides-injected": Attack(("workload=overrides_injected", "engine.transport=shm"),
+                                 "hydra.overrides: refused: overrides come from the command line only"),
+    "output-subdir-escapes": Attack(("workload=output_subdir",), "hydra.output_subdir: refused"),
+}
+
+
+@pytest.fixture
+def victims(tmp_path: Path) -> Path:
+    (tmp_path / "victim.txt").write_text(KEEP)
+    (tmp_path / "victim-dir").mkdir()
+    (tmp_path / "victim-dir" / "config.yaml").write_text(KEEP)
+    (tmp_path / "hostile-site").mkdir()
+    (tmp_path / "hostile-site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return tmp_path
+
+
+def assert_unharmed(where: Path) -> None:
+    assert (where / "victim.txt").read_text() == KEEP, "victim.txt was changed"
+    assert (where / "victim-dir" / "config.yaml").read_text() == KEEP, "victim-dir/config.yaml was overwritten"
+    assert sorted(p.name for p in (where / "victim-dir").iterdir()) == ["config.yaml"], "files landed in victim-dir"
+    assert not (where / "hostile-ran").exists(), "a process imported the hostile sitecustomize.py"
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_a_hostile_config_is_refused_before_hydra_acts_on_it(name: str, cli: Cli, victims: Path) -> None:
+    attack = ATTACKS[name]
+    result = cli("run", *QUICK, SEARCHPATH, *attack.overrides)
+    assert_user_error(result, attack.says)
+    assert_unharmed(victims)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("hydra/job_logging=stdout", "hydra/hydra_logging=disabled"),
+        ("hydra/job_logging=none", "hydra/hydra_logging=none"),
+        ("hydra/job_logging=disabled", "hydra.job_logging.root.level=WARNING"),
+        ("hydra.run.dir=given-on-the-command-line",),
+        ("hydra.job.env_copy=[HOME]",),  # copies the current value: changes nothing
+    ],
+)
+def test_hydra_settings_that_run_no_code_still_work(overrides: tuple[str, ...], cli: Cli, victims: Path) -> None:
+    result = cli("plan", *QUICK, SEARCHPATH, *overrides)
+    assert result.returncode == 0, result.stderr
+    assert_unharmed(victims)
+
+
+def test_a_shared_config_may_still_set_the_task_keys(cli: Cli, tmp_path: Path) -> None:
+    shared = tmp_path / "shared" / "workload"
+    shared.mkdir(parents=True)
+    (shared / "mine.yaml").write_text("defaults:\n  - default\n  - _self_\nnum_requests: 3\n")
+    result = cli("plan", "backend=cpu", f"hydra.searchpath=[file://{shared.parent}]", "workload=mine", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    assert "num_requests: 3" in result.stdout

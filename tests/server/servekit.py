@@ -1,0 +1,72 @@
+"""Helpers for the server tests: a tiny checkpoint with a tokenizer and a chat template, /metrics, SSE."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint, write_toy_tokenizer
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A naive cafe in the city sells creme brulee.",
+    "Hello world, the engine says hello back.",
+]
+# Written the way chat templates are (a block per line); trim_blocks and lstrip_blocks make it
+# render one line per message, which the tests check against a string written by hand.
+CHAT_TEMPLATE = """{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] == 'tool' %}
+        {{ raise_exception('this template has no tool role') }}
+    {% endif %}
+<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}
+"""
+
+
+def write_chat_checkpoint(directory: Path) -> Path:
+    """A tiny random Qwen3 checkpoint with tokenizer.json and a tokenizer_config.json holding a chat template."""
+    write_random_checkpoint(directory, tiny_hf_config("Qwen3ForCausalLM"))
+    write_toy_tokenizer(directory, CORPUS * 4)
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's samples by name, labels folded in: ``corelib_requests_total{finish_reason=abort}``."""
+    figures: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            figures[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return figures
+
+
+def finished(url: str, reason: str) -> float:
+    return metrics(url).get(f"corelib_requests_total{{finish_reason={reason}}}", 0.0)
+
+
+def wait_idle(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """Metrics once nothing runs and every KV block is free; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        figures = metrics(url)
+        busy = figures["corelib_requests_running"] + figures["corelib_requests_waiting"]
+        if busy == 0 and figures["corelib_kv_blocks_free"] == figures["corelib_kv_blocks_total"]:
+            return figures
+        assert time.monotonic() < deadline, f"the server did not return to idle: {figures}"
+        time.sleep(0.05)
+
+
+def data_lines(lines: Iterable[str]) -> list[str]:
+    """The payloads of SSE ``data:`` lines."""
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]

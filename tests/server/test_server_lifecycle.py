@@ -1,0 +1,140 @@
+"""Clients that hang up, and a server that is told to stop: nothing is left held, nobody waits forever."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from corelib import faults
+from corelib.config import LogLevel, ServerConfig
+from corelib.server.serve import RunningServer, start_in_thread
+from server.servekit import data_lines, finished, metrics, wait_idle
+
+LONG = {"prompt": [0, 5, 6, 7], "max_tokens": 240, "ignore_eos": True}
+
+
+def test_clients_that_hang_up_mid_stream_are_aborted_and_their_blocks_returned(server: RunningServer) -> None:
+    aborted, completed = finished(server.url, "abort"), finished(server.url, "length")
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for _ in range(8):
+            with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as stream:
+                events = 0
+                for _line in stream.iter_lines():
+                    events += _line.startswith("data: ")
+                    if events == 3:
+                        break  # leaving the block closes the connection mid-stream
+    figures = wait_idle(server.url)
+    assert figures["corelib_kv_blocks_free"] == figures["corelib_kv_blocks_total"] > 0
+    assert finished(server.url, "abort") == aborted + 8
+    assert finished(server.url, "length") == completed, "no hung-up request may run to its end"
+
+
+def test_a_client_that_gives_up_on_a_whole_response_is_aborted(server: RunningServer) -> None:
+    aborted = finished(server.url, "abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.3))
+    wait_idle(server.url)
+    assert finished(server.url, "abort") == aborted + 1
+
+
+def test_stopping_lets_a_running_request_finish_within_the_grace_period(overrides: list[str]) -> None:
+    running = start_in_thread(overrides, ServerConfig(port=0, log_level=LogLevel.warning, shutdown_grace_s=30))
+    lines: list[str] = []
+
+    def read() -> None:
+        body = {"prompt": [0, 5, 6], "max_tokens": 24, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=30) as stream:
+            lines.extend(stream.iter_lines())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while not lines and reader.is_alive():
+        time.sleep(0.01)
+    running.stop()
+    reader.join(30)
+    events = data_lines(lines)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert not running._thread.is_alive()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(overrides: list[str], stream: bool) -> None:
+    body = {"prompt": [0, 5, 6], "max_tokens": 40, "ignore_eos": True, "stream": stream}
+    with faults.injected("forward@8"), start_in_thread([*overrides, "engine.timeout_s=5"],
+                                                       ServerConfig(port=0, log_level=LogLevel.warning)) as running:
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=30) as response:
+            status, lines = response.status_code, list(response.iter_lines())
+        if stream:
+            events = data_lines(lines)
+            assert status == 200 and events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+        else:
+            assert status == 500
+            error = json.loads("".join(lines))["error"]
+        assert error["type"] == "server_error" and "InjectedFault" in error["message"]
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 503 and "InjectedFault" in health.json()["reason"]
+        later = httpx.post(f"{running.url}/v1/completions", json=body)
+        assert later.status_code == 503 and "stopped after an error" in later.json()["error"]["message"]
+        assert metrics(running.url)["corelib_engine_up"] == 0
+
+
+@pytest.mark.slow
+def test_sigterm_stops_accepting_aborts_what_runs_with_a_reason_and_exits(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("CORELIB_API_KEY", None)
+    command = [sys.executable, "-m", "corelib", "serve", "backend=npu", "server.port=0", "server.log_level=warning",
+               "server.shutdown_grace_s=0.5", f"hydra.run.dir={tmp_path / 'run'}",
+               "backend.emulator.launch_latency_us=300"]  # slow enough that 400 tokens outlast the grace period
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        url = _announced_url(process)
+        lines: list[str] = []
+        body = {"prompt": [0, 5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+        def read() -> None:
+            with httpx.stream("POST", f"{url}/completions", json=body, timeout=30) as stream:
+                lines.extend(stream.iter_lines())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while len(data_lines(lines)) < 1 and reader.is_alive():
+            time.sleep(0.01)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        reader.join(20)
+        assert not reader.is_alive(), "the stream did not end after SIGTERM"
+        events = data_lines(lines)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+        assert process.wait(20) == 128 + signal.SIGTERM
+        assert time.monotonic() - sent < 10
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/models", timeout=2)
+    finally:
+        process.kill()
+        _, stderr = process.communicate()
+    assert "corelib: terminated (SIGTERM)" in stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def _announced_url(process: subprocess.Popen[str]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60
+    for line in process.stdout:
+        if "serving" in line and "http://" in line:
+            return line.split("at ", 1)[1].split()[0]
+        assert time.monotonic() < deadline, "the server did not start within 60 s"
+    raise AssertionError(f"the server exited before serving: {process.stderr.read() if process.stderr else ''}")

@@ -1,0 +1,68 @@
+"""bench-serve against a live server: every request answered once or hung up on, and the server idle after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from corelib.config import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
+from corelib.errors import ConfigError
+from corelib.server.loadgen import run_bench
+from corelib.server.serve import RunningServer, start_in_thread
+
+
+def spec(server: RunningServer, **changes: object) -> ServeBenchConfig:
+    base = ServeBenchConfig(url=server.url, concurrency=[4], num_requests=12, prompt_len=6, output_len=12,
+                            settle_s=10)
+    for key, value in changes.items():
+        setattr(base, key, value)
+    return base
+
+
+def test_a_load_with_hang_ups_loses_nothing_and_leaves_the_server_idle(server: RunningServer) -> None:
+    result = asyncio.run(run_bench(spec(server, disconnect_fraction=0.3, rates=[50.0]), Console(quiet=True)))
+    points = result["points"]
+    assert isinstance(points, list) and [p["mode"] for p in points] == ["rate", "concurrency"]
+    for point in points:
+        assert point["requests"] == 12
+        assert point["lost"] == 0 and point["duplicated"] == 0, point
+        assert point["completed"] + point["disconnected"] == 12
+        assert point["tpot_ms_p50"] is not None and point["output_tokens_per_s"] > 0
+    assert sum(p["disconnected"] for p in points) > 0, "with 30 % of clients hanging up some should have"
+    after = result["server_after"]
+    assert isinstance(after, dict) and after["corelib_kv_blocks_free"] == after["corelib_kv_blocks_total"]
+    assert after["process_resident_memory_bytes"] > 0
+
+
+def test_chat_load_from_a_dataset(server: RunningServer, tmp_path: Path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hello world", "The quick brown fox")) + "\n")
+    result = asyncio.run(run_bench(spec(server, endpoint=Endpoint.chat, dataset=str(dataset), num_requests=4),
+                                   Console(quiet=True)))
+    points = result["points"]
+    assert isinstance(points, list) and len(points) == 1
+    assert points[0]["completed"] == 4 and points[0]["lost"] == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [({"num_requests": 0}, "never end"), ({"concurrency": []}, "positive"), ({"dataset": "/nonexistent.jsonl"},
+                                                                            "cannot be read")],
+)
+def test_a_bad_load_setting_is_one_line(server: RunningServer, changes: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        asyncio.run(run_bench(spec(server, **changes), Console(quiet=True)))
+
+
+def test_requests_turned_away_with_429_are_refused_not_lost(overrides: list[str]) -> None:
+    config = ServerConfig(port=0, log_level=LogLevel.warning, max_waiting=0)
+    with start_in_thread([*overrides, "engine.max_num_seqs=1"], config) as small:
+        result = asyncio.run(run_bench(spec(small, concurrency=[6], num_requests=12), Console(quiet=True)))
+    points = result["points"]
+    assert isinstance(points, list) and len(points) == 1
+    assert points[0]["refused"] > 0 and points[0]["lost"] == 0, points[0]
+    assert points[0]["completed"] + points[0]["refused"] == 12
