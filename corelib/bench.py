@@ -226,7 +226,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     transport_us_p99=percentile(transport_us, 99),
                 )
                 points.append(point)
-                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms")
+                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_transport_note(point)}")
             if wants_serving(startup.config.workload):
                 served.append(serve(engine, startup.config.workload, label))
                 say(console, f"bench {label}: served the workload in {served[-1].wall_s:.2f} s")
@@ -244,6 +244,13 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     (run_dir.path / "bench.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     say(console, f"wrote {run_dir.path / 'bench.json'}")
     return points
+
+
+def _transport_note(point: BenchPoint) -> str:
+    """The SHM hop (producer commit to inputs staged in the worker), where there is one."""
+    if point.transport_us_p50 is None:
+        return ""
+    return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
 
 
 def _ops_label(startup: Startup) -> str:

@@ -180,6 +180,11 @@ class ShmConfig:
     num_slots: int = field(default=4, metadata=doc("frames in the ring"))
     slot_bytes: int = field(default=1 << 20, metadata=doc("bytes per frame, header included"))
     register_host: bool = field(default=False, metadata=doc("pin the SHM region in place (shows the race on real DMA)"))
+    spin_us: float = field(
+        default=150.0,
+        metadata=doc("microseconds a waiting end re-checks the ring (yielding the GIL) before it sleeps on its "
+                     "eventfd; 0: sleep at once"),
+    )
 
 
 @dataclass

@@ -1,112 +1,77 @@
 """A POSIX shared-memory ring of frames between one producer and N consumers.
 
-Data travels through the shared segment; control travels through pipes. A producer rings
-each consumer's doorbell after it wrote a frame, and a consumer sends the slot back on its
-release pipe once it no longer reads it. Both are system calls, which order the memory
-accesses around them on every CPU architecture, so the ring needs no atomics. A slot is
-written again only after every consumer has released the frame in it (back-pressure).
+A segment holds a control block, then the frame slots. The control block keeps one 8-byte
+counter per 64-byte cache line, each with a single writer:
 
+- ``COMMITTED`` (producer): frames committed so far; frame ``n`` lives in slot ``n % num_slots``;
+- ``DEMAND`` (producer): a count it publishes to the consumers (the scheduler: result frames it
+  waits for, so a worker knows when to answer);
+- ``ALWAYS`` (any end, at attach): 1 when some process lacks the waiters' barrier, so
+  publishers ring on every publication (see :mod:`corelib.engine.doorbell`);
+- ``PRODUCER_ASLEEP`` (producer), and per consumer ``RELEASED[i]`` (frames it gave back, in
+  order) and ``ASLEEP[i]``.
+
+A slot is written again only after every consumer released the frame in it (back-pressure).
 Each frame: a fixed header (magic, version, kind, sequence number, step fields, send time,
-payload length, a CRC-32, the arena layout) and an aligned payload arena. The CRC covers the
+payload length, a CRC-32C, the arena layout) and an aligned payload arena. The CRC covers the
 header as well as the payload: a flipped step field or layout word would otherwise reach the
 model unnoticed.
-Segments are created owner-only (0600) under unique names and unlinked on close; a segment
-left by a process that no longer exists is found and removed by :func:`sweep_stale`.
+
+Memory ordering. The producer writes the payload, then the header, then stores ``COMMITTED``;
+a consumer loads ``COMMITTED``, then reads the header and payload. A consumer finishes reading
+a slot, then stores ``RELEASED``; the producer loads it before it writes that slot again.
+Counters are 8-byte aligned in the mapping and read and written through a ``memoryview``
+cast to ``Q``, one 8-byte load or store each (single-copy atomic on x86-64 and aarch64).
+
+- x86-64 (TSO): stores become visible in program order and loads are not reordered with older
+  loads or with later stores, so a consumer that sees ``COMMITTED = n`` sees frame ``n - 1``
+  whole, and a producer that sees a release sees a slot no longer read.
+- Weakly ordered CPUs (aarch64, POWER): Python has no fence instruction, so every counter
+  store that publishes (a commit, a release) follows ``membarrier(2)``, which runs a full
+  barrier in the calling thread (:func:`corelib.engine.doorbell.publish_fence`); the ring
+  refuses to start without it there. A consumer may still load a frame's bytes before its
+  ``COMMITTED``: it checks the CRC over header and payload and re-reads for
+  :data:`SETTLE_S` before it calls the frame corrupt, so a frame is read whole or not at all.
+
+The segments themselves (reservation, lease, sweep, cleanup at exit) are
+:mod:`corelib.engine.segment`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-import re
-import secrets
-import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
 import torch
 
-from corelib.engine.wire import HEADER_BYTES, FrameHeader
-from corelib.errors import TransportError, WorkerDied
+from corelib.engine import doorbell
+from corelib.engine.doorbell import Bell, Waiter
+from corelib.engine.segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
+from corelib.engine.wire import HEADER_BYTES, FrameHeader, frame_crc
+from corelib.errors import TransportError
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "corelib"
-_NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-\w+$")
+__all__ = ["PREFIX", "SHM_DIR", "Consumer", "Frame", "Producer", "Ring", "Segment", "segment_name", "sweep_stale"]
 
+SETTLE_S = 0.005  # how long a frame that fails its checks is re-read before it is called corrupt
 
-def segment_name(role: str) -> str:
-    """Unique per engine: the owner's pid (for stale detection), random bits, and a role."""
-    return f"{PREFIX}-{os.getpid()}-{secrets.token_hex(4)}-{role}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_LINE = 8  # 8-byte words per 64-byte cache line
+COMMITTED, DEMAND, ALWAYS, PRODUCER_ASLEEP = (i * _LINE for i in range(4))
 
 
-def sweep_stale() -> list[str]:
-    """Unlink this user's corelib segments whose creating process is gone; returns their names."""
-    removed: list[str] = []
-    if not SHM_DIR.is_dir():
-        return removed
-    for path in SHM_DIR.iterdir():
-        match = _NAME.match(path.name)
-        if not match or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            if path.stat().st_uid != os.getuid():
-                continue
-            path.unlink()
-            removed.append(path.name)
-        except OSError:
-            continue
-    return removed
+def released_word(consumer: int) -> int:
+    return (4 + 2 * consumer) * _LINE
 
 
-class Segment:
-    """A named POSIX shared-memory segment mapped into this process."""
+def asleep_word(consumer: int) -> int:
+    return (5 + 2 * consumer) * _LINE
 
-    def __init__(self, name: str, size: int, create: bool) -> None:
-        self.name = name
-        self.size = size
-        self.owner = create
-        path = SHM_DIR / name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as error:
-            raise TransportError(f"shared memory segment {name}: {error.strerror}") from error
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.view = memoryview(self.map)
 
-    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor over part of the segment (no copy)."""
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset)
-
-    def close(self) -> None:
-        """Unmap; the owner also unlinks. Tensor views must be gone first."""
-        try:
-            self.view.release()
-            self.map.close()
-        except BufferError:
-            pass  # a tensor still views the mapping; the OS unmaps at exit
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                (SHM_DIR / self.name).unlink()
+def control_bytes(num_consumers: int) -> int:
+    """The control block, whole pages, so the slots that follow stay page-aligned (host registration)."""
+    return -(-64 * (4 + 2 * num_consumers) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 @dataclass
@@ -114,12 +79,13 @@ class Frame:
     header: FrameHeader
     slot: int
     payload: torch.Tensor  # uint8 view into the segment, header.payload_len bytes
+    data: memoryview  # the same bytes
 
 
 class Ring:
-    """The frame slots of one segment; shared by the producer and consumer endpoints."""
+    """The control block and frame slots of one segment; shared by the producer and consumer endpoints."""
 
-    def __init__(self, segment: Segment, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, segment: Segment, num_slots: int, slot_bytes: int, num_consumers: int) -> None:
         if slot_bytes <= HEADER_BYTES or slot_bytes % 64:
             raise TransportError(
                 f"engine.shm.slot_bytes={slot_bytes}: must exceed {HEADER_BYTES} and be a multiple of 64"
@@ -127,22 +93,47 @@ class Ring:
         self.segment = segment
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
+        self.num_consumers = num_consumers
         self.capacity = slot_bytes - HEADER_BYTES
-        # One tensor over the whole segment, slots as views of it: registering ``whole`` pins them all.
-        self.whole = segment.tensor(0, num_slots * slot_bytes)
+        self.base = control_bytes(num_consumers)
+        try:
+            barrier = doorbell.register()
+        except TransportError:
+            segment.close()
+            raise
+        self.words = segment.view[: self.base].cast("Q")
+        if not barrier:
+            self.words[ALWAYS] = 1  # no waiters' barrier in this process: publishers ring every time
+        # One tensor over all slots, slots as views of it: registering ``whole`` pins them all.
+        self.whole = segment.tensor(self.base, num_slots * slot_bytes)
         self._payloads = [self.whole[i * slot_bytes + HEADER_BYTES : (i + 1) * slot_bytes] for i in range(num_slots)]
         self._closed = False
 
-    @classmethod
-    def create(cls, role: str, num_slots: int, slot_bytes: int) -> Ring:
-        return cls(Segment(segment_name(role), num_slots * slot_bytes, create=True), num_slots, slot_bytes)
+    @staticmethod
+    def size(num_slots: int, slot_bytes: int, num_consumers: int) -> int:
+        return control_bytes(num_consumers) + num_slots * slot_bytes
 
     @classmethod
-    def attach(cls, name: str, num_slots: int, slot_bytes: int) -> Ring:
-        return cls(Segment(name, num_slots * slot_bytes, create=False), num_slots, slot_bytes)
+    def create(cls, role: str, num_slots: int, slot_bytes: int, num_consumers: int = 1) -> Ring:
+        size = cls.size(num_slots, slot_bytes, num_consumers)
+        for attempt in range(3):  # a sweep in another PID namespace may take a name being created
+            try:
+                return cls(Segment(segment_name(role), size, create=True), num_slots, slot_bytes, num_consumers)
+            except TransportError as error:
+                if "removed by a sweep" not in str(error) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def attach(cls, name: str, num_slots: int, slot_bytes: int, num_consumers: int = 1) -> Ring:
+        size = cls.size(num_slots, slot_bytes, num_consumers)
+        return cls(Segment(name, size, create=False), num_slots, slot_bytes, num_consumers)
+
+    def slot_offset(self, slot: int) -> int:
+        return self.base + slot * self.slot_bytes
 
     def header_view(self, slot: int) -> memoryview:
-        start = slot * self.slot_bytes
+        start = self.slot_offset(slot)
         return self.segment.view[start : start + HEADER_BYTES]
 
     def payload(self, slot: int) -> torch.Tensor:
@@ -154,129 +145,114 @@ class Ring:
             return
         self._closed = True
         self._payloads.clear()
+        self.words.release()
         del self.whole
         self.segment.close()
 
 
-def _explain(alive: Callable[[], str | None], fallback: str, grace: float = 2.0) -> str:
-    """Why the peer is gone: a closed pipe shows before the exit status, so ask again briefly."""
-    deadline = time.monotonic() + grace
-    while True:
-        reason = alive()
-        if reason is not None:
-            return reason
-        if time.monotonic() >= deadline:
-            return fallback
-        time.sleep(0.01)
-
-
-def _wait_readable(conn: Connection, timeout: float, who: str, alive: Callable[[], str | None]) -> None:
-    """Wait until ``conn`` has data, checking ``alive`` (None or why the peer is gone) as we go."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransportError(f"waited {timeout:g} s for {who}")
-        if wait([conn], min(left, 0.25)):
-            return
-        reason = alive()
-        if reason is not None:
-            raise WorkerDied(reason)
+def _as_bytes(payload: torch.Tensor | bytes | memoryview) -> memoryview:
+    if isinstance(payload, torch.Tensor):
+        return payload.numpy().data  # a host uint8 tensor: the copy below is one memcpy
+    return memoryview(payload)
 
 
 class Producer:
-    """Writes frames; blocks (bounded) while the next slot still holds an unreleased frame."""
+    """Writes frames; waits (bounded) while the next slot still holds a frame some consumer did not release."""
 
     def __init__(
         self,
         ring: Ring,
-        doorbells: Sequence[Connection],
-        releases: Sequence[Connection],
+        bells: Sequence[int],
+        room: int,
         timeout_s: float,
         alive: Callable[[], str | None] = lambda: None,
         name: str = "ring",
         consumer_names: Sequence[str] | None = None,
+        spin_us: float = 0.0,
+        watch: Sequence[int] = (),
     ) -> None:
+        if len(bells) != ring.num_consumers:
+            raise ValueError(f"{name}: {len(bells)} doorbells for {ring.num_consumers} consumers")
         self.ring = ring
-        self._consumer_names = list(consumer_names or [f"consumer {i}" for i in range(len(releases))])
-        self._doorbells = list(doorbells)
-        self._releases = list(releases)
+        self._words = ring.words
+        self._consumer_names = list(consumer_names or [f"consumer {i}" for i in range(len(bells))])
+        self._bells = [Bell(fd, ring.words, asleep_word(i), ALWAYS) for i, fd in enumerate(bells)]
+        self._released = [released_word(i) for i in range(len(bells))]
+        self._room = Waiter(room, ring.words, PRODUCER_ASLEEP, spin_us, alive, watch, f"a consumer of {name}")
         self._timeout = timeout_s
-        self._alive = alive
         self._name = name
         self._next_seq = 0
-        # Highest sequence number each consumer released, per slot (-1: never written).
-        self._released = [[-1] * ring.num_slots for _ in releases]
-        self._written = [-1] * ring.num_slots
         # Test hook: called with the payload after the checksum, before the commit.
         self.tamper: Callable[[FrameHeader, torch.Tensor], None] | None = None
 
-    def _drain_releases(self, block_for: int | None) -> None:
-        for index, conn in enumerate(self._releases):
-            while True:
-                if block_for is not None and self._released[index][block_for] < self._written[block_for]:
-                    who = self._consumer_names[index]
-                    try:
-                        _wait_readable(conn, self._timeout, f"{who} to release slot {block_for} of {self._name} "
-                                       f"(frame {self._written[block_for]})", self._alive)
-                    except TransportError as error:
-                        raise TransportError(f"{error}; {self._released_so_far()}") from None
-                elif not conn.poll():
-                    break
-                try:
-                    slot, seq = struct.unpack("<iq", conn.recv_bytes())
-                except EOFError:
-                    gone = f"{self._consumer_names[index]} closed its end of {self._name}"
-                    raise WorkerDied(_explain(self._alive, gone)) from None
-                self._released[index][slot] = max(self._released[index][slot], seq)
+    @property
+    def sent(self) -> int:
+        return self._next_seq
 
-    def write(self, header: FrameHeader, payload: torch.Tensor | bytes | None = None) -> int:
+    def _has_room(self, frame: int) -> bool:
+        """Every consumer released ``frame`` (the previous occupant of the slot about to be written)."""
+        words = self._words
+        return all(words[word] > frame for word in self._released)
+
+    def has_room(self) -> bool:
+        """The next frame can be written without waiting."""
+        previous = self._next_seq - self.ring.num_slots
+        return previous < 0 or self._has_room(previous)
+
+    def _wait_for_room(self, seq: int) -> None:
+        previous = seq - self.ring.num_slots
+        if previous < 0 or self._room.wait(lambda: self._has_room(previous), self._timeout):
+            return
+        behind = next(i for i, word in enumerate(self._released) if self._words[word] <= previous)
+        raise TransportError(f"waited {self._timeout:g} s for {self._consumer_names[behind]} to release slot "
+                             f"{previous % self.ring.num_slots} of {self._name} (frame {previous}); "
+                             f"{self._released_so_far()}")
+
+    def write(self, header: FrameHeader, payload: torch.Tensor | bytes | memoryview | None = None) -> int:
         """Write one frame (payload copied into the slot); returns its sequence number."""
         seq = self._next_seq
-        slot = seq % self.ring.num_slots
-        self._drain_releases(block_for=slot if self._written[slot] >= 0 else None)
-        target = self.ring.payload(slot)
+        ring = self.ring
+        slot = seq % ring.num_slots
+        self._wait_for_room(seq)
+        start = ring.slot_offset(slot) + HEADER_BYTES
+        view = ring.segment.view
         nbytes = 0
         if payload is not None:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if isinstance(payload, bytes) else payload
-            nbytes = data.numel()
-            if nbytes > self.ring.capacity:
+            data = _as_bytes(payload)
+            nbytes = data.nbytes
+            if nbytes > ring.capacity:
                 raise TransportError(
-                    f"{self._name}: a frame of {nbytes} bytes does not fit a slot of {self.ring.capacity}; "
+                    f"{self._name}: a frame of {nbytes} bytes does not fit a slot of {ring.capacity}; "
                     "raise engine.shm.slot_bytes"
                 )
-            target[:nbytes].copy_(data)
+            view[start : start + nbytes] = data.cast("B")
         header.seq = seq
         header.payload_len = nbytes
-        header.checksum = header.crc(self.ring.segment.view[self._payload_offset(slot) : self._payload_offset(slot)
-                                                            + nbytes])
+        header.checksum = header.crc(view[start : start + nbytes])
         if self.tamper is not None:
-            self.tamper(header, target[:nbytes])
-        header.pack_into(self.ring.header_view(slot))
-        self._written[slot] = seq
-        self._next_seq += 1
-        note = struct.pack("<iq", slot, seq)
-        for bell in self._doorbells:
-            try:
-                bell.send_bytes(note)
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                raise WorkerDied(_explain(self._alive, f"a consumer of {self._name} is gone")) from None
+            self.tamper(header, ring.payload(slot)[:nbytes])
+        header.pack_into(ring.header_view(slot))
+        doorbell.publish_fence()
+        self._words[COMMITTED] = seq + 1
+        self._next_seq = seq + 1
+        for bell in self._bells:
+            bell.ring()
         return seq
+
+    def demand(self, count: int) -> None:
+        """Publish ``count`` to the consumers (what they read with :meth:`Consumer.demanded`) and wake them."""
+        self._words[DEMAND] = count
+        for bell in self._bells:
+            bell.ring()
 
     def progress(self) -> str:
         """How far each consumer got: the one that stalls shows behind the others."""
-        with contextlib.suppress(TransportError, WorkerDied):
-            self._drain_releases(block_for=None)
         return self._released_so_far()
 
     def _released_so_far(self) -> str:
-        taken = [max(released) for released in self._released]
         return "frames released: " + ", ".join(
-            f"{name}: {last + 1}" for name, last in zip(self._consumer_names, taken, strict=True)
+            f"{name}: {self._words[word]}" for name, word in zip(self._consumer_names, self._released, strict=True)
         ) + f" of {self._next_seq} sent"
-
-    def _payload_offset(self, slot: int) -> int:
-        return slot * self.ring.slot_bytes + HEADER_BYTES
 
 
 class Consumer:
@@ -285,60 +261,109 @@ class Consumer:
     def __init__(
         self,
         ring: Ring,
-        doorbell: Connection,
-        release: Connection,
+        index: int,
+        bell: int,
+        room: int,
         timeout_s: float,
         alive: Callable[[], str | None] = lambda: None,
         name: str = "ring",
+        spin_us: float = 0.0,
+        watch: Sequence[int] = (),
     ) -> None:
         self.ring = ring
-        self._doorbell = doorbell
-        self._release = release
+        self._words = ring.words
+        self._waiter = Waiter(bell, ring.words, asleep_word(index), spin_us, alive, watch, f"the producer of {name}")
+        self._room = Bell(room, ring.words, PRODUCER_ASLEEP, ALWAYS)
+        self._released_word = released_word(index)
         self._timeout = timeout_s
-        self._alive = alive
         self._name = name
         self._expected = 0
+        self._released = 0
+        self._early: set[int] = set()  # frames released ahead of an older one still held
 
     @property
     def name(self) -> str:
         return self._name
 
+    @property
+    def expected(self) -> int:
+        """The sequence number of the next frame to read."""
+        return self._expected
+
+    @property
+    def sleeps(self) -> int:
+        return self._waiter.sleeps
+
+    def available(self) -> bool:
+        return self._words[COMMITTED] > self._expected
+
+    def demanded(self) -> int:
+        return self._words[DEMAND]
+
+    def wait(self, timeout: float, also: Callable[[], bool] | None = None) -> bool:
+        """Until a frame is there (True) or ``also()`` holds (False); TransportError after ``timeout``."""
+        words, expected = self._words, self._expected
+
+        def ready() -> bool:
+            return words[COMMITTED] > expected or (also is not None and also())
+
+        if not self._waiter.wait(ready, timeout):
+            raise TransportError(f"waited {timeout:g} s on {self._name}")
+        return words[COMMITTED] > expected
+
     def read(self, timeout: float | None = None, who: str = "the next frame") -> Frame:
         """The next frame; raises TransportError naming the frame when it is corrupt."""
-        _wait_readable(self._doorbell, self._timeout if timeout is None else timeout, f"{who} on {self._name}",
-                       self._alive)
-        try:
-            slot, seq = struct.unpack("<iq", self._doorbell.recv_bytes())
-        except EOFError:
-            raise WorkerDied(_explain(self._alive, f"the producer of {self._name} closed its pipe")) from None
+        timeout = self._timeout if timeout is None else timeout
+        if not self.available():
+            words, expected = self._words, self._expected
+            if not self._waiter.wait(lambda: words[COMMITTED] > expected, timeout):
+                raise TransportError(f"waited {timeout:g} s for {who} on {self._name}")
+        seq = self._expected
+        slot = seq % self.ring.num_slots
+        settle = time.monotonic() + SETTLE_S
+        while True:
+            try:
+                header = self._checked(seq, slot)
+                break
+            except TransportError:
+                if time.monotonic() >= settle:
+                    raise
+                os.sched_yield()  # the producer's writes may still be on their way to this CPU
+        self._expected = seq + 1
+        start = self.ring.slot_offset(slot) + HEADER_BYTES
+        return Frame(header, slot, self.ring.payload(slot)[: header.payload_len],
+                     self.ring.segment.view[start : start + header.payload_len])
+
+    def _checked(self, seq: int, slot: int) -> FrameHeader:
         where = f"{self._name} frame {seq} (slot {slot})"
-        if seq != self._expected or slot != seq % self.ring.num_slots:
-            expected = self._expected
-            raise TransportError(f"{where}: expected frame {expected} in slot {expected % self.ring.num_slots}")
-        header = FrameHeader.unpack_from(self.ring.header_view(slot), where)
+        ring = self.ring
+        header_view = ring.header_view(slot)
+        header = FrameHeader.unpack_from(header_view, where)
         if header.seq != seq:
             raise TransportError(f"{where}: the header says frame {header.seq} (overwritten before it was read)")
-        if header.payload_len > self.ring.capacity:
-            raise TransportError(
-                f"{where}: payload length {header.payload_len} exceeds the slot's {self.ring.capacity}"
-            )
-        start = slot * self.ring.slot_bytes + HEADER_BYTES
-        crc = header.crc(self.ring.segment.view[start : start + header.payload_len])
+        if header.payload_len > ring.capacity:
+            raise TransportError(f"{where}: payload length {header.payload_len} exceeds the slot's {ring.capacity}")
+        start = ring.slot_offset(slot) + HEADER_BYTES
+        crc = frame_crc(header_view, header.nbytes, ring.segment.view[start : start + header.payload_len])
         if crc != header.checksum:
             raise TransportError(
                 f"{where}: bad checksum (header says 0x{header.checksum:08x}, frame is 0x{crc:08x}); "
                 "the frame was corrupted or truncated"
             )
-        self._expected += 1
-        return Frame(header, slot, self.ring.payload(slot)[: header.payload_len])
-
-    def close_pipes(self) -> None:
-        self._doorbell.close()
-        self._release.close()
+        return header
 
     def release(self, frame: Frame) -> None:
-        """Give the slot back: the producer may overwrite it from now on."""
-        try:
-            self._release.send_bytes(struct.pack("<iq", frame.slot, frame.header.seq))
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            raise WorkerDied(_explain(self._alive, f"the producer of {self._name} is gone")) from None
+        """Give the slot back: the producer may overwrite it from now on (once every older frame is back too)."""
+        seq = frame.header.seq
+        if seq != self._released:
+            self._early.add(seq)
+            return
+        released = seq + 1
+        while released in self._early:
+            self._early.remove(released)
+            released += 1
+        self._released = released
+        doorbell.publish_fence()  # the slot's reads are done before the producer may see it free
+        self._words[self._released_word] = released
+        self._room.ring()
+

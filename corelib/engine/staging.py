@@ -207,13 +207,25 @@ class EarlyStager(InputStager):
         return target
 
 
+_PARALLEL_COPY = 32768  # torch splits a copy of this many elements or more over its thread pool (GRAIN_SIZE)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One memcpy with the GIL held, for host memory: torch's copy_ splits a decode arena (72 KiB at 128
+    rows) over its thread pool, whose fork and join cost several times the copy itself."""
+    if dst.numel() >= _PARALLEL_COPY and dst.device.type == "cpu" and src.device.type == "cpu":
+        dst.numpy().data[:] = src.numpy().data
+    else:
+        dst.copy_(src)
+
+
 def _snapshot(pool: StagingPool | None, fi: ForwardInput, release_slot: Callable[[], None]) -> Staged:
     """One contiguous copy of the frame's arena into a buffer the step owns; the slot goes back at once."""
     if pool is None:
         raise RuntimeError("this stager was built without snapshot buffers")
     nbytes = fi.layout.nbytes
     snapshot = pool.acquire()
-    snapshot[:nbytes].copy_(fi.arena[:nbytes])
+    _copy_bytes(snapshot[:nbytes], fi.arena[:nbytes])
     release_slot()  # the producer may reuse the slot: the step owns its snapshot
     return Staged(fi, snapshot, None, lambda: pool.release(snapshot))
 

@@ -1,8 +1,11 @@
 """The scheduler side of ``engine.transport=shm``: worker processes fed through a shared-memory ring.
 
 Each step's packed inputs go into the input ring (one producer, one consumer per rank);
-tokens come back through the result ring from rank 0. Worker errors arrive on a control
-pipe; a worker that dies is noticed within a quarter second of any wait, and named.
+tokens come back through the result ring from rank 0, which answers a step once the
+scheduler asks for it (the input ring's DEMAND word) or as soon as it can without waiting.
+Doorbells are counters in the rings and eventfds (:mod:`corelib.engine.doorbell`). Worker
+errors arrive on a control pipe, which every wait also watches: a worker that stops or dies is
+named at once, and in any case within a quarter second.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from corelib.device import MemoryStats
 from corelib.engine.build import EngineLayout
+from corelib.engine.doorbell import new_eventfd
 from corelib.engine.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.metrics import StepResult
@@ -38,7 +42,7 @@ from corelib.engine.wire import (
     decode_result,
     result_bytes,
 )
-from corelib.errors import CorelibError, TransportError, WorkerDied
+from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
 from corelib.isolation import worker_command, worker_environment
 from corelib.startup import Startup
 
@@ -53,17 +57,10 @@ def _round_up(value: int, multiple: int = 64) -> int:
 class _Rank:
     process: subprocess.Popen[bytes]
     control: Connection
-    doorbell: Connection
-    release: Connection
     message: str | None = None  # what the worker reported before it stopped
     ready: bool = False  # the worker said it is ready for steps
     memory: MemoryStats | None = None  # the worker's latest answer to a memory frame
     memory_answers: int = 0
-
-
-def _pipe() -> tuple[int, int]:
-    read, write = os.pipe()
-    return read, write
 
 
 class _ShmFuture(StepFuture):
@@ -81,6 +78,8 @@ class ShmExecutor(Executor):
     def __init__(self, startup: Startup, options: EngineOptions, layout: EngineLayout) -> None:
         cfg = startup.config
         shm = cfg.engine.shm
+        if shm.spin_us < 0:
+            raise ConfigError(f"engine.shm.spin_us={shm.spin_us}: must be at least 0 (0: block at once)")
         self.timeout = cfg.engine.timeout_s
         stale = sweep_stale()
         self.notices = [
@@ -92,35 +91,36 @@ class ShmExecutor(Executor):
         slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.staging_bytes))
         result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows))
         self.ranks: list[_Rank] = []
-        self._result_pipes: list[Connection] = []
+        self._eventfds: list[int] = []
+        self.in_ring: Ring | None = None
+        self.out_ring: Ring | None = None
         if cfg.engine.tp > 1:
             check_launcher()
         # Set by the first wait that failed: a worker that stopped consuming will not read a
         # stop frame either, so close must not wait for it again, nor for each step in flight.
         self.failure: CorelibError | None = None
         address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
-        self.in_ring = Ring.create("in", shm.num_slots, slot_bytes)
-        self.out_ring = Ring.create("out", shm.num_slots, result_slot_bytes)
         try:
-            result_doorbell = _pipe()  # rank 0 writes, we read
-            result_release = _pipe()  # we write, rank 0 reads
-            self._result_pipes = [Connection(result_doorbell[0], writable=False),
-                                  Connection(result_release[1], readable=False)]
+            self.in_ring = Ring.create("in", shm.num_slots, slot_bytes, num_consumers=cfg.engine.tp)
+            self.out_ring = Ring.create("out", shm.num_slots, result_slot_bytes)
+            # Eventfds: each rank sleeps on its doorbell, the scheduler on in_room and out_bell, rank 0 on out_room.
+            doorbells = [self._eventfd() for _ in range(cfg.engine.tp)]
+            in_room, out_bell, out_room = self._eventfd(), self._eventfd(), self._eventfd()
             for rank in range(cfg.engine.tp):
-                doorbell, release, control = _pipe(), _pipe(), _pipe()
+                control = os.pipe()
                 args = WorkerArgs(
                     rank=rank, world_size=cfg.engine.tp, config=cfg, spec=startup.spec, options=options,
                     input_ring=self.in_ring.segment.name, result_ring=self.out_ring.segment.name,
                     num_slots=shm.num_slots, slot_bytes=slot_bytes, result_slot_bytes=result_slot_bytes,
-                    doorbell_fd=doorbell[0], release_fd=release[1],
-                    result_doorbell_fd=result_doorbell[1] if rank == 0 else -1,
-                    result_release_fd=result_release[0] if rank == 0 else -1,
+                    doorbell_fd=doorbells[rank], release_fd=in_room,
+                    result_doorbell_fd=out_bell if rank == 0 else -1,
+                    result_release_fd=out_room if rank == 0 else -1,
                     control_fd=control[1], parent_pid=os.getpid(), register_host=shm.register_host,
                     master_address=address, master_port=port,
                 )
-                child_ends = [doorbell[0], release[1], control[1]]
+                child_ends = [doorbells[rank], in_room, control[1]]
                 if rank == 0:
-                    child_ends += [result_doorbell[1], result_release[0]]
+                    child_ends += [out_bell, out_room]
                 process = subprocess.Popen(
                     worker_command("corelib.engine.worker"), env=worker_environment(), stdin=subprocess.PIPE,
                     pass_fds=child_ends,
@@ -128,22 +128,23 @@ class ShmExecutor(Executor):
                 assert process.stdin is not None, "Popen was asked for a stdin pipe"
                 process.stdin.write(pickle.dumps(args))
                 process.stdin.close()
-                for fd in (doorbell[0], release[1], control[1]):
-                    os.close(fd)  # so that a dead worker shows as EOF here
-                self.ranks.append(_Rank(process, Connection(control[0], writable=False),
-                                        Connection(doorbell[1], readable=False),
-                                        Connection(release[0], writable=False)))
-            os.close(result_doorbell[1])
-            os.close(result_release[0])
+                os.close(control[1])  # so that a dead worker shows as EOF here
+                self.ranks.append(_Rank(process, Connection(control[0], writable=False)))
             self._await_ready(self.timeout * STARTUP_TIMEOUT_FACTOR)
-            self.producer = Producer(self.in_ring, [r.doorbell for r in self.ranks], [r.release for r in self.ranks],
-                                     self.timeout, alive=self.why_gone, name="input ring",
-                                     consumer_names=[f"worker rank {i}" for i in range(len(self.ranks))])
-            self.consumer = Consumer(self.out_ring, self._result_pipes[0], self._result_pipes[1], self.timeout,
-                                     alive=self.why_gone, name="result ring")
+            watch = [rank.control.fileno() for rank in self.ranks]
+            names = [f"worker rank {i}" for i in range(len(self.ranks))]
+            self.producer = Producer(self.in_ring, doorbells, in_room, self.timeout, alive=self.why_gone,
+                                     name="input ring", consumer_names=names, spin_us=shm.spin_us, watch=watch)
+            self.consumer = Consumer(self.out_ring, 0, out_bell, out_room, self.timeout, alive=self.why_gone,
+                                     name="result ring", spin_us=shm.spin_us, watch=watch)
         except BaseException:
             self._stop(graceful=False)
             raise
+
+    def _eventfd(self) -> int:
+        fd = new_eventfd()
+        self._eventfds.append(fd)
+        return fd
 
     # ------------------------------------------------------------------ liveness
     def why_gone(self) -> str | None:
@@ -206,11 +207,21 @@ class ShmExecutor(Executor):
                              sent_at=time.perf_counter(), layout=fi.layout.encode())
         try:
             self.producer.write(header, fi.arena[: fi.layout.nbytes])
-        except (TransportError, WorkerDied) as error:
+        except TransportError as error:
             self.failure = error
             raise
+        except WorkerDied as error:
+            self.failure = self._named(error, fi.step_id)
+            raise self.failure from None
         release()  # the frame holds a copy: the host arena is free
         return _ShmFuture(self, fi.step_id)
+
+    def _named(self, error: WorkerDied, step_id: int) -> WorkerDied:
+        """With several ranks, the one that stopped first may only report a peer's silence (a collective
+        that timed out): add how far each rank got, which names the one that stalled."""
+        if len(self.ranks) < 2:
+            return error
+        return WorkerDied(f"{error}; at step {step_id}: {self.producer.progress()}")
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -218,20 +229,23 @@ class ShmExecutor(Executor):
 
     def read_result(self, step_id: int, timeout: float) -> StepResult:
         self._check_usable()
+        consumer = self.consumer
         try:
-            frame = self.consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
+            if not consumer.available():
+                self.producer.demand(consumer.expected + 1)  # rank 0 answers once its tokens are there
+            frame = consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
         except TransportError as error:
             self.failure = TransportError(f"{error}; {self.producer.progress()}")
             raise self.failure from None
         except WorkerDied as error:
-            self.failure = error
-            raise
+            self.failure = self._named(error, step_id)
+            raise self.failure from None
         try:
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
                 self.failure = TransportError(f"result ring: expected the tokens of step {step_id}, got "
                                               f"{frame.header.kind.name} frame for step {frame.header.step_id}")
                 raise self.failure
-            wire = decode_result(frame.header, frame.payload.numpy().tobytes())
+            wire = decode_result(frame.header, frame.data)
             kind = StepKind.decode if wire.decode else StepKind.prefill
             return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
                               wire.transport_us)
@@ -278,9 +292,10 @@ class ShmExecutor(Executor):
                             rank.process.wait(5.0)
         finally:
             for rank in self.ranks:
-                for conn in (rank.control, rank.doorbell, rank.release):
-                    conn.close()
-            for conn in self._result_pipes:
-                conn.close()
-            self.in_ring.close()
-            self.out_ring.close()
+                rank.control.close()
+            for fd in self._eventfds:
+                os.close(fd)
+            self._eventfds.clear()
+            for ring in (self.in_ring, self.out_ring):
+                if ring is not None:
+                    ring.close()

@@ -16,11 +16,12 @@ The scheduler side and the worker side both import this module; neither imports 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import crc32c
 import torch
 
 from corelib.backend import DeviceSpec
@@ -34,6 +35,7 @@ RELAY = -1  # a decode row's input id: take the token from the device relay, not
 
 _DTYPE_CODES: dict[torch.dtype, int] = {torch.int64: 0, torch.int32: 1, torch.float32: 2, torch.bool: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_ITEM_BYTES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPE_CODES}
 
 
 # ---------------------------------------------------------------------------------------- arenas
@@ -48,7 +50,7 @@ class Field:
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * _ITEM_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,15 @@ class ArenaLayout:
         return out
 
     def encode(self) -> list[int]:
-        """The layout as integers, for a frame header: per field a dtype code, rank and dims."""
+        """The layout as integers, for a frame header: per field a dtype code, rank and dims (a new list)."""
+        return list(self._words)
+
+    @functools.cached_property
+    def _words(self) -> tuple[int, ...]:
         words = [len(self.fields)]
         for f in self.fields:
             words += [_DTYPE_CODES[f.dtype], len(f.shape), *f.shape]
-        return words
+        return tuple(words)
 
     @classmethod
     def decode(cls, names: Sequence[str], words: Sequence[int]) -> ArenaLayout:
@@ -184,10 +190,21 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 3  # 3: named input fields; 2: the checksum covers the header too
+VERSION = 4  # 4: CRC-32C; 3: named input fields; 2: the checksum covers the header too
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
 _FIXED = struct.Struct("<IHHQqiiiiddQII")
+_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiddQ")  # the checksum's offset: the CRC reads it as zero
+_ZERO_CHECKSUM = bytes(4)
+_LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
+
+
+def frame_crc(header: memoryview, header_bytes: int, payload: memoryview) -> int:
+    """CRC-32C of a packed header (its checksum field read as zero) followed by the payload."""
+    crc = crc32c.crc32c(header[:_CHECKSUM_AT])
+    crc = crc32c.crc32c(_ZERO_CHECKSUM, crc)
+    crc = crc32c.crc32c(header[_CHECKSUM_AT + 4 : header_bytes], crc)
+    return int(crc32c.crc32c(payload, crc))
 
 
 @dataclass
@@ -209,22 +226,25 @@ class FrameHeader:
     def nbytes(self) -> int:
         return _FIXED.size + 8 * len(self.layout)
 
-    def pack_into(self, buffer: memoryview) -> None:
-        buffer[: self.nbytes] = self.packed()
-
-    def packed(self, checksum: int | None = None) -> bytes:
+    def _fixed(self, checksum: int) -> tuple[int | float, ...]:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
-        fixed = _FIXED.pack(
-            MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-            self.kv_blocks, int(self.flags), self.sent_at, self.value, self.payload_len,
-            self.checksum if checksum is None else checksum, len(self.layout),
-        )
+        return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
+                self.kv_blocks, int(self.flags), self.sent_at, self.value, self.payload_len, checksum,
+                len(self.layout))
+
+    def packed(self, checksum: int | None = None) -> bytes:
+        fixed = _FIXED.pack(*self._fixed(self.checksum if checksum is None else checksum))
         return fixed + struct.pack(f"<{len(self.layout)}q", *self.layout)
 
+    def pack_into(self, buffer: memoryview) -> None:
+        """Write the packed header at the start of ``buffer`` (a slot's header area)."""
+        _FIXED.pack_into(buffer, 0, *self._fixed(self.checksum))
+        struct.pack_into(f"<{len(self.layout)}q", buffer, _FIXED.size, *self.layout)
+
     def crc(self, payload: memoryview | bytes) -> int:
-        """CRC-32 of the header (its checksum field as zero) followed by the payload."""
-        return zlib.crc32(payload, zlib.crc32(self.packed(0)))
+        """CRC-32C of the header (its checksum field as zero) followed by the payload."""
+        return int(crc32c.crc32c(payload, crc32c.crc32c(self.packed(0))))
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
@@ -234,24 +254,37 @@ class FrameHeader:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
             raise TransportError(f"{where}: frame version {version}, this corelib speaks version {VERSION}")
-        if kind not in FrameKind._value2member_map_:
+        if kind not in _KINDS:
             raise TransportError(f"{where}: unknown frame kind {kind}")
         if words > MAX_LAYOUT_WORDS:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
-        layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size))
-        return cls(FrameKind(kind), seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, value,
+        layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
+        return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, value,
                    payload_len, checksum, layout)
 
     def input_layout(self, where: str) -> ArenaLayout:
-        """The arena layout of an input frame; a TransportError names the frame when it is malformed."""
-        try:
-            layout = ArenaLayout.decode(field_names(self.kind), self.layout)
-        except ValueError as error:
-            raise TransportError(f"{where}: {error}") from None
+        """The arena layout of an input frame; a TransportError names the frame when it is malformed.
+
+        Decoded once per distinct layout: a decode step's layout never changes, so a worker
+        looks it up rather than rebuilding it every step.
+        """
+        key = (int(self.kind), *self.layout)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            try:
+                layout = ArenaLayout.decode(field_names(self.kind), self.layout)
+            except ValueError as error:
+                raise TransportError(f"{where}: {error}") from None
+            if len(_LAYOUTS) < MAX_CACHED_LAYOUTS:
+                _LAYOUTS[key] = layout
         if layout.nbytes > self.payload_len:
             raise TransportError(f"{where}: payload of {self.payload_len} bytes is shorter than its layout "
                                  f"({layout.nbytes} bytes)")
         return layout
+
+
+MAX_CACHED_LAYOUTS = 256  # prefill layouts vary with the step's lengths: keep the cache bounded
+_KINDS = {int(kind): kind for kind in FrameKind}
 
 
 # ---------------------------------------------------------------------------------------- results
@@ -287,7 +320,7 @@ def encode_result(result: WireResult) -> bytes:
     return tokens + RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
 
 
-def decode_result(header: FrameHeader, payload: bytes) -> WireResult:
+def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResult:
     n = header.num_seqs
     if len(payload) < 8 * n + RESULT_TAIL.size:
         raise TransportError(f"result frame for step {header.step_id}: {len(payload)} bytes cannot hold {n} tokens")
@@ -313,11 +346,11 @@ class WorkerArgs:
     num_slots: int
     slot_bytes: int
     result_slot_bytes: int
-    doorbell_fd: int  # read: frames to read
-    release_fd: int  # write: slots given back
-    result_doorbell_fd: int  # write: results written (rank 0; -1 elsewhere)
-    result_release_fd: int  # read: result slots given back (rank 0; -1 elsewhere)
-    control_fd: int  # write: ready / error messages
+    doorbell_fd: int  # eventfd this rank sleeps on for input frames (and the scheduler's demand)
+    release_fd: int  # eventfd the scheduler sleeps on for released input slots
+    result_doorbell_fd: int  # eventfd the scheduler sleeps on for results (rank 0; -1 elsewhere)
+    result_release_fd: int  # eventfd rank 0 sleeps on for released result slots (rank 0; -1 elsewhere)
+    control_fd: int  # write: ready / error / memory messages (a pipe: its end also shows an exit)
     parent_pid: int
     register_host: bool
     master_address: str = "127.0.0.1"  # tensor parallelism: the process group's rendezvous

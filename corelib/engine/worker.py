@@ -1,10 +1,16 @@
 """A worker process: owns a device and the model, reads steps from the SHM ring, returns tokens.
 
-Two threads, each doing one thing. The main thread reads a frame, checks it, stages its inputs
-(the stager the plan chose: ordered, early or a host copy) and submits the step, keeping at
-most the pipeline's depth of steps on the device. The completer waits for each step's tokens,
-in order, and writes them to the result ring (rank 0). Any error is reported to the scheduler
-on the control pipe, and the process exits; it never computes on a frame that failed its checks.
+One thread, one loop. It waits for whichever comes first: the next input frame, or the
+scheduler's demand for the tokens of the oldest step in flight (the input ring's DEMAND
+word: how many result frames the scheduler waits for). A frame is checked, staged (the
+stager the plan chose: ordered, early or a host copy) and submitted, keeping at most the
+pipeline's depth of steps on the device; a demanded step's tokens are waited for and written
+to the result ring (rank 0). While it spins it also answers a step whose tokens are ready
+when the result ring has room, so the scheduler finds them there. Answering only on demand or
+with room never blocks on a full result ring, whatever the ring and pipeline sizes. A second
+thread for the answers measured slower on the CPU: the two handed the GIL to each other on
+every step. Any error is reported to the scheduler on the control pipe, and the process
+exits; it never computes on a frame that failed its checks.
 """
 
 from __future__ import annotations
@@ -39,59 +45,76 @@ from corelib.engine.wire import FrameKind, InputFlags, WireResult, WorkerArgs, e
 from corelib.errors import TransportError, one_line
 from corelib.models.sharding import TensorShard
 
+IDLE_S = 365 * 24 * 3600.0  # waiting for the next step: idle is fine (the scheduler's liveness is checked)
+_STEP_KINDS = {FrameKind.decode: StepKind.decode, FrameKind.prefill: StepKind.prefill}
+
 
 def input_of(frame: Frame, where: str) -> ForwardInput:
     """The step a checked input frame describes; its arena views the slot."""
     header = frame.header
     layout = header.input_layout(where)
-    kind = StepKind.decode if header.kind is FrameKind.decode else StepKind.prefill
-    return ForwardInput(header.step_id, kind, header.num_seqs, header.bucket, header.kv_blocks,
-                        InputFlags.SAMPLE in InputFlags(header.flags), layout, frame.payload)
+    return ForwardInput(header.step_id, _STEP_KINDS[header.kind], header.num_seqs, header.bucket, header.kv_blocks,
+                        bool(header.flags & InputFlags.SAMPLE), layout, frame.payload)
 
 
-class _InFlight:
-    """The worker's step pipeline, shared by the submitting thread and the completer."""
+class StepLoop:
+    """Receive, stage and submit steps; answer the oldest when asked (or when ready and there is room)."""
 
-    def __init__(self, depth: int, timeout_s: float, rank: int) -> None:
+    def __init__(self, consumer: Consumer, steps: DeviceSteps, results: Producer | None, depth: int,
+                 timeout_s: float) -> None:
+        self.consumer = consumer
+        self.steps = steps
+        self.results = results
+        self.timeout = timeout_s
         self.pipeline: StepPipeline[tuple[StepHandle, float]] = StepPipeline(depth)
-        self.depth = depth
-        self._cond = threading.Condition()
-        self._timeout = timeout_s
-        self._rank = rank
-        self._closing = False
+        self.answered = 0  # steps whose tokens were taken (rank 0: result frames written)
 
-    def push(self, item: tuple[StepHandle, float]) -> None:
-        with self._cond:
-            self.pipeline.push(item)
-            self._cond.notify_all()
+    def _answerable(self) -> bool:
+        if not self.pipeline:
+            return False
+        if self.consumer.demanded() > self.answered:
+            return True
+        results = self.results
+        return (results is None or results.has_room()) and self.pipeline.oldest()[0].done()
 
-    def close(self) -> None:
-        """No more steps: the completer ends once the pipeline is empty."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
+    def serve(self, memory: Callable[[], MemoryStats], send: Callable[[str, str | None, object], None]) -> None:
+        """Until the stop frame."""
+        consumer = self.consumer
+        while True:
+            if not consumer.wait(IDLE_S, also=self._answerable):
+                self.answer_oldest()
+                continue
+            frame = consumer.read(who="the next step")
+            kind = frame.header.kind
+            if kind is FrameKind.stop:
+                consumer.release(frame)
+                while self.pipeline:
+                    self.answer_oldest(reply=False)  # nobody reads them: only give the inputs back
+                return
+            if kind is FrameKind.memory:
+                consumer.release(frame)
+                send("memory", None, memory())
+                continue
+            faults.maybe_fail("poll")
+            where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
+            if kind not in _STEP_KINDS:
+                raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
+            fi = input_of(frame, where)
+            staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
+            transport_us = (time.perf_counter() - frame.header.sent_at) * 1e6
+            while not self.pipeline.can_submit():
+                self.answer_oldest()
+            self.pipeline.push((self.steps.submit(staged), transport_us))
 
-    def wait_for_room(self, step_id: int) -> None:
-        """Block (bounded) until fewer than ``depth`` steps are on the device."""
-        deadline = time.monotonic() + self._timeout
-        with self._cond:
-            while len(self.pipeline) >= self.depth:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    raise TransportError(f"worker rank {self._rank}: step {step_id} waited {self._timeout:g} s for "
-                                         f"the tokens of the step {self.depth} back")
-
-    def oldest(self) -> tuple[StepHandle, float] | None:
-        """The oldest step in flight; None once closed and empty."""
-        with self._cond:
-            while not self.pipeline and not self._closing:
-                self._cond.wait()
-            return self.pipeline.oldest() if self.pipeline else None
-
-    def done(self) -> None:
-        with self._cond:
-            self.pipeline.pop()
-            self._cond.notify_all()
+    def answer_oldest(self, reply: bool = True) -> None:
+        """Wait (bounded) for the oldest step's tokens and write them to the result ring (rank 0)."""
+        handle, transport_us = self.pipeline.pop()
+        result = self.steps.result(handle, self.timeout)
+        self.answered += 1
+        if reply and self.results is not None:
+            wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
+                              result.busy_ms, result.gap_ms, transport_us)
+            self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 
 class Worker:
@@ -120,6 +143,13 @@ class Worker:
             return f"worker rank {self.args.rank}: the scheduler process {self.args.parent_pid} is gone"
         return None
 
+    def _parent_watch(self) -> list[int]:
+        """A pidfd of the scheduler: readable the moment it exits, so a waiting worker notices at once."""
+        try:
+            return [os.pidfd_open(self.args.parent_pid)]
+        except (OSError, AttributeError):
+            return []  # an old kernel: the wait still checks every quarter second
+
     def run(self) -> None:
         args = self.args
         from corelib.plugins import PluginRegistry
@@ -135,71 +165,26 @@ class Worker:
         model = load_model(args.config, device, shard)
         options = args.options
         steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging)
-        ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes)
+        spin_us = args.config.engine.shm.spin_us
+        watch = self._parent_watch()
+        ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes, num_consumers=args.world_size)
         registration = device.register_host(ring.whole) if args.register_host else None
-        consumer = Consumer(ring, Connection(args.doorbell_fd, writable=False),
-                            Connection(args.release_fd, readable=False), self.timeout, alive=self.parent_gone,
-                            name=f"input ring (rank {args.rank})")
+        consumer = Consumer(ring, args.rank, args.doorbell_fd, args.release_fd, self.timeout, alive=self.parent_gone,
+                            name=f"input ring (rank {args.rank})", spin_us=spin_us, watch=watch)
         results: Producer | None = None
         if args.result_doorbell_fd >= 0 and args.result_release_fd >= 0:
             out = Ring.attach(args.result_ring, args.num_slots, args.result_slot_bytes)
-            results = Producer(out, [Connection(args.result_doorbell_fd, readable=False)],
-                               [Connection(args.result_release_fd, writable=False)], self.timeout,
-                               alive=self.parent_gone, name="result ring")
-        in_flight = _InFlight(options.pipeline_depth, self.timeout, args.rank)
-        completer = threading.Thread(target=self._guard, args=(self._complete, steps, results, in_flight),
-                                     name="corelib-completer")
+            results = Producer(out, [args.result_doorbell_fd], args.result_release_fd, self.timeout,
+                               alive=self.parent_gone, name="result ring", consumer_names=["the scheduler"],
+                               spin_us=spin_us, watch=watch)
+        loop = StepLoop(consumer, steps, results, options.pipeline_depth, self.timeout)
         self.send("ready", None, "")
-        completer.start()
-        try:
-            self._serve(consumer, steps, in_flight, device.memory_stats)
-        finally:
-            in_flight.close()
-        completer.join()
+        loop.serve(device.memory_stats, self.send)
         if registration is not None:
             registration.close()
         steps.close()
         leave_group()
         device.close()
-
-    def _guard(self, target: object, *args: object) -> None:
-        try:
-            target(*args)  # type: ignore[operator]
-        except BaseException as error:  # noqa: BLE001 - reported to the scheduler, then the process ends
-            self.report(error)
-
-    def _serve(self, consumer: Consumer, steps: DeviceSteps, in_flight: _InFlight,
-               memory: Callable[[], MemoryStats]) -> None:
-        """Read frames until the stop frame; submit each step once the pipeline has room."""
-        while True:
-            frame = consumer.read(timeout=365 * 24 * 3600.0, who="the next step")  # idle is fine
-            kind = frame.header.kind
-            if kind is FrameKind.stop:
-                consumer.release(frame)
-                return
-            if kind is FrameKind.memory:
-                consumer.release(frame)
-                self.send("memory", None, memory())
-                continue
-            faults.maybe_fail("poll")
-            where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
-            if kind not in (FrameKind.decode, FrameKind.prefill):
-                raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
-            fi = input_of(frame, where)
-            staged = steps.stager.receive(fi, functools.partial(consumer.release, frame))
-            transport_us = (time.perf_counter() - frame.header.sent_at) * 1e6
-            in_flight.wait_for_room(fi.step_id)
-            in_flight.push((steps.submit(staged), transport_us))
-
-    def _complete(self, steps: DeviceSteps, results: Producer | None, in_flight: _InFlight) -> None:
-        while (item := in_flight.oldest()) is not None:
-            handle, transport_us = item
-            result = steps.result(handle, self.timeout)
-            in_flight.done()
-            if results is not None:
-                wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
-                                  result.busy_ms, result.gap_ms, transport_us)
-                results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 
 def main() -> None:
@@ -213,7 +198,11 @@ def main() -> None:
         worker.run()
     except BaseException as error:  # noqa: BLE001 - reported to the scheduler
         worker.report(error)
-    sys.exit(0)
+    # Everything the worker holds was released by run(); tearing down the interpreter (torch's
+    # modules, about a second) would only make the scheduler's close wait for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,11 @@ FAULTS = [
           settle_s=STALL_S + 5.0, extra_lines=1),
     Fault("stalled-stream-shm", "a stalled device stream (emulator)", "forward@30:stall",
           rf"{STALLED}|waited 1 s for the tokens of step \d+ from worker rank 0", SHM, (TransportError, WorkerDied)),
+    # The scheduler names the worker that stopped and how far it got: waiting for room in the
+    # ring, or (the worker answers the tokens of a step in the same loop) for those tokens.
     Fault("full-ring", "a full SHM ring (a worker that stops consuming)", "poll@5:stall",
-          r"waited 1 s for worker rank 0 to release slot 0 of input ring \(frame \d+\)",
+          r"waited 1 s for (worker rank 0 to release slot 0 of input ring \(frame \d+\)|the tokens of step \d+ from "
+          r"worker rank 0 on result ring); frames released: worker rank 0: \d+ of \d+ sent",
           (*SHM, "engine.shm.num_slots=1"), (TransportError,)),
 ]
 CASES = [pytest.param(f, s, id=f"{f.name}-{s}") for f in FAULTS for s in f.surfaces]

@@ -100,7 +100,7 @@ def race(
             registration.close()
         stager.close()
         device.close()
-        wired.ring.close()
+        wired.close()
     if failure:
         raise failure[0]
     return int(mismatches.cpu()[0])

@@ -1,11 +1,11 @@
-"""Rings wired to pipes inside one process, for transport tests."""
+"""Rings wired to eventfds inside one process, for transport tests."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field
 
+from corelib.engine.doorbell import new_eventfd
 from corelib.engine.shm import Consumer, Producer, Ring
 
 
@@ -14,18 +14,20 @@ class Wired:
     ring: Ring
     producer: Producer
     consumers: list[Consumer]
+    fds: list[int] = field(default_factory=list)
 
-
-def pipe() -> tuple[Connection, Connection]:
-    read, write = os.pipe()
-    return Connection(read, writable=False), Connection(write, readable=False)
+    def close(self) -> None:
+        self.ring.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
 
 
 def wire(num_slots: int = 2, slot_bytes: int = 4096, consumers: int = 1, timeout: float = 2.0,
-         name: str = "test ring") -> Wired:
-    ring = Ring.create("test", num_slots, slot_bytes)
-    bells = [pipe() for _ in range(consumers)]
-    releases = [pipe() for _ in range(consumers)]
-    producer = Producer(ring, [w for _, w in bells], [r for r, _ in releases], timeout, name=name)
-    ends = [Consumer(ring, bells[i][0], releases[i][1], timeout, name=name) for i in range(consumers)]
-    return Wired(ring, producer, ends)
+         name: str = "test ring", spin_us: float = 50.0) -> Wired:
+    ring = Ring.create("test", num_slots, slot_bytes, num_consumers=consumers)
+    bells = [new_eventfd() for _ in range(consumers)]
+    room = new_eventfd()
+    producer = Producer(ring, bells, room, timeout, name=name, spin_us=spin_us)
+    ends = [Consumer(ring, i, bells[i], room, timeout, name=name, spin_us=spin_us) for i in range(consumers)]
+    return Wired(ring, producer, ends, [*bells, room])

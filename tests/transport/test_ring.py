@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import stat
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,9 +14,9 @@ import torch
 from ringkit import Wired, wire
 
 from corelib.engine import shm
-from corelib.engine.shm import SHM_DIR, Segment, sweep_stale
+from corelib.engine.shm import ALWAYS, SHM_DIR, Consumer, Segment, asleep_word, released_word, sweep_stale
 from corelib.engine.wire import FrameHeader, FrameKind
-from corelib.errors import TransportError
+from corelib.errors import TransportError, WorkerDied
 
 Make = Callable[..., Wired]
 
@@ -30,7 +32,7 @@ def wired() -> Iterator[Make]:
 
     yield make
     for w in made:
-        w.ring.close()
+        w.close()
 
 
 def header(step: int = 0) -> FrameHeader:
@@ -120,3 +122,100 @@ def test_stale_segments_of_dead_processes_are_swept() -> None:
         assert not (SHM_DIR / stale.name).exists() and (SHM_DIR / live.name).exists()
     finally:
         live.close()
+
+
+def test_a_sleeping_consumer_is_woken_by_the_commit(wired: Make) -> None:
+    w = wired(spin_us=0.0)  # block at once: the eventfd alone must wake the reader
+    consumer = w.consumers[0]
+    woke: list[float] = []
+
+    def read() -> None:
+        consumer.read(timeout=5.0)
+        woke.append(time.perf_counter())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 5.0
+    while not w.ring.words[asleep_word(0)] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert w.ring.words[asleep_word(0)] == 1, "the reader never announced that it sleeps"
+    sent = time.perf_counter()
+    w.producer.write(header(0))
+    reader.join(5.0)
+    assert woke, "the reader was not woken"
+    assert woke[0] - sent < 0.1, f"woken {1e3 * (woke[0] - sent):.0f} ms after the commit (a missed doorbell)"
+
+
+def test_the_producer_rings_only_a_consumer_that_sleeps(wired: Make) -> None:
+    w = wired()
+    bell = w.fds[0]  # consumer 0's eventfd
+    w.ring.words[ALWAYS] = 0  # as with membarrier: ring only a sleeper
+    w.producer.write(header(0))
+    with pytest.raises(BlockingIOError):
+        os.eventfd_read(bell)  # a spinning consumer costs the producer no system call
+    w.ring.words[asleep_word(0)] = 1
+    w.producer.write(header(1))
+    assert os.eventfd_read(bell) == 1
+
+
+def test_releases_out_of_order_free_slots_in_order(wired: Make) -> None:
+    w = wired(num_slots=3)
+    frames = []
+    for step in range(3):
+        w.producer.write(header(step))
+        frames.append(w.consumers[0].read())
+    w.consumers[0].release(frames[1])
+    assert w.ring.words[released_word(0)] == 0, "frame 0 is still held: its slot must not be reused"
+    w.consumers[0].release(frames[0])
+    assert w.ring.words[released_word(0)] == 2
+    w.consumers[0].release(frames[2])
+    assert w.ring.words[released_word(0)] == 3
+
+
+def test_a_dead_peer_is_named_at_once_while_waiting(wired: Make) -> None:
+    read_end, write_end = os.pipe()  # stands for a worker's control pipe: its end closes when it dies
+    gone: list[str] = []
+    w = wired(spin_us=0.0)
+    consumer = Consumer(w.ring, 0, w.fds[0], w.fds[-1], 30.0, alive=lambda: gone[0] if gone else None,
+                        name="test ring", watch=[read_end])
+
+    def die() -> None:
+        time.sleep(0.05)
+        gone.append("the producer (pid 1234) was killed by SIGKILL")
+        os.close(write_end)
+
+    killer = threading.Thread(target=die)
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerDied, match=r"pid 1234\) was killed by SIGKILL"):
+            consumer.read()
+    finally:
+        killer.join()
+        os.close(read_end)
+    assert time.monotonic() - started < 0.2, "the death was noticed by a periodic check, not at once"
+
+
+def test_without_membarrier_every_publication_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corelib.engine import doorbell
+
+    monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
+    monkeypatch.setattr(doorbell, "STORES_IN_ORDER", True)
+    w = wire()
+    try:
+        assert w.ring.words[ALWAYS] == 1, "a process without the waiters' barrier must mark the ring"
+        w.producer.write(header(0))
+        assert os.eventfd_read(w.fds[0]) == 1, "the producer must ring even a consumer that does not sleep"
+    finally:
+        w.close()
+
+
+def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corelib.engine import doorbell
+
+    monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
+    monkeypatch.setattr(doorbell, "STORES_IN_ORDER", False)
+    before = {p.name for p in SHM_DIR.iterdir()}
+    with pytest.raises(TransportError, match=r"needs membarrier\(2\).*use engine\.transport=inproc"):
+        wire()
+    assert {p.name for p in SHM_DIR.iterdir()} <= before, "the segment of a ring that refused to start was left"

@@ -106,3 +106,20 @@ def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
         snapshots = [stager._pool.acquire() for _ in range(2)] if stager._pool is not None else []
         assert len(snapshots) == 2 and not any(s.is_pinned() for s in snapshots)
         assert device.memory_stats().pinned_bytes == 0
+
+
+def test_running_two_steps_ahead_over_shm_gives_the_tokens_of_one_ahead_and_of_sync() -> None:
+    base = ["backend=npu", "backend.emulator.chaos=0.2", "engine.transport=shm"]
+    deepest = 0
+    with Engine.from_overrides([*base, "engine.async_token_handoff=on", "engine.run_ahead=2"]) as engine:
+        assert engine.core.pipeline.depth == 3
+        ids = [engine.add_request(prompt, params) for prompt, params in zip(PROMPTS, PARAMS, strict=True)]
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished:
+            outputs |= {o.request_id: o.output_token_ids for o in engine.step()}
+            deepest = max(deepest, engine.core.num_in_flight)
+        two_ahead = [outputs[i] for i in ids]
+    # Between two calls, the steps submitted and not yet read: run_ahead of them.
+    assert deepest == 2, f"at most {deepest} steps were left in flight: the scheduler never ran two steps ahead"
+    assert two_ahead == tokens([*base, "engine.async_token_handoff=on", "engine.run_ahead=1"])
+    assert two_ahead == tokens([*base, "engine.async_token_handoff=off"])
