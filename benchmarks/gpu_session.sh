@@ -11,6 +11,10 @@ set -uo pipefail
 out=${1:?usage: gpu_session.sh OUTDIR AFTER_SITE BEFORE_SITE}
 after=${2:?}; before=${3:?}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
+repo=$(cd "$(dirname "$0")/.." && pwd)
+# Every command runs from OUTDIR: from the repository's root, `python -m corelib` would import the
+# checkout's corelib (whose conf/ is not inside the package) instead of the installed one.
+cd "$out" || exit 1
 # Multicast (NVLS) collectives can take shared GPUs down: off in this shell and every child.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 CORELIB_PROGRESS_INTERVAL=60
@@ -70,11 +74,12 @@ gpu0() {
     "bench.batch_sizes=[1,8,32,64,128]" bench.output_len=64 bench.repeats=2 "engine.graph_batch_sizes=[1,8,32,64,128]"
   bench long 90 "$after" 0 "bench.transport=[inproc]" "bench.handoff=[on]" "bench.fused_ops=[off,on]" \
     "bench.batch_sizes=[1,32]" bench.prompt_len=1900 bench.output_len=64 "engine.graph_batch_sizes=[1,32]"
-  part kernels 60 "$after" 0 python3 benchmarks/kernels.py --batch 1 32 --steps 6 --out "$out/kernels.json"
+  part kernels 60 "$after" 0 python3 "$repo/benchmarks/kernels.py" --batch 1 32 --steps 6 --out "$out/kernels.json"
   tp_bench tp1 70 0 "bench.tp=[1]"
   CORELIB_AGREEMENT_REPORT="$out/bf16-agreement.json" part gpu-tests 100 "$after" 0 python3 -m pytest -q -m gpu \
-    -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" tests/engine/test_fused_ops_gpu.py \
-    tests/transport/test_race.py tests/engine/test_engine_reference.py
+    -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" --rootdir "$repo" -c "$repo/pyproject.toml" \
+    "$repo/tests/engine/test_fused_ops_gpu.py" "$repo/tests/transport/test_race.py" \
+    "$repo/tests/engine/test_engine_reference.py"
 }
 gpu1() {
   # The refactor's regression check: the previous release and this one, the same sweep, reference ops.
@@ -88,7 +93,7 @@ gpu1() {
   # SHM transport with the default (fused) ops: in-process vs ordered vs early, bs 1, 32, 128.
   bench shm-fused 90 "$after" 1 "bench.transport=[inproc,shm]" "bench.materialization=[ordered,early]" \
     "bench.handoff=[on]" "bench.batch_sizes=[1,32,128]" bench.repeats=2 "engine.graph_batch_sizes=[1,32,128]"
-  DURATION=5 REQUESTS=256 part serve 100 "$after" 1 bash benchmarks/serve_h200.sh "$out/serve"
+  DURATION=5 REQUESTS=256 part serve 100 "$after" 1 bash "$repo/benchmarks/serve_h200.sh" "$out/serve"
 }
 
 gpu0 & p0=$!
@@ -97,7 +102,7 @@ wait $p0 $p1
 note "== phase 1 done at $(($(date +%s) - started)) s"
 tp_bench tp2-nccl 70 0,1 "bench.tp=[2]" engine.fast_allreduce=off
 tp_bench tp2-symm 60 0,1 "bench.tp=[2]" engine.fast_allreduce=on
-part allreduce 40 "$after" 0,1 python3 benchmarks/allreduce.py --repeats 30 --out "$out/allreduce.json"
+part allreduce 40 "$after" 0,1 python3 "$repo/benchmarks/allreduce.py" --repeats 30 --out "$out/allreduce.json"
 
 note "== tables"
 table "$out/fused" "$out/long" "$out/before-inproc" "$out/after-inproc" "$out/before-shm" "$out/after-shm" \

@@ -106,13 +106,14 @@ class ModelRunner:
 
         Returns whether a captured graph ran.
         """
-        views = fi.layout.views(arena)
         if fi.kind is StepKind.prefill:
+            views = fi.layout.views(arena)
             self.compute.launch(lambda: self._prefill(views, fi.num_seqs, fi.sample))
             return False
         rows, kv = fi.bucket, fi.kv_blocks
         graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample)) if arena is self.decode_arena else None
         if graph is None:
+            views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
             self.compute.launch(lambda: self._decode(views, rows, kv, fi.sample))
             self.num_eager_steps += 1
             return False
