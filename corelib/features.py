@@ -258,6 +258,8 @@ def _lookup(facts: Mapping[str, Any], dotted: str) -> Any:
 
 
 def _plain(value: Any) -> Any:
+    if value is None or type(value) in (bool, int, float, str):
+        return value  # the per-step facts: checked for every batch, so the common case costs nothing
     if isinstance(value, enum.Enum):
         return value.value
     if OmegaConf.is_config(value):
