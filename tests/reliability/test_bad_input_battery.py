@@ -172,6 +172,9 @@ TABLE: list[tuple[str, str, Case]] = [
     ("request", "token-str", RequestCase(["3", "4"], GOOD, "prompt token '3' at position 0 is not an integer")),
     ("request", "prompt-none", RequestCase(None, GOOD, "the prompt is NoneType")),
     ("request", "prompt-nested", RequestCase([[3, 4]], GOOD, "prompt token [3, 4] at position 0 is not an integer")),
+    ("request", "prompt-bytes", RequestCase(b"\x03\x04", GOOD, "the prompt is bytes; pass token ids")),
+    ("request", "prompt-dict", RequestCase({"a": 3}, GOOD, "the prompt is dict; pass token ids")),
+    ("request", "prompt-set", RequestCase({3, 4}, GOOD, "the prompt is set; pass token ids")),
     # -- sampling values, through the API: the request fails alone
     ("sampling", "max_tokens-0", RequestCase([3, 4], SamplingParams(max_tokens=0), "sampling.max_tokens=0")),
     ("sampling", "max_tokens-negative", RequestCase([3, 4], SamplingParams(max_tokens=-3), "sampling.max_tokens=-3")),
