@@ -276,6 +276,7 @@ def _guarded_hydra_command(command: str, overrides: list[str], flags: list[str])
 
     from corelib.compose import translate_error
 
+    _import_torch()  # composing loads the plugin registry, which imports torch
     if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
         _precheck(overrides)
     registry = _registry(overrides)

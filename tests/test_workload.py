@@ -170,6 +170,8 @@ def test_bench_serves_the_workload_beside_its_sweep(tmp_path: Path, monkeypatch:
                  "bench.warmup_steps=2", "workload.num_requests=5", "workload.max_concurrency=2",
                  "workload.output_len_max=4", "workload.output_len_min=2", f"hydra.run.dir={tmp_path / 'bench'}"])
     assert code == 0
-    [served] = json.loads((tmp_path / "bench" / "bench.json").read_text())["served"]
-    assert (served["requests"], served["requests_failed"], served["max_concurrency"]) == (5, 0, 2)
-    assert served["ttft_ms_p50"] > 0 and served["tokens_per_s"] > 0
+    served = json.loads((tmp_path / "bench" / "bench.json").read_text())["served"]
+    assert len(served) == 2  # one per engine of the sweep: inproc and shm
+    for entry in served:
+        assert (entry["requests"], entry["requests_failed"], entry["max_concurrency"]) == (5, 0, 2)
+        assert entry["ttft_ms_p50"] > 0 and entry["tokens_per_s"] > 0

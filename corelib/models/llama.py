@@ -175,9 +175,13 @@ def random_state_dict(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_weights(
-    shape: ModelShape, state: Mapping[str, torch.Tensor], device: torch.device
+    shape: ModelShape, state: Mapping[str, torch.Tensor], device: torch.device, copy: bool = False
 ) -> ModelWeights:
-    """Move a Hugging Face state dict to ``device`` in the model dtype, fusing qkv and gate/up."""
+    """Move a Hugging Face state dict to ``device`` in the model dtype, fusing qkv and gate/up.
+
+    ``copy``: never share storage with ``state``, even where the device and dtype already
+    match (a state that is kept and reused, like the cached random weights).
+    """
     expected = hf_parameter_shapes(shape)
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -186,8 +190,9 @@ def build_weights(
         if tuple(state[name].shape) != dims:
             raise ConfigError(f"tensor {name!r} has shape {tuple(state[name].shape)}; expected {dims}")
     with progress.current().task("placing weights on the device", total=len(expected), unit="tensors") as task:
-        return assemble_weights(shape, lambda name: task.advanced(state[name].to(device=device, dtype=shape.dtype)),
-                                device)
+        return assemble_weights(
+            shape, lambda name: task.advanced(state[name].to(device=device, dtype=shape.dtype, copy=copy)), device
+        )
 
 
 def assemble_weights(shape: ModelShape, get: Callable[[str], torch.Tensor], device: torch.device) -> ModelWeights:

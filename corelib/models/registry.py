@@ -150,11 +150,13 @@ def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | N
         weights = seeded_weights(shape, cfg.seed, device, shard)
         weights.all_reduce = shard.all_reduce if shard is not None else None
         return weights
-    state = _random_state(shape, cfg.seed)  # the full model, identical on every rank
+    # The full model, identical on every rank; copied, since the host copy is cached for the
+    # next engine and this one's weights may be changed in place.
+    state = _random_state(shape, cfg.seed)
     if shard is None:
-        return build_weights(shape, state, device)
+        return build_weights(shape, state, device, copy=True)
     local = {name: shard.slice(name, tensor) for name, tensor in state.items()}
-    weights = build_weights(shard.shape(shape), local, device)
+    weights = build_weights(shard.shape(shape), local, device, copy=True)
     weights.all_reduce = shard.all_reduce
     return weights
 

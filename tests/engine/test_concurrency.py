@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from support import local_weights
+from support import EngineFactory, local_weights
 
 from corelib.engine import Engine, RequestOutput, SamplingParams
 from corelib.errors import ConcurrentUse
@@ -93,3 +93,12 @@ def test_non_finite_logits_fail_their_request_alone(engine: Engine) -> None:
     assert bad.finish_reason == "error" and "not finite" in (bad.error or "")
     assert fine.output_token_ids == good
     assert torch.isnan(weights.embed[poison]).all()
+
+
+def test_an_engines_weights_are_its_own(make_engine: EngineFactory) -> None:
+    """Random weights are cached on the host between engines; changing one engine's must not reach the next."""
+    first = make_engine(["backend=cpu"])
+    local_weights(first).embed.fill_(float("nan"))
+    second = make_engine(["backend=cpu"])
+    out = second.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and torch.isfinite(local_weights(second).embed).all()
