@@ -70,13 +70,26 @@ def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> Non
     from corelib.run import run
 
     startup, run_dir = prepare(cfg, registry, output_dir)
+    if _followed(startup):
+        return
     with reporting(Progress(console)):
         run(startup, run_dir, console)
 
 
+def _followed(startup: Startup) -> bool:
+    """On a node other than 0 of a multi-node run: serve node 0's steps until it stops, then True."""
+    from corelib.engine.nodes import follow
+
+    return follow(startup, lambda line: say(console, line))
+
+
 def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.bench import bench
+    from corelib.engine.nodes import launched_nodes
 
+    if launched_nodes() > 1:
+        raise ConfigError(f"bench measures one node, and torchrun started {launched_nodes()}: run it without "
+                          "torchrun, or with --nnodes=1")
     with reporting(Progress(console)):
         bench(cfg, registry, RunDir(output_dir), console)
 
@@ -101,6 +114,8 @@ def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> N
     if api_key is not None:
         shown.server.api_key = "<set>"
     startup, _ = prepare(shown, registry, output_dir)
+    if _followed(startup):
+        return
     server = startup.config.server
     check_server(server)
     sock = bind(server.host, server.port)  # a taken port fails before the engine is built

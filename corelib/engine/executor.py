@@ -101,7 +101,9 @@ def build_inproc(
 ) -> Executor:
     """Open the device, load the model and capture its graphs in this process."""
     from corelib.engine.build import build_device_steps
+    from corelib.engine.nodes import Topology
 
+    Topology.from_environment(startup.config.engine.tp)  # refuses torchrun --nnodes>1 for one rank
     device = startup.backend.open(startup.spec)
     try:
         model = model_factory(startup.config, device, None)

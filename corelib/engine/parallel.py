@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from corelib.device import Device, Runtime
-from corelib.errors import ConfigError, one_line
+from corelib.errors import one_line
 from corelib.isolation import NO_MULTICAST
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -45,18 +45,12 @@ SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
 _SIZE_ALIGNMENT = 4
 
 
-def check_launcher() -> None:
-    """corelib starts its ranks itself: under torchrun, only one launcher process may run it."""
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and world.isdigit() and int(world) > 1:
-        raise ConfigError(
-            f"torchrun started {world} processes, but corelib starts one worker process per rank itself "
-            "(engine.tp): launch it with torchrun --nproc-per-node=1; MASTER_ADDR/MASTER_PORT are honoured"
-        )
-
-
 def rendezvous() -> tuple[str, int]:
-    """torchrun's MASTER_ADDR/MASTER_PORT when set, else a free local port (never a fixed one)."""
+    """torchrun's MASTER_ADDR/MASTER_PORT when set, else a free local port (never a fixed one).
+
+    For one node; across nodes, node 0 chooses the ranks' port and tells the others
+    (:mod:`corelib.engine.nodes`), since torchrun's port belongs to the launchers' group.
+    """
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if address and port:
         return address, int(port)
@@ -84,6 +78,10 @@ def init_group(
     import torch.distributed as dist
 
     os.environ.update(NO_MULTICAST)  # read by NCCL and symmetric memory when they set up, below
+    if str(port) != os.environ.get("MASTER_PORT"):
+        # Under torchrun this tells rank 0 to join the launcher's store rather than host one; the
+        # ranks' own port (chosen by node 0 across nodes) has no store unless rank 0 hosts it.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     backend = comm_backend(device)
     if device.torch_device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.set_device_index(device.torch_device.index)

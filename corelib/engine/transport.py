@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from corelib.engine.doorbell import new_eventfd
 from corelib.engine.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
 from corelib.engine.forward_input import ForwardInput
 from corelib.engine.metrics import StepResult
+from corelib.engine.nodes import HEARTBEAT_S, NodeGroup, NodeLink, Topology, engine_digest
 from corelib.engine.options import EngineOptions
-from corelib.engine.parallel import check_launcher, rendezvous
+from corelib.engine.parallel import rendezvous
 from corelib.engine.scheduler import StepKind
 from corelib.engine.shm import Consumer, Producer, Ring, sweep_stale
 from corelib.engine.staging import StagingPool
@@ -57,6 +59,7 @@ def _round_up(value: int, multiple: int = 64) -> int:
 class _Rank:
     process: subprocess.Popen[bytes]
     control: Connection
+    rank: int  # the tensor-parallel rank (across nodes, not the index on this node)
     message: str | None = None  # what the worker reported before it stopped
     ready: bool = False  # the worker said it is ready for steps
     memory: MemoryStats | None = None  # the worker's latest answer to a memory frame
@@ -75,8 +78,13 @@ class _ShmFuture(StepFuture):
 class ShmExecutor(Executor):
     """Starts ``engine.tp`` worker processes and talks to them through two rings."""
 
-    def __init__(self, startup: Startup, options: EngineOptions, layout: EngineLayout) -> None:
+    def __init__(self, startup: Startup, options: EngineOptions, layout: EngineLayout,
+                 topology: Topology | None = None) -> None:
         cfg = startup.config
+        # Across nodes (torchrun --nnodes>1): this node's ranks only; node 0 forwards every frame to
+        # the others (corelib.engine.nodes), a follower is fed by node 0.
+        topology = topology if topology is not None else Topology.from_environment(cfg.engine.tp)
+        self.topology = topology
         shm = cfg.engine.shm
         if shm.spin_us < 0:
             raise ConfigError(f"engine.shm.spin_us={shm.spin_us}: must be at least 0 (0: block at once)")
@@ -94,31 +102,43 @@ class ShmExecutor(Executor):
         self._eventfds: list[int] = []
         self.in_ring: Ring | None = None
         self.out_ring: Ring | None = None
-        if cfg.engine.tp > 1:
-            check_launcher()
+        self.link: NodeLink | None = None  # node 0 of several: the other nodes
+        self.follower_group: NodeGroup | None = None  # a follower node: its line to node 0
+        self._liveness = threading.Lock()  # why_gone reads the control pipes, from any thread
+        self._gone: str | None = None
         # Set by the first wait that failed: a worker that stopped consuming will not read a
         # stop frame either, so close must not wait for it again, nor for each step in flight.
         self.failure: CorelibError | None = None
-        address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
+        local = topology.local_ranks
         try:
-            self.in_ring = Ring.create("in", shm.num_slots, slot_bytes, num_consumers=cfg.engine.tp)
+            address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
+            if topology.nodes > 1:
+                startup_timeout = self.timeout * STARTUP_TIMEOUT_FACTOR
+                digest = engine_digest(startup, slot_bytes)
+                if topology.follower:
+                    self.follower_group = NodeGroup(topology, self.timeout, startup_timeout)
+                    address, port = self.follower_group.agree(digest, 0)
+                else:
+                    self.link = NodeLink(topology, self.timeout, startup_timeout)
+                    address, port = self.link.agree(digest)
+            self.in_ring = Ring.create("in", shm.num_slots, slot_bytes, num_consumers=len(local))
             self.out_ring = Ring.create("out", shm.num_slots, result_slot_bytes)
             # Eventfds: each rank sleeps on its doorbell, the scheduler on in_room and out_bell, rank 0 on out_room.
-            doorbells = [self._eventfd() for _ in range(cfg.engine.tp)]
+            doorbells = [self._eventfd() for _ in local]
             in_room, out_bell, out_room = self._eventfd(), self._eventfd(), self._eventfd()
-            for rank in range(cfg.engine.tp):
+            for index, rank in enumerate(local):
                 control = os.pipe()
                 args = WorkerArgs(
                     rank=rank, world_size=cfg.engine.tp, config=cfg, spec=startup.spec, options=options,
                     input_ring=self.in_ring.segment.name, result_ring=self.out_ring.segment.name,
                     num_slots=shm.num_slots, slot_bytes=slot_bytes, result_slot_bytes=result_slot_bytes,
-                    doorbell_fd=doorbells[rank], release_fd=in_room,
+                    doorbell_fd=doorbells[index], release_fd=in_room,
                     result_doorbell_fd=out_bell if rank == 0 else -1,
                     result_release_fd=out_room if rank == 0 else -1,
                     control_fd=control[1], parent_pid=os.getpid(), register_host=shm.register_host,
-                    master_address=address, master_port=port,
+                    master_address=address, master_port=port, local_rank=index, local_world=len(local),
                 )
-                child_ends = [doorbells[rank], in_room, control[1]]
+                child_ends = [doorbells[index], in_room, control[1]]
                 if rank == 0:
                     child_ends += [out_bell, out_room]
                 process = subprocess.Popen(
@@ -129,10 +149,12 @@ class ShmExecutor(Executor):
                 process.stdin.write(pickle.dumps(args))
                 process.stdin.close()
                 os.close(control[1])  # so that a dead worker shows as EOF here
-                self.ranks.append(_Rank(process, Connection(control[0], writable=False)))
+                self.ranks.append(_Rank(process, Connection(control[0], writable=False), rank))
             self._await_ready(self.timeout * STARTUP_TIMEOUT_FACTOR)
+            if self.link is not None:
+                self.link.start()
             watch = [rank.control.fileno() for rank in self.ranks]
-            names = [f"worker rank {i}" for i in range(len(self.ranks))]
+            names = [f"worker rank {rank}" for rank in local]
             self.producer = Producer(self.in_ring, doorbells, in_room, self.timeout, alive=self.why_gone,
                                      name="input ring", consumer_names=names, spin_us=shm.spin_us, watch=watch)
             self.consumer = Consumer(self.out_ring, 0, out_bell, out_room, self.timeout, alive=self.why_gone,
@@ -151,27 +173,42 @@ class ShmExecutor(Executor):
         """None while every worker runs; else what happened, the root cause first.
 
         A rank that died without a word (killed, crashed) is named before the ranks that
-        then failed because of it (a collective that lost its peer).
+        then failed because of it (a collective that lost its peer); across nodes, another
+        node that is gone or failed is named before this node's ranks.
         """
+        with self._liveness:
+            if self._gone is None:
+                self._gone = self._why_gone()
+            return self._gone
+
+    def _why_gone(self) -> str | None:
         silent: list[str] = []
         reported: list[str] = []
-        for index, rank in enumerate(self.ranks):
-            self._read_control(index, rank)
+        for rank in self.ranks:
+            self._read_control(rank)
             if rank.message is not None:
                 reported.append(rank.message)
                 continue
             code = rank.process.poll()
             if code is not None:
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                silent.append(f"worker rank {index} (pid {rank.process.pid}) {how}")
-        if not silent and not reported:
-            return None
+                silent.append(f"worker rank {rank.rank} (pid {rank.process.pid}) {how}")
+        local = None
         if silent and reported:
-            return "; ".join(silent) + "; then " + "; ".join(reported)
-        return "; ".join(silent or reported)
+            local = "; ".join(silent) + "; then " + "; ".join(reported)
+        elif silent or reported:
+            local = "; ".join(silent or reported)
+        if self.link is None:
+            return local
+        # A rank here that lost its peer on another node fails at once; the news of that node
+        # comes with its closed connection or its report, a moment later.
+        remote = self.link.why_gone(wait_s=2 * HEARTBEAT_S if local is not None else 0.0)
+        if remote is None or local is None:
+            return remote or local
+        return f"{remote}; then {local}"
 
     @staticmethod
-    def _read_control(index: int, rank: _Rank) -> None:
+    def _read_control(rank: _Rank) -> None:
         """Take every message the worker sent so far (ready, or the error that stopped it)."""
         while rank.message is None and rank.control.poll():
             try:
@@ -184,7 +221,7 @@ class ShmExecutor(Executor):
                 rank.memory = detail
                 rank.memory_answers += 1
             elif kind == "error":
-                rank.message = f"worker rank {index} (pid {rank.process.pid}) stopped: {text}"
+                rank.message = f"worker rank {rank.rank} (pid {rank.process.pid}) stopped: {text}"
 
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -194,7 +231,7 @@ class ShmExecutor(Executor):
                 raise WorkerDied(reason if "stopped" in reason else f"{reason} while starting")
             left = deadline - time.monotonic()
             if left <= 0:
-                late = [index for index, rank in enumerate(self.ranks) if not rank.ready]
+                late = [rank.rank for rank in self.ranks if not rank.ready]
                 raise TransportError(f"workers {late} did not start within {timeout:g} s")
             wait([rank.control for rank in self.ranks if not rank.ready], min(left, 0.25))
 
@@ -206,7 +243,7 @@ class ShmExecutor(Executor):
         header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                              sent_at=time.perf_counter(), layout=fi.layout.encode())
         try:
-            self.producer.write(header, fi.arena[: fi.layout.nbytes])
+            self.write_frame(header, fi.arena[: fi.layout.nbytes])
         except TransportError as error:
             self.failure = error
             raise
@@ -256,7 +293,7 @@ class ShmExecutor(Executor):
         """Ask every worker what its device holds; answered between steps, in ring order."""
         self._check_usable()
         asked = [rank.memory_answers for rank in self.ranks]
-        self.producer.write(FrameHeader(FrameKind.memory, 0))
+        self.write_frame(FrameHeader(FrameKind.memory, 0))
         deadline = time.monotonic() + self.timeout
         while True:
             reason = self.why_gone()  # also takes the answers off the control pipes
@@ -267,19 +304,33 @@ class ShmExecutor(Executor):
                 return [rank.memory for rank in self.ranks if rank.memory is not None]
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransportError(f"workers {[self.ranks.index(r) for r in waiting]} did not report their "
+                raise TransportError(f"workers {[r.rank for r in waiting]} did not report their "
                                      f"memory within {self.timeout:g} s")
             wait([rank.control for rank in waiting], min(left, 0.25))
 
+    def write_frame(self, header: FrameHeader, payload: torch.Tensor | memoryview | None = None) -> None:
+        """Into this node's ring; on node 0 of several, also to every other node."""
+        self.producer.write(header, payload)
+        if header.kind is FrameKind.stop:
+            self._stop_sent = True
+        if self.link is not None:
+            self.link.forward(header, payload)
+
     # ------------------------------------------------------------------ shutdown
+    _stop_sent = False
+
     def close(self, timeout: float) -> None:
         self._stop(graceful=self.failure is None and self.why_gone() is None)
 
+    def stop_now(self) -> None:
+        """Stop the workers without a stop frame (they may be the reason to stop)."""
+        self._stop(graceful=False)
+
     def _stop(self, graceful: bool) -> None:
         try:
-            if graceful and hasattr(self, "producer"):
+            if graceful and hasattr(self, "producer") and not self._stop_sent:
                 with contextlib.suppress(TransportError, WorkerDied):
-                    self.producer.write(FrameHeader(FrameKind.stop, 0))
+                    self.write_frame(FrameHeader(FrameKind.stop, 0))
             deadline = time.monotonic() + (self.timeout if graceful else 0.0)
             for rank in self.ranks:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -299,3 +350,7 @@ class ShmExecutor(Executor):
             for ring in (self.in_ring, self.out_ring):
                 if ring is not None:
                     ring.close()
+            if self.link is not None:
+                self.link.close(graceful)
+            if self.follower_group is not None and not graceful:
+                self.follower_group.close()

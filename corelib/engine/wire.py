@@ -355,3 +355,5 @@ class WorkerArgs:
     register_host: bool
     master_address: str = "127.0.0.1"  # tensor parallelism: the process group's rendezvous
     master_port: int = 0
+    local_rank: int = 0  # this rank's place on its node: its device index and its consumer index in the ring
+    local_world: int = 1  # ranks on this node (engine.tp / nodes): the ring's consumers

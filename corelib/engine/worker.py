@@ -155,7 +155,7 @@ class Worker:
         from corelib.plugins import PluginRegistry
 
         backend = PluginRegistry().get(args.spec.backend)
-        device = backend.open(dataclasses.replace(args.spec, device_index=args.spec.device_index + args.rank))
+        device = backend.open(dataclasses.replace(args.spec, device_index=args.spec.device_index + args.local_rank))
         layout = EngineLayout.of(args.config)
         shard = None
         if args.world_size > 1:
@@ -167,10 +167,10 @@ class Worker:
         steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging)
         spin_us = args.config.engine.shm.spin_us
         watch = self._parent_watch()
-        ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes, num_consumers=args.world_size)
+        ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes, num_consumers=args.local_world)
         registration = device.register_host(ring.whole) if args.register_host else None
-        consumer = Consumer(ring, args.rank, args.doorbell_fd, args.release_fd, self.timeout, alive=self.parent_gone,
-                            name=f"input ring (rank {args.rank})", spin_us=spin_us, watch=watch)
+        consumer = Consumer(ring, args.local_rank, args.doorbell_fd, args.release_fd, self.timeout,
+                            alive=self.parent_gone, name=f"input ring (rank {args.rank})", spin_us=spin_us, watch=watch)
         results: Producer | None = None
         if args.result_doorbell_fd >= 0 and args.result_release_fd >= 0:
             out = Ring.attach(args.result_ring, args.num_slots, args.result_slot_bytes)
@@ -192,7 +192,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the scheduler decides
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     args: WorkerArgs = pickle.loads(sys.stdin.buffer.read())
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.world_size)))
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.local_world)))
     worker = Worker(args)
     try:
         worker.run()

@@ -130,9 +130,11 @@ def test_torchrun_launches_one_process_and_its_rendezvous_is_honoured(monkeypatc
     from corelib.engine.parallel import rendezvous
 
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"torchrun --nproc-per-node=1"):
         Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.tp=2"])
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29533")
     assert rendezvous() == ("127.0.0.1", 29533)

@@ -1,0 +1,417 @@
+"""Tensor parallelism across nodes: torchrun starts one corelib per node, and node 0 schedules.
+
+``torchrun --nnodes=N --nproc-per-node=1 ... -m corelib run engine.tp=T`` gives every node the
+same command. Node 0 runs the scheduler and its share of the ranks; every other node runs a
+*follower*: it starts its own ranks (``T / N`` per node, fed by that node's SHM ring) and
+writes into that ring each input frame node 0 sends it. Frames cross nodes through
+torch.distributed point-to-point messages on a gloo group of the launcher processes (the
+ranks' all-reduces keep the device's own library); nothing here opens a socket itself.
+
+Each direction carries a heartbeat when idle (:data:`HEARTBEAT_S`), so a node that dies is
+noticed at once (its connections close) and a node that hangs within ``engine.timeout_s``.
+A follower reports a failure of its own ranks to node 0 on a second group, and node 0 names
+the node and its ranks first in the error it raises; a follower that loses node 0 stops its
+ranks and exits, naming node 0. Either way both nodes stop.
+
+No configuration travels between nodes (nothing is unpickled from the network): each node
+composes its own from the same command line, and node 0 refuses to start when a follower's
+engine, model or backend digest differs from its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+
+from corelib.engine.wire import FrameHeader, FrameKind
+from corelib.errors import ConfigError, TransportError, WorkerDied, one_line
+
+if TYPE_CHECKING:
+    from corelib.engine.transport import ShmExecutor
+    from corelib.startup import Startup
+
+HEARTBEAT_S = 1.0  # each side sends at least this often, so silence longer than the timeout means a hung node
+_POLL_S = 0.1  # how often a follower looks at its own ranks between heartbeats
+_STATUS_BYTES = 2048  # a failure message, UTF-8, cut to this
+
+
+class _Code(enum.IntEnum):
+    """The first word of every message between nodes."""
+
+    HEARTBEAT = 0
+    FRAME = 1  # followed by the frame: packed header, then payload
+    DONE = 2  # the sender stops normally
+    FAILED = 3  # followed by a message saying why
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node this process is and which tensor-parallel ranks run here."""
+
+    node: int
+    nodes: int
+    tp: int
+
+    @property
+    def per_node(self) -> int:
+        return self.tp // self.nodes
+
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+    @property
+    def local_ranks(self) -> range:
+        return self.ranks_of(self.node)
+
+    @property
+    def follower(self) -> bool:
+        return self.node > 0
+
+    def name(self, node: int) -> str:
+        """``node 1 (worker rank 1)`` or ``node 1 (worker ranks 2-3)``."""
+        ranks = self.ranks_of(node)
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        return f"node {node} (worker {which})"
+
+    @classmethod
+    def from_environment(cls, tp: int) -> Topology:
+        """From torchrun's variables; one node when not started by torchrun."""
+        nodes, local_world = launched_nodes(), os.environ.get("LOCAL_WORLD_SIZE", "1")
+        if nodes == 1:
+            return cls(0, 1, tp)
+        if local_world.isdigit() and int(local_world) > 1:
+            raise ConfigError(
+                f"torchrun started {local_world} processes per node, but corelib starts one worker process per "
+                "rank itself (engine.tp): launch it with torchrun --nproc-per-node=1"
+            )
+        node = int(os.environ.get("RANK", "0"))
+        if tp % nodes:
+            raise ConfigError(
+                f"engine.tp={tp} cannot be spread over the {nodes} nodes torchrun started: engine.tp must be a "
+                f"multiple of the number of nodes (each node runs engine.tp / nodes ranks)"
+            )
+        return cls(node, nodes, tp)
+
+
+def launched_nodes() -> int:
+    """How many corelib processes torchrun started (one per node); 1 without torchrun."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return int(world) if world.isdigit() and int(world) > 1 else 1
+
+
+def engine_digest(startup: Startup, slot_bytes: int) -> int:
+    """What every node must agree on: the engine, the model, the backend, the plan, the slot size."""
+    cfg, spec = startup.config, startup.spec
+    text = repr((cfg.engine, cfg.model, spec.backend, spec.runtime.value, startup.options, slot_bytes))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+class NodeGroup:
+    """The launcher processes' gloo groups: frames on one, status on the other (no two threads share one)."""
+
+    def __init__(self, topology: Topology, timeout_s: float, startup_timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.topology = topology
+        self.timeout = timedelta(seconds=timeout_s)
+        self.startup_timeout = timedelta(seconds=startup_timeout_s)
+        if dist.is_initialized():
+            raise ConfigError("a torch.distributed process group is already set up in this process; corelib "
+                              "joins the nodes' group itself")
+        # torchrun exported MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE for exactly this.
+        dist.init_process_group("gloo", init_method="env://", rank=topology.node, world_size=topology.nodes,
+                                timeout=timedelta(seconds=startup_timeout_s))
+        self.frames = dist.group.WORLD
+        self.status = dist.new_group(backend="gloo", timeout=timedelta(seconds=startup_timeout_s))
+
+    def agree(self, digest: int, port: int) -> tuple[str, int]:
+        """Node 0's choice of the ranks' rendezvous port; raises on every node if any node's digest differs."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([port, digest], dtype=torch.int64)
+        chosen = mine.clone()
+        dist.broadcast(chosen, src=0)
+        same = torch.tensor([1 if int(chosen[1]) == digest else 0], dtype=torch.int64)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if int(same.item()) != 1:
+            raise ConfigError(
+                "the nodes composed different engines (engine, model, backend or plan differ from node 0's): "
+                "start every node with the same command and the same backend"
+            )
+        return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(chosen[0])
+
+    def send(self, code: _Code, data: torch.Tensor | None, peer: int, status: bool = False,
+             first: bool = False) -> None:
+        """One message; ``first``: the peer may still be starting (its ranks load weights), so wait longer."""
+        import torch.distributed as dist
+
+        group, timeout = self.status if status else self.frames, self.startup_timeout if first else self.timeout
+        meta = torch.tensor([int(code), 0 if data is None else data.numel()], dtype=torch.int64)
+        _finish(dist.isend(meta, dst=peer, group=group), timeout)
+        if data is not None:
+            _finish(dist.isend(data, dst=peer, group=group), timeout)
+
+    def receive(self, peer: int, status: bool = False, first: bool = False) -> tuple[_Code, torch.Tensor | None]:
+        """The next message from ``peer``; raises after the timeout (a healthy peer sends heartbeats)."""
+        import torch.distributed as dist
+
+        group, timeout = self.status if status else self.frames, self.startup_timeout if first else self.timeout
+        meta = torch.empty(2, dtype=torch.int64)
+        _finish(dist.irecv(meta, src=peer, group=group), timeout)
+        code, size = _Code(int(meta[0])), int(meta[1])
+        if size == 0:
+            return code, None
+        data = torch.empty(size, dtype=torch.uint8)
+        _finish(dist.irecv(data, src=peer, group=group), self.timeout)
+        return code, data
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a peer that is gone cannot take part in the goodbye
+                dist.destroy_process_group()
+
+
+def _lost(error: BaseException) -> str:
+    """Why a peer cannot be reached, without the collective library's advice."""
+    text = one_line(error)
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return "its connection closed (the node stopped, crashed or lost the network)"
+    if "Timed out" in text or "timed out" in text:
+        return f"it sent nothing within the timeout ({text})"
+    return text
+
+
+def _finish(work: object, timeout: timedelta) -> None:
+    """Wait for a point-to-point message (torch types the work as optional)."""
+    if work is None:
+        raise TransportError("torch.distributed returned no work for a point-to-point message")
+    work.wait(timeout)  # type: ignore[attr-defined]
+
+
+def _frame_bytes(header: FrameHeader, payload: torch.Tensor | bytes | memoryview | None) -> torch.Tensor:
+    head = header.packed()
+    if payload is None:
+        body = b""
+    elif isinstance(payload, torch.Tensor):
+        body = payload.contiguous().view(torch.uint8).numpy().tobytes()
+    else:
+        body = bytes(payload)
+    return torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+
+
+class NodeLink:
+    """Node 0's end: every input frame to the other nodes, and their health back."""
+
+    def __init__(self, topology: Topology, timeout_s: float, startup_timeout_s: float) -> None:
+        self.topology = topology
+        self.timeout = timeout_s
+        self.group = NodeGroup(topology, timeout_s, startup_timeout_s)
+        self._outbox: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self._failures: dict[int, str] = {}  # the first news of each node that failed, in order
+        self._failed = threading.Event()
+        self._lock = threading.Lock()
+        self._done: set[int] = set()
+        self._threads = [threading.Thread(target=self._send_loop, name="corelib-node-sender", daemon=True)]
+        self._threads += [threading.Thread(target=self._status_loop, args=(node,), name=f"corelib-node-{node}",
+                                           daemon=True) for node in range(1, topology.nodes)]
+
+    def agree(self, digest: int) -> tuple[str, int]:
+        """Check that every node built the same engine; the ranks' rendezvous address and port."""
+        return self.group.agree(digest, _free_port())
+
+    def start(self) -> None:
+        """Once this node's ranks are ready (so every node's ranks started): frames out, health in."""
+        for thread in self._threads:
+            thread.start()
+
+    def forward(self, header: FrameHeader, payload: torch.Tensor | bytes | memoryview | None) -> None:
+        """Queue a frame just written to this node's ring for every other node (in order, copied now)."""
+        if header.kind is FrameKind.memory:
+            return  # answered by this node's ranks only
+        self._outbox.put(_frame_bytes(header, payload))
+
+    def why_gone(self, wait_s: float = 0.0) -> str | None:
+        """What went wrong on another node, or None; waits up to ``wait_s`` for news to arrive."""
+        if wait_s > 0:
+            self._failed.wait(wait_s)
+        with self._lock:
+            return "; then ".join(self._failures.values()) if self._failures else None
+
+    def _fail(self, peer: int, message: str) -> None:
+        with self._lock:
+            self._failures.setdefault(peer, message)
+        self._failed.set()
+
+    def _send_loop(self) -> None:
+        peers = range(1, self.topology.nodes)
+        first = True
+        while True:
+            try:
+                frame = self._outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                frame = torch.empty(0, dtype=torch.uint8)  # a heartbeat
+            for peer in peers:
+                if peer in self._done:
+                    continue
+                try:
+                    if frame is None:
+                        self.group.send(_Code.DONE, None, peer, first=first)
+                    elif frame.numel() == 0:
+                        self.group.send(_Code.HEARTBEAT, None, peer, first=first)
+                    else:
+                        self.group.send(_Code.FRAME, frame, peer, first=first)
+                except Exception as error:  # noqa: BLE001 - any failure to reach a node means it is gone
+                    self._fail(peer, f"{self.topology.name(peer)} is gone: {_lost(error)}")
+                    self._done.add(peer)
+            first = False
+            if frame is None:
+                return
+
+    def _status_loop(self, peer: int) -> None:
+        first = True
+        while True:
+            try:
+                code, data = self.group.receive(peer, status=True, first=first)
+                first = False
+            except Exception as error:  # noqa: BLE001 - a closed connection or silence past the timeout
+                if peer not in self._done:
+                    self._fail(peer, f"{self.topology.name(peer)} is gone: {_lost(error)}")
+                return
+            if code is _Code.FAILED:
+                text = bytes(data.numpy()).decode(errors="replace") if data is not None else "no reason given"
+                self._fail(peer, f"{self.topology.name(peer)} stopped: {text}")
+                return
+            if code is _Code.DONE:
+                return
+
+    def close(self, graceful: bool) -> None:
+        """Tell the other nodes to stop (after the stop frame, when ``graceful``), then leave the group."""
+        self._outbox.put(None)
+        deadline = time.monotonic() + (self.timeout if graceful else 2 * HEARTBEAT_S)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        if not any(thread.is_alive() for thread in self._threads):
+            self.group.close()  # a thread still inside a receive would wait on a destroyed group
+
+
+class Follower:
+    """A node other than 0: its ranks' ring, fed with the frames node 0 sends, until node 0 says stop."""
+
+    def __init__(self, startup: Startup, topology: Topology, announce: Callable[[str], None]) -> None:
+        from corelib.engine.build import EngineLayout
+        from corelib.engine.transport import ShmExecutor
+
+        self.topology = topology
+        self.announce = announce
+        self.executor: ShmExecutor = ShmExecutor(startup, startup.options, EngineLayout.of(startup.config),
+                                                 topology=topology)
+        link = self.executor.follower_group
+        assert link is not None, "a follower's executor joins the nodes' group"
+        self.group = link
+        self._stop = threading.Event()
+        self._local_failure: str | None = None  # one of this node's ranks stopped (set by the status thread)
+        self._status = threading.Thread(target=self._report_loop, name="corelib-node-status", daemon=True)
+
+    def run(self) -> None:
+        """Until node 0 stops; raises naming node 0 when it is gone, or this node's rank that failed."""
+        name0, mine = self.topology.name(0), self.topology.name(self.topology.node)
+        self._status.start()
+        self.announce(f"{self.topology.name(self.topology.node)} of {self.topology.nodes}: following node 0")
+        frames, heard = 0, False
+        try:
+            while True:
+                try:
+                    code, data = self.group.receive(0, first=not heard)
+                    heard = True
+                except Exception as error:  # noqa: BLE001 - node 0 closed its end or went silent
+                    gone = f"{name0} is gone: {_lost(error)}"
+                    if self._local_failure is not None:  # this node failed first; node 0 stopped because of it
+                        raise WorkerDied(f"{mine}: {self._local_failure}; then {gone}") from None
+                    raise WorkerDied(gone) from None
+                if self._local_failure is not None:
+                    raise WorkerDied(f"{mine}: {self._local_failure}")
+                if code is _Code.DONE:
+                    break
+                if code is _Code.HEARTBEAT:
+                    continue
+                if code is not _Code.FRAME or data is None:
+                    raise TransportError(f"{name0} sent message code {int(code)} where a frame was expected")
+                self._write(data, frames)
+                frames += 1
+        finally:
+            self._stop.set()
+            self._status.join(2 * HEARTBEAT_S)
+        self.announce(f"{mine}: node 0 finished; {frames} frames followed")
+
+    def _write(self, data: torch.Tensor, index: int) -> None:
+        """Check a frame from node 0 (its header and CRC-32C) and write it into this node's ring."""
+        view = memoryview(data.numpy().tobytes())
+        where = f"frame {index} from node 0"
+        header = FrameHeader.unpack_from(view, where)
+        start = header.nbytes
+        payload = view[start:]
+        if len(payload) != header.payload_len or header.crc(payload) != header.checksum:
+            raise TransportError(f"{where}: the frame is damaged (its length or CRC-32C does not match)")
+        self.executor.write_frame(header, payload if header.payload_len else None)
+
+    def _report_loop(self) -> None:
+        """Heartbeats to node 0; this node's failure as soon as one of its ranks stops."""
+        last = 0.0
+        while not self._stop.is_set():
+            reason = self.executor.why_gone()
+            try:
+                if reason is not None:
+                    self._local_failure = reason
+                    data = torch.frombuffer(bytearray(reason.encode()[:_STATUS_BYTES]), dtype=torch.uint8)
+                    self.group.send(_Code.FAILED, data, 0, status=True)
+                    return
+                if time.monotonic() - last >= HEARTBEAT_S:
+                    self.group.send(_Code.HEARTBEAT, None, 0, status=True, first=last == 0.0)
+                    last = time.monotonic()
+            except Exception:  # noqa: BLE001 - node 0 is gone: the frame loop says so
+                return
+            self._stop.wait(_POLL_S)
+        with contextlib.suppress(Exception):
+            self.group.send(_Code.DONE, None, 0, status=True)
+
+    def close(self, graceful: bool) -> None:
+        try:
+            self.executor.close(self.executor.timeout) if graceful else self.executor.stop_now()
+        finally:
+            self.group.close()
+
+
+def follow(startup: Startup, announce: Callable[[str], None]) -> bool:
+    """On a follower node, serve node 0 until it stops and return True; on node 0 (or one node), False."""
+    topology = Topology.from_environment(startup.config.engine.tp)
+    if not topology.follower:
+        return False
+    follower = Follower(startup, topology, announce)
+    graceful = False
+    try:
+        follower.run()
+        graceful = True
+    finally:
+        follower.close(graceful)
+    return True

@@ -1,0 +1,161 @@
+"""Tensor parallelism across nodes: two torchrun launchers on 127.0.0.1 play two nodes (gloo).
+
+Each node is a ``torchrun --nnodes=2 --nproc-per-node=1`` process in a session of its own, as
+on two machines: node 0 schedules and runs rank 0, node 1 runs rank 1 from its own SHM ring,
+fed with node 0's frames through torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import HERMETIC_VARIABLES
+
+from corelib.engine.nodes import Topology
+from corelib.errors import ConfigError
+
+WORKLOAD = ["workload.num_requests=6", "workload.output_len_min=4", "workload.output_len_max=24",
+            "workload.ignore_eos=true"]
+BACKENDS = {
+    "cpu": ["backend=cpu"],
+    "npu-emulated-chaos": ["backend=npu", "backend.emulator.chaos=0.3"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
+
+
+def _launch(node: int, port: int, where: Path, overrides: list[str]) -> subprocess.Popen[bytes]:
+    """One node; its output goes to files (a pipe nobody reads while the other node is awaited would fill)."""
+    where.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+               "-m", "corelib", "run", *overrides, f"hydra.run.dir={where / 'run'}"]
+    with (where / "stdout").open("wb") as out, (where / "stderr").open("wb") as err:
+        return subprocess.Popen(command, cwd=where, env=_environment(), stdout=out, stderr=err,
+                                start_new_session=True)
+
+
+def _finish(process: subprocess.Popen[bytes], timeout: float) -> tuple[int, str, str]:
+    where = Path(str(process.args[-1]).removeprefix("hydra.run.dir=")).parent  # type: ignore[index]
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_node(process)
+    out, err = ((where / name).read_text(errors="replace") for name in ("stdout", "stderr"))
+    if process.returncode == -signal.SIGKILL:
+        pytest.fail(f"{where.name} did not stop within {timeout:g} s:\n{out[-2000:]}\n{err[-4000:]}")
+    return process.returncode, out, err
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_node(process: subprocess.Popen[bytes]) -> None:
+    """Every process of a node at once, as when the machine goes down (torchrun starts its workers in
+    sessions of their own, so its process group is not enough)."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _tokens(run_dir: Path) -> dict[str, list[int]]:
+    lines = (run_dir / "outputs.jsonl").read_text().splitlines()
+    return {record["id"]: record["output_token_ids"] for record in map(json.loads, lines)}
+
+
+def _corelib_errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("corelib: error:")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_two_nodes_give_the_tokens_of_one_rank(tmp_path: Path, backend: str) -> None:
+    overrides = [*BACKENDS[backend], *WORKLOAD]
+    single = subprocess.run([sys.executable, "-m", "corelib", "run", *overrides,
+                             f"hydra.run.dir={tmp_path / 'tp1'}"], cwd=tmp_path, env=_environment(),
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert single.returncode == 0, single.stderr
+    port = _free_port()
+    tp2 = [*overrides, "engine.transport=shm", "engine.tp=2"]
+    nodes = [_launch(node, port, tmp_path / f"node{node}", tp2) for node in (0, 1)]
+    results = [_finish(process, 300) for process in nodes]
+    for node, (code, out, err) in enumerate(results):
+        assert code == 0, f"node {node} exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+    assert _tokens(tmp_path / "node0" / "run") == _tokens(tmp_path / "tp1")
+    assert "node 1 (worker rank 1) of 2: following node 0" in results[1][1]
+    assert not (tmp_path / "node1" / "run" / "outputs.jsonl").exists(), "only node 0 writes the outputs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killing_either_node_stops_both_naming_it(tmp_path: Path, victim: int) -> None:
+    # Requests arrive for about a minute, so both nodes are mid-run when one is killed.
+    overrides = ["backend=cpu", "engine.transport=shm", "engine.tp=2", "engine.timeout_s=20",
+                 "workload.num_requests=300", "workload.request_rate=5"]
+    port = _free_port()
+    nodes = [_launch(node, port, tmp_path / f"node{node}", overrides) for node in (0, 1)]
+    try:
+        outputs = tmp_path / "node0" / "run" / "outputs.jsonl"
+        deadline = time.monotonic() + 180
+        while len(outputs.read_text().splitlines() if outputs.exists() else []) < 5:
+            assert time.monotonic() < deadline, "node 0 finished no request"
+            assert all(process.poll() is None for process in nodes), "a node stopped before the kill"
+            time.sleep(0.5)
+        _kill_node(nodes[victim])
+        killed_at = time.monotonic()
+        code, out, err = _finish(nodes[1 - victim], 120)
+        took = time.monotonic() - killed_at
+    finally:
+        for process in nodes:
+            _kill_node(process)
+    errors = _corelib_errors(err)
+    assert code != 0 and errors, f"the surviving node exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+    assert f"node {victim} (worker rank {victim}) is gone" in errors[0], errors
+    assert took < 60, f"the surviving node took {took:.0f} s to stop"
+
+
+def test_topology_from_torchruns_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert Topology.from_environment(4) == Topology(0, 1, 4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    topology = Topology.from_environment(4)
+    assert (topology.follower, list(topology.local_ranks)) == (True, [2, 3])
+    assert topology.name(0) == "node 0 (worker ranks 0-1)"
+    with pytest.raises(ConfigError, match=r"engine.tp=3 cannot be spread over the 2 nodes"):
+        Topology.from_environment(3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"torchrun --nproc-per-node=1"):
+        Topology.from_environment(4)
