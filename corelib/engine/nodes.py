@@ -331,6 +331,7 @@ class Follower:
         self.group = link
         self._stop = threading.Event()
         self._local_failure: str | None = None  # one of this node's ranks stopped (set by the status thread)
+        self._stopping = False  # node 0's stop frame is in the ring: the ranks exit, and node 0 may leave
         self._status = threading.Thread(target=self._report_loop, name="corelib-node-status", daemon=True)
 
     def run(self) -> None:
@@ -345,11 +346,13 @@ class Follower:
                     code, data = self.group.receive(0, first=not heard)
                     heard = True
                 except Exception as error:  # noqa: BLE001 - node 0 closed its end or went silent
+                    if self._stopping:
+                        break  # node 0 sent its stop frame and left before its goodbye reached us
                     gone = f"{name0} is gone: {_lost(error)}"
                     if self._local_failure is not None:  # this node failed first; node 0 stopped because of it
                         raise WorkerDied(f"{mine}: {self._local_failure}; then {gone}") from None
                     raise WorkerDied(gone) from None
-                if self._local_failure is not None:
+                if self._local_failure is not None and not self._stopping:
                     raise WorkerDied(f"{mine}: {self._local_failure}")
                 if code is _Code.DONE:
                     break
@@ -373,13 +376,15 @@ class Follower:
         payload = view[start:]
         if len(payload) != header.payload_len or header.crc(payload) != header.checksum:
             raise TransportError(f"{where}: the frame is damaged (its length or CRC-32C does not match)")
+        if header.kind is FrameKind.stop:
+            self._stopping = True  # before the write: the ranks may exit the moment they read it
         self.executor.write_frame(header, payload if header.payload_len else None)
 
     def _report_loop(self) -> None:
         """Heartbeats to node 0; this node's failure as soon as one of its ranks stops."""
         last = 0.0
         while not self._stop.is_set():
-            reason = self.executor.why_gone()
+            reason = None if self._stopping else self.executor.why_gone()
             try:
                 if reason is not None:
                     self._local_failure = reason

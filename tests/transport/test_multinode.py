@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,14 +42,14 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
 
 
-def _launch(node: int, port: int, where: Path, overrides: list[str]) -> subprocess.Popen[bytes]:
+def _launch(node: int, port: int, where: Path, overrides: list[str], command: str = "run") -> subprocess.Popen[bytes]:
     """One node; its output goes to files (a pipe nobody reads while the other node is awaited would fill)."""
     where.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-               f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-               "-m", "corelib", "run", *overrides, f"hydra.run.dir={where / 'run'}"]
+    command_line = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                    f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                    "-m", "corelib", command, *overrides, f"hydra.run.dir={where / 'run'}"]
     with (where / "stdout").open("wb") as out, (where / "stderr").open("wb") as err:
-        return subprocess.Popen(command, cwd=where, env=_environment(), stdout=out, stderr=err,
+        return subprocess.Popen(command_line, cwd=where, env=_environment(), stdout=out, stderr=err,
                                 start_new_session=True)
 
 
@@ -115,6 +116,42 @@ def test_two_nodes_give_the_tokens_of_one_rank(tmp_path: Path, backend: str) -> 
     assert _tokens(tmp_path / "node0" / "run") == _tokens(tmp_path / "tp1")
     assert "node 1 (worker rank 1) of 2: following node 0" in results[1][1]
     assert not (tmp_path / "node1" / "run" / "outputs.jsonl").exists(), "only node 0 writes the outputs"
+
+
+@pytest.mark.slow
+def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path) -> None:
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from corelib.engine import Engine, SamplingParams
+
+    prompt = [5, 6, 7]
+    with Engine.from_overrides(["backend=cpu"]) as engine:
+        expected = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_token_ids
+    port, http_port = _free_port(), _free_port()
+    overrides = ["backend=cpu", "engine.transport=shm", "engine.tp=2", f"server.port={http_port}"]
+    nodes = [_launch(node, port, tmp_path / f"node{node}", overrides, command="serve") for node in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert all(process.poll() is None for process in nodes), "a node stopped while starting"
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server never became healthy"
+            time.sleep(1)
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60).json()
+        nodes[0].send_signal(signal.SIGTERM)  # torchrun passes it to node 0's corelib
+        results = [_finish(process, 60) for process in nodes]
+    finally:
+        for process in nodes:
+            _kill_node(process)
+    text = answer["choices"][0]["text"]  # no tokenizer: each token id as <id>
+    assert [int(t) for t in re.findall(r"<(\d+)>", text)] == expected, answer
+    code, out, err = results[1]
+    assert code == 0 and "node 0 finished" in out, f"node 1 exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
 
 
 @pytest.mark.slow
