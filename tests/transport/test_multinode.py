@@ -155,8 +155,8 @@ def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [0, 1])
-def test_killing_either_node_stops_both_naming_it(tmp_path: Path, victim: int) -> None:
+@pytest.mark.parametrize("victim", ["node 0", "node 1", "rank 1"])
+def test_killing_a_node_or_a_rank_stops_both_naming_it(tmp_path: Path, victim: str) -> None:
     # Requests arrive for about a minute, so both nodes are mid-run when one is killed.
     overrides = ["backend=cpu", "engine.transport=shm", "engine.tp=2", "engine.timeout_s=20",
                  "workload.num_requests=300", "workload.request_rate=5"]
@@ -169,16 +169,29 @@ def test_killing_either_node_stops_both_naming_it(tmp_path: Path, victim: int) -
             assert time.monotonic() < deadline, "node 0 finished no request"
             assert all(process.poll() is None for process in nodes), "a node stopped before the kill"
             time.sleep(0.5)
-        _kill_node(nodes[victim])
+        if victim == "rank 1":  # only node 1's worker process: node 1's launcher reports it
+            (worker,) = [pid for pid in _descendants(nodes[1].pid)
+                         if b"corelib.engine.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            os.kill(worker, signal.SIGKILL)
+        else:
+            _kill_node(nodes[int(victim[-1])])
         killed_at = time.monotonic()
-        code, out, err = _finish(nodes[1 - victim], 120)
+        survivors = [0, 1] if victim == "rank 1" else [1 - int(victim[-1])]
+        results = {node: _finish(nodes[node], 120) for node in survivors}
         took = time.monotonic() - killed_at
     finally:
         for process in nodes:
             _kill_node(process)
-    errors = _corelib_errors(err)
-    assert code != 0 and errors, f"the surviving node exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
-    assert f"node {victim} (worker rank {victim}) is gone" in errors[0], errors
+    expected = {
+        "node 0": {1: "node 0 (worker rank 0) is gone"},
+        "node 1": {0: "node 1 (worker rank 1) is gone"},
+        "rank 1": {0: "node 1 (worker rank 1) stopped: worker rank 1 (pid ",
+                   1: "node 1 (worker rank 1): worker rank 1 (pid "},
+    }[victim]
+    for node, (code, out, err) in results.items():
+        errors = _corelib_errors(err)
+        assert code != 0 and errors, f"node {node} exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+        assert expected[node] in errors[0], errors
     assert took < 60, f"the surviving node took {took:.0f} s to stop"
 
 
