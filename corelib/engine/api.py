@@ -453,6 +453,20 @@ class Engine:
             self._check_open()
             return self.core.memory_stats()
 
+    def check_alive(self) -> None:
+        """Raise, ending every request, when the engine's workers (or, across nodes, another node) are gone.
+
+        A step finds that out by itself; an engine with nothing to do calls this now and then
+        (the server does, every second), so that it stops without waiting for a request.
+        """
+        with self._driving("check_alive"):
+            self._check_open()
+            try:
+                self.core.executor.check_alive()
+            except BaseException as error:
+                self._fail(error)
+                raise
+
     def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far (percentiles: the latest engine.metrics_window)."""
         return self.core.metrics_summary(wall_s)

@@ -54,6 +54,10 @@ class Executor(ABC):
     def memory_stats(self) -> list[MemoryStats]:
         """What each device of this executor holds, one entry per rank."""
 
+    def check_alive(self) -> None:
+        """Raise when what runs the steps is gone, even with no step in flight (nothing to check by default)."""
+        return None
+
     def attach_tracer(self, tracer: Tracer) -> None:
         """Record spans of what this executor runs (nothing by default)."""
         del tracer

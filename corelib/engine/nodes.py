@@ -338,7 +338,7 @@ class Follower:
         """Until node 0 stops; raises naming node 0 when it is gone, or this node's rank that failed."""
         name0, mine = self.topology.name(0), self.topology.name(self.topology.node)
         self._status.start()
-        self.announce(f"{self.topology.name(self.topology.node)} of {self.topology.nodes}: following node 0")
+        self.announce(f"{mine} of {self.topology.nodes}: following node 0")
         frames, heard = 0, False
         try:
             while True:

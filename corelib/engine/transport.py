@@ -260,6 +260,14 @@ class ShmExecutor(Executor):
             return error
         return WorkerDied(f"{error}; at step {step_id}: {self.producer.progress()}")
 
+    def check_alive(self) -> None:
+        """Raise WorkerDied when a worker (or, across nodes, another node) is gone; for an idle engine."""
+        self._check_usable()
+        reason = self.why_gone()
+        if reason is not None:
+            self.failure = WorkerDied(reason)
+            raise self.failure
+
     def _check_usable(self) -> None:
         if self.failure is not None:
             raise TransportError(f"the SHM transport already failed: {self.failure}")

@@ -35,6 +35,7 @@ from corelib.server.messages import (
 from corelib.server.served import ServedEngine
 
 log = logging.getLogger("corelib.server")
+IDLE_CHECK_S = 1.0  # with nothing to do, how often the loop asks whether the engine can still run steps
 
 
 @dataclass
@@ -88,7 +89,12 @@ class EngineLoop:
                     self._end_all("the engine lost track of the request", server_error=True)
 
     def _commands(self, block: bool) -> list[Command]:
-        commands = [self._inbox.get()] if block else []
+        commands: list[Command] = []
+        while block and not commands:
+            try:
+                commands.append(self._inbox.get(timeout=IDLE_CHECK_S))
+            except queue.Empty:
+                self._engine.check_alive()  # idle: a worker or node that went away ends the engine now
         while True:
             try:
                 commands.append(self._inbox.get_nowait())

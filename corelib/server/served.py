@@ -47,6 +47,10 @@ class ServedEngine(Protocol):
 
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]: ...
 
+    def check_alive(self) -> None:
+        """Raise when the engine can no longer run steps (its workers or another node are gone)."""
+        ...
+
     def kv_blocks(self) -> tuple[int, int]:
         """(free, usable) KV-cache blocks."""
         ...
@@ -88,6 +92,9 @@ class EngineAdapter:
 
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]:
         return self.engine.step_tokens(tracker)
+
+    def check_alive(self) -> None:
+        self.engine.check_alive()
 
     def kv_blocks(self) -> tuple[int, int]:
         blocks = self.engine.scheduler.blocks

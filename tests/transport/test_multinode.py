@@ -119,7 +119,8 @@ def test_two_nodes_give_the_tokens_of_one_rank(tmp_path: Path, backend: str) -> 
 
 
 @pytest.mark.slow
-def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["SIGTERM to node 0", "node 1 killed while idle"])
+def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path, ending: str) -> None:
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from corelib.engine import Engine, SamplingParams
@@ -128,6 +129,7 @@ def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path) -> None:
     with Engine.from_overrides(["backend=cpu"]) as engine:
         expected = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_token_ids
     port, http_port = _free_port(), _free_port()
+    health = f"http://127.0.0.1:{http_port}/health"
     overrides = ["backend=cpu", "engine.transport=shm", "engine.tp=2", f"server.port={http_port}"]
     nodes = [_launch(node, port, tmp_path / f"node{node}", overrides, command="serve") for node in (0, 1)]
     try:
@@ -135,7 +137,7 @@ def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path) -> None:
         while True:
             assert all(process.poll() is None for process in nodes), "a node stopped while starting"
             try:
-                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
+                if httpx.get(health, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -143,15 +145,26 @@ def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path) -> None:
             time.sleep(1)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60).json()
+        if ending == "node 1 killed while idle":
+            _kill_node(nodes[1])
+            killed_at = time.monotonic()
+            while (state := httpx.get(health, timeout=5)).status_code == 200:
+                assert time.monotonic() - killed_at < 30, "node 0 went on as if node 1 were there"
+                time.sleep(0.5)
+            reason = state.json().get("reason", "")
         nodes[0].send_signal(signal.SIGTERM)  # torchrun passes it to node 0's corelib
-        results = [_finish(process, 60) for process in nodes]
+        results = {node: _finish(nodes[node], 60) for node in (0, 1) if nodes[node].poll() is None}
     finally:
         for process in nodes:
             _kill_node(process)
     text = answer["choices"][0]["text"]  # no tokenizer: each token id as <id>
     assert [int(t) for t in re.findall(r"<(\d+)>", text)] == expected, answer
-    code, out, err = results[1]
-    assert code == 0 and "node 0 finished" in out, f"node 1 exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+    if ending == "SIGTERM to node 0":
+        code, out, err = results[1]
+        assert code == 0 and "node 0 finished" in out, f"node 1 exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+    else:
+        # The engine stops at once; the HTTP server stays up to say why (503) until it is stopped.
+        assert "node 1 (worker rank 1) is gone" in reason, reason
 
 
 @pytest.mark.slow

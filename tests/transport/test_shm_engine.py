@@ -129,3 +129,17 @@ def test_running_two_steps_ahead_over_shm_gives_the_tokens_of_one_ahead_and_of_s
     assert deepest == 2, f"at most {deepest} steps were left in flight: the scheduler never ran two steps ahead"
     assert two_ahead == tokens([*base, "engine.async_token_handoff=on", "engine.run_ahead=1"])
     assert two_ahead == tokens([*base, "engine.async_token_handoff=off"])
+
+
+def test_an_idle_engine_notices_a_dead_worker() -> None:
+    engine = Engine.from_overrides(["backend=cpu", "engine.transport=shm"])
+    executor = engine.core.executor
+    assert isinstance(executor, ShmExecutor)
+    engine.check_alive()  # all well: nothing raised
+    pid = executor.ranks[0].process.pid
+    os.kill(pid, signal.SIGKILL)
+    executor.ranks[0].process.wait()
+    with pytest.raises(WorkerDied, match=rf"worker rank 0 \(pid {pid}\) was killed by SIGKILL"):
+        engine.check_alive()
+    assert not engine.has_unfinished
+    engine.close()
