@@ -100,6 +100,7 @@ def _corelib_errors(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.multinode
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_two_nodes_give_the_tokens_of_one_rank(tmp_path: Path, backend: str) -> None:
     overrides = [*BACKENDS[backend], *WORKLOAD]
@@ -119,6 +120,7 @@ def test_two_nodes_give_the_tokens_of_one_rank(tmp_path: Path, backend: str) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.multinode
 @pytest.mark.parametrize("ending", ["SIGTERM to node 0", "node 1 killed while idle"])
 def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path, ending: str) -> None:
     httpx = pytest.importorskip("httpx")
@@ -168,6 +170,7 @@ def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path, ending: s
 
 
 @pytest.mark.slow
+@pytest.mark.multinode
 @pytest.mark.parametrize("victim", ["node 0", "node 1", "rank 1"])
 def test_killing_a_node_or_a_rank_stops_both_naming_it(tmp_path: Path, victim: str) -> None:
     # Requests arrive for about a minute, so both nodes are mid-run when one is killed.
