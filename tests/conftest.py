@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -10,6 +11,12 @@ from hydra.core.config_store import ConfigStore
 from support import HERMETIC_VARIABLES, PLUGIN_FIXTURES, Cli, CliResult, EngineFactory, run_python
 
 from corelib.engine import Engine
+
+# A test run started in the background of a script (`pytest &`) inherits SIGINT ignored, and so
+# would every process the tests start: the Ctrl-C tests need it delivered. (A handler, unlike
+# SIG_IGN, is not inherited across exec.)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -48,6 +48,7 @@ from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
 from corelib.isolation import worker_command, worker_environment
 from corelib.startup import Startup
 
+ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
 
 
@@ -186,6 +187,16 @@ class ShmExecutor(Executor):
         reported: list[str] = []
         for rank in self.ranks:
             self._read_control(rank)
+        if len(self.ranks) > 1 and any(rank.message is not None for rank in self.ranks):
+            # A rank whose collective lost its peer reports at once, while the peer that died
+            # may not show as exited yet (its sockets close before it can be waited for): give
+            # the silent ones a moment, so that the root cause is named first.
+            deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
+            for rank in self.ranks:
+                if rank.message is None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        rank.process.wait(max(0.0, deadline - time.monotonic()))
+        for rank in self.ranks:
             if rank.message is not None:
                 reported.append(rank.message)
                 continue
