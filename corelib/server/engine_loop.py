@@ -94,12 +94,23 @@ class EngineLoop:
             try:
                 commands.append(self._inbox.get(timeout=IDLE_CHECK_S))
             except queue.Empty:
-                self._engine.check_alive()  # idle: a worker or node that went away ends the engine now
+                self._check_idle_engine()
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _check_idle_engine(self) -> None:
+        """With nothing to do: a worker or node that went away fails the engine now, as a failed step would."""
+        if self.failure is not None:
+            return
+        try:
+            self._engine.check_alive()
+        except Exception as error:  # noqa: BLE001 - the server and /health hear why; new requests get 503
+            self.failure = one_line(error)
+            log.error("the engine stopped: %s", self.failure)
+            self._send([], [])
 
     def _handle(self, command: Command) -> None:
         engine = self._engine

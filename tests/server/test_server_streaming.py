@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
+
+import pytest
 
 from corelib.engine.api import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker
+from corelib.errors import WorkerDied
 from corelib.server.engine_loop import EngineLoop
 from corelib.server.fake import FakeEngine, FakeSpec
 from corelib.server.inputs import Prepared
@@ -108,3 +112,30 @@ def test_the_engine_loop_told_to_stop_ends_what_runs_and_returns() -> None:
     assert not runner.is_alive(), "the engine loop kept waiting for commands after Stop"
     finals = [final for frame in frames if isinstance(frame, StepFrame) for final in frame.finals]
     assert [(f.request_id, f.ended_by) for f in finals] == [("a", "the server is shutting down")]
+
+
+def test_an_idle_engine_loop_notices_its_engine_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing to do, the loop still asks the engine every IDLE_CHECK_S; a failure is sent at once."""
+    from corelib.server import engine_loop
+
+    monkeypatch.setattr(engine_loop, "IDLE_CHECK_S", 0.05)
+
+    class Gone(FakeEngine):
+        def check_alive(self) -> None:
+            raise WorkerDied("node 1 (worker rank 1) is gone: its connection closed")
+
+    inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+    frames: list[Frame] = []
+    runner = threading.Thread(target=EngineLoop(Gone(FakeSpec(step_ms=0.1)), inbox, frames.append).run, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not frames and time.monotonic() < deadline:
+        time.sleep(0.01)
+    inbox.put(Submit([("late", [1], SamplingParams(max_tokens=3))], final_only=False))
+    inbox.put(Stop("the server is shutting down"))
+    runner.join(10)
+    assert not runner.is_alive()
+    failures = [frame.failure for frame in frames if isinstance(frame, StepFrame) and frame.failure]
+    assert failures and "node 1 (worker rank 1) is gone" in failures[0], frames
+    finals = [final for frame in frames if isinstance(frame, StepFrame) for final in frame.finals]
+    assert [(f.request_id, f.server_error) for f in finals] == [("late", True)]
