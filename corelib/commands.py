@@ -87,9 +87,10 @@ def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> N
     from corelib.bench import bench
     from corelib.engine.nodes import launched_nodes
 
-    if launched_nodes() > 1:
-        raise ConfigError(f"bench measures one node, and torchrun started {launched_nodes()}: run it without "
-                          "torchrun, or with --nnodes=1")
+    nodes = launched_nodes()
+    if nodes > 1:
+        raise ConfigError(f"bench measures one node, and torchrun started {nodes}: run it without torchrun, "
+                          "or with --nnodes=1")
     with reporting(Progress(console)):
         bench(cfg, registry, RunDir(output_dir), console)
 

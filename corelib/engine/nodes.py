@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from corelib.engine.shm import as_bytes
 from corelib.engine.wire import FrameHeader, FrameKind
 from corelib.errors import ConfigError, TransportError, WorkerDied, one_line
 
@@ -209,14 +210,13 @@ def _finish(work: object, timeout: timedelta) -> None:
 
 
 def _frame_bytes(header: FrameHeader, payload: torch.Tensor | bytes | memoryview | None) -> torch.Tensor:
+    """The packed header and the payload in one buffer of its own (one copy of the payload)."""
     head = header.packed()
-    if payload is None:
-        body = b""
-    elif isinstance(payload, torch.Tensor):
-        body = payload.contiguous().view(torch.uint8).numpy().tobytes()
-    else:
-        body = bytes(payload)
-    return torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    body = as_bytes(payload).cast("B") if payload is not None else memoryview(b"")
+    frame = bytearray(len(head) + body.nbytes)
+    frame[: len(head)] = head
+    frame[len(head) :] = body
+    return torch.frombuffer(frame, dtype=torch.uint8)
 
 
 class NodeLink:

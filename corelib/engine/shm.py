@@ -150,7 +150,7 @@ class Ring:
         self.segment.close()
 
 
-def _as_bytes(payload: torch.Tensor | bytes | memoryview) -> memoryview:
+def as_bytes(payload: torch.Tensor | bytes | memoryview) -> memoryview:
     if isinstance(payload, torch.Tensor):
         return payload.numpy().data  # a host uint8 tensor: the copy below is one memcpy
     return memoryview(payload)
@@ -218,7 +218,7 @@ class Producer:
         view = ring.segment.view
         nbytes = 0
         if payload is not None:
-            data = _as_bytes(payload)
+            data = as_bytes(payload)
             nbytes = data.nbytes
             if nbytes > ring.capacity:
                 raise TransportError(
