@@ -12,7 +12,9 @@ Example: ``CORELIB_FAULTS=forward@20 python -m corelib run backend=npu``. Worker
 inherit the variable, so a point inside a worker is reached there.
 
 The variable is read once, when this module is first imported; tests in one process use
-:func:`injected` instead. Unset, a hook costs one call and one truth test.
+:func:`injected` instead, and :func:`gate` to hold a point until the test lets it go (so a test
+can act while a step is known to be in progress, whatever the machine's speed). Unset, a hook
+costs one call and one truth test.
 """
 
 from __future__ import annotations
@@ -64,13 +66,44 @@ def parse(spec: str) -> dict[str, Fault]:
     return faults
 
 
+class Gate:
+    """A point held at its N-th arrival until the test releases it (see :func:`gate`)."""
+
+    def __init__(self, point: str, hit: int, timeout_s: float) -> None:
+        self.point = point
+        self.hit = hit
+        self.timeout_s = timeout_s
+        self.reached = threading.Event()  # set when the held arrival is waiting
+        self._released = threading.Event()
+        self._arrivals = 0
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _arrive(self) -> None:
+        with _lock:
+            self._arrivals += 1
+            held = self._arrivals == self.hit
+        if not held:
+            return
+        self.reached.set()
+        if not self._released.wait(self.timeout_s):
+            raise InjectedFault(f"the gate at {self.point!r} (arrival {self.hit}) was not released within "
+                                f"{self.timeout_s:g} s")
+
+
 _armed: dict[str, Fault] = parse(os.environ.get(ENV, ""))
 _hits: dict[str, int] = {}
+_gates: dict[str, Gate] = {}
 _lock = threading.Lock()
 
 
 def maybe_fail(point: str) -> None:
     """Raise or stall here if ``point`` is armed and this is its N-th arrival; else nothing."""
+    if _gates:
+        held = _gates.get(point)
+        if held is not None:
+            held._arrive()
     if not _armed:
         return
     fault = _armed.get(point)
@@ -102,3 +135,24 @@ def injected(spec: str) -> Iterator[None]:
             _armed.clear()
             _armed.update(saved)
             _hits.clear()
+
+
+@contextmanager
+def gate(point: str, hit: int = 1, timeout_s: float = 60.0) -> Iterator[Gate]:
+    """Hold the ``hit``-th arrival at ``point`` in this process until ``release()`` (or ``timeout_s``, then raise).
+
+    ``reached`` tells the test the arrival is held; leaving the block releases it.
+    """
+    if point not in POINTS:
+        raise ValueError(f"no fault point {point!r}; the points are {', '.join(sorted(POINTS))}")
+    held = Gate(point, hit, timeout_s)
+    with _lock:
+        if point in _gates:
+            raise RuntimeError(f"the point {point!r} is already gated")
+        _gates[point] = held
+    try:
+        yield held
+    finally:
+        held.release()
+        with _lock:
+            _gates.pop(point, None)

@@ -305,6 +305,27 @@ def test_a_malformed_fault_list_is_refused() -> None:
         "forward": faults.Fault("forward", 3, 0.5), "poll": faults.Fault("poll", 1, None)}
 
 
+def test_a_gate_holds_the_chosen_arrival_until_released_and_no_other() -> None:
+    passed: list[int] = []
+
+    def arrive(times: int) -> None:
+        for number in range(1, times + 1):
+            faults.maybe_fail("forward")
+            passed.append(number)
+
+    with faults.gate("forward", hit=2) as held:
+        worker = threading.Thread(target=arrive, args=(3,))
+        worker.start()
+        assert held.reached.wait(10)
+        assert passed == [1], "the second arrival must be held, the first not"
+        held.release()
+        worker.join(10)
+    assert passed == [1, 2, 3]
+    with faults.gate("forward", timeout_s=0.01), pytest.raises(faults.InjectedFault, match="not released"):
+        faults.maybe_fail("forward")
+    faults.maybe_fail("forward")  # the gate is gone with its block
+
+
 
 @pytest.mark.slow
 def test_sigkill_to_the_main_process_ends_its_workers_and_the_next_start_removes_its_segments(tmp_path: Path) -> None:
