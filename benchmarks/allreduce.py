@@ -4,7 +4,7 @@ A decode step of the Llama shape does two all-reduces per layer (after o_proj an
 down_proj) of [batch, hidden] activations. This issues exactly that many back to back and
 times them with events, eagerly and replayed from one CUDA graph (as inside the engine), with
 the process group's NCCL and with corelib's symmetric-memory all-reduce
-(``corelib.engine.parallel.SymmetricAllReduce``, the path ``engine.fast_allreduce`` enables).
+(``corelib.transport.parallel.SymmetricAllReduce``, the path ``engine.fast_allreduce`` enables).
 Each figure is one step's all-reduces, so its share of a measured tp=2 step is at most
 all-reduce / TPOT. Before timing, each path's sum is checked against the expected one.
 
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from corelib.engine.parallel import SymmetricAllReduce, collective_all_reduce
 from corelib.isolation import NO_MULTICAST
+from corelib.transport.parallel import SymmetricAllReduce, collective_all_reduce
 
 # model: (layers, hidden) of the presets in conf/model
 SHAPES = {"small-0.6b": (28, 1024), "llama-8b": (32, 4096)}

@@ -30,6 +30,7 @@ from corelib_cuda.triton_ops import TritonOps
 from corelib.backend import DeviceSpec
 from corelib.device import Capabilities, Runtime
 from corelib.ops import Ops, PagedAttention, VarlenAttention
+from corelib.ops.reference import reference_ops
 
 BLOCK_SIZE = 16
 
@@ -141,7 +142,7 @@ class LayerRow:
 
 
 def op_rows(layer: Layer, ops: Ops, include_context_free: bool) -> list[OpRow]:
-    s, batch, reference = layer.shape, layer.batch, Ops.reference()
+    s, batch, reference = layer.shape, layer.batch, reference_ops()
     nh, nkv, hd = s.heads, s.kv_heads, s.head_dim
     qkv = torch.randn(batch, (nh + 2 * nkv) * hd, device="cuda").to(layer.dtype)
     qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ops_h200: {reason}", file=sys.stderr)
         return 2
     device = CUDABackend().open(DeviceSpec("cuda", Runtime.native, Capabilities(graphs=True, streams=True)))
-    triton_ops = Ops.reference().with_provider(provider.name, provider.load(device))
+    triton_ops = reference_ops().with_provider(provider.name, provider.load(device))
     shape = Shape(head_dim=args.head_dim)
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, head_dim {shape.head_dim}, bfloat16")
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         for index, context in enumerate(args.context):
             layer = Layer(shape, batch, context)
             ops += op_rows(layer, triton_ops, include_context_free=index == 0)
-            layers += layer_rows(layer, {"reference": Ops.reference(), "triton": triton_ops})
+            layers += layer_rows(layer, {"reference": reference_ops(), "triton": triton_ops})
             del layer
     print(f"\n{'op':24} {'bs':>4} {'ctx':>5} {'triton us':>10} {'ref us':>9} {'x':>6} "
           f"{'graph: triton':>14} {'ref':>8} {'x':>6} {'rel err':>9}")

@@ -66,10 +66,10 @@ bench() {  # bench NAME CAP overrides...
 note "== machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1) x$(nvidia-smi -L 2>/dev/null | wc -l)"
 note "== torch: $(timeout 60 python3 -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, torch.cuda.device_count(), "GPUs")' 2>&1)"
 note "== symmetric memory in this torch: $(timeout 60 python3 -c 'from corelib_cuda.backend import symmetric_memory_missing as m; print(m() or "yes")' 2>&1)"
-if grep -q "fast_allreduce" corelib/engine/worker.py; then
+if grep -q "fast_allreduce" corelib/transport/worker.py; then
   note "== worker: passes fast_allreduce to init_group"
 else
-  note "== WARNING: corelib/engine/worker.py does not pass fast_allreduce to init_group: every tp=2 engine uses NCCL, b2 and tp2-symm measure NCCL again"
+  note "== WARNING: corelib/transport/worker.py does not pass fast_allreduce to init_group: every tp=2 engine uses NCCL, b2 and tp2-symm measure NCCL again"
 fi
 part plan 60 python3 -m corelib plan model=llama-8b backend=cuda backend.runtime=native engine.tp=2 \
   engine.transport=shm hydra.run.dir="$out/plan"

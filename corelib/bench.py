@@ -30,10 +30,11 @@ from rich.table import Table
 
 from corelib.compose import compose_config
 from corelib.config import WorkloadConfig
-from corelib.engine.api import Engine, RequestOutput
-from corelib.engine.metrics import percentile
+from corelib.engine.api import Engine
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
+from corelib.observe.metrics import percentile
 from corelib.plugins import PluginRegistry
 from corelib.progress import say, show
 from corelib.rundir import RunDir

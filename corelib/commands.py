@@ -78,14 +78,14 @@ def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> Non
 
 def _followed(startup: Startup) -> bool:
     """On a node other than 0 of a multi-node run: serve node 0's steps until it stops, then True."""
-    from corelib.engine.nodes import follow
+    from corelib.transport.follower import follow
 
     return follow(startup, lambda line: say(console, line))
 
 
 def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.bench import bench
-    from corelib.engine.nodes import launched_nodes
+    from corelib.transport.nodes import launched_nodes
 
     nodes = launched_nodes()
     if nodes > 1:
@@ -133,7 +133,7 @@ def bench_serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path
     from omegaconf import OmegaConf
 
     from corelib.config import ServeBenchConfig
-    from corelib.server.loadgen import bench_serve
+    from corelib.loadtest.loadgen import bench_serve
 
     spec = OmegaConf.to_object(cfg.server.bench)
     if not isinstance(spec, ServeBenchConfig):

@@ -31,7 +31,8 @@ from types import TracebackType
 from typing import TypeGuard, cast
 
 from corelib.config import EngineConfig
-from corelib.engine.api import Engine, RequestOutput
+from corelib.engine.api import Engine
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams as EngineSamplingParams
 from corelib.errors import RequestError
 

@@ -18,10 +18,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from corelib import progress
-from corelib.engine.api import Engine, RequestOutput
+from corelib.engine.api import Engine
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.streaming import DeltaTracker, TokenDelta
-from corelib.progress import say, show
+from corelib.progress import console_log, say, show
+from corelib.progress import current as current_progress
 from corelib.rundir import OutputsWriter, RunDir, RunDirError
 from corelib.startup import Startup
 from corelib.text import Tokenizer
@@ -133,7 +134,7 @@ class _TextShow:
         self._write(delta.text)
 
     def finished(self, request: Request, output: RequestOutput) -> None:
-        progress.console_log.info("request %s: %s%s", output.request_id, request.prompt or "", output.text or "")
+        console_log.info("request %s: %s%s", output.request_id, request.prompt or "", output.text or "")
         if self.live:
             self._write("\n")  # the prompt and the text came with the deltas
         else:
@@ -172,7 +173,7 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
 
                 drive(engine, requests, offsets, cfg.workload.max_concurrency, finished, text.delta)
             else:
-                with progress.current().task("decoding", total=len(requests), unit="requests") as task:
+                with current_progress().task("decoding", total=len(requests), unit="requests") as task:
 
                     def counted(request: Request, output: RequestOutput) -> None:
                         keep(output)

@@ -3,7 +3,7 @@
 - ``config.yaml``: the resolved config (backend=auto already replaced by the chosen one);
 - ``plan.json``: the startup lines, the backend, runtime and capabilities, and each feature's
   decision and reasons (the same as ``python -m corelib plan`` prints);
-- ``metrics.json``: run-level figures (see :class:`corelib.engine.metrics.RunMetrics`);
+- ``metrics.json``: run-level figures (see :class:`corelib.observe.metrics.RunMetrics`);
 - ``outputs.jsonl``: one :class:`RequestRecord` per line, written as each request finishes.
 
 Every file is written so that a failure leaves nothing half-written: ``outputs.jsonl`` gets each

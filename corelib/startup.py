@@ -23,7 +23,7 @@ from corelib.ops import OP_NAMES
 from corelib.plugins import PluginRegistry
 
 if TYPE_CHECKING:
-    from corelib.engine.options import EngineOptions
+    from corelib.options import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     check_memory(config, resolution.spec)
     messages.append(resolution.message)
     plan = evaluate(config.features, raw, resolution.spec.capabilities.as_dict(), model_facts(config.model))
-    from corelib.engine.options import EngineOptions  # the engine package imports this module
+    from corelib.options import EngineOptions  # the engine package imports this module
 
     provider = backend.op_provider()
     options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from corelib.engine.trace import DEVICE_PID, STEP_CATEGORY
 from corelib.errors import ConfigError
+from corelib.observe.trace import DEVICE_PID, STEP_CATEGORY
 
 DEFAULT_STEPS = 12
 SKIP_STEPS = 2  # decode steps left out at the start of the steady decode by default

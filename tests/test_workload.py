@@ -13,7 +13,8 @@ import pytest
 
 from corelib.cli import main
 from corelib.config import WorkloadConfig
-from corelib.engine.api import Engine, RequestOutput
+from corelib.engine.api import Engine
+from corelib.engine.outputs import RequestOutput
 from corelib.errors import ConfigError
 from corelib.run import drive
 from corelib.rundir import read_outputs

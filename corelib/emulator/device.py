@@ -6,15 +6,18 @@ import atexit
 import itertools
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
-from corelib.backend import DeviceSpec
 from corelib.device import Device, Event, Graph, HostRegistration, MemoryStats, Runtime, Stream
 from corelib.emulator.stream import EmulatedEvent, EmulatedGraph, EmulatedStream
 from corelib.emulator.worker import Marker, RecordOp, Worker
 from corelib.errors import ConfigError, DeviceTimeout
 from corelib.memory import MemoryKind, MemoryLedger
+
+if TYPE_CHECKING:
+    from corelib.backend import DeviceSpec
 
 _open_devices: weakref.WeakSet[EmulatedDevice] = weakref.WeakSet()
 _device_ids = itertools.count()

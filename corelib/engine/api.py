@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,66 +28,30 @@ from omegaconf import DictConfig
 
 from corelib.device import Device, MemoryStats
 from corelib.engine.block_manager import BlockManager
-from corelib.engine.build import EngineLayout, ModelFactory, load_model
 from corelib.engine.core import EngineCore
-from corelib.engine.executor import EXECUTORS, InprocExecutor
-from corelib.engine.pipeline import StepPipeline
-from corelib.engine.runner import ModelRunner
+from corelib.engine.outputs import RequestOutput, output_of
+from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
 from corelib.engine.stops import StopChecker
 from corelib.engine.streaming import DeltaTracker, TokenDelta
-from corelib.engine.trace import NULL_TRACER, TimelineTracer, Tracer
 from corelib.errors import ConcurrentUse, ConfigError, RequestError
 from corelib.features import Plan
-from corelib.rundir import RequestRecord
+from corelib.observe.trace import NULL_TRACER, TimelineTracer, Tracer
 from corelib.startup import Startup
+from corelib.step.build import ModelFactory, load_model
+from corelib.step.layout import EngineLayout
+from corelib.step.pipeline import StepPipeline
+from corelib.step.runner import ModelRunner
 from corelib.text import Tokenizer
+from corelib.transport.executor import InprocExecutor
+from corelib.transport.factory import EXECUTORS
 
 log = logging.getLogger("corelib.engine")
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a finished request produced."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str
-    text: str | None = None
-    error: str | None = None
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-
-    def record(self) -> RequestRecord:
-        return RequestRecord(
-            id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
-            finish_reason=self.finish_reason,
-            text=self.text,
-            error=self.error,
-            ttft_ms=self.ttft_ms,
-            tpot_ms=self.tpot_ms,
-        )
-
-
 Prompt = str | Sequence[int]  # text needs the checkpoint's tokenizer
-
-
-def _output(seq: Seq, text: str | None) -> RequestOutput:
-    ttft = tpot = None
-    if seq.first_token_time is not None:
-        ttft = (seq.first_token_time - seq.arrival_time) * 1e3
-        if seq.finish_time is not None and len(seq.output_token_ids) > 1:
-            tpot = (seq.finish_time - seq.first_token_time) * 1e3 / (len(seq.output_token_ids) - 1)
-    reason = seq.finish_reason.value if seq.finish_reason is not None else FinishReason.cancelled.value
-    return RequestOutput(
-        seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), reason,
-        text, seq.error, ttft, tpot,
-    )
 
 
 def _token_ids(prompt: object) -> list[int]:
@@ -138,7 +101,8 @@ class Engine:
         self.layout = EngineLayout.of(cfg)
         self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
         self.vocab_size = model_cfg.vocab_size
-        self.builder = self.layout.builder()
+        layout = self.layout
+        self.builder = InputBuilder(layout.rows, layout.max_blocks, layout.block_size, layout.pad_slot)
         self.buckets = self.layout.buckets(self.options, startup.spec.capabilities.graph_param_update)
         eos = frozenset({model_cfg.eos_token_id, *model_cfg.extra_eos_token_ids})
         self.scheduler = Scheduler(
@@ -343,7 +307,7 @@ class Engine:
         taken = list(self._backlog.values())
         self._backlog.clear()
         for seq in self.core.take_finished():
-            taken.append((seq, _output(seq, self._final_text(seq))))
+            taken.append((seq, output_of(seq, self._final_text(seq))))
         for _, output in taken:
             self._live_ids.discard(output.request_id)
         return taken

@@ -15,15 +15,16 @@ from typing import Any
 
 from corelib.device import MemoryStats
 from corelib.engine.block_manager import blocks_for
-from corelib.engine.buckets import BucketPolicy
-from corelib.engine.executor import Executor, StepFuture
-from corelib.engine.forward_input import InputBuilder
-from corelib.engine.metrics import WINDOW, MetricsCollector
-from corelib.engine.options import StepCheck
-from corelib.engine.pipeline import StepPipeline
-from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, StepKind
+from corelib.engine.packing import InputBuilder
+from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
-from corelib.engine.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
+from corelib.observe.metrics import WINDOW, MetricsCollector
+from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
+from corelib.options import StepCheck
+from corelib.step.buckets import BucketPolicy
+from corelib.step.forward_input import StepKind
+from corelib.step.pipeline import StepPipeline
+from corelib.transport.executor import Executor, StepFuture
 
 
 @dataclass

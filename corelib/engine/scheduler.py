@@ -17,11 +17,7 @@ from dataclasses import dataclass, field
 from corelib.engine.block_manager import BlockManager, blocks_for
 from corelib.engine.sequence import FinishReason, Sequence, Status
 from corelib.engine.stops import StopChecker
-
-
-class StepKind(str, enum.Enum):
-    prefill = "prefill"
-    decode = "decode"
+from corelib.step.forward_input import StepKind
 
 
 @dataclass

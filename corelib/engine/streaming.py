@@ -14,7 +14,7 @@ from corelib.engine.sequence import Sequence
 from corelib.text import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
-    from corelib.engine.api import RequestOutput
+    from corelib.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 import torch
 
-from corelib import progress
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models.hf_config import checkpoint_directory, resolved_model_config
 from corelib.models.llama import ModelShape, ModelWeights, assemble_weights, hf_parameter_shapes
 from corelib.models.sharding import TensorShard
+from corelib.progress import current as current_progress
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,7 +58,7 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
             f"{directory} lacks tensor {missing[0]!r}{more}, which config.json implies "
             f"({cfg.architecture}, tie_word_embeddings={str(cfg.tie_word_embeddings).lower()})"
         )
-    reading = progress.current().task(f"loading weights from {directory.name}", total=len(expected), unit="tensors")
+    reading = current_progress().task(f"loading weights from {directory.name}", total=len(expected), unit="tensors")
     with _open_all(directory, sorted({files[name] for name in expected}), device) as handles, reading as task:
         for name, dims in expected.items():
             _check_tensor(handles[files[name]], name, dims, files[name])

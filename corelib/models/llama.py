@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from corelib import progress
 from corelib.config import ModelConfig
 from corelib.device import Device
 from corelib.errors import ConfigError
 from corelib.models.base import DecodeBatch, ModelFacts, PrefillBatch
 from corelib.models.rope import RopeScaling, inv_freq
 from corelib.ops import Ops
+from corelib.progress import current as current_progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -161,7 +161,7 @@ def random_state_dict(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     shapes = hf_parameter_shapes(shape)
-    with progress.current().task("generating random weights", total=len(shapes), unit="tensors") as task:
+    with current_progress().task("generating random weights", total=len(shapes), unit="tensors") as task:
         for name, dims in shapes.items():
             if name.endswith("norm.weight"):
                 state[name] = 1.0 + 0.1 * torch.randn(dims, generator=generator)
@@ -189,7 +189,7 @@ def build_weights(
     for name, dims in expected.items():
         if tuple(state[name].shape) != dims:
             raise ConfigError(f"tensor {name!r} has shape {tuple(state[name].shape)}; expected {dims}")
-    with progress.current().task("placing weights on the device", total=len(expected), unit="tensors") as task:
+    with current_progress().task("placing weights on the device", total=len(expected), unit="tensors") as task:
         return assemble_weights(
             shape, lambda name: task.advanced(state[name].to(device=device, dtype=shape.dtype, copy=copy)), device
         )

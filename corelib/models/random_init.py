@@ -16,10 +16,10 @@ import math
 
 import torch
 
-from corelib import progress
 from corelib.config import ModelConfig, WeightInit
 from corelib.models.llama import ModelShape, ModelWeights, assemble_weights, hf_parameter_shapes
 from corelib.models.sharding import TensorShard
+from corelib.progress import current as current_progress
 
 # model.init=auto draws models above this many parameters on the device. Up to it the CPU path
 # takes seconds and its weights are the same on every device, which cross-device tests rely on.
@@ -67,7 +67,7 @@ def seeded_weights(shape: ModelShape, seed: int, device: torch.device,
     """The model of ``shape`` drawn on ``device``; with ``shard``, this rank's part of the same full tensors."""
     full = hf_parameter_shapes(shape)
     local = shard.shape(shape) if shard is not None else shape
-    drawing = progress.current().task("generating random weights on the device", total=len(full), unit="tensors")
+    drawing = current_progress().task("generating random weights on the device", total=len(full), unit="tensors")
     with drawing as task:
 
         def get(name: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from corelib.ops.sampling import sample_rows
-from corelib.ops.spec import PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops.spec import Ops, PagedAttention, SamplingInputs, VarlenAttention
 
 
 def rms_norm(
@@ -78,3 +78,15 @@ def sample(logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tenso
     if sampling is None:
         return logits.argmax(dim=-1)
     return sample_rows(logits, sampling)
+
+
+def reference_ops() -> Ops:
+    """Every op on its plain-torch reference: the fallback on every backend."""
+    return Ops(
+        rms_norm=rms_norm,
+        rope_kv_write=rope_kv_write,
+        paged_decode_attention=paged_decode_attention,
+        prefill_attention=prefill_attention,
+        silu_mul=silu_mul,
+        sample=sample,
+    )

@@ -187,19 +187,6 @@ class Ops:
     sample: Sample
     providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
 
-    @classmethod
-    def reference(cls) -> Ops:
-        from corelib.ops import reference
-
-        return cls(
-            rms_norm=reference.rms_norm,
-            rope_kv_write=reference.rope_kv_write,
-            paged_decode_attention=reference.paged_decode_attention,
-            prefill_attention=reference.prefill_attention,
-            silu_mul=reference.silu_mul,
-            sample=reference.sample,
-        )
-
     def with_provider(self, name: str, ops: Mapping[str, object]) -> Ops:
         """These ops replaced by ``ops`` (op name -> callable), provided by ``name``."""
         unknown = sorted(set(ops) - set(OP_NAMES))

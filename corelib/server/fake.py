@@ -1,7 +1,7 @@
 """A stand-in engine without a model: one token for every running request each ``step_ms``.
 
 The server's own cost per streamed token is what is left when the engine costs nothing, so
-the streaming benchmark (:mod:`corelib.server.streambench`) serves this instead of a model. A
+the streaming benchmark (:mod:`corelib.loadtest.streambench`) serves this instead of a model. A
 step waits out ``step_ms`` from its start (the device's time, with the GIL free), of which it
 spends ``host_ms`` busy in Python (the engine's host work, holding the GIL), then hands out one
 token per running request. Requests run ``max_tokens`` tokens and end with ``length``.
@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from corelib.engine.api import RequestOutput
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import RequestError

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from corelib.engine.api import RequestOutput
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.server.events import EngineFacts, Snapshot
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from corelib.engine.api import RequestOutput
+from corelib.engine.outputs import RequestOutput
 
 PREFIX = "corelib"
 # Seconds; TTFT spans queueing, TPOT a decode step (sub-millisecond on a GPU, tens of ms on a CPU).

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from corelib.backend import DeviceSpec
     from corelib.config import CorelibConfig
     from corelib.engine.api import Engine
-    from corelib.engine.options import EngineOptions
     from corelib.features import Plan
+    from corelib.options import EngineOptions
     from corelib.startup import Startup
 
 

@@ -33,6 +33,7 @@ import torch
 
 from corelib.device import Device
 from corelib.ops import Ops, PagedAttention
+from corelib.ops.reference import reference_ops
 from corelib.testing.op_cases import (
     BF16,
     F32,
@@ -66,7 +67,7 @@ class OpTarget:
     @property
     def ops(self) -> Ops:
         """The reference ops with this provider's swapped in."""
-        return Ops.reference().with_provider(self.provider, self.loaded)
+        return reference_ops().with_provider(self.provider, self.loaded)
 
     def require(self, op: str) -> Ops:
         if op not in self.loaded:
@@ -146,7 +147,7 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
 def _check(target: OpTarget, op: str, case: Case, call: Call) -> None:
     ops = target.require(op)
     actual = call(ops, case.build(0, target.torch_device))
-    expected = call(Ops.reference(), case.build(0, target.torch_device))
+    expected = call(reference_ops(), case.build(0, target.torch_device))
     for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
         assert_matches(a, e, f"{target.provider}.{op} output {index} ({case_id(case)})")
 
@@ -268,6 +269,6 @@ def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> No
     stream.launch(lambda: _copy_into(static, fresh))
     graph.replay(stream)
     stream.synchronize()
-    expected = call(Ops.reference(), case.build(1, op_target.torch_device))
+    expected = call(reference_ops(), case.build(1, op_target.torch_device))
     for index, (a, e) in enumerate(zip(captured[0], expected, strict=True)):
         assert_matches(a, e, f"{op_target.provider}.{op} output {index} after graph replay ({case_id(case)})")

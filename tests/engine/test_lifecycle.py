@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.device_steps import DeviceSteps
-from corelib.engine.runner import ModelRunner
 from corelib.errors import DeviceError, DeviceTimeout
+from corelib.step.device_steps import DeviceSteps
+from corelib.step.runner import ModelRunner
 
 ASYNC = ["backend=npu", "engine.async_token_handoff=on", "backend.emulator.chaos=0.2"]
 

@@ -15,9 +15,9 @@ import torch
 from support import EngineFactory
 
 from corelib.engine import SamplingParams
-from corelib.engine.handoff import StepHandle
-from corelib.engine.staging import StagingPool
 from corelib.errors import DeviceError
+from corelib.step.handoff import StepHandle
+from corelib.step.staging import StagingPool
 
 OVERRIDES = [
     "backend=npu", "backend.emulator.chaos=0.3", "backend.emulator.chaos_max_ms=1", "engine.async_token_handoff=on"

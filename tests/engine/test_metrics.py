@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from corelib.engine.metrics import MetricsCollector, StepResult
-from corelib.engine.scheduler import StepKind
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence
+from corelib.observe.metrics import MetricsCollector
+from corelib.step.forward_input import StepKind
+from corelib.step.handoff import StepResult
 
 
 def finished(index: int, outputs: int, reason: FinishReason = FinishReason.length) -> Sequence:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from corelib.engine.block_manager import BlockManager
-from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, SchedulerLimits, StepKind
+from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence, Status
 from corelib.engine.stops import StopChecker
+from corelib.step.forward_input import StepKind
 
 EOS = 1
 

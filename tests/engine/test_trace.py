@@ -13,8 +13,8 @@ import pytest
 
 from corelib.cli import main
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.trace import NULL_TRACER, TimelineTracer
 from corelib.errors import ConfigError
+from corelib.observe.trace import NULL_TRACER, TimelineTracer
 
 EngineFactory = Callable[[Sequence[str]], Engine]  # the make_engine fixture of conftest.py
 EMULATED = ["backend=cuda", "backend.runtime=emulated", "engine.max_num_seqs=4", "model.max_model_len=128"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from corelib.engine.shm import PREFIX, SHM_DIR
+from corelib.transport.shm import PREFIX, SHM_DIR
 
 PROC = Path("/proc")
 

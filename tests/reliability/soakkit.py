@@ -21,7 +21,7 @@ from pathlib import Path
 from leakkit import rss_bytes
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.transport import ShmExecutor
+from corelib.transport.shm_executor import ShmExecutor
 
 POOL = ["engine.max_num_seqs=6", "engine.num_kv_blocks=24", "model.max_model_len=160"]
 WINDOW = ["engine.metrics_window=1000"]  # the engine's figures fill their windows within seconds

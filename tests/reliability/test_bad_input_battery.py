@@ -26,9 +26,9 @@ from leakkit import Holdings, settled
 from support import Cli, assert_user_error
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.transport import ShmExecutor
-from corelib.engine.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 from corelib.errors import WorkerDied
+from corelib.transport.shm_executor import ShmExecutor
+from corelib.transport.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 
 ENGINE = ["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=4", "model.max_model_len=64"]
 GOOD_PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]

@@ -28,9 +28,9 @@ from support import HERMETIC_VARIABLES
 
 from corelib import faults
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.transport import ShmExecutor
 from corelib.errors import DeviceError, DeviceTimeout, TransportError, WorkerDied
 from corelib.rundir import read_outputs
+from corelib.transport.shm_executor import ShmExecutor
 
 TIMEOUT_S = 1.0  # engine.timeout_s of every case: what a stalled wait may cost
 SMALL = ["backend=npu", "engine.async_token_handoff=on", f"engine.timeout_s={TIMEOUT_S:g}", "engine.max_num_seqs=4",
@@ -364,7 +364,7 @@ def test_sigkill_to_the_main_process_ends_its_workers_and_the_next_start_removes
 
 
 def test_the_segments_a_crashed_run_left_are_reported_at_the_next_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from corelib.engine import transport
+    from corelib.transport import shm_executor as transport
 
     monkeypatch.setattr(transport, "sweep_stale", lambda: ["corelib-99999-0badf00d-in", "corelib-99999-0badf00d-out"])
     with Engine.from_overrides(["backend=cpu", *SHM]) as engine:

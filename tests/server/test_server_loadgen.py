@@ -11,7 +11,7 @@ from rich.console import Console
 
 from corelib.config import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
 from corelib.errors import ConfigError
-from corelib.server.loadgen import run_bench
+from corelib.loadtest.loadgen import run_bench
 from corelib.server.serve import RunningServer, start_in_thread
 
 

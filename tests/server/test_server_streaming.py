@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from corelib.engine.api import RequestOutput
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker
 from corelib.errors import WorkerDied

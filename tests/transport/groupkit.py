@@ -14,7 +14,13 @@ import torch.multiprocessing as mp
 
 from corelib.backend import DeviceSpec
 from corelib.device import Capabilities, Runtime
-from corelib.engine.parallel import AllReduce, collective_all_reduce, init_group, leave_group, symmetric_or_collective
+from corelib.transport.parallel import (
+    AllReduce,
+    collective_all_reduce,
+    init_group,
+    leave_group,
+    symmetric_or_collective,
+)
 
 # The cpu profile, claiming symmetric memory: init_group must still keep gloo's collective.
 CPU_CLAIMING_SYMMETRIC = Capabilities(events=True, event_query=True, event_timing=True, device_is_host=True,

@@ -18,13 +18,13 @@ from ringkit import wire
 
 from corelib.compose import compose_config
 from corelib.device import Device, Event
-from corelib.engine.build import EngineLayout
-from corelib.engine.options import Staging
-from corelib.engine.staging import EarlyStager, Staged, build_stager
-from corelib.engine.wire import FrameHeader, FrameKind
-from corelib.engine.worker import input_of
+from corelib.options import Staging
 from corelib.plugins import PluginRegistry
 from corelib.startup import start
+from corelib.step.layout import EngineLayout
+from corelib.step.staging import EarlyStager, Staged, build_stager
+from corelib.transport.wire import FrameHeader, FrameKind
+from corelib.transport.worker import input_of
 
 PATTERN = 1_000_003
 
@@ -47,7 +47,7 @@ def race(
     startup = start(cfg, PluginRegistry())
     device = startup.backend.open(startup.spec)
     layout = EngineLayout.of(startup.config)
-    decode = layout.builder().decode
+    decode = layout.decode_layout
     words = decode.nbytes // 8
     timeout = startup.config.engine.timeout_s
     wired = wire(num_slots=num_slots, slot_bytes=decode.nbytes + 1024 + 64, timeout=timeout)

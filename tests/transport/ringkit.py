@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from corelib.engine.doorbell import new_eventfd
-from corelib.engine.shm import Consumer, Producer, Ring
+from corelib.transport.doorbell import new_eventfd
+from corelib.transport.shm import Consumer, Producer, Ring
 
 
 @dataclass

@@ -13,17 +13,17 @@ import torch
 from groupkit import run_two_ranks
 
 from corelib.compose import compose_config
-from corelib.engine.options import EngineOptions
-from corelib.engine.parallel import (
+from corelib.isolation import NO_MULTICAST, worker_environment
+from corelib.options import EngineOptions
+from corelib.plugins import PluginRegistry
+from corelib.startup import start
+from corelib.transport.parallel import (
     ONE_SHOT_MAX_BYTES,
     SYMMETRIC_BUFFER_BYTES,
     Route,
     SymmetricAllReduce,
     route,
 )
-from corelib.isolation import NO_MULTICAST, worker_environment
-from corelib.plugins import PluginRegistry
-from corelib.startup import start
 
 HIDDEN = 4096
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from support import HERMETIC_VARIABLES
 
-from corelib.engine.nodes import Topology
 from corelib.errors import ConfigError
+from corelib.transport.nodes import Topology
 
 WORKLOAD = ["workload.num_requests=6", "workload.output_len_min=4", "workload.output_len_max=24",
             "workload.ignore_eos=true"]
@@ -187,7 +187,7 @@ def test_killing_a_node_or_a_rank_stops_both_naming_it(tmp_path: Path, victim: s
             time.sleep(0.5)
         if victim == "rank 1":  # only node 1's worker process: node 1's launcher reports it
             (worker,) = [pid for pid in _descendants(nodes[1].pid)
-                         if b"corelib.engine.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                         if b"corelib.transport.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
             os.kill(worker, signal.SIGKILL)
         else:
             _kill_node(nodes[int(victim[-1])])

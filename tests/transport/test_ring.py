@@ -13,10 +13,10 @@ import pytest
 import torch
 from ringkit import Wired, wire
 
-from corelib.engine import shm
-from corelib.engine.shm import ALWAYS, SHM_DIR, Consumer, Segment, asleep_word, released_word, sweep_stale
-from corelib.engine.wire import FrameHeader, FrameKind
 from corelib.errors import TransportError, WorkerDied
+from corelib.transport import shm
+from corelib.transport.shm import ALWAYS, SHM_DIR, Consumer, Segment, asleep_word, released_word, sweep_stale
+from corelib.transport.wire import FrameHeader, FrameKind
 
 Make = Callable[..., Wired]
 
@@ -197,7 +197,7 @@ def test_a_dead_peer_is_named_at_once_while_waiting(wired: Make) -> None:
 
 
 def test_without_membarrier_every_publication_rings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from corelib.engine import doorbell
+    from corelib.transport import doorbell
 
     monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
     monkeypatch.setattr(doorbell, "STORES_IN_ORDER", True)
@@ -211,7 +211,7 @@ def test_without_membarrier_every_publication_rings(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pytest.MonkeyPatch) -> None:
-    from corelib.engine import doorbell
+    from corelib.transport import doorbell
 
     monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
     monkeypatch.setattr(doorbell, "STORES_IN_ORDER", False)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from corelib.engine import segment as shm
-from corelib.engine.segment import PREFIX, Segment, sweep_stale
-from corelib.engine.shm import Ring
 from corelib.errors import TransportError
+from corelib.transport import segment as shm
+from corelib.transport.segment import PREFIX, Segment, sweep_stale
+from corelib.transport.shm import Ring
 
 NOT_A_PID = 2**22 + 4242  # above the default pid_max: the sweeper cannot see such a process
 
@@ -52,8 +52,8 @@ def test_a_full_shm_is_a_one_line_error_not_sigbus(tiny_shm: Path) -> None:
     child = run_python("""
         import sys
         from pathlib import Path
-        from corelib.engine import segment
-        from corelib.engine.shm import Ring
+        from corelib.transport import segment
+        from corelib.transport.shm import Ring
         from corelib.errors import TransportError
         segment.SHM_DIR = Path(sys.argv[1])
         try:
@@ -131,7 +131,7 @@ def test_a_segment_holds_its_lease_while_mapped() -> None:
 
 def test_exiting_without_close_removes_the_segments() -> None:
     child = run_python("""
-        from corelib.engine.shm import Ring
+        from corelib.transport.shm import Ring
         rings = [Ring.create("in", 2, 4096, num_consumers=2), Ring.create("out", 2, 4096)]
         print(" ".join(ring.segment.name for ring in rings))
     """)

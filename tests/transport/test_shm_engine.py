@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.shm import PREFIX, SHM_DIR
-from corelib.engine.transport import ShmExecutor
 from corelib.errors import WorkerDied
+from corelib.transport.shm import PREFIX, SHM_DIR
+from corelib.transport.shm_executor import ShmExecutor
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, list(range(200, 217)), [3, 4], [9] * 12]
 PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 33, 5, 1, 40, 9)]
@@ -98,10 +98,10 @@ def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
 
 def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
     from corelib.compose import compose_config
-    from corelib.engine.options import Staging
-    from corelib.engine.staging import HostStager, build_stager
+    from corelib.options import Staging
     from corelib.plugins import PluginRegistry
     from corelib.startup import start
+    from corelib.step.staging import HostStager, build_stager
 
     startup = start(compose_config(["backend=cpu", "engine.transport=shm"]), PluginRegistry())
     options = startup.options

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.shm import PREFIX, SHM_DIR
-from corelib.engine.transport import ShmExecutor
 from corelib.errors import ConfigError, CorelibError, WorkerDied
 from corelib.models.llama import ModelShape, hf_parameter_shapes, random_state_dict
 from corelib.models.sharding import TensorShard
+from corelib.transport.shm import PREFIX, SHM_DIR
+from corelib.transport.shm_executor import ShmExecutor
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, [3, 4]]
 PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 33, 1, 40)]
@@ -127,7 +127,7 @@ def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str]) -> None:
 
 @pytest.mark.slow
 def test_torchrun_launches_one_process_and_its_rendezvous_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
-    from corelib.engine.parallel import rendezvous
+    from corelib.transport.parallel import rendezvous
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -31,7 +31,7 @@ _ERROR_NAMES = {
 def symmetric_memory_missing() -> str | None:
     """Why this torch cannot all-reduce through symmetric memory (None: it can), without touching a GPU.
 
-    corelib.engine.parallel.SymmetricAllReduce needs ``torch.distributed._symmetric_memory``
+    corelib.transport.parallel.SymmetricAllReduce needs ``torch.distributed._symmetric_memory``
     (``empty``, ``rendezvous``) and the one-shot and two-shot ops, compiled for CUDA.
     """
     if not torch.distributed.is_available():

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from corelib.device import Device, Event, Stream
-from corelib.engine.handoff import StepHandle, TokenHandoff
+from corelib.step.handoff import StepHandle, TokenHandoff
 
 MAX_EVENTS = 200_000
 REANCHOR_S = 1.0  # longest time between two anchors of the device clock

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from corelib import faults
-from corelib.engine.handoff import StepHandle, TokenHandoff
-from corelib.engine.metrics import StepResult
-from corelib.engine.runner import ModelRunner
-from corelib.engine.staging import InputStager, Staged
+from corelib.faults import maybe_fail
+from corelib.step.handoff import StepHandle, StepResult, TokenHandoff
+from corelib.step.runner import ModelRunner
+from corelib.step.staging import InputStager, Staged
 
 
 class DeviceSteps:
@@ -19,7 +18,7 @@ class DeviceSteps:
 
     def submit(self, staged: Staged) -> StepHandle:
         """Queue one step on the device; returns at once with a handle on its tokens."""
-        faults.maybe_fail("submit")
+        maybe_fail("submit")
         fi = staged.fi
         self.runner.prepare(fi)  # a missing graph is captured before the inputs are staged
         buffer, timing = self.handoff.begin(fi.step_id)

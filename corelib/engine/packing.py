@@ -1,38 +1,19 @@
-"""ForwardInput: one step's inputs packed into a single aligned byte arena (layouts in ``wire``).
+"""Packing: a scheduled step written into one arena (layouts in :mod:`corelib.step.arena`).
 
-One arena per step means one host-to-device copy per step, and the same bytes travel
-through the SHM ring unchanged. The decode layout is fixed (rows for the largest batch,
-columns for the longest sequence), so captured graphs read static device views of it;
-prefill layouts are sized per step (prefill runs eagerly).
+Runs on the scheduler side and needs no device. Per-slot values that change rarely (block
+tables, sampling settings) live in host tables updated only when they change, so packing a
+decode step is a few vector ops.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from corelib.engine.scheduler import ScheduledStep, StepKind
+from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
-from corelib.engine.wire import RELAY, ArenaLayout, decode_layout, prefill_layout
-from corelib.ops import SAMPLING_COLUMNS
-
-
-@dataclass(frozen=True)
-class ForwardInput:
-    """One step's packed inputs and the shape of the work they describe."""
-
-    step_id: int
-    kind: StepKind
-    num_seqs: int
-    bucket: int  # decode: rows the device computes (>= num_seqs, padded); prefill: num_seqs
-    kv_blocks: int  # decode: block-table columns read
-    sample: bool  # some row samples (temperature > 0); else greedy
-    layout: ArenaLayout
-    arena: torch.Tensor  # uint8, holding layout.nbytes bytes (host memory as packed)
-
-    def views(self) -> dict[str, torch.Tensor]:
-        return self.layout.views(self.arena)
+from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.step.arena import RELAY, ArenaLayout, decode_layout, prefill_layout
+from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
 
 
 class InputBuilder:
@@ -103,23 +84,9 @@ class InputBuilder:
             v[name][:n] = table[slot_t]
         v["block_tables"][:n, :kv_blocks] = self.slot_tables[slot_t, :kv_blocks]
         if bucket > n:
-            self._pad_decode(v, n, bucket, kv_blocks)
+            pad_decode_rows(v, n, bucket, kv_blocks, self.pad_slot)
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
         return ForwardInput(step_id, StepKind.decode, n, bucket, kv_blocks, sample, self.decode, arena)
-
-    def _pad_decode(self, v: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int) -> None:
-        """Padded rows: token 0 at position 0 of the pad slot, written to the null block, greedy."""
-        for name in ("input_ids", "positions", "slot_mapping"):
-            v[name][first:last] = 0
-        v["seq_lens"][first:last] = 1
-        v["state_indices"][first:last] = self.pad_slot
-        for column in SAMPLING_COLUMNS:
-            v[column.name][first:last] = column.neutral
-        v["block_tables"][first:last, :kv_blocks] = 0
-
-    def fill_padding(self, arena: torch.Tensor, rows: int, kv_blocks: int) -> None:
-        """A decode arena whose first ``rows`` rows are all padding (for graph capture)."""
-        self._pad_decode(self.decode.views(arena), 0, rows, kv_blocks)
 
     def _fill_prefill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor) -> ForwardInput:
         layout = self.prefill_layout(step)

@@ -7,7 +7,7 @@ counter per 64-byte cache line, each with a single writer:
 - ``DEMAND`` (producer): a count it publishes to the consumers (the scheduler: result frames it
   waits for, so a worker knows when to answer);
 - ``ALWAYS`` (any end, at attach): 1 when some process lacks the waiters' barrier, so
-  publishers ring on every publication (see :mod:`corelib.engine.doorbell`);
+  publishers ring on every publication (see :mod:`corelib.transport.doorbell`);
 - ``PRODUCER_ASLEEP`` (producer), and per consumer ``RELEASED[i]`` (frames it gave back, in
   order) and ``ASLEEP[i]``.
 
@@ -28,13 +28,13 @@ cast to ``Q``, one 8-byte load or store each (single-copy atomic on x86-64 and a
   whole, and a producer that sees a release sees a slot no longer read.
 - Weakly ordered CPUs (aarch64, POWER): Python has no fence instruction, so every counter
   store that publishes (a commit, a release) follows ``membarrier(2)``, which runs a full
-  barrier in the calling thread (:func:`corelib.engine.doorbell.publish_fence`); the ring
+  barrier in the calling thread (:func:`corelib.transport.doorbell.publish_fence`); the ring
   refuses to start without it there. A consumer may still load a frame's bytes before its
   ``COMMITTED``: it checks the CRC over header and payload and re-reads for
   :data:`SETTLE_S` before it calls the frame corrupt, so a frame is read whole or not at all.
 
 The segments themselves (reservation, lease, sweep, cleanup at exit) are
-:mod:`corelib.engine.segment`.
+:mod:`corelib.transport.segment`.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.engine import doorbell
-from corelib.engine.doorbell import Bell, Waiter
-from corelib.engine.segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
-from corelib.engine.wire import HEADER_BYTES, FrameHeader, frame_crc
 from corelib.errors import TransportError
+from corelib.transport import doorbell
+from corelib.transport.doorbell import Bell, Waiter
+from corelib.transport.segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
+from corelib.transport.wire import HEADER_BYTES, FrameHeader, frame_crc
 
 __all__ = ["PREFIX", "SHM_DIR", "Consumer", "Frame", "Producer", "Ring", "Segment", "segment_name", "sweep_stale"]
 

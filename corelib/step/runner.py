@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from corelib import faults, progress
 from corelib.device import Device, Graph, Stream
-from corelib.engine.buckets import BucketPolicy
-from corelib.engine.forward_input import ForwardInput, InputBuilder
-from corelib.engine.handoff import TokenHandoff
-from corelib.engine.scheduler import StepKind
+from corelib.faults import maybe_fail
 from corelib.models.base import DecodeBatch, Model, PrefillBatch
 from corelib.ops import Ops, PagedAttention, SamplingInputs, VarlenAttention
+from corelib.progress import current as current_progress
+from corelib.step.buckets import BucketPolicy
+from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
+from corelib.step.handoff import TokenHandoff
+from corelib.step.layout import EngineLayout
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 
@@ -32,24 +33,23 @@ class ModelRunner:
         compute: Stream,
         model: Model,
         ops: Ops,
-        builder: InputBuilder,
+        layout: EngineLayout,
         buckets: BucketPolicy,
         handoff: TokenHandoff,
-        num_blocks: int,
-        num_slots: int,
     ) -> None:
         self.device = device
         self.compute = compute
         self.model = model
         self.ops = ops
-        self.builder = builder
+        self.layout = layout
+        self.decode_layout = layout.decode_layout
         self.buckets = buckets
         self.handoff = handoff
-        with progress.current().task("allocating the KV cache", total=1) as task:
-            self.state = model.allocate_state(device, num_blocks, builder.block_size, num_slots)
+        with current_progress().task("allocating the KV cache", total=1) as task:
+            self.state = model.allocate_state(device, layout.num_blocks, layout.block_size, layout.rows)
             task.advance()
         self.decode_arena = None if device.capabilities.device_is_host else device.empty(
-            (builder.decode.nbytes,), torch.uint8)
+            (self.decode_layout.nbytes,), torch.uint8)
         self.graphs: dict[tuple[int, int, bool], Graph] = {}
         self._graph_shapes = set(buckets.shapes())
         self.num_graph_steps = 0
@@ -59,7 +59,7 @@ class ModelRunner:
     def capture(self) -> None:
         """Capture every decode bucket, largest first (greedy; sampling variants when first needed)."""
         shapes = self.buckets.shapes()
-        with progress.current().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
+        with current_progress().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
             for rows, kv in shapes:
                 self._capture(rows, kv, False)
                 task.advance()
@@ -72,14 +72,14 @@ class ModelRunner:
                 self._capture(*key, fi.sample)  # the first sampled batch of this shape
 
     def _capture(self, rows: int, kv: int, sampled: bool) -> Graph:
-        faults.maybe_fail("capture")
+        maybe_fail("capture")
         arena = self.decode_arena
         if arena is None:
             raise RuntimeError("graphs need device memory separate from the host")
-        pad = self.device.host_empty((self.builder.decode.nbytes,), torch.uint8, pinned=True)
-        self.builder.fill_padding(pad, rows, kv)
+        pad = self.device.host_empty((self.decode_layout.nbytes,), torch.uint8, pinned=True)
+        pad_decode_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_slot)
         graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}")
-        views = self.builder.decode.views(arena)
+        views = self.decode_layout.views(arena)
         param_update = self.buckets.param_update
 
         def step() -> None:
@@ -125,18 +125,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device work
     def _decode(self, views: dict[str, torch.Tensor], rows: int, kv: int, sampled: bool) -> None:
-        faults.maybe_fail("forward")
+        maybe_fail("forward")
         slots = views["state_indices"][:rows]
         positions = views["positions"][:rows]
         attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows],
-                                   self.builder.block_size)
+                                   self.layout.block_size)
         batch = DecodeBatch(self.handoff.decode_inputs(views["input_ids"][:rows], slots), positions,
                             views["slot_mapping"][:rows], attention, slots)
         logits = self.model.decode(batch, self.state, self.ops)
         self._emit(logits, rows, slots, views, positions + 1, sampled)
 
     def _prefill(self, views: dict[str, torch.Tensor], num_seqs: int, sampled: bool) -> None:
-        faults.maybe_fail("forward")
+        maybe_fail("forward")
         cu_seqlens = views["cu_seqlens"]
         attention = VarlenAttention(cu_seqlens, int(views["pad_index"].shape[1]), views["pad_index"], views["valid"])
         slots = views["state_indices"]

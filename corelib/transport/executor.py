@@ -2,7 +2,7 @@
 
 The engine core packs a step into a host arena from the executor's staging pool and calls
 ``submit``; it reads results in submission order. Each transport has a factory in
-:data:`EXECUTORS`, so the engine never branches on the transport itself.
+:data:`corelib.transport.factory.EXECUTORS`, so the engine never branches on the transport itself.
 """
 
 from __future__ import annotations
@@ -11,19 +11,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from corelib.config import Transport
 from corelib.device import Device, MemoryStats
-from corelib.engine.device_steps import DeviceSteps
-from corelib.engine.forward_input import ForwardInput
-from corelib.engine.handoff import StepHandle
-from corelib.engine.metrics import StepResult
-from corelib.engine.staging import StagingPool
-from corelib.engine.trace import Tracer
+from corelib.observe.trace import Tracer
+from corelib.step.device_steps import DeviceSteps
+from corelib.step.forward_input import ForwardInput
+from corelib.step.handoff import StepHandle, StepResult
+from corelib.step.staging import StagingPool
 
 if TYPE_CHECKING:
-    from corelib.engine.build import EngineLayout, ModelFactory
-    from corelib.engine.options import EngineOptions
-    from corelib.startup import Startup
+    pass
 
 STAGING_BUFFERS_SPARE = 2  # beyond the pipeline: the step being packed, and room to pack ahead
 
@@ -98,39 +94,3 @@ class InprocExecutor(Executor):
             self.steps.close()
         finally:
             self.device.close()
-
-
-def build_inproc(
-    startup: Startup, options: EngineOptions, layout: EngineLayout, model_factory: ModelFactory
-) -> Executor:
-    """Open the device, load the model and capture its graphs in this process."""
-    from corelib.engine.build import build_device_steps
-    from corelib.engine.nodes import Topology
-
-    Topology.from_environment(startup.config.engine.tp)  # refuses torchrun --nnodes>1 for one rank
-    device = startup.backend.open(startup.spec)
-    try:
-        model = model_factory(startup.config, device, None)
-        steps = build_device_steps(device, startup.backend, startup.config, options, layout, model, options.staging)
-        pinned = not device.capabilities.device_is_host and device.capabilities.pinned_host
-        staging = StagingPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=pinned),
-                              layout.staging_bytes, options.pipeline_depth + STAGING_BUFFERS_SPARE,
-                              startup.config.engine.timeout_s)
-    except BaseException:
-        device.close()
-        raise
-    return InprocExecutor(device, steps, staging)
-
-
-def build_shm(
-    startup: Startup, options: EngineOptions, layout: EngineLayout, model_factory: ModelFactory
-) -> Executor:
-    """Start the worker processes; each loads its own model (``model_factory`` is not used across processes)."""
-    from corelib.engine.transport import ShmExecutor
-
-    del model_factory
-    return ShmExecutor(startup, options, layout)
-
-
-ExecutorFactory = Callable[["Startup", "EngineOptions", "EngineLayout", "ModelFactory"], Executor]
-EXECUTORS: dict[Transport, ExecutorFactory] = {Transport.inproc: build_inproc, Transport.shm: build_shm}

@@ -28,27 +28,25 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 
-from corelib.engine.shm import as_bytes
-from corelib.engine.wire import FrameHeader, FrameKind
-from corelib.errors import ConfigError, TransportError, WorkerDied, one_line
+from corelib.errors import ConfigError, TransportError, one_line
+from corelib.transport.shm import as_bytes
+from corelib.transport.wire import FrameHeader, FrameKind
 
 if TYPE_CHECKING:
-    from corelib.engine.transport import ShmExecutor
     from corelib.startup import Startup
 
 HEARTBEAT_S = 1.0  # each side sends at least this often, so silence longer than the timeout means a hung node
-_POLL_S = 0.1  # how often a follower looks at its own ranks between heartbeats
-_STATUS_BYTES = 2048  # a failure message, UTF-8, cut to this
+FOLLOWER_POLL_S = 0.1  # how often a follower looks at its own ranks between heartbeats
+STATUS_BYTES = 2048  # a failure message, UTF-8, cut to this
 
 
-class _Code(enum.IntEnum):
+class MessageCode(enum.IntEnum):
     """The first word of every message between nodes."""
 
     HEARTBEAT = 0
@@ -159,7 +157,7 @@ class NodeGroup:
             )
         return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(chosen[0])
 
-    def send(self, code: _Code, data: torch.Tensor | None, peer: int, status: bool = False,
+    def send(self, code: MessageCode, data: torch.Tensor | None, peer: int, status: bool = False,
              first: bool = False) -> None:
         """One message; ``first``: the peer may still be starting (its ranks load weights), so wait longer."""
         import torch.distributed as dist
@@ -170,14 +168,14 @@ class NodeGroup:
         if data is not None:
             _finish(dist.isend(data, dst=peer, group=group), timeout)
 
-    def receive(self, peer: int, status: bool = False, first: bool = False) -> tuple[_Code, torch.Tensor | None]:
+    def receive(self, peer: int, status: bool = False, first: bool = False) -> tuple[MessageCode, torch.Tensor | None]:
         """The next message from ``peer``; raises after the timeout (a healthy peer sends heartbeats)."""
         import torch.distributed as dist
 
         group, timeout = self.status if status else self.frames, self.startup_timeout if first else self.timeout
         meta = torch.empty(2, dtype=torch.int64)
         _finish(dist.irecv(meta, src=peer, group=group), timeout)
-        code, size = _Code(int(meta[0])), int(meta[1])
+        code, size = MessageCode(int(meta[0])), int(meta[1])
         if size == 0:
             return code, None
         data = torch.empty(size, dtype=torch.uint8)
@@ -192,7 +190,7 @@ class NodeGroup:
                 dist.destroy_process_group()
 
 
-def _lost(error: BaseException) -> str:
+def lost_reason(error: BaseException) -> str:
     """Why a peer cannot be reached, without the collective library's advice."""
     text = one_line(error)
     if "Connection closed by peer" in text or "Connection reset by peer" in text:
@@ -275,13 +273,13 @@ class NodeLink:
                     continue
                 try:
                     if frame is None:
-                        self.group.send(_Code.DONE, None, peer, first=first)
+                        self.group.send(MessageCode.DONE, None, peer, first=first)
                     elif frame.numel() == 0:
-                        self.group.send(_Code.HEARTBEAT, None, peer, first=first)
+                        self.group.send(MessageCode.HEARTBEAT, None, peer, first=first)
                     else:
-                        self.group.send(_Code.FRAME, frame, peer, first=first)
+                        self.group.send(MessageCode.FRAME, frame, peer, first=first)
                 except Exception as error:  # noqa: BLE001 - any failure to reach a node means it is gone
-                    self._fail(peer, f"{self.topology.name(peer)} is gone: {_lost(error)}")
+                    self._fail(peer, f"{self.topology.name(peer)} is gone: {lost_reason(error)}")
                     self._done.add(peer)
             first = False
             if frame is None:
@@ -295,13 +293,13 @@ class NodeLink:
                 first = False
             except Exception as error:  # noqa: BLE001 - a closed connection or silence past the timeout
                 if peer not in self._done:
-                    self._fail(peer, f"{self.topology.name(peer)} is gone: {_lost(error)}")
+                    self._fail(peer, f"{self.topology.name(peer)} is gone: {lost_reason(error)}")
                 return
-            if code is _Code.FAILED:
+            if code is MessageCode.FAILED:
                 text = bytes(data.numpy()).decode(errors="replace") if data is not None else "no reason given"
                 self._fail(peer, f"{self.topology.name(peer)} stopped: {text}")
                 return
-            if code is _Code.DONE:
+            if code is MessageCode.DONE:
                 return
 
     def close(self, graceful: bool) -> None:
@@ -313,110 +311,3 @@ class NodeLink:
                 thread.join(max(0.0, deadline - time.monotonic()))
         if not any(thread.is_alive() for thread in self._threads):
             self.group.close()  # a thread still inside a receive would wait on a destroyed group
-
-
-class Follower:
-    """A node other than 0: its ranks' ring, fed with the frames node 0 sends, until node 0 says stop."""
-
-    def __init__(self, startup: Startup, topology: Topology, announce: Callable[[str], None]) -> None:
-        from corelib.engine.build import EngineLayout
-        from corelib.engine.transport import ShmExecutor
-
-        self.topology = topology
-        self.announce = announce
-        self.executor: ShmExecutor = ShmExecutor(startup, startup.options, EngineLayout.of(startup.config),
-                                                 topology=topology)
-        link = self.executor.follower_group
-        assert link is not None, "a follower's executor joins the nodes' group"
-        self.group = link
-        self._stop = threading.Event()
-        self._local_failure: str | None = None  # one of this node's ranks stopped (set by the status thread)
-        self._stopping = False  # node 0's stop frame is in the ring: the ranks exit, and node 0 may leave
-        self._status = threading.Thread(target=self._report_loop, name="corelib-node-status", daemon=True)
-
-    def run(self) -> None:
-        """Until node 0 stops; raises naming node 0 when it is gone, or this node's rank that failed."""
-        name0, mine = self.topology.name(0), self.topology.name(self.topology.node)
-        self._status.start()
-        self.announce(f"{mine} of {self.topology.nodes}: following node 0")
-        frames, heard = 0, False
-        try:
-            while True:
-                try:
-                    code, data = self.group.receive(0, first=not heard)
-                    heard = True
-                except Exception as error:  # noqa: BLE001 - node 0 closed its end or went silent
-                    if self._stopping:
-                        break  # node 0 sent its stop frame and left before its goodbye reached us
-                    gone = f"{name0} is gone: {_lost(error)}"
-                    if self._local_failure is not None:  # this node failed first; node 0 stopped because of it
-                        raise WorkerDied(f"{mine}: {self._local_failure}; then {gone}") from None
-                    raise WorkerDied(gone) from None
-                if self._local_failure is not None and not self._stopping:
-                    raise WorkerDied(f"{mine}: {self._local_failure}")
-                if code is _Code.DONE:
-                    break
-                if code is _Code.HEARTBEAT:
-                    continue
-                if code is not _Code.FRAME or data is None:
-                    raise TransportError(f"{name0} sent message code {int(code)} where a frame was expected")
-                self._write(data, frames)
-                frames += 1
-        finally:
-            self._stop.set()
-            self._status.join(2 * HEARTBEAT_S)
-        self.announce(f"{mine}: node 0 finished; {frames} frames followed")
-
-    def _write(self, data: torch.Tensor, index: int) -> None:
-        """Check a frame from node 0 (its header and CRC-32C) and write it into this node's ring."""
-        view = memoryview(data.numpy().tobytes())
-        where = f"frame {index} from node 0"
-        header = FrameHeader.unpack_from(view, where)
-        start = header.nbytes
-        payload = view[start:]
-        if len(payload) != header.payload_len or header.crc(payload) != header.checksum:
-            raise TransportError(f"{where}: the frame is damaged (its length or CRC-32C does not match)")
-        if header.kind is FrameKind.stop:
-            self._stopping = True  # before the write: the ranks may exit the moment they read it
-        self.executor.write_frame(header, payload if header.payload_len else None)
-
-    def _report_loop(self) -> None:
-        """Heartbeats to node 0; this node's failure as soon as one of its ranks stops."""
-        last = 0.0
-        while not self._stop.is_set():
-            reason = None if self._stopping else self.executor.why_gone()
-            try:
-                if reason is not None:
-                    self._local_failure = reason
-                    data = torch.frombuffer(bytearray(reason.encode()[:_STATUS_BYTES]), dtype=torch.uint8)
-                    self.group.send(_Code.FAILED, data, 0, status=True)
-                    return
-                if time.monotonic() - last >= HEARTBEAT_S:
-                    self.group.send(_Code.HEARTBEAT, None, 0, status=True, first=last == 0.0)
-                    last = time.monotonic()
-            except Exception:  # noqa: BLE001 - node 0 is gone: the frame loop says so
-                return
-            self._stop.wait(_POLL_S)
-        with contextlib.suppress(Exception):
-            self.group.send(_Code.DONE, None, 0, status=True)
-
-    def close(self, graceful: bool) -> None:
-        try:
-            self.executor.close(self.executor.timeout) if graceful else self.executor.stop_now()
-        finally:
-            self.group.close()
-
-
-def follow(startup: Startup, announce: Callable[[str], None]) -> bool:
-    """On a follower node, serve node 0 until it stops and return True; on node 0 (or one node), False."""
-    topology = Topology.from_environment(startup.config.engine.tp)
-    if not topology.follower:
-        return False
-    follower = Follower(startup, topology, announce)
-    graceful = False
-    try:
-        follower.run()
-        graceful = True
-    finally:
-        follower.close(graceful)
-    return True

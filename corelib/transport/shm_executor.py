@@ -3,7 +3,7 @@
 Each step's packed inputs go into the input ring (one producer, one consumer per rank);
 tokens come back through the result ring from rank 0, which answers a step once the
 scheduler asks for it (the input ring's DEMAND word) or as soon as it can without waiting.
-Doorbells are counters in the rings and eventfds (:mod:`corelib.engine.doorbell`). Worker
+Doorbells are counters in the rings and eventfds (:mod:`corelib.transport.doorbell`). Worker
 errors arrive on a control pipe, which every wait also watches: a worker that stops or dies is
 named at once, and in any case within a quarter second.
 """
@@ -24,29 +24,28 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from corelib.device import MemoryStats
-from corelib.engine.build import EngineLayout
-from corelib.engine.doorbell import new_eventfd
-from corelib.engine.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
-from corelib.engine.forward_input import ForwardInput
-from corelib.engine.metrics import StepResult
-from corelib.engine.nodes import HEARTBEAT_S, NodeGroup, NodeLink, Topology, engine_digest
-from corelib.engine.options import EngineOptions
-from corelib.engine.parallel import rendezvous
-from corelib.engine.scheduler import StepKind
-from corelib.engine.shm import Consumer, Producer, Ring, sweep_stale
-from corelib.engine.staging import StagingPool
-from corelib.engine.wire import (
+from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
+from corelib.isolation import worker_command, worker_environment
+from corelib.options import EngineOptions
+from corelib.startup import Startup
+from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.step.handoff import StepResult
+from corelib.step.layout import EngineLayout
+from corelib.step.staging import StagingPool
+from corelib.transport.doorbell import new_eventfd
+from corelib.transport.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
+from corelib.transport.nodes import HEARTBEAT_S, NodeGroup, NodeLink, Topology, engine_digest
+from corelib.transport.parallel import rendezvous
+from corelib.transport.shm import Consumer, Producer, Ring, sweep_stale
+from corelib.transport.wire import (
     HEADER_BYTES,
     FrameHeader,
     FrameKind,
     InputFlags,
-    WorkerArgs,
     decode_result,
     result_bytes,
 )
-from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
-from corelib.isolation import worker_command, worker_environment
-from corelib.startup import Startup
+from corelib.transport.worker import WorkerArgs
 
 ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
@@ -83,7 +82,7 @@ class ShmExecutor(Executor):
                  topology: Topology | None = None) -> None:
         cfg = startup.config
         # Across nodes (torchrun --nnodes>1): this node's ranks only; node 0 forwards every frame to
-        # the others (corelib.engine.nodes), a follower is fed by node 0.
+        # the others (corelib.transport.nodes), a follower is fed by node 0.
         topology = topology if topology is not None else Topology.from_environment(cfg.engine.tp)
         self.topology = topology
         shm = cfg.engine.shm
@@ -143,7 +142,7 @@ class ShmExecutor(Executor):
                 if rank == 0:
                     child_ends += [out_bell, out_room]
                 process = subprocess.Popen(
-                    worker_command("corelib.engine.worker"), env=worker_environment(), stdin=subprocess.PIPE,
+                    worker_command("corelib.transport.worker"), env=worker_environment(), stdin=subprocess.PIPE,
                     pass_fds=child_ends,
                 )
                 assert process.stdin is not None, "Popen was asked for a stdin pipe"

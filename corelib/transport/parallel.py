@@ -49,7 +49,7 @@ def rendezvous() -> tuple[str, int]:
     """torchrun's MASTER_ADDR/MASTER_PORT when set, else a free local port (never a fixed one).
 
     For one node; across nodes, node 0 chooses the ranks' port and tells the others
-    (:mod:`corelib.engine.nodes`), since torchrun's port belongs to the launchers' group.
+    (:mod:`corelib.transport.nodes`), since torchrun's port belongs to the launchers' group.
     """
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if address and port:

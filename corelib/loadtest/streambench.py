@@ -1,4 +1,4 @@
-"""``python -m corelib.server.streambench``: what streaming costs the server, measured without a model.
+"""``python -m corelib.loadtest.streambench``: what streaming costs the server, measured without a model.
 
 A server over :class:`~corelib.server.fake.FakeEngine` (one token per running request every
 ``--step-ms``, nothing computed) runs in a process of its own; this process drives
@@ -11,8 +11,8 @@ give one row each; the highest token rate the server sustains is where TPOT leav
 The clients speak HTTP/1.1 on raw sockets and only count bytes, so that they cost far less
 than the server they measure. CPU times come from ``/proc`` (Linux).
 
-    python -m corelib.server.streambench --step-ms 4,2,1 --clients 64
-    python -m corelib.server.streambench --url http://127.0.0.1:8000 --pid 1234   # a server already running
+    python -m corelib.loadtest.streambench --step-ms 4,2,1 --clients 64
+    python -m corelib.loadtest.streambench --url http://127.0.0.1:8000 --pid 1234   # a server already running
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def serve_fake(step_ms: float, host_ms: float, max_num_seqs: int, placement: str
 
 
 def _start_server(args: argparse.Namespace, step_ms: float) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
-    command = [sys.executable, "-m", "corelib.server.streambench", "serve", f"--step-ms={step_ms}",
+    command = [sys.executable, "-m", "corelib.loadtest.streambench", "serve", f"--step-ms={step_ms}",
                f"--host-ms={args.host_ms}", f"--clients={args.clients}", f"--placement={args.placement}"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None, "Popen was asked for a stdout pipe"
@@ -279,7 +279,7 @@ HEADER = (f"{'step ms':>8} {'tok/s':>9} {'events/s':>9} {'tok/ev':>6} {'TPOT p50
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m corelib.server.streambench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m corelib.loadtest.streambench", description=__doc__.split("\n")[0])
     parser.add_argument("mode", nargs="?", choices=["bench", "serve"], default="bench",
                         help="bench (default): start a fake server and load it; serve: only the server")
     parser.add_argument("--step-ms", help="the fake engine's step, ms (default 2); a comma list gives one row each; "

@@ -3,7 +3,7 @@
 Every request streams with ``ignore_eos`` and ``max_tokens=output_len``, so its length is
 known: an answer counts as completed with exactly one finished choice, one ``[DONE]`` and
 usage equal to what was asked. TTFT is send to first text, TPOT the time after the first text
-per remaining token. Streams go through :class:`~corelib.server.sse_client.SseClient`, cheap
+per remaining token. Streams go through :class:`~corelib.loadtest.sse_client.SseClient`, cheap
 per event; /v1/models and /metrics through httpx.
 """
 
@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import CorelibError
-from corelib.server.sse_client import ResponseError, SseClient
+from corelib.loadtest.sse_client import ResponseError, SseClient
 
 TPOT_HISTOGRAM = "corelib_time_per_output_token_seconds"
 ENGINE_RSS = "corelib_engine_process_resident_memory_bytes"  # when the engine runs in a process of its own
@@ -44,7 +44,7 @@ class Outcome:
 
 
 class Client:
-    """Streams through :class:`~corelib.server.sse_client.SseClient` (cheap per event); the rest through httpx."""
+    """Streams through :class:`~corelib.loadtest.sse_client.SseClient` (cheap per event); the rest through httpx."""
 
     def __init__(self, spec: ServeBenchConfig) -> None:
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}

@@ -20,8 +20,21 @@ from dataclasses import dataclass
 import torch
 
 from corelib.device import Device, Event, Stream
-from corelib.engine.metrics import StepResult
-from corelib.engine.scheduler import StepKind
+from corelib.step.forward_input import StepKind
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What comes back for one step, from this process's device or from a worker."""
+
+    step_id: int
+    kind: StepKind
+    tokens: list[int]
+    busy_ms: float | None = None  # device time of the step (events)
+    gap_ms: float | None = None  # device idle time since the previous step ended (events)
+    graph: bool = False  # a decode step that replayed a captured graph
+    transport_us: float | None = None  # SHM: producer commit to inputs ready in the worker
+    handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
 
 
 @dataclass

@@ -9,17 +9,19 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corelib.config import CorelibConfig, Transport
 from corelib.device import Capabilities
-from corelib.engine.sequence import Sequence as Seq
 from corelib.features import Plan, Requirement, failing_step_requirements
-from corelib.ops import OpProvider
+from corelib.ops.spec import OpProvider
+
+if TYPE_CHECKING:
+    from corelib.engine.sequence import Sequence as Seq
 
 
 class Staging(str, enum.Enum):
-    """How a step's inputs reach the device where the model runs (``corelib.engine.staging``)."""
+    """How a step's inputs reach the device where the model runs (``corelib.step.staging``)."""
 
     inline = "inline"  # in process: the H2D on the compute stream
     host = "host"  # the device reads host memory: no device copy
@@ -52,7 +54,7 @@ class EngineOptions:
     run_ahead: int  # steps the scheduler may submit beyond the one it reads next (0: synchronous)
     transport: Transport
     tp: int
-    fast_allreduce: bool  # small tensor-parallel all-reduces through symmetric memory (corelib.engine.parallel)
+    fast_allreduce: bool  # small tensor-parallel all-reduces through symmetric memory (corelib.transport.parallel)
     staging: Staging  # how a step's inputs reach the device where the model runs
     fused_ops: tuple[str, ...]  # the ops the backend's provider runs instead of the reference (empty: none)
     attention_reads_live_blocks_only: bool  # the fused decode attention reads only live blocks: no KV buckets

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from corelib.device import Device, Event, Stream
-from corelib.engine.forward_input import ForwardInput
-from corelib.engine.options import Staging
 from corelib.errors import DeviceTimeout
+from corelib.options import Staging
+from corelib.step.forward_input import ForwardInput
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 

@@ -11,27 +11,11 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from corelib.engine.scheduler import StepKind
-
-if TYPE_CHECKING:
-    from corelib.engine.handoff import StepHandle
 from corelib.engine.sequence import FinishReason, Sequence
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What comes back for one step, from this process's device or from a worker."""
-
-    step_id: int
-    kind: StepKind
-    tokens: list[int]
-    busy_ms: float | None = None  # device time of the step (events)
-    gap_ms: float | None = None  # device idle time since the previous step ended (events)
-    graph: bool = False  # a decode step that replayed a captured graph
-    transport_us: float | None = None  # SHM: producer commit to inputs ready in the worker
-    handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
+from corelib.step.forward_input import StepKind
+from corelib.step.handoff import StepResult
 
 
 @dataclass(frozen=True)

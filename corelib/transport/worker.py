@@ -31,22 +31,52 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from corelib import faults
+from corelib.backend import DeviceSpec
+from corelib.config import CorelibConfig
 from corelib.device import MemoryStats
-from corelib.engine.build import EngineLayout, build_device_steps, load_model
-from corelib.engine.device_steps import DeviceSteps
-from corelib.engine.forward_input import ForwardInput
-from corelib.engine.handoff import StepHandle
-from corelib.engine.parallel import init_group, leave_group
-from corelib.engine.pipeline import StepPipeline
-from corelib.engine.scheduler import StepKind
-from corelib.engine.shm import Consumer, Frame, Producer, Ring
-from corelib.engine.wire import FrameKind, InputFlags, WireResult, WorkerArgs, encode_result, result_header
 from corelib.errors import TransportError, one_line
+from corelib.faults import maybe_fail
 from corelib.models.sharding import TensorShard
+from corelib.options import EngineOptions
+from corelib.step.build import build_device_steps, load_model
+from corelib.step.device_steps import DeviceSteps
+from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.step.handoff import StepHandle
+from corelib.step.layout import EngineLayout
+from corelib.step.pipeline import StepPipeline
+from corelib.transport.parallel import init_group, leave_group
+from corelib.transport.shm import Consumer, Frame, Producer, Ring
+from corelib.transport.wire import FrameKind, InputFlags, WireResult, encode_result, result_header
 
 IDLE_S = 365 * 24 * 3600.0  # waiting for the next step: idle is fine (the scheduler's liveness is checked)
 _STEP_KINDS = {FrameKind.decode: StepKind.decode, FrameKind.prefill: StepKind.prefill}
+
+
+@dataclasses.dataclass
+class WorkerArgs:
+    """Everything a worker needs; pickled into the spawned process."""
+
+    rank: int
+    world_size: int
+    config: CorelibConfig
+    spec: DeviceSpec
+    options: EngineOptions
+    input_ring: str
+    result_ring: str
+    num_slots: int
+    slot_bytes: int
+    result_slot_bytes: int
+    doorbell_fd: int  # eventfd this rank sleeps on for input frames (and the scheduler's demand)
+    release_fd: int  # eventfd the scheduler sleeps on for released input slots
+    result_doorbell_fd: int  # eventfd the scheduler sleeps on for results (rank 0; -1 elsewhere)
+    result_release_fd: int  # eventfd rank 0 sleeps on for released result slots (rank 0; -1 elsewhere)
+    control_fd: int  # write: ready / error / memory messages (a pipe: its end also shows an exit)
+    parent_pid: int
+    register_host: bool
+    master_address: str = "127.0.0.1"  # tensor parallelism: the process group's rendezvous
+    master_port: int = 0
+    local_rank: int = 0  # this rank's place on its node: its device index and its consumer index in the ring
+    local_world: int = 1  # ranks on this node (engine.tp / nodes): the ring's consumers
 
 
 def input_of(frame: Frame, where: str) -> ForwardInput:
@@ -95,7 +125,7 @@ class StepLoop:
                 consumer.release(frame)
                 send("memory", None, memory())
                 continue
-            faults.maybe_fail("poll")
+            maybe_fail("poll")
             where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
             if kind not in _STEP_KINDS:
                 raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
@@ -188,7 +218,7 @@ class Worker:
 
 
 def main() -> None:
-    """Entry point: ``python -m corelib.engine.worker`` with pickled WorkerArgs on stdin."""
+    """Entry point: ``python -m corelib.transport.worker`` with pickled WorkerArgs on stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the scheduler decides
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     args: WorkerArgs = pickle.loads(sys.stdin.buffer.read())

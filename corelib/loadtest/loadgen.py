@@ -11,7 +11,7 @@ the engine's own TPOT beside the clients'.
 
 Throughput counts completed requests over the span from the first send to the last answer;
 TTFT is send to first text, TPOT the time after the first text per remaining token
-(:mod:`corelib.server.loadclient`).
+(:mod:`corelib.loadtest.loadclient`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from rich.table import Table
 
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
+from corelib.loadtest.loadclient import ENGINE_RSS, TPOT_HISTOGRAM, Client, Outcome
 from corelib.rundir import RunDir
-from corelib.server.loadclient import ENGINE_RSS, TPOT_HISTOGRAM, Client, Outcome
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")

@@ -1,0 +1,2 @@
+"""What the engine reports about itself: run metrics (:mod:`~corelib.observe.metrics`) and the
+step timeline (:mod:`~corelib.observe.trace`)."""

@@ -1,0 +1,142 @@
+"""Step arenas: one step's inputs as named tensors at 64-byte aligned offsets in one uint8 buffer.
+
+One arena per step means one host-to-device copy per step, and the same bytes travel through
+the SHM ring unchanged (:mod:`corelib.transport.wire` frames them). The scheduler side packs an
+arena (:mod:`corelib.engine.packing`), the device side reads it (:mod:`corelib.step.runner`):
+both import the layouts from here, neither imports the other.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from corelib.ops.spec import SAMPLING_COLUMNS
+
+ALIGN = 64
+RELAY = -1  # a decode row's input id: take the token from the device relay, not from the host
+
+_DTYPE_CODES: dict[torch.dtype, int] = {torch.int64: 0, torch.int32: 1, torch.float32: 2, torch.bool: 3}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_ITEM_BYTES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPE_CODES}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * _ITEM_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Named tensors at 64-byte aligned offsets in one uint8 buffer."""
+
+    fields: tuple[Field, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, fields: Sequence[Field]) -> ArenaLayout:
+        offsets = []
+        cursor = 0
+        for f in fields:
+            offsets.append(cursor)
+            cursor += -(-f.nbytes // ALIGN) * ALIGN
+        return cls(tuple(fields), tuple(offsets), max(cursor, ALIGN))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views into ``arena`` (host or device); writes go straight to the arena."""
+        if arena.dtype != torch.uint8 or arena.numel() < self.nbytes:
+            raise ValueError(f"arena must be uint8 with at least {self.nbytes} bytes")
+        out = {}
+        for f, offset in zip(self.fields, self.offsets, strict=True):
+            out[f.name] = arena[offset : offset + f.nbytes].view(f.dtype).view(f.shape)
+        return out
+
+    def encode(self) -> list[int]:
+        """The layout as integers, for a frame header: per field a dtype code, rank and dims (a new list)."""
+        return list(self._words)
+
+    @functools.cached_property
+    def _words(self) -> tuple[int, ...]:
+        words = [len(self.fields)]
+        for f in self.fields:
+            words += [_DTYPE_CODES[f.dtype], len(f.shape), *f.shape]
+        return tuple(words)
+
+    @classmethod
+    def decode(cls, names: Sequence[str], words: Sequence[int]) -> ArenaLayout:
+        """The layout a header describes, its fields named by the frame kind's field names."""
+        if not words:
+            raise ValueError("the frame carries no layout")
+        count, cursor = words[0], 1
+        if count != len(names):
+            raise ValueError(f"layout has {count} fields; expected {len(names)}")
+        fields = []
+        for name in names:
+            if cursor + 2 > len(words):
+                raise ValueError(f"layout ends before field {name!r}")
+            code, rank = words[cursor], words[cursor + 1]
+            dims = tuple(words[cursor + 2 : cursor + 2 + rank])
+            cursor += 2 + rank
+            if code not in _CODE_DTYPES:
+                raise ValueError(f"field {name!r} has unknown dtype code {code}")
+            if len(dims) != rank or any(d < 0 for d in dims):
+                raise ValueError(f"field {name!r} has a malformed shape {dims}")
+            fields.append(Field(name, _CODE_DTYPES[code], dims))
+        return cls.of(fields)
+
+
+# One row per sequence of a decode step (R = the engine's largest batch), plus its block table.
+DECODE_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("input_ids", torch.int64),  # RELAY: the token sampled by the previous step, on the device
+    ("positions", torch.int64),
+    ("slot_mapping", torch.int64),  # KV cache slot of the new token: block * block_size + offset
+    ("seq_lens", torch.int64),  # keys to attend to, the new token included
+    ("state_indices", torch.int64),  # per-sequence slot: token relay, recurrent state
+    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
+)
+DECODE_FIELD_NAMES = (*(name for name, _ in DECODE_FIELDS), "block_tables")
+
+# A prefill step: its tokens packed flat (T), and one row per sequence (n).
+PREFILL_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
+PREFILL_SEQ_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("last_index", torch.int64),  # index of each sequence's last token in the flat tokens
+    ("state_indices", torch.int64),
+    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
+)
+PREFILL_FIELD_NAMES = (
+    *PREFILL_TOKEN_FIELDS, "cu_seqlens", "pad_index", "valid", *(name for name, _ in PREFILL_SEQ_FIELDS)
+)
+
+
+def decode_layout(max_rows: int, max_blocks: int) -> ArenaLayout:
+    fields = [Field(name, dtype, (max_rows,)) for name, dtype in DECODE_FIELDS]
+    return ArenaLayout.of([*fields, Field("block_tables", torch.int32, (max_rows, max_blocks))])
+
+
+def prefill_layout(num_tokens: int, num_seqs: int, max_len: int) -> ArenaLayout:
+    return ArenaLayout.of(
+        [
+            *(Field(name, torch.int64, (num_tokens,)) for name in PREFILL_TOKEN_FIELDS),
+            Field("cu_seqlens", torch.int64, (num_seqs + 1,)),
+            Field("pad_index", torch.int64, (num_seqs, max_len)),
+            Field("valid", torch.bool, (num_seqs, max_len)),
+            *(Field(name, dtype, (num_seqs,)) for name, dtype in PREFILL_SEQ_FIELDS),
+        ]
+    )

@@ -1,0 +1,69 @@
+"""The device side of an engine (model, ops, runner, stager, handoff), built the same way in
+process and in a worker, from the sizes of :class:`~corelib.step.layout.EngineLayout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from corelib.backend import Backend
+from corelib.config import CorelibConfig, Transport
+from corelib.device import Device
+from corelib.models.base import Model
+from corelib.models.registry import architecture
+from corelib.models.sharding import TensorShard
+from corelib.ops import Ops
+from corelib.ops.reference import reference_ops
+from corelib.options import EngineOptions, Staging
+from corelib.step.device_steps import DeviceSteps
+from corelib.step.handoff import TokenHandoff
+from corelib.step.layout import EngineLayout
+from corelib.step.runner import ModelRunner
+from corelib.step.staging import build_stager
+
+ModelFactory = Callable[[CorelibConfig, Device, TensorShard | None], Model]
+SNAPSHOT_SPARE = 2  # a worker's input snapshots beyond the pipeline: one being received, one queued
+
+
+def load_model(config: CorelibConfig, device: Device, shard: TensorShard | None = None) -> Model:
+    """The configured architecture with its weights (random, or ``model.path``) on ``device``."""
+    return architecture(config.model.architecture).load(config.model, device, shard, config.engine.compile)
+
+
+def build_ops(backend: Backend, device: Device, options: EngineOptions) -> Ops:
+    """The reference ops, with the backend's provider in place of those it offers when the gate allows."""
+    ops = reference_ops()
+    provider = backend.op_provider() if options.fused_ops else None
+    if provider is None:
+        return ops
+    loaded = provider.load(device)
+    return ops.with_provider(provider.name, {name: op for name, op in loaded.items() if name in options.fused_ops})
+
+
+def build_device_steps(
+    device: Device,
+    backend: Backend,
+    config: CorelibConfig,
+    options: EngineOptions,
+    layout: EngineLayout,
+    model: Model,
+    staging: Staging,
+) -> DeviceSteps:
+    """Runner, stager and handoff on ``device``, with every decode graph captured (largest bucket first)."""
+    torch.manual_seed(0)
+    compute = device.stream("compute")
+    handoff = TokenHandoff(device, compute, layout.rows, layout.rows, options.pipeline_depth, timing=True)
+    runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,
+                         layout.buckets(options, device.capabilities.graph_param_update), handoff)
+    snapshots = options.pipeline_depth + SNAPSHOT_SPARE if options.transport is Transport.shm else 0
+    stager = build_stager(staging, device, compute, layout.staging_bytes, snapshots, config.engine.timeout_s)
+    steps = DeviceSteps(runner, stager, handoff)
+    try:
+        if options.graphs:
+            runner.capture()
+    except BaseException:
+        steps.close()
+        raise
+    return steps

@@ -1,0 +1,84 @@
+"""Sizes derived once from the config: batch rows, KV blocks, arena sizes and graph buckets.
+
+The scheduler process and every worker derive the same layout from the same config, so the
+arenas one packs are the arenas the other reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corelib.config import CorelibConfig, Transport
+from corelib.engine.block_manager import blocks_for
+from corelib.errors import ConfigError
+from corelib.models.registry import architecture
+from corelib.options import EngineOptions
+from corelib.step.arena import ArenaLayout, decode_layout, prefill_layout
+from corelib.step.buckets import BucketPolicy
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Batch rows, KV blocks and staging sizes for one engine configuration."""
+
+    rows: int
+    block_size: int
+    max_blocks: int
+    num_blocks: int
+    max_model_len: int
+    max_batched_tokens: int
+    graph_batch_sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: CorelibConfig) -> EngineLayout:
+        engine, model = config.engine, config.model
+        block_size = engine.block_size
+        max_blocks = blocks_for(model.max_model_len, block_size)
+        num_blocks = engine.num_kv_blocks or engine.max_num_seqs * max_blocks + 1
+        if num_blocks - 1 < max_blocks:
+            raise ConfigError(
+                f"engine.num_kv_blocks={num_blocks} holds {(num_blocks - 1) * block_size} tokens; "
+                f"one request of model.max_model_len={model.max_model_len} needs {max_blocks} blocks "
+                f"of {block_size} (+1 null block): raise engine.num_kv_blocks or lower model.max_model_len"
+            )
+        if engine.tp < 1:
+            raise ConfigError(f"engine.tp={engine.tp}: must be at least 1")
+        if engine.tp > 1:
+            if engine.transport is not Transport.shm:
+                raise ConfigError(
+                    f"engine.tp={engine.tp} runs one worker process per rank, fed through shared memory: "
+                    "add engine.transport=shm"
+                )
+            if engine.compile:
+                raise ConfigError("engine.compile=true is not supported with engine.tp>1 (collectives in the "
+                                  "compiled layer); drop one of them")
+        architecture(model.architecture).validate(model, engine.tp)
+        return cls(
+            rows=engine.max_num_seqs,
+            block_size=block_size,
+            max_blocks=max_blocks,
+            num_blocks=num_blocks,
+            max_model_len=model.max_model_len,
+            max_batched_tokens=engine.max_num_batched_tokens,
+            graph_batch_sizes=tuple(engine.graph_batch_sizes),
+        )
+
+    @property
+    def staging_bytes(self) -> int:
+        """Room for the decode arena or the largest prefill arena."""
+        longest = max(self.max_batched_tokens, self.max_model_len)
+        return max(self.decode_layout.nbytes, prefill_layout(longest, self.rows, self.max_model_len).nbytes)
+
+    @property
+    def decode_layout(self) -> ArenaLayout:
+        """The fixed arena of a decode step: a row per sequence of the largest batch."""
+        return decode_layout(self.rows, self.max_blocks)
+
+    @property
+    def pad_slot(self) -> int:
+        """The per-sequence state slot padded rows use (one past the real slots)."""
+        return self.rows
+
+    def buckets(self, options: EngineOptions, param_update: bool) -> BucketPolicy:
+        return BucketPolicy.build(options.graphs, self.graph_batch_sizes, self.rows, self.max_blocks,
+                                  param_update, options.attention_reads_live_blocks_only)

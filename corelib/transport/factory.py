@@ -1,0 +1,46 @@
+"""One executor factory per transport: the engine looks its transport up here and never branches on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from corelib.config import Transport
+from corelib.options import EngineOptions
+from corelib.startup import Startup
+from corelib.step.build import ModelFactory, build_device_steps
+from corelib.step.layout import EngineLayout
+from corelib.step.staging import StagingPool
+from corelib.transport.executor import STAGING_BUFFERS_SPARE, Executor, InprocExecutor
+from corelib.transport.nodes import Topology
+from corelib.transport.shm_executor import ShmExecutor
+
+
+def build_inproc(
+    startup: Startup, options: EngineOptions, layout: EngineLayout, model_factory: ModelFactory
+) -> Executor:
+    """Open the device, load the model and capture its graphs in this process."""
+    Topology.from_environment(startup.config.engine.tp)  # refuses torchrun --nnodes>1 for one rank
+    device = startup.backend.open(startup.spec)
+    try:
+        model = model_factory(startup.config, device, None)
+        steps = build_device_steps(device, startup.backend, startup.config, options, layout, model, options.staging)
+        pinned = not device.capabilities.device_is_host and device.capabilities.pinned_host
+        staging = StagingPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=pinned),
+                              layout.staging_bytes, options.pipeline_depth + STAGING_BUFFERS_SPARE,
+                              startup.config.engine.timeout_s)
+    except BaseException:
+        device.close()
+        raise
+    return InprocExecutor(device, steps, staging)
+
+
+def build_shm(
+    startup: Startup, options: EngineOptions, layout: EngineLayout, model_factory: ModelFactory
+) -> Executor:
+    """Start the worker processes; each loads its own model (``model_factory`` is not used across processes)."""
+    del model_factory
+    return ShmExecutor(startup, options, layout)
+
+
+ExecutorFactory = Callable[[Startup, EngineOptions, EngineLayout, ModelFactory], Executor]
+EXECUTORS: dict[Transport, ExecutorFactory] = {Transport.inproc: build_inproc, Transport.shm: build_shm}
