@@ -119,13 +119,13 @@ def corelib_run(engine: Engine, prompts: list[list[int]], new_tokens: int,
     start = time.perf_counter()
     engine.generate(prompts, sampling)
     warmup_s = time.perf_counter() - start
-    first_step = engine.core.metrics.num_steps
+    first_step = engine.stats().num_steps
     tpots, tokens = [], []
     for _ in range(repeats):
         outputs = engine.generate(prompts, sampling)
         tpots.append(statistics.median(o.tpot_ms for o in outputs if o.tpot_ms is not None))
         tokens = [o.output_token_ids for o in outputs]
-    device = engine.core.metrics.device_summary(first_step)
+    device = engine.stats(since_step=first_step).device
     return {
         "tpot_ms": statistics.median(tpots), "repeats_tpot_ms": tpots, "warmup_s": warmup_s,
         "async_token_handoff": engine.async_handoff, "graphs": engine.options.graphs,
@@ -139,10 +139,10 @@ def graph_floor(engine: Engine, batch_size: int, prompt_len: int, new_tokens: in
 
     The decode arena still holds the last real decode step, so every replay reads a valid batch.
     """
-    runner, buckets, device = engine.local_runner, engine.buckets, engine.local_device
+    runner, buckets, device = engine.local_runner, engine.core.buckets, engine.local_device
     if not runner.graphs:
         return {"skipped": "graphs are off on this device"}
-    block_size = engine.builder.block_size
+    block_size = engine.layout.block_size
     steps: Counter[tuple[int, int]] = Counter()
     for position in range(prompt_len, prompt_len + new_tokens - 1):  # the position each decode step feeds
         rows, kv, _ = buckets.decode_shape(batch_size, blocks_for(position + 1, block_size))

@@ -200,11 +200,11 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                      f"{engine.materialization} handoff={handoff} ops={ops}")
             for batch_size in spec.batch_sizes:
                 _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
-                first_step = engine.core.metrics.num_steps
+                first_step = engine.stats().num_steps
                 repeats = [_measure(engine, batch_size, spec.prompt_len, spec.output_len, seed=2 + r)
                            for r in range(spec.repeats)]
-                device = engine.core.metrics.device_summary(first_step)
-                steps = engine.core.metrics.steps_since(first_step)
+                stats = engine.stats(since_step=first_step)
+                device, steps = stats.device, stats.steps
                 transport_us = [s.transport_us for s in steps if s.transport_us is not None]
                 tpot = statistics.median(r[0] for r in repeats)
                 point = BenchPoint(

@@ -195,7 +195,7 @@ def _metrics(engine: Engine, startup: Startup, wall: float) -> dict[str, Any]:
     cfg = startup.config
     metrics = dict(engine.metrics(wall))
     metrics.update(
-        preemptions=engine.scheduler.num_preemptions,
+        preemptions=engine.stats().num_preemptions,
         backend=startup.spec.backend,
         runtime=startup.spec.runtime.value,
         async_token_handoff=engine.async_handoff,

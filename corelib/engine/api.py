@@ -9,16 +9,18 @@ With a checkpoint that has a tokenizer, prompts may be text and outputs carry te
         engine.add_request("The capital of France is", SamplingParams(max_tokens=32))
         for delta in engine.stream_tokens():
             print(delta.text, end="", flush=True)
+
+Long: this is the engine's one public face (requests in, outputs out, streaming, stats, shutdown,
+one driving thread); its parts live beside it (:mod:`corelib.engine.build` assembles the loop,
+:mod:`corelib.engine.requests` checks requests, :mod:`corelib.engine.outputs` holds results).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import operator
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -27,14 +29,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from corelib.device import Device, MemoryStats
-from corelib.engine.block_manager import BlockManager
-from corelib.engine.core import EngineCore
+from corelib.engine.build import build_engine_core
+from corelib.engine.core import EngineStats
 from corelib.engine.outputs import RequestOutput, output_of
-from corelib.engine.packing import InputBuilder
-from corelib.engine.scheduler import Scheduler, SchedulerLimits
+from corelib.engine.requests import Prompt, check_request, cut_at_stop, token_ids
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
-from corelib.engine.stops import StopChecker
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import ConcurrentUse, ConfigError, RequestError
 from corelib.features import Plan
@@ -42,39 +42,10 @@ from corelib.observe.trace import NULL_TRACER, TimelineTracer, Tracer
 from corelib.startup import Startup
 from corelib.step.build import ModelFactory, load_model
 from corelib.step.layout import EngineLayout
-from corelib.step.pipeline import StepPipeline
 from corelib.step.runner import ModelRunner
 from corelib.text import Tokenizer
 from corelib.transport.executor import InprocExecutor
 from corelib.transport.factory import EXECUTORS
-
-log = logging.getLogger("corelib.engine")
-
-
-Prompt = str | Sequence[int]  # text needs the checkpoint's tokenizer
-
-
-def _token_ids(prompt: object) -> list[int]:
-    """A prompt of token ids as plain ints (numpy and 0-d tensor integers too); a RequestError names a bad one."""
-    if isinstance(prompt, (bytes, bytearray, memoryview, Mapping, set, frozenset)):
-        raise RequestError(f"the prompt is {type(prompt).__name__}; pass token ids (a list of int) or text (str)")
-    if not isinstance(prompt, Iterable):
-        raise RequestError(f"the prompt is {type(prompt).__name__}; pass token ids (a list of int) or text")
-    ids = []
-    for position, token in enumerate(prompt):
-        try:
-            ids.append(operator.index(token))
-        except TypeError:
-            raise RequestError(f"prompt token {token!r} at position {position} is not an integer token id") from None
-    return ids
-
-
-def _cut_at_stop(text: str, seq: Seq) -> str:
-    """A request stopped by a stop string returns the text before it."""
-    if seq.finish_reason is not FinishReason.stop or not seq.sampling.stop_strings:
-        return text
-    cuts = [i for i in (text.find(s) for s in seq.sampling.stop_strings) if i >= 0]
-    return text[: min(cuts)] if cuts else text
 
 
 class Engine:
@@ -101,22 +72,15 @@ class Engine:
         self.layout = EngineLayout.of(cfg)
         self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
         self.vocab_size = model_cfg.vocab_size
-        layout = self.layout
-        self.builder = InputBuilder(layout.rows, layout.max_blocks, layout.block_size, layout.pad_slot)
-        self.buckets = self.layout.buckets(self.options, startup.spec.capabilities.graph_param_update)
-        eos = frozenset({model_cfg.eos_token_id, *model_cfg.extra_eos_token_ids})
-        self.scheduler = Scheduler(
-            SchedulerLimits(self.layout.rows, engine_cfg.max_num_batched_tokens, model_cfg.max_model_len),
-            BlockManager(self.layout.num_blocks, self.layout.block_size),
-            num_slots=self.layout.rows,
-            stops=StopChecker(model_cfg.max_model_len, eos, self.tokenizer.decode if self.tokenizer else None),
-        )
         executor = EXECUTORS[self.options.transport](startup, self.options, self.layout, model_factory)
         self.notices: list[str] = list(executor.notices)  # things the user should hear about, said once at start
-        self.core = EngineCore(
-            self.scheduler, self.builder, self.buckets, executor, StepPipeline(self.options.pipeline_depth),
-            self.options.step_check, engine_cfg.timeout_s, engine_cfg.metrics_window,
-        )
+        try:
+            self.core = build_engine_core(cfg, self.options, self.layout, executor, self.tokenizer,
+                                          startup.spec.capabilities.graph_param_update)
+        except BaseException:
+            executor.close(engine_cfg.timeout_s)
+            raise
+        self.scheduler = self.core.scheduler
         self.tracer: Tracer = NULL_TRACER
         if engine_cfg.trace:
             # Device spans come from the events of an in-process runner; over SHM only host spans.
@@ -152,24 +116,24 @@ class Engine:
     @classmethod
     def from_overrides(cls, overrides: Sequence[str] = ()) -> Engine:
         """Compose corelib's config with Hydra-style overrides and build an engine."""
-        from corelib.compose import compose_config, prepare_config_store
-        from corelib.plugins import PluginRegistry
-        from corelib.startup import start
+        from corelib.compose import compose_config
 
-        registry = PluginRegistry()
-        prepare_config_store(registry)
-        return cls(start(compose_config(overrides), registry))
+        return cls._started(lambda: compose_config(overrides))
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> Engine:
         """Build from an already composed config (e.g. inside your own @hydra.main)."""
+        return cls._started(lambda: cfg)
+
+    @classmethod
+    def _started(cls, config: Callable[[], DictConfig]) -> Engine:
         from corelib.compose import prepare_config_store
         from corelib.plugins import PluginRegistry
         from corelib.startup import start
 
         registry = PluginRegistry()
-        prepare_config_store(registry)
-        return cls(start(cfg, registry))
+        prepare_config_store(registry)  # the plugins' config groups, before the config is composed
+        return cls(start(config(), registry))
 
     # ------------------------------------------------------------------ one driving thread
     @contextmanager
@@ -192,7 +156,7 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; text needs the checkpoint's tokenizer."""
         if not isinstance(prompt, str):
-            return _token_ids(prompt)
+            return token_ids(prompt)
         if self.tokenizer is None:
             path = self.startup.config.model.path
             where = f"model.path={path} has no tokenizer.json" if path else "model.path is not set"
@@ -234,35 +198,13 @@ class Engine:
             try:
                 if problem is not None:
                     raise problem
-                self._validate(seq)
+                config = self.startup.config
+                check_request(seq, config.model, self.vocab_size, config.engine.refuse_overlong)
             except RequestError as error:
-                self.scheduler.finish(seq, FinishReason.error, error=str(error))
-                self.core.add_finished(seq)
+                self.core.finish(seq, FinishReason.error, str(error))
                 return seq.request_id
             self.scheduler.add(seq)
             return seq.request_id
-
-    def _validate(self, seq: Seq) -> None:
-        limit = self.startup.config.model.max_model_len
-        if not seq.prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        if len(seq.prompt_token_ids) >= limit:
-            raise RequestError(
-                f"the prompt has {len(seq.prompt_token_ids)} tokens; model.max_model_len={limit} leaves no room "
-                "for output"
-            )
-        bad = [t for t in seq.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        seq.sampling.validate(self.vocab_size)
-        room = limit - len(seq.prompt_token_ids)
-        if seq.sampling.max_tokens > room:
-            overlong = (f"max_tokens={seq.sampling.max_tokens} with a prompt of {len(seq.prompt_token_ids)} tokens "
-                        f"exceeds model.max_model_len={limit}")
-            if self.startup.config.engine.refuse_overlong:
-                raise RequestError(f"{overlong}; ask for at most {room} tokens (engine.refuse_overlong=true)")
-            log.warning("request %s: %s; it ends after at most %d tokens (engine.refuse_overlong=true refuses it "
-                        "instead)", seq.request_id, overlong, room)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (finish_reason 'abort'): its KV blocks go back, tokens in flight are dropped.
@@ -274,8 +216,7 @@ class Engine:
             self._check_open()
             for seq in (*self.scheduler.running, *self.scheduler.waiting):
                 if seq.request_id == request_id:
-                    self.scheduler.finish(seq, FinishReason.abort)
-                    self.core.add_finished(seq)
+                    self.core.finish(seq, FinishReason.abort)
                     return True
             return False
 
@@ -315,7 +256,7 @@ class Engine:
     def _final_text(self, seq: Seq) -> str | None:
         if self.tokenizer is None:
             return seq.text or None
-        return _cut_at_stop(self.tokenizer.decode(seq.output_token_ids), seq)
+        return cut_at_stop(self.tokenizer.decode(seq.output_token_ids), seq)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Run until every queued request is done, yielding each as it finishes."""
@@ -431,6 +372,11 @@ class Engine:
                 self._fail(error)
                 raise
 
+    def stats(self, since_step: int | None = None) -> EngineStats:
+        """Requests running and waiting, KV blocks, steps so far; with ``since_step`` (an earlier
+        ``stats().num_steps``) also each step since and the device's busy and idle time over them."""
+        return self.core.stats(since_step)
+
     def metrics(self, wall_s: float) -> dict[str, Any]:
         """Run-level figures over every request added so far (percentiles: the latest engine.metrics_window)."""
         return self.core.metrics_summary(wall_s)
@@ -439,8 +385,7 @@ class Engine:
     def _fail(self, error: BaseException) -> None:
         """A step failed: end every request and stop; close() still releases everything."""
         self._failure = error
-        for seq in self.scheduler.abort_all(FinishReason.error, error="the engine stopped after a device error"):
-            self.core.add_finished(seq)
+        self.core.finish_all(FinishReason.error, "the engine stopped after a device error")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -10,7 +10,8 @@ synchronously, after a drain.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from corelib.device import MemoryStats
@@ -18,13 +19,28 @@ from corelib.engine.block_manager import blocks_for
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
-from corelib.observe.metrics import WINDOW, MetricsCollector
+from corelib.observe.metrics import WINDOW, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 from corelib.options import StepCheck
 from corelib.step.buckets import BucketPolicy
 from corelib.step.forward_input import StepKind
 from corelib.step.pipeline import StepPipeline
 from corelib.transport.executor import Executor, StepFuture
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The loop's state now, and (with ``since_step``) the steps it has run since then."""
+
+    num_steps: int  # steps completed so far
+    num_running: int
+    num_waiting: int
+    num_in_flight: int  # steps submitted whose tokens were not read yet
+    kv_blocks_free: int
+    kv_blocks_total: int  # usable blocks (the null block is never handed out)
+    num_preemptions: int
+    steps: tuple[StepRecord, ...] = ()  # completed since ``since_step`` (within the metrics window)
+    device: Mapping[str, Any] = field(default_factory=dict)  # device busy/idle over those steps
 
 
 @dataclass
@@ -65,8 +81,14 @@ class EngineCore:
         return len(self.pipeline)
 
     # ------------------------------------------------------------------ finished requests
-    def add_finished(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """End ``seq`` now (its blocks and slot go back); its output is returned by the next ``take_finished``."""
+        self.scheduler.finish(seq, reason, error=error)
         self._finished.append(seq)
+
+    def finish_all(self, reason: FinishReason, error: str | None = None) -> None:
+        """End every unfinished request (shutdown, or a fatal device error)."""
+        self._finished.extend(self.scheduler.abort_all(reason, error=error))
 
     def take_finished(self) -> list[Sequence]:
         """Requests that finished since the last call; their figures stay in the metrics."""
@@ -74,6 +96,18 @@ class EngineCore:
         for seq in done:
             self.metrics.finish(seq)
         return done
+
+    def stats(self, since_step: int | None = None) -> EngineStats:
+        """Counts now; with ``since_step`` (an earlier ``num_steps``) also the steps since and their device figures."""
+        blocks = self.scheduler.blocks
+        steps: tuple[StepRecord, ...] = ()
+        device: dict[str, Any] = {}
+        if since_step is not None:
+            steps = tuple(self.metrics.steps_since(since_step))
+            device = self.metrics.device_summary(since_step)
+        return EngineStats(self.metrics.num_steps, len(self.scheduler.running), len(self.scheduler.waiting),
+                           len(self.pipeline), blocks.num_free_blocks, blocks.num_blocks - 1,
+                           self.scheduler.num_preemptions, steps, device)
 
     def metrics_summary(self, wall_s: float) -> dict[str, Any]:
         pending = [*self.scheduler.running, *self.scheduler.waiting, *self._finished]
@@ -142,13 +176,9 @@ class EngineCore:
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""
         seq = self.scheduler.waiting[0]
-        self.scheduler.finish(
-            seq,
-            FinishReason.error,
-            error=f"request needs {blocks_for(seq.num_tokens, self.builder.block_size)} KV blocks; "
-            f"the pool has {self.scheduler.blocks.num_free_blocks} free with nothing running",
-        )
-        self._finished.append(seq)
+        self.finish(seq, FinishReason.error,
+                    f"request needs {blocks_for(seq.num_tokens, self.builder.block_size)} KV blocks; "
+                    f"the pool has {self.scheduler.blocks.num_free_blocks} free with nothing running")
         return True
 
     def cancel_in_flight(self) -> None:

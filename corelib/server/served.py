@@ -97,8 +97,8 @@ class EngineAdapter:
         self.engine.check_alive()
 
     def kv_blocks(self) -> tuple[int, int]:
-        blocks = self.engine.scheduler.blocks
-        return blocks.num_free_blocks, blocks.num_blocks - 1  # block 0 is the null block, never handed out
+        stats = self.engine.stats()
+        return stats.kv_blocks_free, stats.kv_blocks_total
 
     def occupancy(self) -> float | None:
         occupancy = self.engine.metrics(time.perf_counter() - self._started).get("occupancy")

@@ -1,0 +1,45 @@
+"""The request loop assembled from its parts: one factory, so the Engine and the unit tests build it alike.
+
+``build_engine_core`` wires the scheduler (with its KV blocks and stop checks), the packer, the
+graph buckets and the step pipeline around an executor it is handed: the Engine passes the
+transport's executor (:mod:`corelib.transport.factory`), a unit test a scripted one
+(:mod:`corelib.testing.executor`) that needs no device.
+"""
+
+from __future__ import annotations
+
+from corelib.config import CorelibConfig
+from corelib.engine.block_manager import BlockManager
+from corelib.engine.core import EngineCore
+from corelib.engine.packing import InputBuilder
+from corelib.engine.scheduler import Scheduler, SchedulerLimits
+from corelib.engine.stops import StopChecker
+from corelib.options import EngineOptions
+from corelib.step.layout import EngineLayout
+from corelib.step.pipeline import StepPipeline
+from corelib.text import Tokenizer
+from corelib.transport.executor import Executor
+
+
+def build_engine_core(
+    config: CorelibConfig,
+    options: EngineOptions,
+    layout: EngineLayout,
+    executor: Executor,
+    tokenizer: Tokenizer | None = None,
+    graph_param_update: bool = False,
+) -> EngineCore:
+    """The loop of one engine around ``executor``; ``tokenizer`` decodes text for stop strings."""
+    engine, model = config.engine, config.model
+    eos = frozenset({model.eos_token_id, *model.extra_eos_token_ids})
+    scheduler = Scheduler(
+        SchedulerLimits(layout.rows, engine.max_num_batched_tokens, model.max_model_len),
+        BlockManager(layout.num_blocks, layout.block_size),
+        num_slots=layout.rows,
+        stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None),
+    )
+    builder = InputBuilder(layout.rows, layout.max_blocks, layout.block_size, layout.pad_slot)
+    return EngineCore(
+        scheduler, builder, layout.buckets(options, graph_param_update), executor,
+        StepPipeline(options.pipeline_depth), options.step_check, engine.timeout_s, engine.metrics_window,
+    )
