@@ -7,6 +7,7 @@ the provider's ops while the rest stay on the reference.
 """
 
 from corelib.ops.spec import (
+    COMPOSED_OPS,
     OP_NAMES,
     SAMPLING_COLUMNS,
     OpProvider,
@@ -18,6 +19,7 @@ from corelib.ops.spec import (
 )
 
 __all__ = [
+    "COMPOSED_OPS",
     "OP_NAMES",
     "SAMPLING_COLUMNS",
     "OpProvider",

@@ -74,6 +74,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
 def sample(logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tensor:
     if sampling is None:
         return logits.argmax(dim=-1)

@@ -23,7 +23,15 @@ OP_NAMES = (
     "prefill_attention",
     "silu_mul",
     "sample",
+    "linear",
+    "linear_residual",
+    "norm_qkv_rope_kv_write",
+    "norm_gate_up_silu_mul",
+    "norm_logits",
 )
+#: the ops that are a composition of others: where no provider runs one, the container composes
+#: it from its own ops (corelib.ops.composed), so a provider's rms_norm or linear still runs in it
+COMPOSED_OPS = ("linear_residual", "norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits")
 
 
 @dataclass(frozen=True)
@@ -175,9 +183,76 @@ class Sample(Protocol):
         ...
 
 
+class Linear(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype; weight [N, K] as the checkpoint holds it.
+
+        A provider may stream the weight from a layout of its own (made once per weight, outside
+        graph capture); the weight the model holds, and the reference sees, stays plain.
+        """
+        ...
+
+
+class LinearResidual(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T: x [M, K], weight [N, K], residual [M, N] -> a new [M, N].
+
+        The product is rounded to the model dtype before the add (as F.linear, then +): the
+        o-projection and the down projection with the residual add of the decoder layer.
+        """
+        ...
+
+
+class NormQkvRopeKvWrite(Protocol):
+    def __call__(
+        self,
+        h: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention input of a decoder layer: rms_norm, the qkv projection, RoPE and the KV write.
+
+        h [B, H] (the residual stream), norm_weight [H], qkv_weight [(nh + 2 nkv) hd, H] (query
+        rows, then key, then value rows), qkv_bias [(nh + 2 nkv) hd] or None; nkv and hd come from
+        the caches [NB, bs, nkv, hd]. k and v go to the cache at slot_mapping [B] (negative: not
+        written); returns the rotated queries [B, nh, hd]. The same as rms_norm, linear and
+        rope_kv_write one after another.
+        """
+        ...
+
+
+class NormGateUpSiluMul(Protocol):
+    def __call__(
+        self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The MLP input: silu_mul(linear(rms_norm(h) , gate_up_weight)): h [M, H], gate_up [2 I, H] -> [M, I]."""
+        ...
+
+
+class NormLogits(Protocol):
+    def __call__(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits [M, V] of rms_norm(h) @ weight.T; weight [V, H] (the LM head).
+
+        The reference rounds the product to the model dtype before widening it; a provider may
+        keep its float32 accumulation (closer to the exact value), within the dtype's tolerance.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class Ops:
-    """The ops a model calls, and who provides each one."""
+    """The ops a model calls, and who provides each one.
+
+    The composed ops (``COMPOSED_OPS``) left as None are built from this container's own ops,
+    so they follow whichever provider runs their parts.
+    """
 
     rms_norm: RmsNorm
     rope_kv_write: RopeKvWrite
@@ -185,7 +260,19 @@ class Ops:
     prefill_attention: PrefillAttention
     silu_mul: SiluMul
     sample: Sample
+    linear: Linear
+    linear_residual: LinearResidual = None  # type: ignore[assignment]
+    norm_qkv_rope_kv_write: NormQkvRopeKvWrite = None  # type: ignore[assignment]
+    norm_gate_up_silu_mul: NormGateUpSiluMul = None  # type: ignore[assignment]
+    norm_logits: NormLogits = None  # type: ignore[assignment]
     providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
+
+    def __post_init__(self) -> None:
+        from corelib.ops import composed
+
+        for op in COMPOSED_OPS:
+            if getattr(self, op) is None:
+                object.__setattr__(self, op, functools.partial(getattr(composed, op), self))
 
     @classmethod
     def reference(cls) -> Ops:
@@ -198,17 +285,21 @@ class Ops:
             prefill_attention=reference.prefill_attention,
             silu_mul=reference.silu_mul,
             sample=reference.sample,
+            linear=reference.linear,
         )
 
     def with_provider(self, name: str, ops: Mapping[str, object]) -> Ops:
-        """These ops replaced by ``ops`` (op name -> callable), provided by ``name``."""
+        """These ops replaced by ``ops`` (op name -> callable), provided by ``name``.
+
+        A composed op the provider does not offer is composed again from the new container's ops.
+        """
         unknown = sorted(set(ops) - set(OP_NAMES))
         if unknown:
             raise ValueError(f"op provider {name!r} offers unknown ops {unknown}; the ops are {', '.join(OP_NAMES)}")
         providers = dict(self.providers)
         providers.update(dict.fromkeys(ops, name))
-        replaced = {key: value for key, value in ops.items()}
-        return Ops(**{op: replaced.get(op, getattr(self, op)) for op in OP_NAMES}, providers=providers)  # type: ignore[arg-type]
+        kept = {op: getattr(self, op) for op in OP_NAMES if op not in COMPOSED_OPS or providers[op] != "reference"}
+        return Ops(**{**kept, **ops}, providers=providers)
 
     @property
     def fused(self) -> tuple[str, ...]:
@@ -235,5 +326,11 @@ class OpProvider(Protocol):
         ...
 
     def load(self, device: Device) -> Mapping[str, object]:
-        """Op name -> callable for ``device``; called once when the engine builds its runner."""
+        """Op name -> callable for ``device``; called once when the engine builds its runner.
+
+        Where the ``pdl`` gate is on (only for a backend declaring the programmatic-launch
+        capabilities), the engine calls ``load(device, pdl=True)``: then every kernel the ops
+        launch that way waits for its predecessor before it reads or writes anything that one
+        may touch, and a kernel that never waits is launched plainly.
+        """
         ...
