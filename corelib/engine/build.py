@@ -28,7 +28,7 @@ from corelib.errors import ConfigError
 from corelib.models.base import Model
 from corelib.models.registry import architecture
 from corelib.models.sharding import TensorShard
-from corelib.ops import Ops
+from corelib.ops import Ops, load_provider
 
 ModelFactory = Callable[[CorelibConfig, Device, TensorShard | None], Model]
 SNAPSHOT_SPARE = 2  # a worker's input snapshots beyond the pipeline: one being received, one queued
@@ -105,7 +105,7 @@ def build_ops(backend: Backend, device: Device, options: EngineOptions) -> Ops:
     provider = backend.op_provider() if options.fused_ops else None
     if provider is None:
         return ops
-    loaded = provider.load(device)
+    loaded = load_provider(provider, device, options.pdl)
     return ops.with_provider(provider.name, {name: op for name, op in loaded.items() if name in options.fused_ops})
 
 

@@ -16,6 +16,7 @@ from corelib.ops.spec import (
     SamplingColumn,
     SamplingInputs,
     VarlenAttention,
+    load_provider,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "SamplingColumn",
     "SamplingInputs",
     "VarlenAttention",
+    "load_provider",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -334,3 +334,17 @@ class OpProvider(Protocol):
         may touch, and a kernel that never waits is launched plainly.
         """
         ...
+
+
+class ProgrammaticLaunchProvider(Protocol):
+    """A provider whose backend declares ``capabilities.programmatic_launch_kernels``: load takes ``pdl``."""
+
+    def load(self, device: Device, pdl: bool = False) -> Mapping[str, object]: ...
+
+
+def load_provider(provider: OpProvider, device: Device, pdl: bool) -> Mapping[str, object]:
+    """``provider.load(device)``; with ``pdl`` (the gate holds only where the backend declares its
+    provider's kernels PDL-capable) ``load(device, pdl=True)``."""
+    if not pdl:
+        return provider.load(device)
+    return cast(ProgrammaticLaunchProvider, provider).load(device, pdl=True)

@@ -1,5 +1,5 @@
 # mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
-# ruff: noqa: N803 - compile-time constants are upper case, as in every Triton kernel
+# ruff: noqa: N803, SIM108, SIM300 - upper-case compile-time constants; constexpr branches read plainer than ternaries
 """One projection kernel family for the decode layer: y = x @ W.T with a prologue and an epilogue.
 
 Two kernels share the row mapping and the epilogues:
