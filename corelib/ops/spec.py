@@ -29,9 +29,17 @@ OP_NAMES = (
     "norm_gate_up_silu_mul",
     "norm_logits",
 )
-#: the ops that are a composition of others: where no provider runs one, the container composes
-#: it from its own ops (corelib.ops.composed), so a provider's rms_norm or linear still runs in it
-COMPOSED_OPS = ("linear_residual", "norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits")
+#: the ops that are a composition of others, with their parts: where no provider runs one, the
+#: container composes it from its own ops (corelib.ops.composed), so a provider's rms_norm or
+#: linear still runs in it; its provider then reads "composed" (all parts reference: "reference")
+COMPOSED_PARTS: dict[str, tuple[str, ...]] = {
+    "linear_residual": ("linear",),
+    "norm_qkv_rope_kv_write": ("rms_norm", "linear", "rope_kv_write"),
+    "norm_gate_up_silu_mul": ("rms_norm", "linear", "silu_mul"),
+    "norm_logits": ("rms_norm", "linear"),
+}
+COMPOSED_OPS = tuple(COMPOSED_PARTS)
+COMPOSED = "composed"
 
 
 @dataclass(frozen=True)
@@ -270,9 +278,13 @@ class Ops:
     def __post_init__(self) -> None:
         from corelib.ops import composed
 
-        for op in COMPOSED_OPS:
+        providers = dict(self.providers)
+        for op, parts in COMPOSED_PARTS.items():
             if getattr(self, op) is None:
                 object.__setattr__(self, op, functools.partial(getattr(composed, op), self))
+                by_provider = any(providers.get(part, "reference") != "reference" for part in parts)
+                providers[op] = COMPOSED if by_provider else "reference"
+        object.__setattr__(self, "providers", providers)
 
     @classmethod
     def reference(cls) -> Ops:
@@ -298,13 +310,14 @@ class Ops:
             raise ValueError(f"op provider {name!r} offers unknown ops {unknown}; the ops are {', '.join(OP_NAMES)}")
         providers = dict(self.providers)
         providers.update(dict.fromkeys(ops, name))
-        kept = {op: getattr(self, op) for op in OP_NAMES if op not in COMPOSED_OPS or providers[op] != "reference"}
+        kept = {op: getattr(self, op) for op in OP_NAMES
+                if op not in COMPOSED_OPS or providers[op] not in ("reference", COMPOSED)}
         return Ops(**{**kept, **ops}, providers=providers)
 
     @property
     def fused(self) -> tuple[str, ...]:
-        """The ops some provider other than the reference runs."""
-        return tuple(op for op in OP_NAMES if self.providers.get(op, "reference") != "reference")
+        """The ops some provider other than the reference runs (as one op, not composed of others)."""
+        return tuple(op for op in OP_NAMES if self.providers.get(op, "reference") not in ("reference", COMPOSED))
 
 
 
