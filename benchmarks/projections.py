@@ -6,6 +6,7 @@ best of five rounds. Sections:
 
 - ``tiles``: M = 1, the GEMV at several weight-tile sizes against cuBLAS (F.linear);
 - ``thresholds``: M = 2-256, the GEMV, the tensor-core kernel and cuBLAS;
+- ``gemm``: the tensor-core kernel's tile sizes at M = 32 and 128 against cuBLAS;
 - ``chain``: dependent GEMVs (y = W x, x = y) alternating 1024->3072 and 3072->1024, with and
   without PDL: what one kernel boundary costs.
 
@@ -119,10 +120,38 @@ def thresholds(budget: float) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"model": model, "shape": which, "m": m,
                                    "cublas_us": timed([cublas(x, w) for w in ws])}
             if m <= 16:
-                with_tuning(gemv_max_m=1024)
+                with_tuning(gemv_max_m=1024, gemv_max_m_large=1024)
                 row["gemv_us"] = timed([ours(x, w) for w in ws])
-            with_tuning(gemv_max_m=0, gemm_max_m=4096)
+            with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096)
             row["gemm_us"] = timed([ours(x, w) for w in ws])
+            with_tuning()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del ws
+    return rows
+
+
+GEMM_VARIANTS = [  # (block_n, block_k, programs per SM)
+    (64, 64, 2), (128, 64, 1), (64, 128, 2), (32, 128, 4), (128, 128, 1), (64, 64, 4)]
+
+
+def gemm_configs(budget: float) -> list[dict[str, Any]]:
+    """The tensor-core kernel's tiles at M = 32 and 128 against cuBLAS."""
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + budget
+    for model, which in (("small-0.6b", "qkv"), ("small-0.6b", "down"), ("llama-1b", "gate_up"), ("llama-1b", "down")):
+        n, k = next((n, k) for name, n, k in SHAPES[model] if name == which)
+        ws = weights(n, k)
+        for m in (32, 128):
+            if time.monotonic() > deadline:
+                return rows
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row: dict[str, Any] = {"model": model, "shape": which, "m": m,
+                                   "cublas_us": timed([cublas(x, w) for w in ws])}
+            for bn, bk, pps in GEMM_VARIANTS:
+                with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096, gemm_block_n=bn, gemm_block_k=bk,
+                            gemm_programs_per_sm=pps)
+                row[f"n{bn}k{bk}p{pps}_us"] = timed([ours(x, w) for w in ws])
             with_tuning()
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -161,6 +190,8 @@ def main() -> None:
         result["tiles"] = tiles(args.budget_s)
     if "thresholds" in args.sections:
         result["thresholds"] = thresholds(args.budget_s)
+    if "gemm" in args.sections:
+        result["gemm"] = gemm_configs(args.budget_s)
     with open(args.out, "w") as out:
         json.dump(result, out, indent=2)
     for row in result.get("chain", []):
@@ -168,7 +199,7 @@ def main() -> None:
     for row in result.get("tiles", []):
         cells = " ".join(f"{key[:-3]} {value:.2f}" for key, value in row.items() if key.endswith("_us"))
         print(f"M=1 {row['model']:>10} {row['shape']:>8}: {cells}")
-    for row in result.get("thresholds", []):
+    for row in result.get("thresholds", []) + result.get("gemm", []):
         cells = " ".join(f"{key[:-3]} {value:.2f}" for key, value in row.items() if key.endswith("_us"))
         print(f"M={row['m']:<3} {row['model']:>10} {row['shape']:>8}: {cells}")
 

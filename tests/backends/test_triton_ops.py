@@ -42,9 +42,19 @@ from corelib.models.hybrid import HybridState
 from corelib.models.llama import KVCache, LlamaModel, ModelShape
 from corelib.models.registry import architecture as architecture_of
 from corelib.ops import OP_NAMES, Ops, PagedAttention
-from corelib.testing.op_cases import DecodeCase, LinearResidualCase
+from corelib.testing.op_cases import (
+    BF16,
+    F32,
+    Case,
+    DecodeCase,
+    LinearCase,
+    LinearResidualCase,
+    NormGateUpCase,
+    NormLogitsCase,
+    NormQkvCase,
+)
 from corelib.testing.op_conformance import *  # noqa: F403
-from corelib.testing.op_conformance import DECODE_CASES, DECODE_SWEEP, OpTarget, assert_matches
+from corelib.testing.op_conformance import CALLS, DECODE_CASES, DECODE_SWEEP, OpTarget, assert_matches
 
 
 def _cpu() -> Device:
@@ -140,3 +150,26 @@ def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarg
         args: tuple[Any, ...] = LinearResidualCase(torch.float32, rows, 48, 512).build(seed, torch.device("cpu"))
         assert_matches(ops.linear_residual(*args), Ops.reference().linear_residual(*args),
                        f"split-K linear_residual, launch {seed + 1}")
+
+
+FORCED_GEMM = [
+    ("linear", LinearCase(BF16, 20, 97, 300, bias=True)),
+    ("linear_residual", LinearResidualCase(F32, 33, 64, 200)),
+    ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 20, 96, 40)),
+    ("norm_logits", NormLogitsCase(F32, 17, 64, 300)),
+    ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 20, 2, 64, 16, hidden=128, bias=True)),
+]
+
+
+@pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[op for op, _ in FORCED_GEMM])
+def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
+    op_target: OpTarget, op: str, case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's.
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024))
+    assert projections.kernel_for(20, 97, 300, 2) is projections.Kernel.GEMM
+    call = CALLS[op]
+    actual = call(op_target.ops, case.build(0, torch.device("cpu")))
+    expected = call(Ops.reference(), case.build(0, torch.device("cpu")))
+    for a, e in zip(actual, expected, strict=True):
+        assert_matches(a, e, f"{op} on the tensor-core kernel", getattr(case, "tolerance_dtype", None))

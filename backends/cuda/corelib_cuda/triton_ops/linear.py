@@ -1,14 +1,15 @@
-"""The projection ops: ``linear`` and the fused ops of the decode layer, over ``projection``'s kernels.
+"""``linear`` and ``linear_residual`` over ``projection``'s kernels, and the choice of kernel by M.
 
-Which kernel runs is chosen by the rows of x (M), with thresholds measured on an H200
-(``Tuning``; benchmarks/decode_floor.sh prints the sweep they come from):
+Which kernel runs is chosen by the rows of x (M) and the weight's size, with thresholds
+measured on an H200 (``Tuning``; benchmarks/projections.py is the sweep they come from):
 
-- M <= ``gemv_max_m``: the GEMV, float32 accumulation on CUDA cores, its weight tile loaded
-  before the PDL wait;
-- M <= ``gemm_max_m``: the tensor-core kernel, split over K when the output alone gives too
-  few programs to fill the GPU;
-- larger: ``linear`` hands the product to cuBLAS (``F.linear``); the fused ops keep the
-  tensor-core kernel (the decode layer's M is the batch, well below that).
+- the GEMV (float32 accumulation on CUDA cores, its weight tile loaded before the PDL wait) up
+  to ``gemv_max_m`` rows, ``gemv_max_m_large`` for weights over ``gemv_small_bytes``: past
+  that, every extra row costs it more than cuBLAS takes for the whole product;
+- the tensor-core kernel (split over K) for ``gemm_min_m`` to ``gemm_max_m`` rows, where it
+  beats cuBLAS: measured at the decode shapes it did not (M = 8-256, 0.6-8 B), so that range
+  is empty by default and the kernel stays for the sweep that would show otherwise;
+- cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm``, the residual in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
 captured graph replays the launch it captured.
@@ -17,6 +18,7 @@ captured graph replays the launch it captured.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from typing import Any, NamedTuple
 
@@ -39,12 +41,33 @@ from corelib_cuda.triton_ops.common import (
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    gemv_max_m: int = 4  # rows of x up to which the GEMV runs
-    gemm_max_m: int = 256  # rows up to which linear runs the tensor-core kernel, not cuBLAS
+    gemv_max_m: int = 4  # rows of x up to which the GEMV runs (weights up to gemv_small_bytes)
+    gemv_max_m_large: int = 2  # the same for larger weights
+    gemv_small_bytes: int = 16 << 20
+    gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
+    gemm_max_m: int = 0  # ... up to these: none by default (cuBLAS was faster at every measured M)
     gemv_tile_bytes: int = 16384  # weight bytes one GEMV program loads at once
     gemv_programs_per_sm: int = 4  # split rows, then K, until the GEMV has this many programs per SM
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
+    gemm_block_n: int = 64
     gemm_block_k: int = 64
+
+
+class Kernel(enum.Enum):
+    GEMV = "gemv"
+    GEMM = "gemm"
+    CUBLAS = "cublas"
+
+
+def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
+    """Which kernel computes an [m, k] x [n, k]' product (``TUNING``'s thresholds)."""
+    tuning = TUNING
+    gemv_rows = tuning.gemv_max_m if n * k * itemsize <= tuning.gemv_small_bytes else tuning.gemv_max_m_large
+    if m <= gemv_rows:
+        return Kernel.GEMV
+    if tuning.gemm_min_m <= m <= tuning.gemm_max_m:
+        return Kernel.GEMM
+    return Kernel.CUBLAS
 
 
 #: the thresholds in use; a benchmark may replace it to sweep them
@@ -94,7 +117,7 @@ def gemv_plan(n_out: int, k: int, sets: int, itemsize: int, sms: int, tuning: Tu
 def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int, tuning: Tuning) -> GemmPlan:
     """Tiles of the tensor-core kernel; K split in powers of two while the GPU has too few programs."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32 if paired or itemsize > 2 else 64
+    block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
     block_k = tuning.gemm_block_k if itemsize <= 2 else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
     split = 1
@@ -116,8 +139,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class _Launch:
-    """One projection: x [M, K] against w's rows, the epilogue's tensors; unused pointers get x."""
+class Projection:
+    """One launch of a projection kernel: x [M, K] against w's rows, the epilogue's tensors (unused: x)."""
 
     mode: int
     x: torch.Tensor
@@ -133,7 +156,8 @@ class _Launch:
     rope: tuple[Any, ...] = ()  # positions, cos_sin, k_cache, v_cache, slot_mapping
     heads: tuple[int, int, int] = (1, 1, 1)  # NUM_Q, NUM_KV, HALF
 
-    def run(self, pdl: bool) -> torch.Tensor:
+    def run(self, kernel: Kernel, pdl: bool) -> torch.Tensor:
+        """Launch ``kernel`` (GEMV or GEMM); cuBLAS is the caller's business."""
         x, w = self.x, self.weight
         m, k = x.shape
         if m == 0 or self.n_out == 0:
@@ -156,7 +180,7 @@ class _Launch:
                  "RNE": interpreting()}
         launch = {"launch_pdl": True} if pdl else {}
         norm_weight = self.norm_weight if self.norm_weight is not None else x
-        if m <= TUNING.gemv_max_m:
+        if kernel is Kernel.GEMV:
             plan = gemv_plan(self.n_out, k, sets, w.element_size(), sms, TUNING)
             blocks = triton.cdiv(self.n_out, plan.block_n)
             part, count = self._workspace(plan.split_k, m, blocks)
@@ -187,7 +211,7 @@ class _Launch:
         return part, _counters(self.x.device, blocks)
 
 
-def _rows(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rows_of(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x as [M, K] with a contiguous last dim, checked against weight [N, K]."""
     check_float(op, x=x, weight=weight)
     check(weight.dim() == 2 and x.shape[-1] == weight.shape[1], op,
@@ -202,88 +226,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     # x [..., K], weight [N, K], bias [N] -> [..., N]
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows > TUNING.gemm_max_m or x.dtype not in FLOAT_DTYPES or x.dtype != weight.dtype:
+    if x.dtype not in FLOAT_DTYPES or x.dtype != weight.dtype or weight.dim() != 2:
         return F.linear(x, weight, bias)
-    flat = _rows("linear", x, weight)
+    kernel = kernel_for(rows, weight.shape[0], weight.shape[1], weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        return F.linear(x, weight, bias)
+    flat = rows_of("linear", x, weight)
     n = weight.shape[0]
     out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
-    _Launch(proj.STORE, flat, weight, out, n, bias=bias).run(pdl)
+    Projection(proj.STORE, flat, weight, out, n, bias=bias).run(kernel, pdl)
     return out.view(*x.shape[:-1], n)
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *, pdl: bool = False
                     ) -> torch.Tensor:
     # x [M, K], weight [N, K], residual [M, N] -> residual + x @ weight.T
-    flat = _rows("linear_residual", x, weight)
+    flat = rows_of("linear_residual", x, weight)
     n = weight.shape[0]
     check(residual.shape == (flat.shape[0], n) and residual.dtype == x.dtype, "linear_residual",
           f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} {(flat.shape[0], n)}")
+    kernel = kernel_for(flat.shape[0], n, flat.shape[1], weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        return torch.addmm(residual, flat, weight.t())  # the residual added in cuBLAS's epilogue
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
-    return _Launch(proj.RESIDUAL, flat, weight, out, n, residual=residual).run(pdl)
-
-
-def _norm_weight(op: str, h: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    check(norm_weight.shape == (h.shape[-1],) and norm_weight.dtype == h.dtype, op,
-          f"norm_weight is {norm_weight.dtype} {tuple(norm_weight.shape)}; expected {h.dtype} ({h.shape[-1]},)")
-
-
-def norm_gate_up_silu_mul(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
-                          *, pdl: bool = False) -> torch.Tensor:
-    # h [M, H], gate_up [2I, H] -> silu(gate) * up [M, I]
-    op = "norm_gate_up_silu_mul"
-    x = _rows(op, h, gate_up_weight)
-    _norm_weight(op, h, norm_weight)
-    check(gate_up_weight.shape[0] % 2 == 0, op, f"gate_up has {gate_up_weight.shape[0]} rows; expected 2 I")
-    inter = gate_up_weight.shape[0] // 2
-    out = torch.empty((x.shape[0], inter), dtype=h.dtype, device=h.device)
-    return _Launch(proj.SILU, x, gate_up_weight, out, inter, paired=True, pair_offset=inter, norm_weight=norm_weight,
-                   eps=eps).run(pdl)
-
-
-def norm_logits(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *, pdl: bool = False
-                ) -> torch.Tensor:
-    # h [M, H], weight [V, H] -> float32 logits [M, V]
-    x = _rows("norm_logits", h, weight)
-    _norm_weight("norm_logits", h, norm_weight)
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=h.device)
-    return _Launch(proj.LOGITS, x, weight, out, weight.shape[0], norm_weight=norm_weight, eps=eps).run(pdl)
-
-
-def norm_qkv_rope_kv_write(
-    h: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    qkv_weight: torch.Tensor,
-    qkv_bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
-    # h [B, H], qkv [(nh + 2 nkv) hd, H], caches [NB, bs, nkv, hd] -> rotated q [B, nh, hd]
-    op = "norm_qkv_rope_kv_write"
-    x = _rows(op, h, qkv_weight)
-    _norm_weight(op, h, norm_weight)
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == h.dtype, op,
-          f"caches {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}; expected "
-          f"two {h.dtype} [NB, bs, nkv, hd]")
-    nkv, hd = k_cache.shape[2], k_cache.shape[3]
-    rows = qkv_weight.shape[0]
-    check(hd % 2 == 0 and rows % hd == 0 and rows // hd > 2 * nkv, op,
-          f"qkv_weight has {rows} rows; expected (nh + 2*{nkv}) * {hd} with nh >= 1 and an even head dim")
-    nh = rows // hd - 2 * nkv
-    batch = x.shape[0]
-    check(positions.shape == (batch,) and slot_mapping.shape == (batch,), op,
-          f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)}; expected ({batch},)")
-    check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, hd) and cos_sin.stride(-1) == 1, op,
-          f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {hd}] with a contiguous last dim")
-    check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, op, "the caches need a contiguous last dim")
-    check(qkv_bias is None or qkv_bias.shape == (rows,), op, f"qkv_bias must be ({rows},)")
-    out = torch.empty((batch, nh, hd), dtype=h.dtype, device=h.device)
-    return _Launch(proj.ROPE, x, qkv_weight, out.view(batch, nh * hd), rows // 2, paired=True, norm_weight=norm_weight,
-                   eps=eps, bias=qkv_bias, rope=(positions, cos_sin, k_cache, v_cache, slot_mapping),
-                   heads=(nh, nkv, hd // 2)).run(pdl).view(batch, nh, hd)
+    return Projection(proj.RESIDUAL, flat, weight, out, n, residual=residual).run(kernel, pdl)

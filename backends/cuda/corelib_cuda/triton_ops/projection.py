@@ -1,5 +1,5 @@
 # mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
-# ruff: noqa: N803, SIM108, SIM300 - upper-case compile-time constants; constexpr branches read plainer than ternaries
+# ruff: noqa: N803, SIM108 - upper-case compile-time constants; constexpr branches read plainer than ternaries
 """One projection kernel family for the decode layer: y = x @ W.T with a prologue and an epilogue.
 
 Two kernels share the row mapping and the epilogues:
@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from corelib_cuda.triton_ops.rounding import rounded
+
 STORE, RESIDUAL, SILU, ROPE, LOGITS = 0, 1, 2, 3, 4
 
 
@@ -49,22 +51,9 @@ def _columns(pid, n_out, pair_offset, BLOCK: tl.constexpr, MODE: tl.constexpr, H
 
 
 @triton.jit
-def _rounded(x, DTYPE: tl.constexpr, RNE: tl.constexpr):
-    """float32 x rounded to DTYPE (to nearest, ties to even), kept in float32.
-
-    RNE: round bfloat16 by hand; Triton's CPU interpreter truncates when it converts to bfloat16.
-    """
-    if RNE and DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _normed(x, rstd, nw, DTYPE: tl.constexpr, RNE: tl.constexpr):
     # the reference: weight * rms_norm(h.float()).to(dtype), the product in the model dtype
-    return _rounded(_rounded(x * rstd, DTYPE, RNE) * nw, DTYPE, RNE)
+    return rounded(rounded(x * rstd, DTYPE, RNE) * nw, DTYPE, RNE)
 
 
 @triton.jit
@@ -83,20 +72,20 @@ def _epilogue(
         acc_b += tl.load(bias_ptr + row_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + ms[:, None] * out_s0 + cols[None, :]
     if MODE == 0:  # STORE
-        tl.store(dst, _rounded(acc_a, DTYPE, RNE).to(DTYPE), mask=mask)
+        tl.store(dst, rounded(acc_a, DTYPE, RNE).to(DTYPE), mask=mask)
     elif MODE == 4:  # LOGITS
         tl.store(dst, acc_a, mask=mask)
     elif MODE == 1:  # RESIDUAL
         residual = tl.load(res_ptr + ms[:, None] * res_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, _rounded(_rounded(acc_a, DTYPE, RNE) + residual, DTYPE, RNE).to(DTYPE), mask=mask)
+        tl.store(dst, rounded(rounded(acc_a, DTYPE, RNE) + residual, DTYPE, RNE).to(DTYPE), mask=mask)
     elif MODE == 2:  # SILU: silu(gate) rounded, times up (as silu_mul on the rounded gate_up)
-        gate = _rounded(acc_a, DTYPE, RNE)
-        up = _rounded(acc_b, DTYPE, RNE)
-        silu = _rounded(gate / (1.0 + tl.exp(-gate)), DTYPE, RNE)
-        tl.store(dst, _rounded(silu * up, DTYPE, RNE).to(DTYPE), mask=mask)
+        gate = rounded(acc_a, DTYPE, RNE)
+        up = rounded(acc_b, DTYPE, RNE)
+        silu = rounded(gate / (1.0 + tl.exp(-gate)), DTYPE, RNE)
+        tl.store(dst, rounded(silu * up, DTYPE, RNE).to(DTYPE), mask=mask)
     else:  # ROPE
-        x1 = _rounded(acc_a, DTYPE, RNE)
-        x2 = _rounded(acc_b, DTYPE, RNE)
+        x1 = rounded(acc_a, DTYPE, RNE)
+        x2 = rounded(acc_b, DTYPE, RNE)
         head = cols // HALF
         d = cols % HALF
         pos = tl.load(pos_ptr + ms, mask=m_ok, other=0)
@@ -106,11 +95,11 @@ def _epilogue(
         s1 = tl.load(cs + cs_s1, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(cs + cs_s1 + HALF, mask=mask, other=0.0).to(tl.float32)
         # x * cos + rotate_half(x) * sin with each product rounded, as the reference computes it
-        o1 = _rounded(x1 * c1, DTYPE, RNE) + _rounded(-x2 * s1, DTYPE, RNE)
-        o2 = _rounded(x2 * c2, DTYPE, RNE) + _rounded(x1 * s2, DTYPE, RNE)
+        o1 = rounded(x1 * c1, DTYPE, RNE) + rounded(-x2 * s1, DTYPE, RNE)
+        o2 = rounded(x2 * c2, DTYPE, RNE) + rounded(x1 * s2, DTYPE, RNE)
         rotated = (head < NUM_Q + NUM_KV)[None, :]
-        o1 = _rounded(tl.where(rotated, o1, x1), DTYPE, RNE).to(DTYPE)
-        o2 = _rounded(tl.where(rotated, o2, x2), DTYPE, RNE).to(DTYPE)
+        o1 = rounded(tl.where(rotated, o1, x1), DTYPE, RNE).to(DTYPE)
+        o2 = rounded(tl.where(rotated, o2, x2), DTYPE, RNE).to(DTYPE)
         is_q = (head < NUM_Q)[None, :]
         q_dst = out_ptr + ms[:, None] * out_s0 + (head * (2 * HALF) + d)[None, :]
         tl.store(q_dst, o1, mask=mask & is_q)

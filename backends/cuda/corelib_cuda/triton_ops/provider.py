@@ -59,7 +59,7 @@ class TritonOps:
 
     def load(self, device: Device, pdl: bool = False) -> Mapping[str, object]:
         """The ops for ``device``; with ``pdl`` the projection kernels are launched with PDL."""
-        from corelib_cuda.triton_ops import linear
+        from corelib_cuda.triton_ops import layer_ops, linear
         from corelib_cuda.triton_ops.activation import silu_mul
         from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
         from corelib_cuda.triton_ops.norm import rms_norm
@@ -76,11 +76,13 @@ class TritonOps:
         ops: dict[str, object] = {
             "rms_norm": rms_norm,
             "rope_kv_write": rope_kv_write,
-            "paged_decode_attention": paged_decode_attention,
+            "paged_decode_attention": functools.partial(paged_decode_attention, pdl=pdl),
             "prefill_attention": prefill_attention,
             "silu_mul": silu_mul,
             "sample": sample,
         }
-        for name in ("linear", "linear_residual", "norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits"):
-            ops[name] = functools.partial(getattr(linear, name), pdl=pdl)
+        for module, names in ((linear, ("linear", "linear_residual")),
+                              (layer_ops, ("norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits"))):
+            for name in names:
+                ops[name] = functools.partial(getattr(module, name), pdl=pdl)
         return ops
