@@ -79,7 +79,7 @@ class TritonOps:
             "paged_decode_attention": functools.partial(paged_decode_attention, pdl=pdl),
             "prefill_attention": prefill_attention,
             "silu_mul": silu_mul,
-            "sample": sample,
+            "sample": functools.partial(sample, pdl=pdl),
         }
         for module, names in ((linear, ("linear", "linear_residual")),
                               (layer_ops, ("norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits"))):
