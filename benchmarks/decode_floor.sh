@@ -11,6 +11,8 @@
 #     before       with BEFORE_SITE set (an install of the previous release): the same small-0.6b and 1 B
 #                  benches with it, in this run, for the before/after comparison
 #     projections  the kernels against cuBLAS (the thresholds' sweep)
+# Environment: CHECK_STEPS / CHECK_REPEATS (2000 / 3), KERNEL_BATCHES ("1 32"), BENCH_CAP (600 s per bench run),
+# BEFORE_SITE (see before), SITE (below).
 # Assumes corelib and its backends are installed (pip install --no-deps . backends/...), or SITE=DIR holding
 # them (pip --target), with hydra-core and omegaconf. Runs from OUTDIR: from the repository's root,
 # `python -m corelib` would import the checkout's corelib, whose conf/ is not inside the package.
@@ -63,7 +65,8 @@ for section in $sections; do
       tail -1 "$out/conformance.log" | sed 's/^/   /' | tee -a "$summary"
       ;;
     checks)
-      part checks 900 python3 "$repo/benchmarks/decode_checks.py" --steps 2000 --repeats 3 --out "$out/checks.json"
+      part checks 900 python3 "$repo/benchmarks/decode_checks.py" --steps "${CHECK_STEPS:-2000}" \
+        --repeats "${CHECK_REPEATS:-3}" --out "$out/checks.json"
       grep -E "^(PDL|fused)" "$out/checks.log" | sed 's/^/   /' | tee -a "$summary"
       ;;
     step)
@@ -72,7 +75,9 @@ for section in $sections; do
       grep -vE "^\{" "$out/step.log" | tail -8 | sed 's/^/   /' | tee -a "$summary"
       ;;
     kernels)
-      part kernels 600 python3 "$repo/benchmarks/kernels.py" --model small-0.6b llama-1b --batch 1 32 --fused on \
+      # shellcheck disable=SC2086 # KERNEL_BATCHES is a list of batch sizes
+      part kernels 600 python3 "$repo/benchmarks/kernels.py" --model small-0.6b llama-1b --batch ${KERNEL_BATCHES:-1 32} \
+        --fused on \
         --out "$out/kernels.json"
       grep -E "fused|reference" "$out/kernels.log" | grep -v "^ " | sed 's/^/   /' | tee -a "$summary"
       ;;
