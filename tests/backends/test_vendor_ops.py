@@ -17,10 +17,21 @@ import pytest
 import torch
 from corelib_mlu.backend import MLUBackend
 from corelib_npu.backend import NPUBackend
-from vendorkit import FakeTmo, FakeTorchNpu, Op, close
+from vendorkit import FakeTmo, FakeTorchNpu, Op, close, install_mlu, install_npu
 
 from corelib.ops import COMPOSED_OPS, OP_NAMES, PagedAttention, VarlenAttention
 from corelib.ops import reference as ref
+
+
+@pytest.fixture
+def npu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTorchNpu, dict[str, Op]]:
+    return install_npu(monkeypatch)
+
+
+@pytest.fixture
+def mlu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTmo, dict[str, Op]]:
+    return install_mlu(monkeypatch)
+
 
 # -- availability and the backend hooks -------------------------------------------------------
 

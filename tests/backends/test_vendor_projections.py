@@ -10,11 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
-from vendorkit import FakeTmo, FakeTorchNpu, Op, close
+from vendorkit import FakeTmo, FakeTorchNpu, Op, close, install_mlu, install_npu
 
 from corelib.ops import Ops
 from corelib.testing.op_cases import NormGateUpCase, NormLogitsCase, NormQkvCase
+
+
+@pytest.fixture
+def npu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTorchNpu, dict[str, Op]]:
+    return install_npu(monkeypatch)
+
+
+@pytest.fixture
+def mlu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTmo, dict[str, Op]]:
+    return install_mlu(monkeypatch)
+
 
 REFERENCE = Ops.reference()
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Recording stand-ins for torch_npu and torch_mlu_ops, and the fixtures that install them.
+"""Recording stand-ins for torch_npu and torch_mlu_ops, and how a test installs them.
 
 Each stand-in records every call and computes, in plain torch, what the vendor documents for it
 (shapes, layouts, dtypes, the mask convention), refusing what that documentation rules out.
@@ -225,15 +225,15 @@ class FakeTmo(Recording):
 NO_DEVICE = cast(Device, None)  # neither provider reads the device
 
 
-@pytest.fixture
-def npu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTorchNpu, dict[str, Op]]:
+def install_npu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTorchNpu, dict[str, Op]]:
+    """The torch_npu stand-in as the imported module, and the npu provider's ops loaded over it."""
     fake = FakeTorchNpu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     return fake, cast(dict[str, Op], dict(NPUBackend().op_provider().load(NO_DEVICE)))
 
 
-@pytest.fixture
-def mlu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTmo, dict[str, Op]]:
+def install_mlu(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeTmo, dict[str, Op]]:
+    """The torch_mlu_ops stand-in as the imported module, and the mlu provider's ops loaded over it."""
     fake = FakeTmo()
     monkeypatch.setitem(sys.modules, "torch_mlu_ops", fake)
     return fake, cast(dict[str, Op], dict(MLUBackend().op_provider().load(NO_DEVICE)))
