@@ -148,14 +148,15 @@ def resolve_runtime(backend: Backend, cfg: BackendConfig, timeout_s: float) -> R
     else:
         # The emulator runs the reference ops: a backend's fused kernels need its hardware, and
         # its memory is host memory that no peer device maps.
-        capabilities = declared.narrow(fused_ops=False, symmetric_memory=False)
+        capabilities = declared.narrow(fused_ops=False, symmetric_memory=False, programmatic_launch=False,
+                                       programmatic_launch_kernels=False)
         runtime = Runtime.emulated
         why = f" because {availability.reason}" if availability is not None else " (backend.runtime=emulated)"
         message = f"{backend.name}: running on the stream emulator with the {backend.name} profile{why}"
     if runtime is Runtime.native and capabilities.fused_ops:
         unavailable = _fused_ops_unavailable(backend)
         if unavailable is not None:
-            capabilities = capabilities.narrow(fused_ops=False)
+            capabilities = capabilities.narrow(fused_ops=False, programmatic_launch_kernels=False)
             message += f"; fused ops unavailable: {unavailable}"
     spec = DeviceSpec(
         backend=backend.name,

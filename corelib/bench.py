@@ -53,6 +53,7 @@ class BenchPoint:
     batch_size: int
     tpot_ms: float
     ops: str  # who runs the ops: "reference", or the provider's name
+    pdl: bool  # the provider's kernels were launched with programmatic dependent launch
     tokens_per_s: float
     occupancy: float | None
     idle_gap_median_us: float | None
@@ -143,7 +144,7 @@ def _overrides(cfg: DictConfig) -> list[str]:
         task = []
     return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=", "engine.tp=",
                                                    "engine.transport=", "engine.shm.materialization=",
-                                                   "engine.fused_ops="))]
+                                                   "engine.fused_ops=", "engine.pdl="))]
 
 
 def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
@@ -168,12 +169,12 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     largest = max(spec.batch_sizes)
     seen: set[tuple[object, ...]] = set()
     devices: list[str] = []
-    for backend, fused, tp, requested, asked, handoff in itertools.product(
-        backends, spec.fused_ops, spec.tp, spec.transport, spec.materialization, spec.handoff
+    for backend, fused, pdl, tp, requested, asked, handoff in itertools.product(
+        backends, spec.fused_ops, spec.pdl, spec.tp, spec.transport, spec.materialization, spec.handoff
     ):
         transport = "shm" if tp > 1 else requested  # ranks are worker processes fed over shm
         materialization = asked if transport == "shm" else "auto"  # it only matters for shm
-        key = (backend, fused, tp, transport, materialization, handoff)
+        key = (backend, fused, pdl, tp, transport, materialization, handoff)
         if key in seen:
             continue
         seen.add(key)
@@ -185,6 +186,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             f"engine.shm.materialization={materialization}",
             f"engine.async_token_handoff={handoff}",
             f"engine.fused_ops={fused}",
+            f"engine.pdl={pdl}",
             f"engine.max_num_seqs={max(largest, 1)}",
             f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, 256)}",
         ]
@@ -197,7 +199,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
         ops = _ops_label(startup)
         with Engine(startup) as engine:
             label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp} {transport} "
-                     f"{engine.materialization} handoff={handoff} ops={ops}")
+                     f"{engine.materialization} handoff={handoff} ops={ops} pdl={_on(startup.options.pdl)}")
             for batch_size in spec.batch_sizes:
                 _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
                 first_step = engine.stats().num_steps
@@ -217,6 +219,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     batch_size=batch_size,
                     tpot_ms=tpot,
                     ops=ops,
+                    pdl=startup.options.pdl,
                     tokens_per_s=statistics.median(r[1] for r in repeats),
                     occupancy=device["occupancy"],
                     idle_gap_median_us=device["idle_gap_median_us"],
@@ -254,6 +257,10 @@ def _transport_note(point: BenchPoint) -> str:
     return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
 
 
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def _ops_label(startup: Startup) -> str:
     fused = startup.options.fused_ops
     provider = startup.backend.op_provider()
@@ -263,13 +270,14 @@ def _ops_label(startup: Startup) -> str:
 def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Async/sync TPOT at equal everything else, from the same run."""
     out = []
-    index = {(p.backend, p.ops, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p for p in points}
-    for (backend, ops, tp, transport, materialization, handoff, batch_size), point in index.items():
+    index = {(p.backend, p.ops, p.pdl, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p
+             for p in points}
+    for (backend, ops, pdl, tp, transport, materialization, handoff, batch_size), point in index.items():
         if handoff != "on":
             continue
-        sync = index.get((backend, ops, tp, transport, materialization, "off", batch_size))
+        sync = index.get((backend, ops, pdl, tp, transport, materialization, "off", batch_size))
         if sync is not None:
-            out.append({"backend": backend, "ops": ops, "tp": tp, "transport": transport,
+            out.append({"backend": backend, "ops": ops, "pdl": pdl, "tp": tp, "transport": transport,
                         "materialization": materialization, "batch_size": batch_size,
                         "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
     return out
@@ -277,17 +285,18 @@ def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
 
 def bench_table(points: list[BenchPoint]) -> Table:
     table = Table(title="corelib bench (one process, side by side)")
-    for column in ("backend", "ops", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s", "occupancy",
-                   "gap µs", "xport µs p50/p99", "async/sync"):
+    for column in ("backend", "ops", "pdl", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s",
+                   "occupancy", "gap µs", "xport µs p50/p99", "async/sync"):
         table.add_column(column, justify="right")
-    ratio = {(r["backend"], r["ops"], r["tp"], r["transport"], r["materialization"], r["batch_size"]):
+    ratio = {(r["backend"], r["ops"], r["pdl"], r["tp"], r["transport"], r["materialization"], r["batch_size"]):
              r["async_over_sync_tpot"] for r in ratios(points)}
     for p in points:
-        key = (p.backend, p.ops, p.tp, p.transport, p.materialization, p.batch_size)
+        key = (p.backend, p.ops, p.pdl, p.tp, p.transport, p.materialization, p.batch_size)
         r = ratio.get(key) if p.handoff == "on" else None
         xport = "-" if p.transport_us_p50 is None else f"{p.transport_us_p50:.0f}/{p.transport_us_p99 or 0:.0f}"
         table.add_row(
-            f"{p.backend}/{p.runtime}", p.ops, str(p.tp), p.transport, p.materialization, p.handoff, str(p.batch_size),
+            f"{p.backend}/{p.runtime}", p.ops, _on(p.pdl), str(p.tp), p.transport, p.materialization, p.handoff,
+            str(p.batch_size),
             f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
             "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
             "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",

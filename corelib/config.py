@@ -201,6 +201,10 @@ class EngineConfig:
     fused_ops: Mode = field(
         default=Mode.auto, metadata=doc("run the backend's fused kernels in place of the reference ops")
     )
+    pdl: Mode = field(
+        default=Mode.auto,
+        metadata=doc("launch the fused projection kernels with programmatic dependent launch in the graphs"),
+    )
     transport: Transport = field(
         default=Transport.inproc,
         metadata=doc("inproc, or shm: the model runs in worker processes fed through shared memory"),
@@ -353,6 +357,9 @@ class BenchConfig:
     )
     fused_ops: list[str] = field(
         default_factory=lambda: ["auto"], metadata=doc("fused_ops modes compared (auto, on, off): fused vs reference")
+    )
+    pdl: list[str] = field(
+        default_factory=lambda: ["auto"], metadata=doc("pdl modes compared (auto, on, off): PDL in the graphs or not")
     )
     backends: list[str] = field(default_factory=list, metadata=doc("backends to sweep; empty: the selected one"))
     tp: list[int] = field(

@@ -58,6 +58,11 @@ class Capabilities:
     # Device memory that peer devices of a process group map and read directly, with the torch ops
     # that all-reduce through it (torch.distributed._symmetric_memory).
     symmetric_memory: bool = False
+    # Programmatic dependent launch: the device starts a kernel while its predecessor is still
+    # running (NVIDIA, compute capability 9.0 or newer), and the op provider's kernels can be
+    # launched that way (they wait for the predecessor before touching its data).
+    programmatic_launch: bool = False
+    programmatic_launch_kernels: bool = False
     comm_backend: str = "gloo"
 
     FACTS: ClassVar[frozenset[str]] = frozenset(

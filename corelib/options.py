@@ -57,6 +57,7 @@ class EngineOptions:
     fast_allreduce: bool  # small tensor-parallel all-reduces through symmetric memory (corelib.transport.parallel)
     staging: Staging  # how a step's inputs reach the device where the model runs
     fused_ops: tuple[str, ...]  # the ops the backend's provider runs instead of the reference (empty: none)
+    pdl: bool  # the provider's kernels are launched with programmatic dependent launch
     attention_reads_live_blocks_only: bool  # the fused decode attention reads only live blocks: no KV buckets
     compile: bool  # torch.compile the decode layer
     timeout_s: float
@@ -85,6 +86,7 @@ class EngineOptions:
             fast_allreduce=plan.is_enabled("fast_allreduce"),
             staging=_staging(engine.transport, plan, capabilities),
             fused_ops=fused,
+            pdl=plan.is_enabled("pdl") and bool(fused),
             attention_reads_live_blocks_only="paged_decode_attention" in fused and provider is not None
             and provider.live_blocks_only,
             compile=engine.compile,

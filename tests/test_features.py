@@ -21,9 +21,10 @@ from corelib.features import Plan, evaluate
 from corelib.models import model_facts
 
 # Where every start requirement of every shipped gate holds: the npu profile, SHM transport, two
-# tensor-parallel ranks, and (below) symmetric memory, which the npu profile lacks.
+# tensor-parallel ranks, and (below) symmetric memory and programmatic launch, which the npu
+# profile lacks.
 BASE_OVERRIDES = ["backend=npu", "engine.transport=shm", "engine.tp=2"]
-BASE_CAPABILITIES = {"symmetric_memory": True}
+BASE_CAPABILITIES = {"symmetric_memory": True, "programmatic_launch": True, "programmatic_launch_kernels": True}
 
 
 @dataclass

@@ -59,12 +59,18 @@ EXPECTED: dict[str, set[Requirement]] = {
         ("config.model.dtype", "in", ("bfloat16", "float32", "auto"), "start", False),
         ("features.graph", "eq", True, "start", True),
     },
+    "pdl": {
+        ("capabilities.programmatic_launch", "eq", True, "start", False),
+        ("capabilities.programmatic_launch_kernels", "eq", True, "start", False),
+        ("features.fused_ops", "eq", True, "start", False),
+        ("features.graph", "eq", True, "start", True),
+    },
 }
 
 # Where every start requirement of these gates holds: the npu profile over SHM with two ranks,
-# and symmetric memory, which the npu profile lacks.
+# and symmetric memory and programmatic launch, which the npu profile lacks.
 BASE = ("backend=npu", "engine.transport=shm", "engine.tp=2")
-BASE_CAPABILITIES = {"symmetric_memory": True}
+BASE_CAPABILITIES = {"symmetric_memory": True, "programmatic_launch": True, "programmatic_launch_kernels": True}
 
 # The setting that switches each gate on (refuse when a requirement fails).
 ON = {
@@ -72,6 +78,7 @@ ON = {
     "async_token_handoff": "engine.async_token_handoff=on",
     "shm_ordered_materialization": "engine.shm.materialization=ordered",
     "fast_allreduce": "engine.fast_allreduce=on",
+    "pdl": "engine.pdl=on",
 }
 
 
@@ -105,6 +112,9 @@ FAILING: dict[str, Failing] = {
     "config.engine.tp": Failing(overrides=("engine.tp=1",)),
     "capabilities.symmetric_memory": Failing(capabilities={"symmetric_memory": False}),
     "config.model.dtype": Failing(overrides=("model.dtype=float16",)),
+    "capabilities.programmatic_launch": Failing(capabilities={"programmatic_launch": False}),
+    "capabilities.programmatic_launch_kernels": Failing(capabilities={"programmatic_launch_kernels": False}),
+    "features.fused_ops": Failing(overrides=("engine.fused_ops=off",)),
 }
 
 # Per-step facts: one request of the batch with exactly this fact failing.

@@ -11,7 +11,7 @@ With a checkpoint that has a tokenizer, prompts may be text and outputs carry te
             print(delta.text, end="", flush=True)
 
 Long: this is the engine's one public face (requests in, outputs out, streaming, stats, shutdown,
-one driving thread); its parts live beside it (:mod:`corelib.engine.build` assembles the loop,
+one driving thread); its parts live beside it (:mod:`corelib.step.build` assembles the loop,
 :mod:`corelib.engine.requests` checks requests, :mod:`corelib.engine.outputs` holds results).
 """
 

@@ -45,7 +45,7 @@ class HybridModel(LlamaModel):
     def _decode_block(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
         state: object, ops: Ops,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The convolution reads the residual stream itself, so the pending add cannot be fused here.
         h = pending if h is None else h + pending
         conv, conv_norm = _conv_weights(layer)

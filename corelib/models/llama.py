@@ -6,10 +6,14 @@ fused into one matrix each, which halves the number of matmul launches per layer
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) are flags of the same code
 (``corelib.models.registry`` sets them per architecture).
 
-Everything a backend may accelerate goes through ``corelib.ops``: RMSNorm with the residual
-add fused, RoPE with the KV-cache write, paged decode and prefill attention, SiLU-and-multiply.
-The matmuls stay ``F.linear``. The residual stream is carried as (pending, h): each layer's
-output is added by the next RMSNorm, so a fused provider does the add and the norm in one pass.
+Everything a backend may accelerate goes through ``corelib.ops``: the projections (``linear``),
+RMSNorm with the residual add fused, RoPE with the KV-cache write, paged decode and prefill
+attention, SiLU-and-multiply. A decode step on one device runs each layer as five ops, each of
+which a provider may run as one kernel: norm + qkv + RoPE + KV write, the attention,
+o-projection + residual, norm + gate/up + SiLU-and-multiply, down projection + residual; the
+final norm and the LM head are one more. Prefill, tensor parallelism (an all-reduce sits
+between each projection and its residual add) and per-head q/k norms run the ops one by one,
+the residual stream carried as (pending, h): each layer's output is added by the next RMSNorm.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from corelib.config import ModelConfig
 from corelib.device import Device
@@ -274,7 +277,7 @@ def attention_qkv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, ops: Ops,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (rotated q and k [T, nh+nkv, hd], v [T, nkv, hd]); new keys and values go to the cache."""
-    qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (nh + 2 nkv) hd]
+    qkv = ops.linear(x, layer.qkv, layer.qkv_bias)  # [T, (nh + 2 nkv) hd]
     nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
     if layer.q_norm is not None and layer.k_norm is not None:
@@ -287,24 +290,41 @@ def attention_qkv(
 
 
 def mlp(layer: LayerWeights, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-    return F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+    return ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+
+
+def fused_decode_layer(
+    layer: LayerWeights, shape: ModelShape, h: torch.Tensor, batch: DecodeBatch, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, cos_sin: torch.Tensor, ops: Ops,
+) -> torch.Tensor:
+    """One decoder layer on one device as five ops: the residual stream h [B, H] in, the next one out."""
+    eps, batch_size = shape.rms_norm_eps, h.shape[0]
+    q = ops.norm_qkv_rope_kv_write(h, layer.input_norm, eps, layer.qkv, layer.qkv_bias, batch.positions, cos_sin,
+                                   k_cache, v_cache, batch.slot_mapping)  # [B, nh, hd]
+    attn = ops.paged_decode_attention(q, k_cache, v_cache, batch.attention, 1.0 / math.sqrt(shape.head_dim))
+    h = ops.linear_residual(attn.reshape(batch_size, shape.num_heads * shape.head_dim), layer.o, h)
+    return ops.linear_residual(ops.norm_gate_up_silu_mul(h, layer.post_norm, eps, layer.gate_up), layer.down, h)
 
 
 def decode_layer(
     layer: LayerWeights, shape: ModelShape, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
     k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor, ops: Ops, all_reduce: AllReduce | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer for one new token per sequence: (pending, h) -> (pending, h), all [B, H].
 
     ``pending`` is added to the residual stream ``h`` by the input norm (None: ``pending`` is h).
+    Without tensor parallelism or per-head q/k norms the layer runs fused and returns (h, None).
     Separate so that ``torch.compile`` can compile it once and reuse it for every layer.
     """
+    if all_reduce is None and layer.q_norm is None:
+        stream = pending if h is None else h + pending
+        return fused_decode_layer(layer, shape, stream, batch, k_cache, v_cache, cos_sin, ops), None
     batch_size = pending.shape[0]
     x, h = ops.rms_norm(pending, layer.input_norm, shape.rms_norm_eps, h)
     qk, _ = attention_qkv(layer, shape, x, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, ops)
     attn = ops.paged_decode_attention(qk[:, : shape.num_heads], k_cache, v_cache, batch.attention,
                                       1.0 / math.sqrt(shape.head_dim))  # [B, nh, hd]
-    out = _reduced(F.linear(attn.reshape(batch_size, shape.num_heads * shape.head_dim), layer.o), all_reduce)
+    out = _reduced(ops.linear(attn.reshape(batch_size, shape.num_heads * shape.head_dim), layer.o), all_reduce)
     x, h = ops.rms_norm(out, layer.post_norm, shape.rms_norm_eps, h)
     return _reduced(mlp(layer, x, ops), all_reduce), h
 
@@ -312,7 +332,7 @@ def decode_layer(
 DecodeLayer = Callable[
     [LayerWeights, ModelShape, torch.Tensor, torch.Tensor | None, DecodeBatch, torch.Tensor, torch.Tensor,
      torch.Tensor, Ops, AllReduce | None],
-    tuple[torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor | None],
 ]
 
 
@@ -355,8 +375,10 @@ class LlamaModel:
         return cache
 
     def _logits(self, pending: torch.Tensor, h: torch.Tensor | None, ops: Ops) -> torch.Tensor:
+        if h is None:  # the stream is whole: the final norm and the LM head as one op
+            return ops.norm_logits(pending, self.weights.norm, self.shape.rms_norm_eps, self.weights.lm_head)
         x, _ = ops.rms_norm(pending, self.weights.norm, self.shape.rms_norm_eps, h)
-        return F.linear(x, self.weights.lm_head).float()
+        return ops.linear(x, self.weights.lm_head).float()
 
     def decode(self, batch: DecodeBatch, state: object, ops: Ops) -> torch.Tensor:
         weights = self.weights
@@ -368,7 +390,7 @@ class LlamaModel:
     def _decode_block(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
         state: object, ops: Ops,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         k_cache, v_cache = self._cache(state).layer(index)
         return self._decode_layer(layer, self.shape, pending, h, batch, k_cache, v_cache, self.weights.cos_sin, ops,
                                   self.weights.all_reduce)
@@ -385,7 +407,8 @@ class LlamaModel:
                                   batch.slot_mapping, ops)
             attn = ops.prefill_attention(qk[:, : shape.num_heads], qk[:, shape.num_heads :], v, batch.attention,
                                          scale)
-            out = _reduced(F.linear(attn.reshape(-1, shape.num_heads * shape.head_dim), layer.o), weights.all_reduce)
+            out = _reduced(ops.linear(attn.reshape(-1, shape.num_heads * shape.head_dim), layer.o),
+                           weights.all_reduce)
             x, h = ops.rms_norm(out, layer.post_norm, shape.rms_norm_eps, h)
             pending = _reduced(mlp(layer, x, ops), weights.all_reduce)
         last = batch.last_index

@@ -7,6 +7,7 @@ an :class:`OpProvider` to the engine; the ``fused_ops`` gate decides whether it 
 """
 
 from corelib.ops.spec import (
+    COMPOSED_OPS,
     OP_NAMES,
     SAMPLING_COLUMNS,
     OpProvider,
@@ -15,9 +16,11 @@ from corelib.ops.spec import (
     SamplingColumn,
     SamplingInputs,
     VarlenAttention,
+    load_provider,
 )
 
 __all__ = [
+    "COMPOSED_OPS",
     "OP_NAMES",
     "SAMPLING_COLUMNS",
     "OpProvider",
@@ -26,4 +29,5 @@ __all__ = [
     "SamplingColumn",
     "SamplingInputs",
     "VarlenAttention",
+    "load_provider",
 ]

@@ -74,6 +74,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
 def sample(logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tensor:
     if sampling is None:
         return logits.argmax(dim=-1)
@@ -89,4 +93,5 @@ def reference_ops() -> Ops:
         prefill_attention=prefill_attention,
         silu_mul=silu_mul,
         sample=sample,
+        linear=linear,
     )

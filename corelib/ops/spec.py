@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -23,7 +23,23 @@ OP_NAMES = (
     "prefill_attention",
     "silu_mul",
     "sample",
+    "linear",
+    "linear_residual",
+    "norm_qkv_rope_kv_write",
+    "norm_gate_up_silu_mul",
+    "norm_logits",
 )
+#: the ops that are a composition of others, with their parts: where no provider runs one, the
+#: container composes it from its own ops (corelib.ops.composed), so a provider's rms_norm or
+#: linear still runs in it; its provider then reads "composed" (all parts reference: "reference")
+COMPOSED_PARTS: dict[str, tuple[str, ...]] = {
+    "linear_residual": ("linear",),
+    "norm_qkv_rope_kv_write": ("rms_norm", "linear", "rope_kv_write"),
+    "norm_gate_up_silu_mul": ("rms_norm", "linear", "silu_mul"),
+    "norm_logits": ("rms_norm", "linear"),
+}
+COMPOSED_OPS = tuple(COMPOSED_PARTS)
+COMPOSED = "composed"
 
 
 @dataclass(frozen=True)
@@ -175,9 +191,76 @@ class Sample(Protocol):
         ...
 
 
+class Linear(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype; weight [N, K] as the checkpoint holds it.
+
+        A provider may stream the weight from a layout of its own (made once per weight, outside
+        graph capture); the weight the model holds, and the reference sees, stays plain.
+        """
+        ...
+
+
+class LinearResidual(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T: x [M, K], weight [N, K], residual [M, N] -> a new [M, N].
+
+        The product is rounded to the model dtype before the add (as F.linear, then +): the
+        o-projection and the down projection with the residual add of the decoder layer.
+        """
+        ...
+
+
+class NormQkvRopeKvWrite(Protocol):
+    def __call__(
+        self,
+        h: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention input of a decoder layer: rms_norm, the qkv projection, RoPE and the KV write.
+
+        h [B, H] (the residual stream), norm_weight [H], qkv_weight [(nh + 2 nkv) hd, H] (query
+        rows, then key, then value rows), qkv_bias [(nh + 2 nkv) hd] or None; nkv and hd come from
+        the caches [NB, bs, nkv, hd]. k and v go to the cache at slot_mapping [B] (negative: not
+        written); returns the rotated queries [B, nh, hd]. The same as rms_norm, linear and
+        rope_kv_write one after another.
+        """
+        ...
+
+
+class NormGateUpSiluMul(Protocol):
+    def __call__(
+        self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The MLP input: silu_mul(linear(rms_norm(h) , gate_up_weight)): h [M, H], gate_up [2 I, H] -> [M, I]."""
+        ...
+
+
+class NormLogits(Protocol):
+    def __call__(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits [M, V] of rms_norm(h) @ weight.T; weight [V, H] (the LM head).
+
+        The reference rounds the product to the model dtype before widening it; a provider may
+        keep its float32 accumulation (closer to the exact value), within the dtype's tolerance.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class Ops:
-    """The ops a model calls, and who provides each one."""
+    """The ops a model calls, and who provides each one.
+
+    The composed ops (``COMPOSED_OPS``) left as None are built from this container's own ops,
+    so they follow whichever provider runs their parts.
+    """
 
     rms_norm: RmsNorm
     rope_kv_write: RopeKvWrite
@@ -185,22 +268,42 @@ class Ops:
     prefill_attention: PrefillAttention
     silu_mul: SiluMul
     sample: Sample
+    linear: Linear
+    linear_residual: LinearResidual = None  # type: ignore[assignment]
+    norm_qkv_rope_kv_write: NormQkvRopeKvWrite = None  # type: ignore[assignment]
+    norm_gate_up_silu_mul: NormGateUpSiluMul = None  # type: ignore[assignment]
+    norm_logits: NormLogits = None  # type: ignore[assignment]
     providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
 
+    def __post_init__(self) -> None:
+        from corelib.ops import composed
+
+        providers = dict(self.providers)
+        for op, parts in COMPOSED_PARTS.items():
+            if getattr(self, op) is None:
+                object.__setattr__(self, op, functools.partial(getattr(composed, op), self))
+                by_provider = any(providers.get(part, "reference") != "reference" for part in parts)
+                providers[op] = COMPOSED if by_provider else "reference"
+        object.__setattr__(self, "providers", providers)
+
     def with_provider(self, name: str, ops: Mapping[str, object]) -> Ops:
-        """These ops replaced by ``ops`` (op name -> callable), provided by ``name``."""
+        """These ops replaced by ``ops`` (op name -> callable), provided by ``name``.
+
+        A composed op the provider does not offer is composed again from the new container's ops.
+        """
         unknown = sorted(set(ops) - set(OP_NAMES))
         if unknown:
             raise ValueError(f"op provider {name!r} offers unknown ops {unknown}; the ops are {', '.join(OP_NAMES)}")
         providers = dict(self.providers)
         providers.update(dict.fromkeys(ops, name))
-        replaced = {key: value for key, value in ops.items()}
-        return Ops(**{op: replaced.get(op, getattr(self, op)) for op in OP_NAMES}, providers=providers)  # type: ignore[arg-type]
+        kept = {op: getattr(self, op) for op in OP_NAMES
+                if op not in COMPOSED_OPS or providers[op] not in ("reference", COMPOSED)}
+        return Ops(**{**kept, **ops}, providers=providers)
 
     @property
     def fused(self) -> tuple[str, ...]:
-        """The ops some provider other than the reference runs."""
-        return tuple(op for op in OP_NAMES if self.providers.get(op, "reference") != "reference")
+        """The ops some provider other than the reference runs (as one op, not composed of others)."""
+        return tuple(op for op in OP_NAMES if self.providers.get(op, "reference") not in ("reference", COMPOSED))
 
 
 
@@ -222,5 +325,25 @@ class OpProvider(Protocol):
         ...
 
     def load(self, device: Device) -> Mapping[str, object]:
-        """Op name -> callable for ``device``; called once when the engine builds its runner."""
+        """Op name -> callable for ``device``; called once when the engine builds its runner.
+
+        Where the ``pdl`` gate is on (only for a backend declaring the programmatic-launch
+        capabilities), the engine calls ``load(device, pdl=True)``: then every kernel the ops
+        launch that way waits for its predecessor before it reads or writes anything that one
+        may touch, and a kernel that never waits is launched plainly.
+        """
         ...
+
+
+class ProgrammaticLaunchProvider(Protocol):
+    """A provider whose backend declares ``capabilities.programmatic_launch_kernels``: load takes ``pdl``."""
+
+    def load(self, device: Device, pdl: bool = False) -> Mapping[str, object]: ...
+
+
+def load_provider(provider: OpProvider, device: Device, pdl: bool) -> Mapping[str, object]:
+    """``provider.load(device)``; with ``pdl`` (the gate holds only where the backend declares its
+    provider's kernels PDL-capable) ``load(device, pdl=True)``."""
+    if not pdl:
+        return provider.load(device)
+    return cast(ProgrammaticLaunchProvider, provider).load(device, pdl=True)

@@ -14,7 +14,7 @@ from corelib.device import Device
 from corelib.models.base import Model
 from corelib.models.registry import architecture
 from corelib.models.sharding import TensorShard
-from corelib.ops import Ops
+from corelib.ops import Ops, load_provider
 from corelib.ops.reference import reference_ops
 from corelib.options import EngineOptions, Staging
 from corelib.step.device_steps import DeviceSteps
@@ -38,7 +38,7 @@ def build_ops(backend: Backend, device: Device, options: EngineOptions) -> Ops:
     provider = backend.op_provider() if options.fused_ops else None
     if provider is None:
         return ops
-    loaded = provider.load(device)
+    loaded = load_provider(provider, device, options.pdl)
     return ops.with_provider(provider.name, {name: op for name, op in loaded.items() if name in options.fused_ops})
 
 

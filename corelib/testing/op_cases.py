@@ -186,6 +186,106 @@ class SampleCase:
         return logits.to(device), sampling
 
 
+def weight(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A projection weight scaled as the random initialisation scales it (outputs of unit size)."""
+    return randn(gen, rows, k, dtype=F32).mul(k**-0.5).to(dtype)
+
+
+@dataclass(frozen=True)
+class LinearCase:
+    dtype: torch.dtype
+    m: int  # rows of x: a decode batch (1-128) or a prefill
+    n: int
+    k: int
+    bias: bool = False
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        x = randn(gen, self.m, self.k, dtype=self.dtype)
+        w = weight(gen, self.n, self.k, self.dtype)
+        b = randn(gen, self.n, dtype=self.dtype) if self.bias else None
+        return x.to(device), w.to(device), None if b is None else b.to(device)
+
+
+@dataclass(frozen=True)
+class LinearResidualCase:
+    dtype: torch.dtype
+    m: int
+    n: int
+    k: int
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        x, w = randn(gen, self.m, self.k, dtype=self.dtype), weight(gen, self.n, self.k, self.dtype)
+        return x.to(device), w.to(device), randn(gen, self.m, self.n, dtype=self.dtype).to(device)
+
+
+def norm_weight(gen: torch.Generator, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1.0 + 0.1 * randn(gen, hidden)).to(dtype)
+
+
+@dataclass(frozen=True)
+class NormGateUpCase:
+    dtype: torch.dtype
+    m: int
+    hidden: int
+    inter: int
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
+        nw, gate_up = norm_weight(gen, self.hidden, self.dtype), weight(gen, 2 * self.inter, self.hidden, self.dtype)
+        return h.to(device), nw.to(device), 1e-6, gate_up.to(device)
+
+
+@dataclass(frozen=True)
+class NormLogitsCase:
+    dtype: torch.dtype
+    m: int
+    hidden: int
+    vocab: int
+
+    @property
+    def tolerance_dtype(self) -> torch.dtype:
+        """The logits are float32, but their error is the model dtype's (the reference rounds to it)."""
+        return self.dtype
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
+        nw, head = norm_weight(gen, self.hidden, self.dtype), weight(gen, self.vocab, self.hidden, self.dtype)
+        return h.to(device), nw.to(device), 1e-6, head.to(device)
+
+
+@dataclass(frozen=True)
+class NormQkvCase:
+    dtype: torch.dtype
+    batch: int
+    group: int
+    head_dim: int
+    block_size: int
+    hidden: int = 256
+    kv_heads: int = 2
+    bias: bool = False  # Qwen2's qkv bias
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        nkv, hd = self.kv_heads, self.head_dim
+        rows = (nkv * self.group + 2 * nkv) * hd
+        h = randn(gen, self.batch, self.hidden, dtype=self.dtype)
+        nw, qkv = norm_weight(gen, self.hidden, self.dtype), weight(gen, rows, self.hidden, self.dtype)
+        bias = randn(gen, rows, dtype=self.dtype) if self.bias else None
+        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
+        positions = torch.randint(0, 4096, (self.batch,), generator=gen)
+        num_blocks = -(-self.batch // self.block_size) + 3
+        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.batch]
+        kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        return (h.to(device), nw.to(device), 1e-6, qkv.to(device), None if bias is None else bias.to(device),
+                positions.to(device), cos_sin.to(device), kc.to(device), vc.to(device), slots.to(device))
+
+
 def case_id(case: object) -> str:
     """The fields a case sets, e.g. ``bfloat16-batch3-group8-head_dim128-block_size32-long300``."""
     parts = []

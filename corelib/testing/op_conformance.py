@@ -6,7 +6,9 @@ why, where a backend has no provider, runs emulated, or its provider cannot load
 module may override ``op_target`` to run the same checks elsewhere (Triton's CPU interpreter).
 
 What is checked, over GQA ratios 1/2/4/8, head dims 64/128, block sizes 16/32, batches 1/3/32/128
-and ragged context lengths (1, bs-1, bs, bs+1, a long one, padded rows on block 0):
+and ragged context lengths (1, bs-1, bs, bs+1, a long one, padded rows on block 0), and for the
+projections (linear and the fused decode-layer ops) over M = 1-128 and a prefill-sized M, K not
+a multiple of any block, odd N, with and without bias:
 
 - float outputs: max |provided - reference| <= tol * max |reference|, tol per dtype in
   ``TOLERANCES`` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
@@ -40,7 +42,12 @@ from corelib.testing.op_cases import (
     Args,
     Case,
     DecodeCase,
+    LinearCase,
+    LinearResidualCase,
     NormCase,
+    NormGateUpCase,
+    NormLogitsCase,
+    NormQkvCase,
     PrefillCase,
     RopeCase,
     SampleCase,
@@ -125,19 +132,53 @@ SILU_CASES = [SiluCase(F32, 3, 1000), SiluCase(BF16, 1, 3072)]
 SILU_SWEEP = [SiluCase(d, t, i) for d, t, i in itertools.product((F32, BF16), (1, 32, 128), (3072, 1000))]
 SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 1000, sampled=True)]
 SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True)]
+# The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every
+# kernel a provider may choose by M (1-128), and a prefill-sized M.
+_M = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128)
+LINEAR_CASES = [
+    LinearCase(F32, 1, 97, 300),
+    LinearCase(BF16, 3, 64, 1000, bias=True),
+    LinearCase(F32, 17, 33, 200),
+    LinearCase(BF16, 128, 96, 160),
+]
+LINEAR_SWEEP = [LinearCase(d, m, n, k, bias=m % 2 == 1) for d, m, (n, k) in
+                itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500), (33, 2048)))] + [
+    LinearCase(BF16, 300, 256, 512), LinearCase(F32, 513, 97, 300)]
+LINEAR_RESIDUAL_CASES = [LinearResidualCase(F32, 1, 97, 300), LinearResidualCase(BF16, 5, 64, 1000),
+                         LinearResidualCase(BF16, 32, 96, 200)]
+LINEAR_RESIDUAL_SWEEP = [LinearResidualCase(d, m, n, k) for d, m, (n, k) in
+                         itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500)))]
+GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77), NormGateUpCase(BF16, 20, 128, 64)]
+GATE_UP_SWEEP = [NormGateUpCase(d, m, h, i) for d, m, (h, i) in
+                 itertools.product((F32, BF16), _M, ((1000, 301), (256, 768)))]
+LOGITS_CASES = [NormLogitsCase(F32, 1, 96, 1000), NormLogitsCase(BF16, 3, 200, 517), NormLogitsCase(BF16, 33, 64, 300)]
+LOGITS_SWEEP = [NormLogitsCase(d, m, 1024, 5003) for d, m in itertools.product((F32, BF16), _M)]
+QKV_CASES = [
+    NormQkvCase(F32, 1, 2, 64, 16),
+    NormQkvCase(BF16, 3, 4, 128, 16, hidden=300, bias=True),
+    NormQkvCase(F32, 5, 1, 64, 32, kv_heads=1),
+    NormQkvCase(BF16, 24, 8, 64, 16, kv_heads=1),
+]
+QKV_SWEEP = [NormQkvCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 0) for d, m, g, hd, h in
+             itertools.product((F32, BF16), _M, (1, 4), (64, 128), (200, 1024))]
 
 
 # -- tests -------------------------------------------------------------------------------------
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Same shape and dtype; max error within the dtype's tolerance of the reference's scale."""
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str, tolerance_dtype: torch.dtype | None = None
+                   ) -> None:
+    """Same shape and dtype; max error within the dtype's tolerance of the reference's scale.
+
+    ``tolerance_dtype``: whose tolerance applies, where it is not the output's (float32 logits of
+    a bfloat16 model carry bfloat16's error).
+    """
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, reference {tuple(expected.shape)}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, reference {expected.dtype}"
     if expected.dtype in (torch.int64, torch.int32):
         assert torch.equal(actual, expected), f"{what}: {actual.tolist()} != reference {expected.tolist()}"
         return
-    tol = TOLERANCES[expected.dtype]
+    tol = TOLERANCES[tolerance_dtype or expected.dtype]
     a, e = actual.float(), expected.float()
     assert bool(torch.isfinite(a).all()), f"{what}: {int((~torch.isfinite(a)).sum())} values are NaN or inf"
     error = float((a - e).abs().max()) / max(float(e.abs().max()), 1e-6) if e.numel() else 0.0
@@ -149,7 +190,8 @@ def _check(target: OpTarget, op: str, case: Case, call: Call) -> None:
     actual = call(ops, case.build(0, target.torch_device))
     expected = call(reference_ops(), case.build(0, target.torch_device))
     for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        assert_matches(a, e, f"{target.provider}.{op} output {index} ({case_id(case)})")
+        assert_matches(a, e, f"{target.provider}.{op} output {index} ({case_id(case)})",
+                       getattr(case, "tolerance_dtype", None))
 
 
 def _norm(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
@@ -179,6 +221,27 @@ def _decode(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return _decode_call(ops, args, poison=ops.providers["paged_decode_attention"] != "reference")
 
 
+def _linear(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.linear(*args),)  # type: ignore[arg-type]
+
+
+def _linear_residual(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.linear_residual(*args),)  # type: ignore[arg-type]
+
+
+def _gate_up(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.norm_gate_up_silu_mul(*args),)  # type: ignore[arg-type]
+
+
+def _logits(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return (ops.norm_logits(*args),)  # type: ignore[arg-type]
+
+
+def _qkv(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    q = ops.norm_qkv_rope_kv_write(*args)  # type: ignore[arg-type]
+    return q, args[7], args[8]  # type: ignore[return-value]  # the rotated queries and both caches
+
+
 CALLS: dict[str, Call] = {
     "rms_norm": _norm,
     "rope_kv_write": _rope,
@@ -186,6 +249,11 @@ CALLS: dict[str, Call] = {
     "prefill_attention": _prefill,
     "silu_mul": _silu,
     "sample": _sample,
+    "linear": _linear,
+    "linear_residual": _linear_residual,
+    "norm_qkv_rope_kv_write": _qkv,
+    "norm_gate_up_silu_mul": _gate_up,
+    "norm_logits": _logits,
 }
 
 
@@ -225,6 +293,31 @@ def test_sample_matches_reference(op_target: OpTarget, case: SampleCase) -> None
     _check(op_target, "sample", case, _sample)
 
 
+@pytest.mark.parametrize("case", _params(LINEAR_CASES, LINEAR_SWEEP))
+def test_linear_matches_reference(op_target: OpTarget, case: LinearCase) -> None:
+    _check(op_target, "linear", case, _linear)
+
+
+@pytest.mark.parametrize("case", _params(LINEAR_RESIDUAL_CASES, LINEAR_RESIDUAL_SWEEP))
+def test_linear_residual_matches_reference(op_target: OpTarget, case: LinearResidualCase) -> None:
+    _check(op_target, "linear_residual", case, _linear_residual)
+
+
+@pytest.mark.parametrize("case", _params(GATE_UP_CASES, GATE_UP_SWEEP))
+def test_norm_gate_up_silu_mul_matches_reference(op_target: OpTarget, case: NormGateUpCase) -> None:
+    _check(op_target, "norm_gate_up_silu_mul", case, _gate_up)
+
+
+@pytest.mark.parametrize("case", _params(LOGITS_CASES, LOGITS_SWEEP))
+def test_norm_logits_matches_reference(op_target: OpTarget, case: NormLogitsCase) -> None:
+    _check(op_target, "norm_logits", case, _logits)
+
+
+@pytest.mark.parametrize("case", _params(QKV_CASES, QKV_SWEEP))
+def test_norm_qkv_rope_kv_write_matches_reference(op_target: OpTarget, case: NormQkvCase) -> None:
+    _check(op_target, "norm_qkv_rope_kv_write", case, _qkv)
+
+
 GRAPH_CASES: dict[str, Case] = {
     "rms_norm": NormCase(BF16, (3, 1024), residual=True),
     "rope_kv_write": RopeCase(BF16, 3, 2, 128, 16),
@@ -232,6 +325,11 @@ GRAPH_CASES: dict[str, Case] = {
     "prefill_attention": PrefillCase(BF16, 2, 64, (5, 40)),
     "silu_mul": SiluCase(BF16, 3, 3072),
     "sample": SampleCase(3, ties=True),
+    "linear": LinearCase(BF16, 3, 1001, 300, bias=True),
+    "linear_residual": LinearResidualCase(BF16, 32, 256, 1500),
+    "norm_qkv_rope_kv_write": NormQkvCase(BF16, 3, 4, 64, 16, hidden=1024),
+    "norm_gate_up_silu_mul": NormGateUpCase(BF16, 1, 1024, 768),
+    "norm_logits": NormLogitsCase(BF16, 17, 1024, 5003),
 }
 
 
@@ -271,4 +369,5 @@ def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> No
     stream.synchronize()
     expected = call(reference_ops(), case.build(1, op_target.torch_device))
     for index, (a, e) in enumerate(zip(captured[0], expected, strict=True)):
-        assert_matches(a, e, f"{op_target.provider}.{op} output {index} after graph replay ({case_id(case)})")
+        assert_matches(a, e, f"{op_target.provider}.{op} output {index} after graph replay ({case_id(case)})",
+                       getattr(case, "tolerance_dtype", None))

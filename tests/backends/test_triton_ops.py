@@ -9,8 +9,10 @@ backend conformance suite runs every test natively. The full sweep is marked slo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -26,15 +28,38 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'core
 from corelib_cpu.device import CpuBackend
 from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps
+from corelib_cuda.triton_ops import linear as projections
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import decode_config
+from omegaconf import OmegaConf
 
 from corelib.backend import DeviceSpec
-from corelib.device import Capabilities, Runtime
-from corelib.ops import OP_NAMES
-from corelib.testing.op_cases import DecodeCase
+from corelib.compose import compose_config
+from corelib.config import ModelConfig
+from corelib.device import Capabilities, Device, Runtime
+from corelib.models.base import DecodeBatch
+from corelib.models.hybrid import HybridState
+from corelib.models.llama import KVCache, LlamaModel, ModelShape
+from corelib.models.registry import architecture as architecture_of
+from corelib.ops import OP_NAMES, PagedAttention
+from corelib.ops.reference import reference_ops
+from corelib.testing.op_cases import (
+    BF16,
+    F32,
+    Case,
+    DecodeCase,
+    LinearCase,
+    LinearResidualCase,
+    NormGateUpCase,
+    NormLogitsCase,
+    NormQkvCase,
+)
 from corelib.testing.op_conformance import *  # noqa: F403
-from corelib.testing.op_conformance import DECODE_CASES, DECODE_SWEEP, OpTarget
+from corelib.testing.op_conformance import CALLS, DECODE_CASES, DECODE_SWEEP, OpTarget, assert_matches
+
+
+def _cpu() -> Device:
+    return CpuBackend().open(DeviceSpec(backend="cpu", runtime=Runtime.native, capabilities=Capabilities()))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +69,7 @@ def op_target() -> OpTarget:
     reason = provider.available()
     if reason is not None:
         pytest.skip(reason)
-    device = CpuBackend().open(DeviceSpec(backend="cpu", runtime=Runtime.native, capabilities=Capabilities()))
+    device = _cpu()
     return OpTarget(
         provider=provider.name,
         declared=provider.op_names(),
@@ -75,3 +100,77 @@ def test_decode_cases_cover_the_split_k_path() -> None:
     assert any(splits(case) > 1 for case in DECODE_CASES)
     assert any(splits(case) == 1 for case in DECODE_CASES)
     assert any(splits(case) > 1 for case in DECODE_SWEEP)
+
+
+def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[DecodeBatch, KVCache]:
+    """A decode step over random cached context: each row's new token goes to its next slot."""
+    gen = torch.Generator().manual_seed(7)
+    width = max(-(-(n + 1) // block_size) for n in lengths)
+    num_blocks = len(lengths) * width + 1
+    cache = KVCache(torch.randn((shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
+                                generator=gen).to(shape.dtype), block_size)
+    tables = (1 + torch.arange(len(lengths) * width, dtype=torch.int32)).view(len(lengths), width)
+    positions = torch.tensor(lengths)
+    slots = tables.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    batch = DecodeBatch(torch.randint(0, shape.vocab_size, (len(lengths),), generator=gen), positions, slots,
+                        PagedAttention(tables, positions + 1, block_size), torch.arange(len(lengths)))
+    return batch, cache
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "hybrid"])
+def test_a_decode_step_through_the_triton_ops_gives_the_reference_logits(op_target: OpTarget,
+                                                                         architecture: str) -> None:
+    cfg = compose_config(["model=tiny" if architecture != "hybrid" else "model=hybrid-tiny",
+                          f"model.architecture={architecture}", "model.num_layers=2"]).model
+    typed = OmegaConf.to_object(cfg)
+    assert isinstance(typed, ModelConfig)
+    model = architecture_of(architecture).load(typed, _cpu(), None, False)
+    assert isinstance(model, LlamaModel)
+    results = []
+    for ops in (reference_ops(), op_target.ops):
+        batch, cache = _decode_inputs(model.shape, [0, 17, 40], 16)
+        state = cache if architecture != "hybrid" else model.allocate_state(_cpu(), 4, 16, 3)
+        if architecture == "hybrid":
+            assert isinstance(state, HybridState)
+            state.cache = cache
+        results.append((model.decode(batch, state, ops), cache.data))
+    (ref_logits, ref_cache), (logits, cache_data) = results
+    assert_matches(logits, ref_logits, f"{architecture} logits through the triton ops")
+    assert_matches(cache_data, ref_cache, f"{architecture} KV cache written by the triton ops")
+
+
+@pytest.mark.parametrize("rows", [1, 20])  # the GEMV and the tensor-core kernel
+def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarget, rows: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Many programs wanted per multiprocessor: every shape splits K, and one counter buffer serves both calls.
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemv_programs_per_sm=64,
+                                                                   gemm_programs_per_sm=64))
+    assert projections.gemv_plan(48, 512, 1, 4, INTERPRETER_SM_COUNT, projections.TUNING).split_k > 1
+    ops = op_target.ops
+    for seed in (0, 1):
+        args: tuple[Any, ...] = LinearResidualCase(torch.float32, rows, 48, 512).build(seed, torch.device("cpu"))
+        assert_matches(ops.linear_residual(*args), reference_ops().linear_residual(*args),
+                       f"split-K linear_residual, launch {seed + 1}")
+
+
+FORCED_GEMM = [
+    ("linear", LinearCase(BF16, 20, 97, 300, bias=True)),
+    ("linear_residual", LinearResidualCase(F32, 33, 64, 200)),
+    ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 20, 96, 40)),
+    ("norm_logits", NormLogitsCase(F32, 17, 64, 300)),
+    ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 20, 2, 64, 16, hidden=128, bias=True)),
+]
+
+
+@pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[op for op, _ in FORCED_GEMM])
+def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
+    op_target: OpTarget, op: str, case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's.
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024))
+    assert projections.kernel_for(20, 97, 300, 2) is projections.Kernel.GEMM
+    call = CALLS[op]
+    actual = call(op_target.ops, case.build(0, torch.device("cpu")))
+    expected = call(reference_ops(), case.build(0, torch.device("cpu")))
+    for a, e in zip(actual, expected, strict=True):
+        assert_matches(a, e, f"{op} on the tensor-core kernel", getattr(case, "tolerance_dtype", None))

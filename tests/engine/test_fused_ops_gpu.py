@@ -54,3 +54,19 @@ def test_fused_ops_agreement_in_bfloat16_is_reported() -> None:
             json.dump({"tokens_before_first_difference": agreement, "of": 64}, out)
     print(f"bf16 fused vs reference: tokens before the first difference {agreement} of 64")
     assert min(agreement) >= 1, "the first token comes from the same prefill logits up to rounding"
+
+
+def _tokens(*overrides: str, max_tokens: int) -> tuple[list[list[int]], bool]:
+    base = ["backend=cuda", "backend.runtime=native", "model=small-0.6b", "model.dtype=float32", "model.init=device",
+            "engine.async_token_handoff=on", "engine.max_num_seqs=2", "engine.graph_batch_sizes=[1,2]"]
+    with Engine.from_overrides([*base, *overrides]) as engine:
+        outputs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return [o.output_token_ids for o in outputs], engine.options.pdl
+
+
+def test_pdl_gives_the_tokens_of_plain_launches() -> None:
+    # Every projection of a 2-row step is a PDL-launched GEMV: a kernel reading before its wait would show here.
+    plain, pdl_off = _tokens("engine.pdl=off", max_tokens=256)
+    launched, pdl_on = _tokens("engine.pdl=on", max_tokens=256)
+    assert not pdl_off and pdl_on
+    assert launched == plain, f"tokens before the first difference: {_agreement(plain, launched)}"

@@ -95,7 +95,7 @@ def test_shards_put_together_equal_the_full_tensors() -> None:
 
 
 def test_auto_draws_models_above_a_billion_parameters_on_the_device() -> None:
-    for preset, on_device in (("tiny", False), ("small-0.6b", False), ("llama-8b", True)):
+    for preset, on_device in (("tiny", False), ("small-0.6b", False), ("llama-1b", True), ("llama-8b", True)):
         cfg = _model(f"model={preset}")
         assert init_on_device(cfg, ModelShape.from_config(cfg)) is on_device, preset
     tiny = _model("model.init=device")
@@ -113,6 +113,17 @@ def test_the_llama_8b_preset_has_the_llama_3_1_8b_shape() -> None:
     assert shape.rope_scaling is not None and shape.rope_scaling.rope_type == "llama3"
     assert (cfg.eos_token_id, cfg.extra_eos_token_ids) == (128001, [128009])
     assert parameter_count(shape) == 8_030_261_248  # Llama-3.1-8B's count
+
+
+def test_the_llama_1b_preset_has_the_llama_3_2_1b_shape() -> None:
+    cfg = _model("model=llama-1b")
+    shape = ModelShape.from_config(cfg)
+    assert (shape.vocab_size, shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads,
+            shape.head_dim, shape.intermediate_size) == (128256, 2048, 16, 32, 8, 64, 8192)
+    assert shape.dtype is torch.bfloat16 and shape.rope_theta == 500000.0 and shape.tie_word_embeddings
+    scaling = shape.rope_scaling
+    assert scaling is not None and scaling.rope_type == "llama3" and scaling.factor == 32.0
+    assert parameter_count(shape) == 1_235_814_400  # Llama-3.2-1B's count (the LM head is the embedding)
 
 
 def test_model_init_chooses_the_weights_the_engine_builds() -> None:

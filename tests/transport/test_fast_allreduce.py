@@ -232,19 +232,23 @@ def test_the_emulator_never_has_symmetric_memory_and_the_plan_says_why() -> None
 def test_the_cuda_probe_narrows_symmetric_memory_where_torch_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from corelib_cuda.backend import CUDABackend, symmetric_memory_missing
 
+    class Hopper:  # torch.cuda as far as the narrowing reads it
+        def get_device_capability(self, index: int) -> tuple[int, int]:
+            return (9, 0)
+
     monkeypatch.setattr(torch.version, "cuda", None)
     assert symmetric_memory_missing() == "torch is not a CUDA build"
-    assert CUDABackend()._narrow(None) == {"symmetric_memory": False}
+    assert CUDABackend()._narrow(Hopper()).get("symmetric_memory") is False
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert symmetric_memory_missing() is None, "this torch has the ops, only not their CUDA kernels"
-    assert CUDABackend()._narrow(None) == {}
+    assert "symmetric_memory" not in CUDABackend()._narrow(Hopper())
 
     class OldOps:
         one_shot_all_reduce_out = object()
 
     monkeypatch.setattr(torch.ops, "symm_mem", OldOps())
     assert symmetric_memory_missing() == f"torch {torch.__version__} lacks torch.ops.symm_mem.two_shot_all_reduce_"
-    assert CUDABackend()._narrow(None) == {"symmetric_memory": False}
+    assert CUDABackend()._narrow(Hopper()).get("symmetric_memory") is False
 
 
 @pytest.mark.parametrize(("dtype", "enabled"), [("bfloat16", True), ("float32", True), ("float16", False)])

@@ -95,9 +95,14 @@ class CUDABackend(TorchModuleBackend):
         return f"{count} x {module.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
 
     def _narrow(self, module: Any) -> dict[str, bool]:
-        """Without torch's symmetric memory, tensor parallelism keeps NCCL for every all-reduce."""
-        del module
-        return {} if symmetric_memory_missing() is None else {"symmetric_memory": False}
+        """Without torch's symmetric memory, tensor parallelism keeps NCCL for every all-reduce; PDL
+        needs compute capability 9.0 (Hopper) and a Triton that launches and waits that way."""
+        narrow = {} if symmetric_memory_missing() is None else {"symmetric_memory": False}
+        if tuple(module.get_device_capability(0)) < (9, 0):
+            narrow["programmatic_launch"] = False
+        if TritonOps().pdl_missing() is not None:
+            narrow["programmatic_launch_kernels"] = False
+        return narrow
 
     def op_provider(self) -> OpProvider:
         """The Triton kernels (an optional extra: its ``available()`` says when Triton is missing)."""

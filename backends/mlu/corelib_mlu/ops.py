@@ -11,6 +11,11 @@ an MLU.
 | paged_decode_attention | (reference)                        | -          | needs another cache layout|
 | prefill_attention      | flash_attention (packed)           | yes        | host max_seqlen is given  |
 | silu_mul               | active(act_mode="silu", gated)     | yes        |                           |
+| linear                 | matmul (trans_b)                   | yes        | bias in the epilogue      |
+| linear_residual        | matmul (residual, beta = 1)        | yes        | residual in the epilogue  |
+| norm_qkv_rope_kv_write | composed: the ops above            | yes        | no single tmo operator    |
+| norm_gate_up_silu_mul  | composed: fused_rms_norm, matmul, active | yes  |                           |
+| norm_logits            | composed: fused_rms_norm, matmul   | yes        |                           |
 | sample                 | (reference)                        | -          | plain torch already       |
 
 Sources: the Python conventions from Cambricon/vllm-mlu vllm_mlu/_mlu_ops.py and
@@ -29,6 +34,12 @@ which wrap the same kernels in C++.
   place: it gets a private copy of qk.
 - ``active(input, act_mode="silu", is_gated=True)``: silu(first half) * second half (dlinfer's
   silu_and_mul).
+- ``matmul(input, filter, bias, residual, act_mode, alpha, beta, use_fast, approximate, ...,
+  trans_b)``: alpha * (input @ filter' + bias) + beta * residual, then the activation; input
+  [m, k], filter [n, k] with trans_b=True, residual [m, n], fp16/bf16/fp32 (the Torch-MLU-Ops
+  user guide, torch_mlu_ops.matmul; the call as xpu_graph's dense layer makes it). The residual
+  add happens before the one rounding to the output dtype, which the reference does after
+  rounding the product: within the dtype's tolerance.
 - ``flash_attention(q, k, v, out, cu_seq_lens_q, cu_seq_lens_kv, alibi_slope, attn_bias,
   max_seq_len_q, max_seq_len_kv, softmax_scale, is_causal, window_size_left, window_size_right,
   compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [T, nkv, hd], cu_seq_lens [n+1] int32
@@ -59,7 +70,7 @@ from corelib.ops import reference as ref
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-VENDOR_FUNCTIONS = ("fused_rms_norm", "apply_rotary", "active", "flash_attention")
+VENDOR_FUNCTIONS = ("fused_rms_norm", "apply_rotary", "active", "flash_attention", "matmul")
 
 
 class TorchMluOps(Protocol):
@@ -91,6 +102,21 @@ class TorchMluOps(Protocol):
     ) -> torch.Tensor: ...
 
     def active(self, input: torch.Tensor, act_mode: str, is_gated: bool) -> torch.Tensor: ...
+
+    def matmul(
+        self,
+        input: torch.Tensor,
+        filter: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        act_mode: str,
+        alpha: float,
+        beta: float,
+        use_fast: bool,
+        approximate: bool,
+        *,
+        trans_b: bool,
+    ) -> torch.Tensor: ...
 
     def flash_attention(
         self,
@@ -185,13 +211,26 @@ class MluKernels:
             return ref.silu_mul(x)
         return self.tmo.active(x.contiguous(), act_mode="silu", is_gated=True)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype not in _FLOAT or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+            return ref.linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # [m, k]
+        out = self.tmo.matmul(flat, weight.contiguous(), bias, None, "none", 1.0, 0.0, False, False, trans_b=True)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    def linear_residual(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _FLOAT or weight.dtype != x.dtype or residual.dtype != x.dtype:
+            return ref.linear(x, weight) + residual
+        return self.tmo.matmul(x.contiguous(), weight.contiguous(), None, residual.contiguous(), "none", 1.0, 1.0,
+                               False, False, trans_b=True)
+
 
 def _import_torch_mlu_ops() -> ModuleType:
     return importlib.import_module("torch_mlu_ops")
 
 
 class MluOps:
-    """The ``torch_mlu_ops`` op provider: norms, RoPE, prefill attention and SiLU-and-multiply."""
+    """The ``torch_mlu_ops`` op provider: norms, RoPE, prefill attention, SiLU-and-multiply, the projections."""
 
     name = "torch_mlu_ops"
     live_blocks_only = False  # decode attention stays on the reference, which gathers the whole width
@@ -208,7 +247,7 @@ class MluOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "prefill_attention", "silu_mul")
+        return ("rms_norm", "rope_kv_write", "prefill_attention", "silu_mul", "linear", "linear_residual")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = MluKernels(cast(TorchMluOps, _import_torch_mlu_ops()))

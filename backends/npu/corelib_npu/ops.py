@@ -10,6 +10,11 @@ follows that documentation (tests/backends/test_vendor_ops.py); it has not run o
 | paged_decode_attention | npu_fused_infer_attention_score (BSH)   | yes        | static length + mask       |
 | prefill_attention      | npu_fused_infer_attention_score (BSND)  | yes        | padded grid + mask         |
 | silu_mul               | npu_swiglu                              | yes        |                            |
+| linear                 | npu_linear (fp16, fp32)                 | yes        | bf16: torch's matmul       |
+| linear_residual        | composed: linear, then the add          | yes        | no fused vendor operator   |
+| norm_qkv_rope_kv_write | composed: npu_rms_norm, linear, RoPE+KV | yes        |                            |
+| norm_gate_up_silu_mul  | composed: npu_rms_norm, linear, swiglu  | yes        |                            |
+| norm_logits            | composed: npu_rms_norm, linear          | yes        |                            |
 | sample                 | (reference)                             | -          | plain torch already        |
 
 Vendor functions and their conventions (documentation: Ascend/op-plugin docs/context/*.md,
@@ -38,6 +43,11 @@ usage: vllm-project/vllm-ascend):
   blocks those lengths cover summed over the batch.
 - ``npu_swiglu(input, dim=-1)``: swish(A) * B, A the first half along dim; contiguous input only
   (docs/context/（beta）torch_npu-npu_swiglu.md).
+- ``npu_linear(input, weight, bias=None)``: input @ weight' + bias, input and weight 2-D, float32,
+  float16, int32 or int8 (no bfloat16 listed), bias 1-D (docs/context/（beta）torch_npu-npu_linear.md).
+  A bfloat16 projection runs torch's own matmul, which torch_npu dispatches to the NPU.
+- The composed ops (the fused decode-layer ops) have no single torch_npu operator: the op
+  container composes them from the ones here.
 
 Graph capture and the KV lengths: the paged kernels torch_npu offers take the KV lengths from the
 host: ``actual_seq_lengths_kv`` of the fused attention (and ``actual_seq_lengths`` of
@@ -81,6 +91,7 @@ VENDOR_FUNCTIONS = (
     "npu_scatter_nd_update_",
     "npu_fused_infer_attention_score",
     "npu_swiglu",
+    "npu_linear",
 )
 
 
@@ -121,6 +132,10 @@ class TorchNpuOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def npu_swiglu(self, input: torch.Tensor, dim: int = ...) -> torch.Tensor: ...
+
+    def npu_linear(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = ...
+    ) -> torch.Tensor: ...
 
 
 def _gqa_supported(num_heads: int, num_kv_heads: int) -> bool:
@@ -233,6 +248,14 @@ class NpuKernels:
             return ref.silu_mul(x)
         return self.npu.npu_swiglu(x.contiguous(), dim=-1)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # npu_linear lists float32 and float16 (and integers); anything else takes torch's matmul
+        same = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+        if x.dtype not in (torch.float16, torch.float32) or not same:
+            return ref.linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])  # [m, k]
+        return self.npu.npu_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
 
 def _import_torch_npu() -> ModuleType:
     return importlib.import_module("torch_npu")
@@ -256,7 +279,7 @@ class NpuOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "paged_decode_attention", "prefill_attention", "silu_mul")
+        return ("rms_norm", "rope_kv_write", "paged_decode_attention", "prefill_attention", "silu_mul", "linear")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = NpuKernels(cast(TorchNpuOps, _import_torch_npu()))

@@ -8,22 +8,24 @@ import torch
 import triton
 import triton.language as tl
 
-from corelib_cuda.triton_ops.common import check, check_float, last_dim_contiguous
+from corelib_cuda.triton_ops.common import check, check_float, interpreting, last_dim_contiguous
+from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "silu_mul"
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, x_s0, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, x_s0, BLOCK: tl.constexpr, RNE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     gate = tl.load(x_ptr + row * x_s0 + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_s0 + inter + cols, mask=ok, other=0.0).to(tl.float32)
     # The reference rounds silu(gate) to the model dtype before the product.
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * inter + cols, silu * up, mask=ok)
+    dtype = out_ptr.dtype.element_ty
+    silu = rounded(gate / (1.0 + tl.exp(-gate)), dtype, RNE)
+    tl.store(out_ptr + row * inter + cols, rounded(silu * up, dtype, RNE).to(dtype), mask=ok)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -35,5 +37,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if tokens == 0 or inter == 0:
         return out
     x = last_dim_contiguous(x)
-    _silu_mul_kernel[(tokens, triton.cdiv(inter, _BLOCK))](x, out, inter, x.stride(0), BLOCK=_BLOCK, num_warps=4)
+    _silu_mul_kernel[(tokens, triton.cdiv(inter, _BLOCK))](x, out, inter, x.stride(0), BLOCK=_BLOCK, RNE=interpreting(),
+                                                              num_warps=4)
     return out

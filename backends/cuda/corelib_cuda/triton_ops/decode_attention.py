@@ -43,7 +43,11 @@ def _decode_kernel(
     q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched early: wait for the kernel before this one before touching anything
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,7 +105,10 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DIM_PAD: tl.constexpr):
+                  DIM_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # one (sequence, query head)
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, DIM_PAD)
@@ -139,9 +146,11 @@ def decode_config(batch: int, kv_heads: int, group: int, head_dim: int, span: in
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float, *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     # q [B, nh, hd], k_cache / v_cache [NB, bs, nkv, hd], block_tables [B, W], seq_lens [B] -> [B, nh, hd]
+    # pdl: both kernels launched with programmatic dependent launch (each waits for its predecessor first)
     check_float(_OP, q=q, k_cache=k_cache)
     check(q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, _OP,
           f"expected q [B, nh, hd] and caches [NB, bs, nkv, hd]; got q {tuple(q.shape)}, "
@@ -164,6 +173,7 @@ def paged_decode_attention(
     group = heads // kv_heads
     config = decode_config(batch, kv_heads, group, head_dim, tables.shape[1] * block_size, sm_count(q.device))
     splits = config.splits
+    launch = {"launch_pdl": True} if pdl else {}
     if splits > 1:
         part_out = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -175,10 +185,10 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, GROUP_PAD=config.group_pad, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_N=config.block_n,
-        SPLITS=splits, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype),
-        num_warps=config.warps, num_stages=config.stages,
+        SPLITS=splits, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), PDL=pdl,
+        num_warps=config.warps, num_stages=config.stages, **launch,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch * heads,)](part_out, part_lse, out, SPLITS=splits, HEAD_DIM=head_dim,
-                                        DIM_PAD=config.dim_pad)
+                                        DIM_PAD=config.dim_pad, PDL=pdl, **launch)
     return out

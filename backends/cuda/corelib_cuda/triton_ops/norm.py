@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from corelib_cuda.triton_ops.common import check, check_float, next_power_of_2
+from corelib_cuda.triton_ops.common import check, check_float, interpreting, next_power_of_2
+from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "rms_norm"
 _MAX_HIDDEN = 16384
@@ -21,7 +22,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, h_ptr,
     num_rows, inner, hidden, eps,
     x_s0, x_s1, r_s0, r_s1,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     # A row r of x [outer, inner, H] sits at (r // inner) * s0 + (r % inner) * s1: the per-head
     # q/k norm reads [T, n, hd] straight out of the fused qkv output without a copy.
@@ -38,13 +39,13 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + (outer * r_s0 + within * r_s1)[:, None] + cols[None, :], mask=mask, other=0.0)
         # The sum is rounded to the model dtype, and the statistics use the rounded sum, as
         # the reference does (h = x + residual in the model dtype).
-        h = (x + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + dense, h, mask=mask)
-        x = h.to(tl.float32)
+        x = rounded(x + r.to(tl.float32), h_ptr.dtype.element_ty, RNE)
+        tl.store(h_ptr + dense, x.to(h_ptr.dtype.element_ty), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / hidden + eps)
-    normed = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds here
+    dtype = out_ptr.dtype.element_ty
+    normed = rounded(x * rstd[:, None], dtype, RNE)  # the reference rounds here
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + dense, normed * w[None, :], mask=mask)
+    tl.store(out_ptr + dense, rounded(normed * w[None, :], dtype, RNE).to(dtype), mask=mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,6 +93,6 @@ def rms_norm(
         xs, rs, weight, out, h,
         num_rows, inner, hidden, eps,
         x_s0, x_s1, r_s0, r_s1,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_H=block_h, num_warps=warps,
+        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_H=block_h, RNE=interpreting(), num_warps=warps,
     )  # fmt: skip
     return out, h

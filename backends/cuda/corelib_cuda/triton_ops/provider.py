@@ -6,6 +6,8 @@ still probe, plan and emulate on machines without it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -35,10 +37,29 @@ class TritonOps:
             return "Triton needs a CUDA device and torch sees none (TRITON_INTERPRET=1 runs the kernels on the CPU)"
         return None
 
+    def pdl_missing(self) -> str | None:
+        """Why the kernels cannot be launched with programmatic dependent launch here (None: they can)."""
+        reason = self.available()
+        if reason is not None:
+            return reason
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        missing = [name for name in ("gdc_wait", "gdc_launch_dependents") if not hasattr(tl.extra.cuda, name)]
+        if "launch_pdl" not in {f.name for f in dataclasses.fields(CUDAOptions)}:
+            missing.append("launch_pdl")
+        if missing:
+            import triton
+
+            return f"Triton {triton.__version__} lacks {', '.join(missing)} (Triton 3.3 or newer has them)"
+        return None
+
     def op_names(self) -> tuple[str, ...]:
         return OP_NAMES
 
-    def load(self, device: Device) -> Mapping[str, object]:
+    def load(self, device: Device, pdl: bool = False) -> Mapping[str, object]:
+        """The ops for ``device``; with ``pdl`` the projection kernels are launched with PDL."""
+        from corelib_cuda.triton_ops import layer_ops, linear
         from corelib_cuda.triton_ops.activation import silu_mul
         from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
         from corelib_cuda.triton_ops.norm import rms_norm
@@ -55,9 +76,13 @@ class TritonOps:
         ops: dict[str, object] = {
             "rms_norm": rms_norm,
             "rope_kv_write": rope_kv_write,
-            "paged_decode_attention": paged_decode_attention,
+            "paged_decode_attention": functools.partial(paged_decode_attention, pdl=pdl),
             "prefill_attention": prefill_attention,
             "silu_mul": silu_mul,
-            "sample": sample,
+            "sample": functools.partial(sample, pdl=pdl),
         }
+        for module, names in ((linear, ("linear", "linear_residual")),
+                              (layer_ops, ("norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits"))):
+            for name in names:
+                ops[name] = functools.partial(getattr(module, name), pdl=pdl)
         return ops

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from corelib_cuda.triton_ops.common import check, check_float, last_dim_contiguous, next_power_of_2
+from corelib_cuda.triton_ops.common import check, check_float, interpreting, last_dim_contiguous, next_power_of_2
+from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "rope_kv_write"
 
@@ -22,7 +23,7 @@ def _rope_kv_write_kernel(
     kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
     block_size,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     # One program per token: every q and k head rotated, k and v written to the token's slot.
     t = tl.program_id(0).to(tl.int64)
@@ -42,9 +43,9 @@ def _rope_kv_write_kernel(
     # x * cos + rotate_half(x) * sin with each product rounded to the model dtype, as the
     # reference computes it in that dtype.
     dtype = out_ptr.dtype.element_ty
-    o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
-    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    o1, o2 = o1.to(dtype), o2.to(dtype)
+    o1 = rounded(x1 * c1, dtype, RNE) + rounded(-x2 * s1, dtype, RNE)
+    o2 = rounded(x2 * c2, dtype, RNE) + rounded(x1 * s2, dtype, RNE)
+    o1, o2 = rounded(o1, dtype, RNE).to(dtype), rounded(o2, dtype, RNE).to(dtype)
     dst = out_ptr + t * ((NUM_Q + NUM_KV) * 2 * HALF) + heads[:, None] * (2 * HALF) + d[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
@@ -114,6 +115,6 @@ def rope_kv_write(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_cache.shape[1],
         NUM_Q=heads - kv_heads, NUM_KV=kv_heads, HALF=head_dim // 2,
-        BLOCK_HEADS=block_heads, BLOCK_KV=block_kv, BLOCK_HALF=block_half, num_warps=warps,
+        BLOCK_HEADS=block_heads, BLOCK_KV=block_kv, BLOCK_HALF=block_half, RNE=interpreting(), num_warps=warps,
     )  # fmt: skip
     return out

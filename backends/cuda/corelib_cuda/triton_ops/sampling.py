@@ -24,7 +24,11 @@ _CHUNK = 4096
 
 
 @triton.jit
-def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, vocab, row_stride, CHUNK: tl.constexpr):
+def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, vocab, row_stride, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # launched early: wait for the kernel before this one before touching anything
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -37,7 +41,10 @@ def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, vocab, row_stride, CHU
 
 
 @triton.jit
-def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, chunks, vocab, CHUNKS_PAD: tl.constexpr):
+def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, chunks, vocab, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < chunks
@@ -53,8 +60,8 @@ def _chunks(vocab: int) -> tuple[int, int]:
     return chunks, next_power_of_2(chunks)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    # logits [B, V] -> [B] int64
+def argmax(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    # logits [B, V] -> [B] int64; pdl: both kernels launched with programmatic dependent launch
     rows, vocab = logits.shape
     tokens = torch.empty((rows,), dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -62,18 +69,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     chunks, chunks_pad = _chunks(vocab)
     best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     where = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(rows, chunks)](logits, best, where, vocab, logits.stride(0), CHUNK=_CHUNK, num_warps=8)
-    _row_argmax_kernel[(rows,)](best, where, tokens, chunks, vocab, CHUNKS_PAD=chunks_pad)
+    launch = {"launch_pdl": True} if pdl else {}
+    _chunk_argmax_kernel[(rows, chunks)](logits, best, where, vocab, logits.stride(0), CHUNK=_CHUNK, PDL=pdl,
+                                         num_warps=8, **launch)
+    _row_argmax_kernel[(rows,)](best, where, tokens, chunks, vocab, CHUNKS_PAD=chunks_pad, PDL=pdl, **launch)
     return tokens
 
 
-def sample(logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tensor:
+def sample(logits: torch.Tensor, sampling: SamplingInputs | None, *, pdl: bool = False) -> torch.Tensor:
     # logits [B, V] float32 -> token ids [B] int64; sampling None: every row greedy
     check(logits.dim() == 2 and logits.dtype == torch.float32, _OP,
           f"expected float32 logits [B, V]; got {logits.dtype} {tuple(logits.shape)}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if sampling is None:
-        return argmax(logits)
+        return argmax(logits, pdl)
     # Sampled rows need the sorted vocabulary for top-p; the reference does that, with the same noise.
     return sample_rows(logits, sampling)

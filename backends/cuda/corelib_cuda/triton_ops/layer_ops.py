@@ -1,0 +1,96 @@
+"""The fused ops of the decode layer: one projection kernel each, with its prologue and epilogue.
+
+Where ``kernel_for`` picks cuBLAS (more rows than the GEMV pays for), each op runs as the
+composition it fuses, with this provider's own kernels around the cuBLAS product: the same
+results, a few more launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from corelib_cuda.triton_ops import projection as proj
+from corelib_cuda.triton_ops.activation import silu_mul
+from corelib_cuda.triton_ops.common import check
+from corelib_cuda.triton_ops.linear import Kernel, Projection, kernel_for, rows_of
+from corelib_cuda.triton_ops.norm import rms_norm
+from corelib_cuda.triton_ops.rope import rope_kv_write
+
+
+def _norm_weight(op: str, h: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    check(norm_weight.shape == (h.shape[-1],) and norm_weight.dtype == h.dtype, op,
+          f"norm_weight is {norm_weight.dtype} {tuple(norm_weight.shape)}; expected {h.dtype} ({h.shape[-1]},)")
+
+
+def norm_gate_up_silu_mul(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+                          *, pdl: bool = False) -> torch.Tensor:
+    # h [M, H], gate_up [2I, H] -> silu(gate) * up [M, I]
+    op = "norm_gate_up_silu_mul"
+    x = rows_of(op, h, gate_up_weight)
+    _norm_weight(op, h, norm_weight)
+    check(gate_up_weight.shape[0] % 2 == 0, op, f"gate_up has {gate_up_weight.shape[0]} rows; expected 2 I")
+    inter = gate_up_weight.shape[0] // 2
+    kernel = kernel_for(x.shape[0], 2 * inter, x.shape[1], gate_up_weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        return silu_mul(F.linear(rms_norm(x, norm_weight, eps)[0], gate_up_weight))
+    out = torch.empty((x.shape[0], inter), dtype=h.dtype, device=h.device)
+    return Projection(proj.SILU, x, gate_up_weight, out, inter, paired=True, pair_offset=inter, norm_weight=norm_weight,
+                   eps=eps).run(kernel, pdl)
+
+
+def norm_logits(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *, pdl: bool = False
+                ) -> torch.Tensor:
+    # h [M, H], weight [V, H] -> float32 logits [M, V]
+    x = rows_of("norm_logits", h, weight)
+    _norm_weight("norm_logits", h, norm_weight)
+    kernel = kernel_for(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        return F.linear(rms_norm(x, norm_weight, eps)[0], weight).float()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=h.device)
+    return Projection(proj.LOGITS, x, weight, out, weight.shape[0], norm_weight=norm_weight, eps=eps).run(kernel, pdl)
+
+
+def norm_qkv_rope_kv_write(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    # h [B, H], qkv [(nh + 2 nkv) hd, H], caches [NB, bs, nkv, hd] -> rotated q [B, nh, hd]
+    op = "norm_qkv_rope_kv_write"
+    x = rows_of(op, h, qkv_weight)
+    _norm_weight(op, h, norm_weight)
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == h.dtype, op,
+          f"caches {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}; expected "
+          f"two {h.dtype} [NB, bs, nkv, hd]")
+    nkv, hd = k_cache.shape[2], k_cache.shape[3]
+    rows = qkv_weight.shape[0]
+    check(hd % 2 == 0 and rows % hd == 0 and rows // hd > 2 * nkv, op,
+          f"qkv_weight has {rows} rows; expected (nh + 2*{nkv}) * {hd} with nh >= 1 and an even head dim")
+    nh = rows // hd - 2 * nkv
+    batch = x.shape[0]
+    check(positions.shape == (batch,) and slot_mapping.shape == (batch,), op,
+          f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)}; expected ({batch},)")
+    check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, hd) and cos_sin.stride(-1) == 1, op,
+          f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {hd}] with a contiguous last dim")
+    check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, op, "the caches need a contiguous last dim")
+    check(qkv_bias is None or qkv_bias.shape == (rows,), op, f"qkv_bias must be ({rows},)")
+    kernel = kernel_for(batch, rows, x.shape[1], qkv_weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        qkv = F.linear(rms_norm(x, norm_weight, eps)[0], qkv_weight, qkv_bias)  # [B, (nh + 2 nkv) hd]
+        qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
+        return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[:, :nh]
+    out = torch.empty((batch, nh, hd), dtype=h.dtype, device=h.device)
+    launch = Projection(proj.ROPE, x, qkv_weight, out.view(batch, nh * hd), rows // 2, paired=True,
+                        norm_weight=norm_weight, eps=eps, bias=qkv_bias,
+                        rope=(positions, cos_sin, k_cache, v_cache, slot_mapping), heads=(nh, nkv, hd // 2))
+    return launch.run(kernel, pdl).view(batch, nh, hd)

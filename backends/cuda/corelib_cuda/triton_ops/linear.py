@@ -1,0 +1,253 @@
+"""``linear`` and ``linear_residual`` over ``projection``'s kernels, and the choice of kernel by M.
+
+Which kernel runs is chosen by the rows of x (M) and the weight's size, with thresholds
+measured on an H200 (``Tuning``; benchmarks/projections.py is the sweep they come from):
+
+- the GEMV (float32 accumulation on CUDA cores, its weight tile loaded before the PDL wait) up
+  to ``gemv_max_m`` rows, ``gemv_max_m_large`` for weights over ``gemv_small_bytes``: past
+  that, every extra row costs it more than cuBLAS takes for the whole product;
+- the tensor-core kernel (split over K) for ``gemm_min_m`` to ``gemm_max_m`` rows, where it
+  beats cuBLAS: measured at the decode shapes it did not (M = 8-256, 0.6-8 B), so that range
+  is empty by default and the kernel stays for the sweep that would show otherwise;
+- cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm``, the residual in its epilogue).
+
+Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
+captured graph replays the launch it captured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from corelib_cuda.triton_ops import projection as proj
+from corelib_cuda.triton_ops.common import (
+    FLOAT_DTYPES,
+    check,
+    check_float,
+    dot_precision,
+    interpreting,
+    next_power_of_2,
+    sm_count,
+    upcast_in_kernel,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    gemv_max_m: int = 4  # rows of x up to which the GEMV runs (weights up to gemv_small_bytes)
+    gemv_max_m_large: int = 2  # the same for larger weights
+    gemv_small_bytes: int = 16 << 20
+    gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
+    gemm_max_m: int = 0  # ... up to these: none by default (cuBLAS was faster at every measured M)
+    gemv_tile_bytes: int = 16384  # weight bytes one GEMV program loads at once
+    gemv_programs_per_sm: int = 4  # split rows, then K, until the GEMV has this many programs per SM
+    gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
+    gemm_block_n: int = 64
+    gemm_block_k: int = 64
+
+
+class Kernel(enum.Enum):
+    GEMV = "gemv"
+    GEMM = "gemm"
+    CUBLAS = "cublas"
+
+
+def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
+    """Which kernel computes an [m, k] x [n, k]' product (``TUNING``'s thresholds)."""
+    tuning = TUNING
+    gemv_rows = tuning.gemv_max_m if n * k * itemsize <= tuning.gemv_small_bytes else tuning.gemv_max_m_large
+    if m <= gemv_rows:
+        return Kernel.GEMV
+    if tuning.gemm_min_m <= m <= tuning.gemm_max_m:
+        return Kernel.GEMM
+    return Kernel.CUBLAS
+
+
+#: the thresholds in use; a benchmark may replace it to sweep them
+TUNING = Tuning()
+
+
+class GemvPlan(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+
+
+class GemmPlan(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    warps: int
+    stages: int
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=512)
+def gemv_plan(n_out: int, k: int, sets: int, itemsize: int, sms: int, tuning: Tuning) -> GemvPlan:
+    """Columns and K chunk per GEMV program: about ``gemv_tile_bytes`` of weights each, enough programs."""
+    budget = max(16, tuning.gemv_tile_bytes // itemsize)  # weight elements per program
+    block_k = min(next_power_of_2(k), max(16, budget // sets))
+    block_n = min(16, next_power_of_2(n_out), max(1, _floor_power_of_2(budget // (block_k * sets))))
+    wanted = tuning.gemv_programs_per_sm * sms
+    while triton.cdiv(n_out, block_n) * triton.cdiv(k, block_k) < wanted:
+        if block_n > 1:
+            block_n //= 2
+        elif block_k > 256:
+            block_k //= 2
+        else:
+            break
+    warps = 4 if block_n * block_k * sets <= 4096 else 8
+    return GemvPlan(block_n, block_k, triton.cdiv(k, block_k), warps)
+
+
+@functools.lru_cache(maxsize=512)
+def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int, tuning: Tuning) -> GemmPlan:
+    """Tiles of the tensor-core kernel; K split in powers of two while the GPU has too few programs."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
+    block_k = tuning.gemm_block_k if itemsize <= 2 else 32
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
+    split = 1
+    while tiles * split < tuning.gemm_programs_per_sm * sms and k // (2 * split) >= 4 * block_k:
+        split *= 2
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, 4, 3)
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed split-K counters: each launch's last program resets those it used, so one stream reuses them."""
+    key = (device, n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+@dataclasses.dataclass
+class Projection:
+    """One launch of a projection kernel: x [M, K] against w's rows, the epilogue's tensors (unused: x)."""
+
+    mode: int
+    x: torch.Tensor
+    weight: torch.Tensor
+    out: torch.Tensor
+    n_out: int
+    paired: bool = False
+    pair_offset: int = 0
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    bias: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    rope: tuple[Any, ...] = ()  # positions, cos_sin, k_cache, v_cache, slot_mapping
+    heads: tuple[int, int, int] = (1, 1, 1)  # NUM_Q, NUM_KV, HALF
+
+    def run(self, kernel: Kernel, pdl: bool) -> torch.Tensor:
+        """Launch ``kernel`` (GEMV or GEMM); cuBLAS is the caller's business."""
+        x, w = self.x, self.weight
+        m, k = x.shape
+        if m == 0 or self.n_out == 0:
+            return self.out
+        sets = 2 if self.paired else 1
+        device = x.device
+        sms = sm_count(device)
+        positions, cos_sin, k_cache, v_cache, slots = self.rope or (x, x, x, x, x)
+        kc_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)) if self.rope else (0, 0, 0)
+        vc_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)) if self.rope else (0, 0, 0)
+        residual = self.residual if self.residual is not None else x
+        common: list[Any] = [
+            self.out, self.out.stride(0), residual, residual.stride(0), self.bias if self.bias is not None else x,
+            positions, cos_sin, cos_sin.stride(0) if self.rope else 0, cos_sin.stride(1) if self.rope else 0,
+            k_cache, v_cache, slots, *kc_strides, *vc_strides, k_cache.shape[1] if self.rope else 1,
+        ]
+        num_q, num_kv, half = self.heads
+        flags = {"MODE": self.mode, "PAIRED": self.paired, "NORM": self.norm_weight is not None,
+                 "HAS_BIAS": self.bias is not None, "NUM_Q": num_q, "NUM_KV": num_kv, "HALF": half, "PDL": pdl,
+                 "RNE": interpreting()}
+        launch = {"launch_pdl": True} if pdl else {}
+        norm_weight = self.norm_weight if self.norm_weight is not None else x
+        if kernel is Kernel.GEMV:
+            plan = gemv_plan(self.n_out, k, sets, w.element_size(), sms, TUNING)
+            blocks = triton.cdiv(self.n_out, plan.block_n)
+            part, count = self._workspace(plan.split_k, m, blocks)
+            proj.gemv_kernel[(blocks, plan.split_k)](
+                x, w, norm_weight, part, count, *common,
+                m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps,
+                SPLIT_K=plan.split_k, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
+                **flags, **launch,
+            )  # fmt: skip
+            return self.out
+        g = gemm_plan(m, self.n_out, k, self.paired, w.element_size(), sms, TUNING)
+        grid = (triton.cdiv(m, g.block_m), triton.cdiv(self.n_out, g.block_n), g.split_k)
+        part, count = self._workspace(g.split_k, m, grid[0] * grid[1])
+        proj.gemm_kernel[grid](
+            x, w, norm_weight, part, count, *common,
+            m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps, g.k_per_split,
+            SPLIT_K=g.split_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
+            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), num_warps=g.warps, num_stages=g.stages,
+            **flags, **launch,
+        )  # fmt: skip
+        return self.out
+
+    def _workspace(self, split: int, m: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if split == 1:
+            return self.x, self.x  # unused
+        sets = 2 if self.paired else 1
+        part = torch.empty((sets, split, m, self.n_out), dtype=torch.float32, device=self.x.device)
+        return part, _counters(self.x.device, blocks)
+
+
+def rows_of(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x as [M, K] with a contiguous last dim, checked against weight [N, K]."""
+    check_float(op, x=x, weight=weight)
+    check(weight.dim() == 2 and x.shape[-1] == weight.shape[1], op,
+          f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match (weight [N, K], x [..., K])")
+    check(x.dtype == weight.dtype, op, f"x is {x.dtype} and weight {weight.dtype}; they need one dtype")
+    check(weight.stride(-1) == 1, op, "the weight needs a contiguous last dim")
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+           ) -> torch.Tensor:
+    # x [..., K], weight [N, K], bias [N] -> [..., N]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.dtype not in FLOAT_DTYPES or x.dtype != weight.dtype or weight.dim() != 2:
+        return F.linear(x, weight, bias)
+    kernel = kernel_for(rows, weight.shape[0], weight.shape[1], weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        return F.linear(x, weight, bias)
+    flat = rows_of("linear", x, weight)
+    n = weight.shape[0]
+    out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
+    Projection(proj.STORE, flat, weight, out, n, bias=bias).run(kernel, pdl)
+    return out.view(*x.shape[:-1], n)
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *, pdl: bool = False
+                    ) -> torch.Tensor:
+    # x [M, K], weight [N, K], residual [M, N] -> residual + x @ weight.T
+    flat = rows_of("linear_residual", x, weight)
+    n = weight.shape[0]
+    check(residual.shape == (flat.shape[0], n) and residual.dtype == x.dtype, "linear_residual",
+          f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} {(flat.shape[0], n)}")
+    kernel = kernel_for(flat.shape[0], n, flat.shape[1], weight.element_size())
+    if kernel is Kernel.CUBLAS:
+        return torch.addmm(residual, flat, weight.t())  # the residual added in cuBLAS's epilogue
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
+    return Projection(proj.RESIDUAL, flat, weight, out, n, residual=residual).run(kernel, pdl)

@@ -1,0 +1,293 @@
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
+# ruff: noqa: N803, SIM108 - upper-case compile-time constants; constexpr branches read plainer than ternaries
+"""One projection kernel family for the decode layer: y = x @ W.T with a prologue and an epilogue.
+
+Two kernels share the row mapping and the epilogues:
+
+- ``gemv_kernel`` (few rows of x, CUDA cores): each program loads its whole weight tile
+  [rows, K chunk] into registers at once, *before* it waits for the previous kernel (PDL), then
+  reads the activations and multiplies every row of x against it with float32 accumulation;
+- ``gemm_kernel`` (more rows, tensor cores): [BLOCK_M, BLOCK_N] tiles over a K loop.
+
+Prologue (NORM): x is rms_norm(x) * norm_weight, rounded to the model dtype as the reference
+rounds it; each program computes the statistics of its rows over the whole of K itself.
+Paired rows (PAIRED): each output column reads two weight rows, a and b: gate and up for
+SiLU-and-multiply (b = a + I), or a feature and its rotate-half partner for RoPE
+(b = a + hd/2 within a head), so a program always holds both halves it combines.
+Epilogues (MODE): STORE (+bias), RESIDUAL (product rounded, then + residual), SILU
+(silu(a) * b), ROPE (rotate q and k, write q out, k and v into the paged cache), LOGITS
+(float32, unrounded).
+Split-K: programs of one column block each store a float32 partial; an atomic counter per
+block elects the last one to finish, which sums the partials in split order (deterministic,
+whatever order they finished in), runs the epilogue and resets the counter for the next launch.
+
+PDL: with PDL set the kernel lets its dependents launch at once, loads only weights (which no
+kernel writes) before ``gdc_wait``, and reads or writes activations, caches, partials and
+counters only after it, so it is safe to launch with ``launch_pdl``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from corelib_cuda.triton_ops.rounding import rounded
+
+STORE, RESIDUAL, SILU, ROPE, LOGITS = 0, 1, 2, 3, 4
+
+
+@triton.jit
+def _columns(pid, n_out, pair_offset, BLOCK: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr):
+    """Output columns of column block ``pid`` and the weight rows (a, b) each one reads."""
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_out
+    if MODE == 3:  # ROPE: pair (d, d + hd/2) of one head
+        row_a = (cols // HALF) * (2 * HALF) + cols % HALF
+        row_b = row_a + HALF
+    else:  # SILU: gate row p and up row I + p; otherwise one row per column
+        row_a = cols
+        row_b = cols + pair_offset
+    return cols, ok, row_a.to(tl.int64), row_b.to(tl.int64)
+
+
+@triton.jit
+def _normed(x, rstd, nw, DTYPE: tl.constexpr, RNE: tl.constexpr):
+    # the reference: weight * rms_norm(h.float()).to(dtype), the product in the model dtype
+    return rounded(rounded(x * rstd, DTYPE, RNE) * nw, DTYPE, RNE)
+
+
+@triton.jit
+def _epilogue(
+    acc_a, acc_b, ms, m_ok, cols, c_ok, row_a, row_b,
+    out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+    pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+    kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    # acc_a, acc_b [BM, BN] float32; ms [BM] rows of x; cols [BN] output columns
+    mask = m_ok[:, None] & c_ok[None, :]
+    if HAS_BIAS:
+        acc_a += tl.load(bias_ptr + row_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(bias_ptr + row_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + ms[:, None] * out_s0 + cols[None, :]
+    if MODE == 0:  # STORE
+        tl.store(dst, rounded(acc_a, DTYPE, RNE).to(DTYPE), mask=mask)
+    elif MODE == 4:  # LOGITS
+        tl.store(dst, acc_a, mask=mask)
+    elif MODE == 1:  # RESIDUAL
+        residual = tl.load(res_ptr + ms[:, None] * res_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, rounded(rounded(acc_a, DTYPE, RNE) + residual, DTYPE, RNE).to(DTYPE), mask=mask)
+    elif MODE == 2:  # SILU: silu(gate) rounded, times up (as silu_mul on the rounded gate_up)
+        gate = rounded(acc_a, DTYPE, RNE)
+        up = rounded(acc_b, DTYPE, RNE)
+        silu = rounded(gate / (1.0 + tl.exp(-gate)), DTYPE, RNE)
+        tl.store(dst, rounded(silu * up, DTYPE, RNE).to(DTYPE), mask=mask)
+    else:  # ROPE
+        x1 = rounded(acc_a, DTYPE, RNE)
+        x2 = rounded(acc_b, DTYPE, RNE)
+        head = cols // HALF
+        d = cols % HALF
+        pos = tl.load(pos_ptr + ms, mask=m_ok, other=0)
+        cs = cs_ptr + pos[:, None] * cs_s0 + d[None, :]
+        c1 = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(cs + cs_s1, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(cs + cs_s1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin with each product rounded, as the reference computes it
+        o1 = rounded(x1 * c1, DTYPE, RNE) + rounded(-x2 * s1, DTYPE, RNE)
+        o2 = rounded(x2 * c2, DTYPE, RNE) + rounded(x1 * s2, DTYPE, RNE)
+        rotated = (head < NUM_Q + NUM_KV)[None, :]
+        o1 = rounded(tl.where(rotated, o1, x1), DTYPE, RNE).to(DTYPE)
+        o2 = rounded(tl.where(rotated, o2, x2), DTYPE, RNE).to(DTYPE)
+        is_q = (head < NUM_Q)[None, :]
+        q_dst = out_ptr + ms[:, None] * out_s0 + (head * (2 * HALF) + d)[None, :]
+        tl.store(q_dst, o1, mask=mask & is_q)
+        tl.store(q_dst + HALF, o2, mask=mask & is_q)
+        slot = tl.load(slot_ptr + ms, mask=m_ok, other=-1)
+        live = (m_ok & (slot >= 0))[:, None] & c_ok[None, :]  # a negative slot (padding) writes nothing
+        block = slot // block_size
+        offset = slot % block_size
+        is_k = ((head >= NUM_Q) & (head < NUM_Q + NUM_KV))[None, :]
+        k_dst = kc_ptr + (block * kc_sb + offset * kc_st)[:, None] + ((head - NUM_Q) * kc_sh + d)[None, :]
+        tl.store(k_dst, o1, mask=live & is_k)
+        tl.store(k_dst + HALF, o2, mask=live & is_k)
+        is_v = (head >= NUM_Q + NUM_KV)[None, :]
+        v_dst = vc_ptr + (block * vc_sb + offset * vc_st)[:, None] + ((head - NUM_Q - NUM_KV) * vc_sh + d)[None, :]
+        tl.store(v_dst, o1, mask=live & is_v)
+        tl.store(v_dst + HALF, o2, mask=live & is_v)
+
+
+@triton.jit
+def _row_rstd(x_ptr, x_s0, ms, m_ok, K, eps, BLOCK_K: tl.constexpr):
+    """1 / rms of rows ``ms`` of x [M, K], over the whole of K: [BM] float32."""
+    total = tl.zeros([ms.shape[0]], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + ms[:, None] * x_s0 + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        total += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(total / K + eps)
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr, w_ptr, nw_ptr, part_ptr, count_ptr,
+    out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+    pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+    kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+    M, n_out, K, x_s0, w_s0, pair_offset, eps,
+    MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    cols, c_ok, row_a, row_b = _columns(pid, n_out, pair_offset, BLOCK_N, MODE, HALF)
+    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    w_mask = c_ok[:, None] & k_ok[None, :]
+    # The weights first: nothing writes them, so they may stream in while the previous kernel ends.
+    w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+    if PAIRED:
+        w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    dtype = x_ptr.dtype.element_ty
+    w_a = w_a.to(tl.float32)
+    if PAIRED:
+        w_b = w_b.to(tl.float32)
+    for m in range(0, M):
+        ms = m + tl.zeros([1], tl.int64)
+        x = tl.load(x_ptr + m * x_s0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            if SPLIT_K == 1:  # the chunk is the whole row
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+            else:
+                rstd = tl.sum(_row_rstd(x_ptr, x_s0, ms, ms < M, K, eps, BLOCK_K), axis=0)
+            x = _normed(x, rstd, nw, dtype, RNE)
+        acc_a = tl.sum(w_a * x[None, :], axis=1)[None, :]  # [1, BLOCK_N]
+        if PAIRED:
+            acc_b = tl.sum(w_b * x[None, :], axis=1)[None, :]
+        else:
+            acc_b = acc_a
+        if SPLIT_K == 1:
+            _epilogue(acc_a, acc_b, ms, ms < M, cols, c_ok, row_a, row_b,
+                      out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+                      pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+                      kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                      MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+        else:
+            # partials [2, SPLIT_K, M, n_out]: the a half, then the b half
+            part = part_ptr + (split * M + m) * n_out + cols
+            tl.store(part[None, :], acc_a, mask=c_ok[None, :])
+            if PAIRED:
+                tl.store(part[None, :] + SPLIT_K * M * n_out, acc_b, mask=c_ok[None, :])
+    if SPLIT_K > 1:
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of this column block: reduce, in split order
+            for m in range(0, M):
+                ms = m + tl.zeros([1], tl.int64)
+                acc_a = tl.zeros([1, BLOCK_N], tl.float32)
+                acc_b = tl.zeros([1, BLOCK_N], tl.float32)
+                for s in range(0, SPLIT_K):
+                    part = part_ptr + (s * M + m) * n_out + cols
+                    acc_a += tl.load(part[None, :], mask=c_ok[None, :], other=0.0, cache_modifier=".cg")
+                    if PAIRED:
+                        acc_b += tl.load(part[None, :] + SPLIT_K * M * n_out, mask=c_ok[None, :], other=0.0,
+                                         cache_modifier=".cg")
+                if not PAIRED:
+                    acc_b = acc_a
+                _epilogue(acc_a, acc_b, ms, ms < M, cols, c_ok, row_a, row_b,
+                          out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+                          pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+                          kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                          MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+            tl.store(count_ptr + pid, 0)  # ready for the next launch
+
+
+@triton.jit
+def gemm_kernel(
+    x_ptr, w_ptr, nw_ptr, part_ptr, count_ptr,
+    out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+    pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+    kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+    M, n_out, K, x_s0, w_s0, pair_offset, eps, k_per_split,
+    MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    dtype = x_ptr.dtype.element_ty
+    cols, c_ok, row_a, row_b = _columns(pid_n, n_out, pair_offset, BLOCK_N, MODE, HALF)
+    ms = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_ok = ms < M
+    if NORM:
+        rstd = _row_rstd(x_ptr, x_s0, ms, m_ok, K, eps, BLOCK_K)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        x = tl.load(x_ptr + ms[:, None] * x_s0 + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = _normed(x.to(tl.float32), rstd[:, None], nw[None, :], dtype, RNE).to(dtype)
+        w_mask = c_ok[:, None] & k_ok[None, :]
+        w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+        if UPCAST:
+            x, w_a = x.to(tl.float32), w_a.to(tl.float32)
+        acc_a = tl.dot(x, tl.trans(w_a), acc_a, input_precision=PRECISION)
+        if PAIRED:
+            w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+            if UPCAST:
+                w_b = w_b.to(tl.float32)
+            acc_b = tl.dot(x, tl.trans(w_b), acc_b, input_precision=PRECISION)
+    if not PAIRED:
+        acc_b = acc_a
+    if SPLIT_K == 1:
+        _epilogue(acc_a, acc_b, ms, m_ok, cols, c_ok, row_a, row_b,
+                  out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+                  pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+                  kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                  MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+    else:
+        mask = m_ok[:, None] & c_ok[None, :]
+        part = part_ptr + (split * M + ms)[:, None] * n_out + cols[None, :]
+        tl.store(part, acc_a, mask=mask)
+        if PAIRED:
+            tl.store(part + SPLIT_K * M * n_out, acc_b, mask=mask)
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, SPLIT_K):
+                part = part_ptr + (s * M + ms)[:, None] * n_out + cols[None, :]
+                acc_a += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                if PAIRED:
+                    acc_b += tl.load(part + SPLIT_K * M * n_out, mask=mask, other=0.0, cache_modifier=".cg")
+            if not PAIRED:
+                acc_b = acc_a
+            _epilogue(acc_a, acc_b, ms, m_ok, cols, c_ok, row_a, row_b,
+                      out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+                      pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+                      kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                      MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+            tl.store(counter, 0)
+
+

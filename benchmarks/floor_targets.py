@@ -1,0 +1,99 @@
+"""The targets of the decode-at-the-weight-floor work against what benchmarks/decode_floor.sh measured.
+
+    python3 benchmarks/floor_targets.py OUTDIR
+
+Reads OUTDIR/bench-*/bench.json, kernels.json, checks.json and step.json (whatever exists) and
+prints one line per target: the figure, the bound, met or missed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# (bench run, batch size, TPOT bound in ms, what the target is)
+TPOT_TARGETS = [
+    ("llama-1b", 1, 0.75, "Llama-3.2-1B shape bs 1"),
+    ("llama-1b", 32, 0.95, "Llama-3.2-1B shape bs 32"),
+    ("small", 1, 0.60, "small-0.6b bs 1"),
+    ("small", 32, 0.80, "small-0.6b bs 32"),
+    ("small", 128, 1.2, "small-0.6b bs 128"),
+    ("llama-8b", 1, 3.9, "llama-8b tp=1 bs 1"),
+    ("long", 1, 0.7, "long context (prompt 1900) bs 1"),
+    ("long", 32, 1.6, "long context (prompt 1900) bs 32"),
+]
+KERNELS_PER_LAYER = 6.0
+OCCUPANCY = 0.99
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _best(points: list[dict[str, Any]], batch: int) -> dict[str, Any] | None:
+    """The point of this batch size with the PDL the engine chose by default (auto), else any."""
+    found = [p for p in points if p["batch_size"] == batch]
+    return max(found, key=lambda p: p.get("pdl", False)) if found else None
+
+
+def _line(what: str, figure: str, bound: str, met: bool | None) -> str:
+    verdict = "-" if met is None else "met" if met else "MISSED"
+    return f"{what:<42} {figure:>22} {bound:>12} {verdict:>7}"
+
+
+def report(out: Path) -> list[str]:
+    lines = [f"{'target':<42} {'measured':>22} {'bound':>12} {'verdict':>7}"]
+    benches = {p.parent.name.removeprefix("bench-"): _load(p)["points"] for p in sorted(out.glob("bench-*/bench.json"))}
+    for run, batch, bound, what in TPOT_TARGETS:
+        point = _best(benches.get(run, []), batch)
+        if point is None:
+            lines.append(_line(what, "not run", f"<= {bound} ms", None))
+            continue
+        pdl = "pdl" if point.get("pdl") else "no pdl"
+        lines.append(_line(what, f"{point['tpot_ms']:.3f} ms ({pdl})", f"<= {bound} ms", point["tpot_ms"] <= bound))
+        before = _best(benches.get(f"{run}-before", []), batch)
+        if before is not None:
+            lines.append(_line("  before (previous release)", f"{before['tpot_ms']:.3f} ms", "", None))
+        plain = [p for p in benches.get(run, []) if p["batch_size"] == batch and not p.get("pdl")]
+        if point.get("pdl") and plain:
+            lines.append(_line("  the same with PDL off", f"{plain[0]['tpot_ms']:.3f} ms", "", None))
+    occupancies = [(run, p["batch_size"], p["occupancy"]) for run, points in benches.items() for p in points
+                   if p["batch_size"] <= 64 and p.get("occupancy") is not None and not run.endswith("-before")]
+    if occupancies:
+        run, batch, lowest = min(occupancies, key=lambda o: o[2])
+        lines.append(_line("occupancy at bs 1-64 (lowest)", f"{100 * lowest:.1f} % ({run} bs {batch})",
+                           f">= {100 * OCCUPANCY:.0f} %", lowest >= OCCUPANCY))
+    for row in _load(out / "kernels.json") or []:
+        lines.append(_line(f"kernels per layer, {row['model']} bs {row['batch']}", f"{row['kernels_per_layer']:.1f}",
+                           f"<= {KERNELS_PER_LAYER:.0f}", row["kernels_per_layer"] <= KERNELS_PER_LAYER))
+    checks = _load(out / "checks.json")
+    if checks:
+        for row in checks["pdl"]:
+            lines.append(_line(f"PDL on = off, fp32, bs {row['batch']}, {row['repeats']}x{row['steps']} steps",
+                               "equal" if row["all_equal"] else "differ", "equal",
+                               row["all_equal"] and row["pdl_enabled"]))
+        fused = checks["fused_vs_reference"]
+        lines.append(_line(f"fp32 fused tokens = reference, bs {fused['batch']}x{fused['steps']}",
+                           "equal" if fused["equal"] else "differ", "equal", fused["equal"]))
+    step = _load(out / "step.json")
+    if step:
+        for row in step["bf16_bound"]:
+            baseline = row.get("reference_bf16_max_relative_error", float("nan"))
+            lines.append(_line(f"bf16 logits vs fp32, {row['model']} (bf16 reference ops)",
+                               f"{row['max_relative_error']:.1e} ({baseline:.1e})", "stated", None))
+        for row in step["steps"]:
+            same = all(value for key, value in row.items() if key.endswith("_same")) and row["pdl_equals_plain"]
+            lines.append(_line(f"graph replays bit-identical, {row['model']} bs {row['batch']}",
+                               "yes" if same else "no", "yes", same))
+    return lines
+
+
+def main() -> None:
+    for line in report(Path(sys.argv[1] if len(sys.argv) > 1 else ".")):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
