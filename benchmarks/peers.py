@@ -44,17 +44,13 @@ from corelib.engine.block_manager import blocks_for
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
 from corelib.models.base import Model
-from corelib.models.llama import (
-    LlamaModel,
-    ModelShape,
-    ModelWeights,
-    build_weights,
-    hf_parameter_shapes,
-    random_state_dict,
-)
-from corelib.models.registry import llama_variant
+from corelib.models.llama import LlamaModel, ModelWeights, build_weights
+from corelib.models.random_init import random_state_dict
+from corelib.models.registry import llama_variant, model_shape
 from corelib.models.rope import inv_freq
+from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
+from corelib.models.weight_map import weight_map
 from corelib.plugins import PluginRegistry
 from corelib.startup import Startup, start
 
@@ -186,7 +182,7 @@ def copy_bandwidth(device: Device, mib: int, repeats: int = 5) -> float:
 def weight_bytes(shape: ModelShape) -> tuple[int, int]:
     """(bytes a decode step reads, bytes of all parameters): a step gathers only its rows of the embedding."""
     size = torch.empty((), dtype=shape.dtype).element_size()
-    counts = {name: math.prod(dims) for name, dims in hf_parameter_shapes(shape).items()}
+    counts = {name: math.prod(dims) for name, dims in weight_map(shape).shapes().items()}
     total = sum(counts.values()) * size
     embed = 0 if shape.tie_word_embeddings else counts["model.embed_tokens.weight"] * size
     return total - embed, total
@@ -289,7 +285,7 @@ def run(args: argparse.Namespace) -> Json:
         return start(compose_config(overrides(args, batch_size, handoff)), registry)
 
     first = startup(args.batch_sizes[0], "off")
-    shape = ModelShape.from_config(first.config.model)
+    shape = model_shape(first.config.model)
     result: Json = {"machine": machine(), "settings": {k: v for k, v in vars(args).items() if k != "out"}}
     result["weight_read_floor"] = weight_read_floor(first, shape, args.copy_mib)
     torch_device = torch.device(args.device)
@@ -308,7 +304,7 @@ def run(args: argparse.Namespace) -> Json:
 
     model, result["transformers"] = load_transformers(args, shape, state, torch_device)
     result["model"] = {"preset": args.model, "dtype": str(shape.dtype).removeprefix("torch."), "seed": args.seed,
-                       "parameters": sum(math.prod(d) for d in hf_parameter_shapes(shape).values())}
+                       "parameters": weight_map(shape).parameter_count()}
     result["points"] = []
     for batch_size in args.batch_sizes:
         prompts = prompts_for(batch_size, args.prompt_len, shape.vocab_size, seed=1000 + batch_size)

@@ -8,24 +8,17 @@ Ctrl-C, 143 on SIGTERM (the same clean shutdown as Ctrl-C). An error prints one 
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
-from corelib.errors import ConfigError, CorelibError, UnknownOption, one_line
-
-if TYPE_CHECKING:
-    from corelib.plugins import PluginRegistry
+from corelib.errors import ConfigError, CorelibError, one_line
+from corelib.hydra_app import Terminated, plugin_registry, run_command
 
 USAGE = """usage: python -m corelib COMMAND [group=option ...] [key=value ...] [--help] [--cfg job] [-m]
 
@@ -57,26 +50,7 @@ List every backend plugin of the entry-point group corelib.backends: the backend
 provides, whether each runs natively here, on the stream emulator, or not at all, and why.
 CORELIB_PLUGINS=a,b loads only those plugins; CORELIB_BLOCK_PLUGINS=a,b skips those."""
 
-# Hydra's own flags and whether each takes a value; ``--info`` takes one of a few words.
-_FLAGS_WITH_VALUE = frozenset(
-    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-     "--config-dir", "-cd", "--experimental-rerun"}
-)
-_INFO_FLAGS = frozenset({"--info", "-i"})
-_PLAIN_FLAGS = frozenset(
-    {"-h", "--help", "--hydra-help", "--version", "--resolve", "-m", "--multirun", "--run",
-     "-sc", "--shell-completion"}
-)
-_INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
 _COMMANDS = ("run", "plan", "backends", "bench", "trace-plot", "serve", "bench-serve")
-_job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log
-# Flags that leave the config tree as it is, so composing without them gives the same result.
-_PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived. A KeyboardInterrupt, so that it unwinds exactly like Ctrl-C: every
-    ``with`` and ``finally`` on the way out closes engines, stops workers and removes segments."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,221 +147,8 @@ def _full_error() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def _import_torch() -> None:
-    """Import torch up front so a broken install is one line, not a traceback from a plugin."""
-    try:
-        import torch  # noqa: F401
-    except Exception as error:
-        cause = f" (caused by {one_line(error.__cause__)})" if error.__cause__ is not None else ""
-        hint = ""
-        if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") == "1":
-            hint = (
-                "; TORCH_DEVICE_BACKEND_AUTOLOAD=1 makes torch import every vendor extension: unset it, "
-                "and each corelib plugin imports its own extension when probed"
-            )
-        raise CorelibError(f"torch cannot be imported: {one_line(error)}{cause}{hint}") from error
-
-
-def _registry(overrides: Sequence[str] = ()) -> PluginRegistry:
-    _import_torch()
-    from corelib.compose import prepare_config_store
-    from corelib.plugins import PluginRegistry
-
-    allow, block = _plugin_restrictions(overrides)
-    registry = PluginRegistry(allow=allow, block=block)
-    prepare_config_store(registry)
-    return registry
-
-
-def _plugin_restrictions(overrides: Sequence[str]) -> tuple[list[str] | None, list[str]]:
-    """``plugins.allow``/``plugins.block`` from the command line, needed before composing.
-
-    Plugins must load before the config is composed (they ship backend options), so these
-    two keys are read from the overrides; startup checks the composed values again.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    allow: list[str] | None = None
-    block: list[str] = []
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
-        return allow, block  # composing reports the bad override in one line
-    for override in parsed:
-        if override.is_sweep_override() or override.is_delete():
-            continue
-        value = override.value()
-        names = [str(v) for v in value] if isinstance(value, list) else None
-        if override.key_or_group == "plugins.allow":
-            allow = names
-        elif override.key_or_group == "plugins.block":
-            block = names or []
-    return allow, block
-
-
-def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Separate Hydra's flags (with their values) from the overrides.
-
-    Hydra's parser takes the overrides as one run of positional arguments, so an override
-    after a flag (``plan --cfg job backend=npu x=1``) is fine but one between two flags is
-    not; corelib accepts any order and hands Hydra overrides first, flags last.
-    """
-    overrides: list[str] = []
-    flags: list[str] = []
-    index = 0
-    while index < len(args):
-        arg = args[index]
-        index += 1
-        if not arg.startswith("-"):
-            overrides.append(arg)
-            continue
-        name = arg.split("=", 1)[0]
-        if name not in _FLAGS_WITH_VALUE | _INFO_FLAGS | _PLAIN_FLAGS:
-            raise ConfigError(f"unknown flag {name}; Hydra's flags are listed by --hydra-help")
-        flags.append(arg)
-        if "=" in arg:
-            continue
-        if arg in _FLAGS_WITH_VALUE:
-            if index == len(args) or args[index].startswith("-"):
-                raise ConfigError(f"{arg} needs a value (for --cfg: job, hydra or all)")
-            flags.append(args[index])
-            index += 1
-        elif arg in _INFO_FLAGS and index < len(args) and args[index] in _INFO_VALUES:
-            flags.append(args[index])
-            index += 1
-    return overrides, flags
-
-
 def _hydra_command(command: str, rest: list[str]) -> int:
-    from corelib.trust import guarded_composition
-
-    overrides, flags = split_arguments(rest)
-    # Every config Hydra composes from here on is checked before Hydra acts on its hydra node.
-    with guarded_composition():
-        return _guarded_hydra_command(command, overrides, flags)
-
-
-def _guarded_hydra_command(command: str, overrides: list[str], flags: list[str]) -> int:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from corelib.compose import translate_error
-
-    _import_torch()  # composing loads the plugin registry, which imports torch
-    if all(flag in _PRECHECK_FLAGS or not flag.startswith("-") for flag in flags):
-        _precheck(overrides)
-    registry = _registry(overrides)
-    if {"-h", "--help"} & set(flags):
-        from corelib.config_help import render_help
-
-        print(render_help(command, overrides))
-        return 0
-    task_fn = _tasks()[command]
-    failures: list[tuple[str, CorelibError]] = []
-
-    def task(cfg: DictConfig) -> None:
-        hydra_cfg = HydraConfig.get()
-        try:
-            task_fn(cfg, registry, Path(hydra_cfg.runtime.output_dir))
-        except CorelibError as error:
-            # Kept, not raised: Hydra would print its own line about the failed job first.
-            failures.append((" ".join(hydra_cfg.overrides.task), error))
-            _job_log.info("error: %s", error)  # the job's run.log says why it stopped; stderr gets it from _report
-        except KeyboardInterrupt as interrupt:
-            _job_log.info("%s", "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted")
-            raise
-        except Exception as error:
-            _job_log.info("error: %s", one_line(error))
-            raise
-
-    app = hydra.main(config_path="pkg://corelib.conf", config_name="config", version_base="1.3")(task)
-    if not any(o.startswith("hydra.job.name=") for o in overrides):
-        overrides.append(f"hydra.job.name={command}")
-    with _hydra_raises(f"corelib {command}", [*overrides, *flags]):
-        try:
-            app()
-        except (HydraException, OmegaConfBaseException) as error:
-            raise _explain(translate_error(error), registry) from error
-    if len(failures) == 1 and not ({"-m", "--multirun"} & set(flags)):
-        raise failures[0][1]
-    if failures:
-        raise JobsFailed(failures)
-    return 0
-
-
-def _explain(error: ConfigError, registry: PluginRegistry) -> CorelibError:
-    """An unknown ``backend=`` option is often a plugin that did not load: say that instead."""
-    if isinstance(error, UnknownOption) and error.group == "backend" and error.option in registry.records:
-        try:
-            registry.get(error.option)
-        except CorelibError as reason:
-            return reason
-    return error
-
-
-class JobsFailed(CorelibError):
-    """Some jobs of a multirun failed; one line per failure, prefixed with the job's overrides."""
-
-    def __init__(self, failures: list[tuple[str, CorelibError]]) -> None:
-        self.failures = failures
-        self.exit_code = max(error.exit_code for _, error in failures)
-        lines = [f"job [{job}]: {line}" for job, error in failures for line in str(error).splitlines()]
-        super().__init__("\n".join(lines))
-
-
-def _precheck(overrides: list[str]) -> None:
-    """Compose before loading any plugin, so a bad override fails in a fraction of a second.
-
-    Loading the plugins imports torch and every backend; only an unknown ``backend=`` option
-    needs them (a plugin may ship it), so that one error is left for the full compose.
-    Sweeps (``a=1,2``) are left to Hydra's multirun.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    from corelib.compose import compose_config, translate_error
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException as error:
-        raise translate_error(error) from error
-    if any(o.is_sweep_override() for o in parsed):
-        return
-    try:
-        compose_config(overrides)
-    except UnknownOption as error:
-        if error.group != "backend":
-            raise
-
-
-@contextmanager
-def _hydra_raises(prog: str, argv: list[str]) -> Iterator[None]:
-    """Run a Hydra app on ``argv`` with its exceptions raised to corelib, not printed by Hydra.
-
-    Hydra prints a multi-line message and exits 1 unless HYDRA_FULL_ERROR=1; corelib wants
-    the exception, to print one line and exit 2, so it sets the variable for the call.
-    """
-    saved_argv, saved_full = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
-    sys.argv = [prog, *argv]
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        yield
-    finally:
-        sys.argv = saved_argv
-        if saved_full is None:
-            del os.environ["HYDRA_FULL_ERROR"]
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = saved_full
-
-
-def _tasks() -> dict[str, Callable[[DictConfig, PluginRegistry, Path], None]]:
-    from corelib.commands import bench_serve_task, bench_task, plan_task, run_task, serve_task
-
-    return {"run": run_task, "plan": plan_task, "bench": bench_task, "serve": serve_task,
-            "bench-serve": bench_serve_task}
+    return run_command(command, rest)
 
 
 def _trace_plot_command(rest: list[str]) -> int:
@@ -407,5 +168,5 @@ def _backends_command(rest: list[str]) -> int:
         )
     from corelib.commands import print_backends
 
-    print_backends(_registry())
+    print_backends(plugin_registry())
     return 0

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from corelib.device import Runtime
-from corelib.errors import ConfigError
+from corelib.errors import ConfigError, CorelibError
 from corelib.features import Plan
 from corelib.plugins import ENTRY_POINT_GROUP, ENV_ALLOW, ENV_BLOCK, PluginRegistry
 from corelib.progress import Progress, reporting, say, show
@@ -47,16 +47,7 @@ def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tupl
     startup = start(cfg, registry)
     announce(startup)
     run_dir = RunDir(output_dir)
-    run_dir.write_config(startup.raw)
-    run_dir.write_plan(
-        startup.plan,
-        startup.messages,
-        details={
-            "backend": startup.spec.backend,
-            "runtime": startup.spec.runtime.value,
-            "capabilities": startup.spec.capabilities.as_dict(),
-        },
-    )
+    run_dir.record_startup(startup)
     return startup, run_dir
 
 
@@ -70,13 +61,13 @@ def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> Non
     from corelib.run import run
 
     startup, run_dir = prepare(cfg, registry, output_dir)
-    if _followed(startup):
+    if followed(startup):
         return
     with reporting(Progress(console)):
         run(startup, run_dir, console)
 
 
-def _followed(startup: Startup) -> bool:
+def followed(startup: Startup) -> bool:
     """On a node other than 0 of a multi-node run: serve node 0's steps until it stops, then True."""
     from corelib.transport.follower import follow
 
@@ -85,7 +76,7 @@ def _followed(startup: Startup) -> bool:
 
 def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     from corelib.bench import bench
-    from corelib.transport.nodes import launched_nodes
+    from corelib.transport.launch import launched_nodes
 
     nodes = launched_nodes()
     if nodes > 1:
@@ -95,41 +86,20 @@ def bench_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> N
         bench(cfg, registry, RunDir(output_dir), console)
 
 
-def _serve_modules() -> None:
-    """The server's packages are an extra; without them, one line that says how to get them."""
-    import importlib.util
+def serve_follower_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
+    """``serve`` on a node other than 0: no HTTP server here; this node follows node 0's steps."""
+    from corelib.server.command import check_serve_modules, without_api_key
 
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx") if
-               importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"serving needs {', '.join(missing)}: pip install 'corelib[serve]'")
-
-
-def serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
-    _serve_modules()
-    from corelib.server.serve import bind, build_state, check_server, serve
-    from corelib.server.served import EngineRecipe
-
-    api_key = cfg.server.api_key or None
-    shown = cfg.copy()  # the files of the run directory never hold the key
-    if api_key is not None:
-        shown.server.api_key = "<set>"
-    startup, _ = prepare(shown, registry, output_dir)
-    if _followed(startup):
-        return
-    server = startup.config.server
-    check_server(server)
-    sock = bind(server.host, server.port)  # a taken port fails before the engine is built
-    try:
-        state = build_state(EngineRecipe.of_startup(startup), server, api_key)
-    except BaseException:
-        sock.close()
-        raise
-    serve(state, server, sock, lambda line: console.print(f"corelib: {line}", markup=False, soft_wrap=True))
+    check_serve_modules()
+    startup, _ = prepare(without_api_key(cfg)[0], registry, output_dir)
+    if not followed(startup):
+        raise CorelibError("serve_follower_task runs on a node other than 0 only")
 
 
 def bench_serve_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
-    _serve_modules()
+    from corelib.server.command import check_serve_modules
+
+    check_serve_modules()
     from omegaconf import OmegaConf
 
     from corelib.config import ServeBenchConfig

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -20,10 +21,6 @@ from omegaconf.errors import OmegaConfBaseException
 from corelib.config import register_schemas
 from corelib.errors import ConfigError, UnknownOption, one_line
 
-if TYPE_CHECKING:
-    # Only for the annotation: importing plugins loads torch, and composing must not need it.
-    from corelib.plugins import PluginRegistry
-
 CONFIG_MODULE = "corelib.conf"
 CONFIG_NAME = "config"
 TARGET_KEY = "_target_"
@@ -32,12 +29,19 @@ TARGET_KEY = "_target_"
 _plugin_configs: dict[str, bool] = {"ready": False}
 
 
-def prepare_config_store(registry: PluginRegistry) -> None:
+class PluginConfigs(Protocol):
+    """Where the plugins' backend options are: a loaded PluginRegistry, or a PluginCatalog that knows without torch."""
+
+    @property
+    def config_files(self) -> Mapping[str, Path]: ...
+
+
+def prepare_config_store(plugins: PluginConfigs) -> None:
     """Register the schemas and the backend configs the plugins ship (the built-in backends' too)."""
     _plugin_configs["ready"] = True
     register_schemas()
     store = ConfigStore.instance()
-    for name, path in registry.config_files.items():
+    for name, path in plugins.config_files.items():
         try:
             node = OmegaConf.load(path)
         except (OSError, OmegaConfBaseException) as error:

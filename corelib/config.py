@@ -2,6 +2,11 @@
 
 The YAML tree in ``conf/`` is validated against these at compose time, so a misspelled key
 or a value of the wrong type fails naming its ``full_key`` before anything runs.
+
+Long: it is one thing, the schema of the composed config: a dataclass per group, each key with
+its default and a line of help (``COMMAND --help`` prints them), and the enums the keys take.
+Most lines are that help text. Compose, ``--help`` and the tests of the config tree read the
+schema as a whole; split by group, it would be one schema spread over several files.
 """
 
 from __future__ import annotations
@@ -119,7 +124,9 @@ class ModelConfig:
 
     name: str = field(default=MISSING, metadata=doc("preset name, shown in reports"))
     architecture: str = field(
-        default="llama", metadata=doc("llama, qwen2, qwen3, or hybrid (llama + a recurrent conv state)")
+        default="llama",
+        metadata=doc("a registered architecture: the Llama family's variants (corelib/models/registry.py; hybrid is "
+                     "llama + a recurrent conv state) or a plugin's"),
     )
     vocab_size: int = field(default=512, metadata=doc("token ids are 0 .. vocab_size-1"))
     hidden_size: int = field(default=128, metadata=doc("model width"))

@@ -1,4 +1,4 @@
-"""The device interface every backend implements: streams, events, graphs and host memory.
+"""The device interface every backend implements: streams, events and memory (captured graphs: :mod:`corelib.graph`).
 
 The public methods live here and do the checking (template method); a backend overrides the
 private ``_`` methods. Device work is a closure handed to :meth:`Stream.launch`: a native
@@ -16,11 +16,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from corelib.errors import DeviceTimeout, UnsupportedOperation
+from corelib.memory import HostRegistration
+
+if TYPE_CHECKING:
+    from corelib.graph import Graph
 
 #: device work: a closure over device tensors. Its return value is ignored, so in-place tensor
 #: ops (which return their tensor) can be launched directly.
@@ -108,29 +112,6 @@ class MemoryStats:
     device_bytes: int
     pinned_bytes: int
     registered_bytes: int
-
-
-class HostRegistration:
-    """Host memory made pinned in place (cudaHostRegister-style); unregister on close."""
-
-    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]) -> None:
-        self.tensor = tensor
-        self._release: Callable[[], None] | None = release
-
-    @property
-    def is_active(self) -> bool:
-        return self._release is not None
-
-    def close(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __enter__(self) -> HostRegistration:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -250,76 +231,6 @@ class Stream(ABC):
     @contextmanager
     def _as_current(self) -> Iterator[None]:
         yield
-
-
-class GraphParams:
-    """Captured parameters that :meth:`Graph.update` may change between replays.
-
-    Device code in a captured closure reads ``params[name]`` when it runs. A backend
-    without ``graph_param_update`` keeps the values fixed at capture.
-    """
-
-    def __init__(self, values: Mapping[str, int] | None = None) -> None:
-        self._values: dict[str, int] = dict(values or {})
-
-    def __getitem__(self, name: str) -> int:
-        return self._values[name]
-
-    def _set(self, values: Mapping[str, int]) -> None:
-        unknown = sorted(set(values) - set(self._values))
-        if unknown:
-            raise KeyError(f"graph has no captured parameters {unknown}")
-        self._values.update(values)
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self._values)
-
-
-class Graph(ABC):
-    """A captured sequence of device work that can be replayed with static buffers."""
-
-    def __init__(self, device: Device, name: str) -> None:
-        self.device = device
-        self.name = name
-        self.params = GraphParams()
-        self.is_captured = False
-
-    def capture(self, fn: DeviceFn, stream: Stream, params: Mapping[str, int] | None = None) -> None:
-        """Record the device work ``fn`` launches on ``stream``; nothing runs for real."""
-        if self.is_captured:
-            raise RuntimeError(f"graph {self.name!r} is already captured")
-        self.params = GraphParams(params)
-        self._capture(fn, stream)
-        self.is_captured = True
-
-    def replay(self, stream: Stream) -> None:
-        """Queue the captured work on ``stream``."""
-        if not self.is_captured:
-            raise RuntimeError(f"graph {self.name!r} was never captured")
-        self._replay(stream)
-
-    def update(self, stream: Stream, **params: int) -> None:
-        """Change captured parameters, ordered on ``stream`` before the next replay."""
-        if not self.device.capabilities.graph_param_update:
-            raise UnsupportedOperation(f"{self.device.name}: graphs cannot update captured parameters")
-        self._update(stream, params)
-
-    def reset(self) -> None:
-        """Release the captured work and its memory."""
-        self._reset()
-        self.is_captured = False
-
-    @abstractmethod
-    def _capture(self, fn: DeviceFn, stream: Stream) -> None: ...
-
-    @abstractmethod
-    def _replay(self, stream: Stream) -> None: ...
-
-    def _update(self, stream: Stream, params: Mapping[str, int]) -> None:
-        raise UnsupportedOperation(f"{self.device.name}: graph parameter update is not implemented")
-
-    def _reset(self) -> None:
-        return None
 
 
 class Device(ABC):

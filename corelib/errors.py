@@ -37,6 +37,9 @@ class PlanRefused(ConfigError):
         self.unmet = list(unmet)
         super().__init__("\n".join(f"{setting} refused: {reason}" for setting, reason in self.unmet))
 
+    def __reduce__(self) -> tuple[type[PlanRefused], tuple[list[tuple[str, str]]]]:
+        return PlanRefused, (self.unmet,)  # it crosses from the engine process whole, exit code included
+
 
 class PluginError(ConfigError):
     """A backend plugin is missing, broken, or conflicts with another."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import enum
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,9 +114,6 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         return {name: d.as_dict() for name, d in self.decisions.items()}
-
-    def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=2)
 
 
 def failing_step_requirements(

@@ -20,6 +20,8 @@ from corelib.config import CorelibConfig
 from corelib.device import Runtime
 from corelib.errors import ConfigError
 from corelib.models.hf_config import NO_EOS
+from corelib.models.registry import LlamaVariant, architecture
+from corelib.models.weight_map import weight_map
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
@@ -44,7 +46,8 @@ def check_limits(config: CorelibConfig) -> None:
         "model.head_dim": (model.head_dim, 0),  # 0: hidden_size // num_heads
         "model.intermediate_size": (model.intermediate_size, 1),
     }
-    if model.architecture == "hybrid":
+    variant = architecture(model.architecture)
+    if isinstance(variant, LlamaVariant) and variant.conv_state:
         least["model.conv_kernel"] = (model.conv_kernel, 1)
     for key, (value, low) in least.items():
         if value < low:
@@ -131,14 +134,11 @@ def kv_cache_bytes(config: CorelibConfig) -> tuple[int, int, int]:
 
 
 def weight_bytes(config: CorelibConfig) -> int:
-    """The parameters' bytes in the model dtype (the same count as the checkpoint names)."""
-    model = config.model
-    h, inter, layers = model.hidden_size, model.intermediate_size, model.num_layers
-    head_dim = model.head_dim or h // model.num_heads
-    q, kv = model.num_heads * head_dim, model.num_kv_heads * head_dim
-    per_layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * inter * h
-    heads = 1 if model.tie_word_embeddings else 2
-    return (heads * model.vocab_size * h + layers * per_layer + h) * _dtype_bytes(model.dtype)
+    """The parameters' bytes in the model dtype (its weight map's tensors); 0 outside the Llama family."""
+    variant = architecture(config.model.architecture)
+    if not isinstance(variant, LlamaVariant):
+        return 0  # a plugin's architecture: its size is its own
+    return weight_map(variant.shape(config.model)).parameter_count() * _dtype_bytes(config.model.dtype)
 
 
 def _dtype_bytes(name: str) -> int:

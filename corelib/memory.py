@@ -1,4 +1,4 @@
-"""Bookkeeping of the memory a device handed out or pinned, keyed by tensor storage.
+"""Bookkeeping of the memory a device handed out or pinned, keyed by tensor storage; host registrations.
 
 Keyed by storage, not by tensor, so a view of a registered buffer counts as registered and
 an entry disappears when the last tensor using the storage is freed (storage Python objects
@@ -12,6 +12,7 @@ import enum
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +86,26 @@ class MemoryLedger:
     def nbytes(self, kind: MemoryKind) -> int:
         with self._lock:
             return sum(entry.nbytes for entry in self._entries.values() if entry.kind is kind)
+
+
+class HostRegistration:
+    """Host memory made pinned in place (cudaHostRegister-style); unregister on close."""
+
+    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]) -> None:
+        self.tensor = tensor
+        self._release: Callable[[], None] | None = release
+
+    @property
+    def is_active(self) -> bool:
+        return self._release is not None
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> HostRegistration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

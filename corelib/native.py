@@ -26,15 +26,14 @@ from corelib.device import (
     Device,
     DeviceFn,
     Event,
-    Graph,
-    HostRegistration,
     MemoryStats,
     Runtime,
     Stream,
     poll_until,
 )
 from corelib.errors import BackendUnavailable, DeviceTimeout, UnsupportedOperation, one_line
-from corelib.memory import MemoryKind, MemoryLedger
+from corelib.graph import Graph
+from corelib.memory import HostRegistration, MemoryKind, MemoryLedger
 
 
 class TorchStream(Stream):

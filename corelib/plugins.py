@@ -65,7 +65,7 @@ class BackendHookSpecs:
         """Return model architectures this plugin adds (``model.architecture=<name>``).
 
         Return rule: results of all plugins are collected; a name may be taken once (the
-        built-in ``llama``, ``qwen2``, ``qwen3`` and ``hybrid`` included).
+        built-in Llama-family variants of ``corelib.models.registry`` included).
         """
         raise NotImplementedError
 

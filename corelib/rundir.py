@@ -23,12 +23,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from corelib.errors import CorelibError
 from corelib.features import Plan
+
+if TYPE_CHECKING:
+    from corelib.startup import Startup
 
 
 class RunDirError(CorelibError):
@@ -78,6 +81,13 @@ class RunDir:
         """``{"startup": [lines], **details, "features": {name: decision}}``."""
         payload: dict[str, Any] = {"startup": list(messages), **(details or {}), "features": plan.as_dict()}
         return self._write("plan.json", json.dumps(payload, indent=2) + "\n")
+
+    def record_startup(self, startup: Startup) -> None:
+        """``config.yaml`` and ``plan.json`` of a run that has started: every run has them."""
+        self.write_config(startup.raw)
+        spec = startup.spec
+        self.write_plan(startup.plan, startup.messages, details={
+            "backend": spec.backend, "runtime": spec.runtime.value, "capabilities": spec.capabilities.as_dict()})
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> Path:
         return self._write("metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")

@@ -153,13 +153,15 @@ def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
     from corelib.compose import compose_config
     from corelib.config import CorelibConfig
     from corelib.models import random_init
-    from corelib.models.llama import ModelShape, build_weights, random_state_dict
+    from corelib.models.llama import build_weights
+    from corelib.models.random_init import random_state_dict
+    from corelib.models.registry import model_shape
 
     config = OmegaConf.to_object(compose_config(list(overrides)))
     assert isinstance(config, CorelibConfig), "the composed config must follow the schema"
     if config.model.path:
         raise ValueError("seeded_weights builds random weights; this config names a checkpoint (model.path)")
-    shape = ModelShape.from_config(config.model)
+    shape = model_shape(config.model)
     if random_init.init_on_device(config.model, shape):
         return random_init.seeded_weights(shape, config.model.seed, torch.device("cpu"))
     return build_weights(shape, random_state_dict(shape, config.model.seed), torch.device("cpu"))

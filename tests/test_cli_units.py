@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from corelib import cli
+from corelib import cli, hydra_app
 from corelib.errors import ConfigError, CorelibError
 
 
@@ -21,7 +21,7 @@ from corelib.errors import ConfigError, CorelibError
 def test_flags_and_overrides_may_come_in_any_order(
     args: list[str], overrides: list[str], flags: list[str]
 ) -> None:
-    assert cli.split_arguments(args) == (overrides, flags)
+    assert hydra_app.split_arguments(args) == (overrides, flags)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_flags_and_overrides_may_come_in_any_order(
 def test_plugin_keys_are_read_from_the_overrides_before_plugins_load(
     overrides: list[str], allow: list[str] | None, block: list[str]
 ) -> None:
-    assert cli._plugin_restrictions(overrides) == (allow, block)
+    assert hydra_app.plugin_restrictions(overrides) == (allow, block)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_plugin_keys_are_read_from_the_overrides_before_plugins_load(
 )
 def test_a_malformed_flag_is_one_line(args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        cli.split_arguments(args)
+        hydra_app.split_arguments(args)
 
 
 def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,7 +66,7 @@ def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 
 def test_a_sweep_with_failed_jobs_exits_with_the_worst_code() -> None:
     failures = [("backend=cpu", ConfigError("bad\nworse")), ("backend=npu", CorelibError("device lost"))]
-    error = cli.JobsFailed(failures)
+    error = hydra_app.JobsFailed(failures)
     assert error.exit_code == 2
     assert str(error).splitlines() == [
         "job [backend=cpu]: bad",

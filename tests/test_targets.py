@@ -42,7 +42,7 @@ def test_targets_inside_corelib_and_the_plugins_are_allowed(target: str) -> None
         ),
         ("corelib_toyx.run", "'corelib_toyx.run' is refused"),  # a prefix is a whole package name
         ("corelib.cli.os.system", "it is defined in posix"),  # re-exported by a corelib module
-        ("corelib.cli.Path", "it is defined in pathlib"),
+        ("corelib.hydra_app.Path", "it is defined in pathlib"),
         ("corelib.nothing.here", "cannot be found"),
     ],
 )

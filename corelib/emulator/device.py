@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from corelib.device import Device, Event, Graph, HostRegistration, MemoryStats, Runtime, Stream
+from corelib.device import Device, Event, MemoryStats, Runtime, Stream
 from corelib.emulator.stream import EmulatedEvent, EmulatedGraph, EmulatedStream
-from corelib.emulator.worker import Marker, RecordOp, Worker
+from corelib.emulator.stream_thread import Marker, RecordOp, StreamThread
 from corelib.errors import ConfigError, DeviceTimeout
-from corelib.memory import MemoryKind, MemoryLedger
+from corelib.graph import Graph
+from corelib.memory import HostRegistration, MemoryKind, MemoryLedger
 
 if TYPE_CHECKING:
     from corelib.backend import DeviceSpec
@@ -44,8 +45,8 @@ class EmulatedDevice(Device):
         self.spec = spec
         self.memory = MemoryLedger()
         self._label = f"{spec.backend}{next(_device_ids)}"
-        self._workers: list[Worker] = []
-        self._serial: Worker | None = None
+        self._workers: list[StreamThread] = []
+        self._serial: StreamThread | None = None
         _open_devices.add(self)
 
     def mark_claims_pinned(self, tensor: torch.Tensor) -> None:
@@ -68,8 +69,8 @@ class EmulatedDevice(Device):
         """Names of this device's worker threads still running (empty after close)."""
         return [f"{self._label}/{worker.name}" for worker in self._workers if worker.is_alive]
 
-    def _worker(self, name: str) -> Worker:
-        worker = Worker(self.name, name, self.spec.emulator, self.default_timeout_s, label=self._label)
+    def _worker(self, name: str) -> StreamThread:
+        worker = StreamThread(self.name, name, self.spec.emulator, self.default_timeout_s, label=self._label)
         self._workers.append(worker)
         return worker
 
@@ -105,7 +106,7 @@ class EmulatedDevice(Device):
 
     def _synchronize(self, timeout: float) -> None:
         deadline = time.perf_counter() + timeout
-        pending: list[tuple[Worker, Marker]] = []
+        pending: list[tuple[StreamThread, Marker]] = []
         for worker in self._workers:
             marker = Marker(f"{worker.name}.device_sync", worker.name)
             worker.submit([RecordOp(marker)])

@@ -9,16 +9,17 @@ from collections.abc import Mapping
 
 import torch
 
-from corelib.device import DeviceFn, GraphParams
-from corelib.emulator.worker import Marker, Op, Worker
+from corelib.device import DeviceFn
+from corelib.emulator.stream_thread import Marker, Op, StreamThread
 from corelib.errors import DeviceError, DeviceTimeout
+from corelib.graph import GraphParams
 
 
 class LaunchOp(Op):
     def __init__(self, fn: DeviceFn) -> None:
         self.fn = fn
 
-    def run(self, worker: Worker) -> None:
+    def run(self, worker: StreamThread) -> None:
         self.fn()
 
     def describe(self) -> str:
@@ -75,7 +76,7 @@ class CopyOp(Op):
         self.nbytes = nbytes
         self.what = what
 
-    def run(self, worker: Worker) -> None:
+    def run(self, worker: StreamThread) -> None:
         started = time.perf_counter()
         dst, src = self.dst.get(), self.src.get()
         for tensor, role in ((src, "source"), (dst, "destination")):
@@ -100,7 +101,7 @@ class WaitOp(Op):
     def __init__(self, marker: Marker) -> None:
         self.marker = marker
 
-    def run(self, worker: Worker) -> None:
+    def run(self, worker: StreamThread) -> None:
         if not self.marker.done.wait(worker.timeout_s):
             raise DeviceTimeout(
                 f"{worker.device_name}: stream {worker.name!r} waited {worker.timeout_s:g} s for event "
@@ -120,7 +121,7 @@ class UpdateOp(Op):
         self.params = params
         self.values = dict(values)
 
-    def run(self, worker: Worker) -> None:
+    def run(self, worker: StreamThread) -> None:
         self.params._set(self.values)
 
     def describe(self) -> str:

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from corelib.device import DeviceFn, Event, Graph, Stream
+from corelib.device import DeviceFn, Event, Stream
 from corelib.emulator.ops import CopyOp, HostRef, LaunchOp, StrongRef, TensorRef, UpdateOp, WaitOp
-from corelib.emulator.worker import Marker, Op, RecordOp, Worker
+from corelib.emulator.stream_thread import Marker, Op, RecordOp, StreamThread
 from corelib.errors import DeviceTimeout, UnsupportedOperation
+from corelib.graph import Graph
 from corelib.memory import MemoryKind
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ _TRUSTS_CLAIM = frozenset({MemoryKind.claims_pinned, MemoryKind.pageable})
 class EmulatedStream(Stream):
     """A stream whose work runs on a worker thread, in FIFO order."""
 
-    def __init__(self, device: EmulatedDevice, name: str, worker: Worker) -> None:
+    def __init__(self, device: EmulatedDevice, name: str, worker: StreamThread) -> None:
         super().__init__(device, name)
         self.emulator = device
         self.worker = worker

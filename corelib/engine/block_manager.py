@@ -17,7 +17,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    """Allocates KV blocks with reference counts (a block may be shared by several sequences)."""
+    """Allocates KV blocks to sequences; a count per block catches a block released twice."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2:
@@ -31,17 +31,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens the pool holds when every usable block is in use."""
-        return (self.num_blocks - 1) * self.block_size
-
     def num_missing(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks ``seq`` still needs to hold ``num_tokens`` tokens."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return blocks_for(num_tokens, self.block_size) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Give a sequence without blocks enough for ``num_tokens`` tokens."""
@@ -64,22 +56,8 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Release the blocks beyond ``num_tokens`` tokens (roll back a reservation)."""
-        keep = blocks_for(num_tokens, self.block_size)
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
-
-    def share(self, source: Sequence, target: Sequence) -> None:
-        """Let ``target`` start with ``source``'s blocks (a shared prefix); counts go up."""
-        if target.block_table:
-            raise ValueError(f"sequence {target.request_id} already holds blocks")
-        for block in source.block_table:
-            self.ref_counts[block] += 1
-        target.block_table = list(source.block_table)
-
     def free(self, seq: Sequence) -> None:
-        """Drop every block of ``seq``; a block returns to the pool when no one holds it."""
+        """Drop every block of ``seq``: each returns to the pool."""
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []

@@ -35,10 +35,10 @@ def build_engine_core(
     scheduler = Scheduler(
         SchedulerLimits(layout.rows, engine.max_num_batched_tokens, model.max_model_len),
         BlockManager(layout.num_blocks, layout.block_size),
-        num_slots=layout.rows,
+        num_states=layout.rows,
         stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None),
     )
-    builder = InputBuilder(layout.rows, layout.max_blocks, layout.block_size, layout.pad_slot)
+    builder = InputBuilder(layout.rows, layout.max_blocks, layout.block_size, layout.pad_state_index)
     return EngineCore(
         scheduler, builder, layout.buckets(options, graph_param_update), executor,
         StepPipeline(options.pipeline_depth), options.step_check, engine.timeout_s, engine.metrics_window,

@@ -17,7 +17,7 @@ from typing import Any
 from corelib.device import MemoryStats
 from corelib.engine.block_manager import blocks_for
 from corelib.engine.packing import InputBuilder
-from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler
+from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.observe.metrics import WINDOW, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
@@ -133,7 +133,7 @@ class EngineCore:
         if self.pipeline:
             self._complete_oldest()
             return True
-        if decision is Drain.token:
+        if decision is NoStep.drain:
             raise RuntimeError("the scheduler asked for a drain with nothing in flight")
         return self.scheduler.has_unfinished and self._unblock()
 
@@ -150,15 +150,15 @@ class EngineCore:
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
             rows, kv = len(step.seqs), 0
-        staging = self.executor.staging
-        arena = staging.acquire()
+        arenas = self.executor.arenas
+        arena = arenas.acquire()
         try:
             with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
                 fi = self.builder.fill(step_id, step, arena, rows, kv)
             with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
-                future = self.executor.submit(fi, lambda: staging.release(arena))
+                future = self.executor.submit(fi, lambda: arenas.release(arena))
         except BaseException:
-            staging.release(arena)
+            arenas.release(arena)
             raise
         path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
         self.pipeline.push(InFlight(step, future, path))

@@ -1,7 +1,7 @@
 """Packing: a scheduled step written into one arena (layouts in :mod:`corelib.step.arena`).
 
-Runs on the scheduler side and needs no device. Per-slot values that change rarely (block
-tables, sampling settings) live in host tables updated only when they change, so packing a
+Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
+tables, sampling settings, by state index) live in host tables updated only when they change, so packing a
 decode step is a few vector ops.
 """
 
@@ -19,41 +19,41 @@ from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
 class InputBuilder:
     """Packs a ScheduledStep into an arena. Runs on the scheduler side: no device needed.
 
-    Per-slot values that change rarely (block tables, sampling settings) live in host
-    tables updated only when they change, so packing a decode step is a few vector ops.
+    Per-sequence values that change rarely (block tables, sampling settings) live in host
+    tables by state index, updated only when they change, so packing a decode step is a few vector ops.
     """
 
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_slot: int) -> None:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_state_index: int) -> None:
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.pad_slot = pad_slot
+        self.pad_state_index = pad_state_index
         self.decode = decode_layout(max_rows, max_blocks)
-        slots = pad_slot + 1
-        self.slot_tables = torch.zeros((slots, max_blocks), dtype=torch.int32)
-        # Per-slot sampling values, one host table per column, refreshed when a slot changes owner.
-        self.slot_sampling = {c.name: torch.full((slots,), c.neutral, dtype=c.dtype) for c in SAMPLING_COLUMNS}
-        self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * slots  # seq_id, blocks_epoch, blocks written
+        states = pad_state_index + 1
+        self.state_block_tables = torch.zeros((states, max_blocks), dtype=torch.int32)
+        # Sampling values by state index, one host table per column, refreshed when an index changes owner.
+        self.state_sampling = {c.name: torch.full((states,), c.neutral, dtype=c.dtype) for c in SAMPLING_COLUMNS}
+        self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * states  # seq_id, blocks_epoch, blocks written
 
     def prefill_layout(self, step: ScheduledStep) -> ArenaLayout:
         lengths = [seq.num_tokens for seq in step.seqs]
         return prefill_layout(sum(lengths), len(lengths), max(lengths))
 
-    def _slot(self, block_table: list[int], position: int) -> int:
+    def _kv_slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _sync_slot(self, seq: EngineSequence, slot: int) -> None:
-        """Bring the slot's cached block table and sampling values up to date with ``seq``."""
-        owner, epoch, written = self._owners[slot]
+    def _sync_state(self, seq: EngineSequence, index: int) -> None:
+        """Bring the cached block table and sampling values of state ``index`` up to date with ``seq``."""
+        owner, epoch, written = self._owners[index]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
             for column in SAMPLING_COLUMNS:
-                self.slot_sampling[column.name][slot] = getattr(seq.sampling, column.param)
+                self.state_sampling[column.name][index] = getattr(seq.sampling, column.param)
             written = 0
         if written < len(table):
-            self.slot_tables[slot, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
+            self.state_block_tables[index, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
             written = len(table)
-        self._owners[slot] = (seq.seq_id, seq.blocks_epoch, written)
+        self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
 
     def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int) -> ForwardInput:
         if step.kind is StepKind.decode:
@@ -65,26 +65,26 @@ class InputBuilder:
     ) -> ForwardInput:
         n = len(step.seqs)
         v = self.decode.views(arena)
-        slots: list[int] = []
+        indices: list[int] = []
         ids: list[int] = []
         for seq, position, relay in zip(step.seqs, step.positions, step.from_relay, strict=True):
-            slot = seq.slot if seq.slot is not None else self.pad_slot
-            self._sync_slot(seq, slot)
-            slots.append(slot)
+            index = seq.state_index if seq.state_index is not None else self.pad_state_index
+            self._sync_state(seq, index)
+            indices.append(index)
             ids.append(RELAY if relay else seq.token_at(position))
-        slot_t = torch.tensor(slots, dtype=torch.int64)
+        index_t = torch.tensor(indices, dtype=torch.int64)
         positions = torch.tensor(step.positions, dtype=torch.int64)
         v["input_ids"][:n] = torch.tensor(ids, dtype=torch.int64)
         v["positions"][:n] = positions
-        block = self.slot_tables[slot_t, positions // self.block_size].to(torch.int64)
+        block = self.state_block_tables[index_t, positions // self.block_size].to(torch.int64)
         v["slot_mapping"][:n] = block * self.block_size + positions % self.block_size
         v["seq_lens"][:n] = positions + 1
-        v["state_indices"][:n] = slot_t
-        for name, table in self.slot_sampling.items():
-            v[name][:n] = table[slot_t]
-        v["block_tables"][:n, :kv_blocks] = self.slot_tables[slot_t, :kv_blocks]
+        v["state_indices"][:n] = index_t
+        for name, table in self.state_sampling.items():
+            v[name][:n] = table[index_t]
+        v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
         if bucket > n:
-            pad_decode_rows(v, n, bucket, kv_blocks, self.pad_slot)
+            pad_decode_rows(v, n, bucket, kv_blocks, self.pad_state_index)
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
         return ForwardInput(step_id, StepKind.decode, n, bucket, kv_blocks, sample, self.decode, arena)
 
@@ -92,17 +92,17 @@ class InputBuilder:
         layout = self.prefill_layout(step)
         v = layout.views(arena)
         tokens: list[int] = []
-        slots: list[int] = []
+        kv_slots: list[int] = []
         lengths = []
         for seq in step.seqs:
             ids = seq.all_token_ids()
             tokens += ids
-            slots += [self._slot(seq.block_table, p) for p in range(len(ids))]
+            kv_slots += [self._kv_slot(seq.block_table, p) for p in range(len(ids))]
             lengths.append(len(ids))
         longest = max(lengths)
         v["token_ids"].copy_(torch.tensor(tokens, dtype=torch.int64))
         v["positions"].copy_(torch.cat([torch.arange(length) for length in lengths]))
-        v["slot_mapping"].copy_(torch.tensor(slots, dtype=torch.int64))
+        v["slot_mapping"].copy_(torch.tensor(kv_slots, dtype=torch.int64))
         length_t = torch.tensor(lengths, dtype=torch.int64)
         ends = torch.cumsum(length_t, 0)
         v["cu_seqlens"][0] = 0
@@ -113,7 +113,8 @@ class InputBuilder:
         v["valid"].copy_(valid)
         v["pad_index"].copy_(torch.where(valid, starts[:, None] + columns[None, :], 0))
         v["last_index"].copy_(ends - 1)
-        v["state_indices"].copy_(torch.tensor([s.slot if s.slot is not None else self.pad_slot for s in step.seqs]))
+        pad = self.pad_state_index
+        v["state_indices"].copy_(torch.tensor([pad if s.state_index is None else s.state_index for s in step.seqs]))
         for column in SAMPLING_COLUMNS:
             values = [getattr(s.sampling, column.param) for s in step.seqs]
             v[column.name].copy_(torch.tensor(values, dtype=column.dtype))

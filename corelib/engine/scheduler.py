@@ -33,10 +33,11 @@ class ScheduledStep:
     num_preempted: int = 0
 
 
-class Drain(enum.Enum):
-    """The scheduler needs every in-flight step's tokens before it can decide the next step."""
+class NoStep(enum.Enum):
+    """Why the scheduler gives no step."""
 
-    token = "drain"
+    drain = "drain"  # it needs every in-flight step's tokens before it can decide the next step
+    idle = "idle"  # nothing can run now: nothing is left, or what waits needs KV blocks first
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Scheduler:
         self,
         limits: SchedulerLimits,
         blocks: BlockManager,
-        num_slots: int,
+        num_states: int,
         stops: StopChecker,
     ) -> None:
         self.limits = limits
@@ -66,7 +67,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free_slots: deque[int] = deque(range(num_slots))
+        self._free_state_indices: deque[int] = deque(range(num_states))
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ admission
@@ -78,17 +79,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | Drain | None:
-        """The next step, ``Drain`` if in-flight tokens are needed first, or None if idle."""
+    def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | NoStep:
+        """The next step, or why there is none."""
         chosen = self._choose_prefill()
         kind = StepKind.prefill if chosen else StepKind.decode
         if not chosen:
             chosen = [seq for seq in self.running if self._can_continue(seq)]
         if not chosen:
-            return Drain.token if in_flight else None
+            return NoStep.drain if in_flight else NoStep.idle
         reasons = sync_check(chosen)
         if in_flight and (reasons or (kind is StepKind.decode and self._needs_preemption(chosen))):
-            return Drain.token
+            return NoStep.drain
         step = self._admit(chosen) if kind is StepKind.prefill else self._decode(chosen)
         step.synchronous = bool(reasons)
         step.sync_reasons = reasons
@@ -100,7 +101,7 @@ class Scheduler:
         for seq in self.waiting:
             if len(self.running) + len(chosen) >= self.limits.max_num_seqs:
                 break
-            if len(chosen) >= len(self._free_slots):
+            if len(chosen) >= len(self._free_state_indices):
                 break
             if chosen and tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
                 break
@@ -116,7 +117,7 @@ class Scheduler:
         for seq in seqs:
             self.waiting.remove(seq)
             self.blocks.allocate(seq, seq.num_tokens)
-            seq.slot = self._free_slots.popleft()
+            seq.state_index = self._free_state_indices.popleft()
             seq.status = Status.RUNNING
             seq.num_pending += 1
             self.running.append(seq)
@@ -171,7 +172,7 @@ class Scheduler:
         if seq.num_pending:
             raise RuntimeError(f"cannot preempt {seq.request_id} while its tokens are in flight")
         self.blocks.free(seq)
-        self._release_slot(seq)
+        self._release_state_index(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -200,13 +201,13 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None, error: str | None = None) -> None:
-        """End a sequence: its blocks and slot go back at once (later device work is stream-ordered)."""
+        """End a sequence: its blocks and state index go back at once (later device work is stream-ordered)."""
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error
         seq.finish_time = time.perf_counter() if now is None else now
         self.blocks.free(seq)
-        self._release_slot(seq)
+        self._release_state_index(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -219,7 +220,7 @@ class Scheduler:
             self.finish(seq, reason, error=error)
         return victims
 
-    def _release_slot(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self._free_slots.append(seq.slot)
-            seq.slot = None
+    def _release_state_index(self, seq: Sequence) -> None:
+        if seq.state_index is not None:
+            self._free_state_indices.append(seq.state_index)
+            seq.state_index = None

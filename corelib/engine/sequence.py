@@ -94,7 +94,7 @@ class Sequence:
     blocks_epoch: int = 0
     # Tokens sampled on the device whose values the host has not seen yet (async handoff).
     num_pending: int = 0
-    slot: int | None = None  # per-sequence state index: token relay and recurrent state
+    state_index: int | None = None  # the token relay's and the recurrent state's row (KV slots are per token)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -45,7 +45,7 @@ class DecodeBatch:
     positions: torch.Tensor  # int64
     slot_mapping: torch.Tensor  # int64: KV slot of the new token
     attention: PagedAttention  # block tables [B, W] and sequence lengths
-    state_indices: torch.Tensor  # int64: per-sequence slot of a recurrent state
+    state_indices: torch.Tensor  # int64: each sequence's state index (token relay, recurrent state)
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class PrefillBatch:
     state_indices: torch.Tensor  # [n] int64
 
 
+class ModelState:
+    """The device state a model allocates once and every step reads and writes (its KV cache, a
+    recurrent state). An architecture subclasses it; the engine holds it and hands it back to the
+    model at every step without looking inside."""
+
+
 class Model(Protocol):
     """An architecture with its weights on one device (one rank's shard under tensor parallelism)."""
 
@@ -67,16 +73,16 @@ class Model(Protocol):
         """The facts its architecture declares."""
         ...
 
-    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_slots: int) -> object:
+    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_states: int) -> ModelState:
         """The device state every step reads and writes: the KV cache of ``num_blocks`` blocks
-        (block 0 is the null block padded rows write to) and any per-slot state (``num_slots``
-        slots plus one for padded rows)."""
+        (block 0 is the null block padded rows write to) and any per-sequence state
+        (``num_states`` state indices, plus one for padded rows)."""
         ...
 
-    def prefill(self, batch: PrefillBatch, state: object, ops: Ops) -> torch.Tensor:
+    def prefill(self, batch: PrefillBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         """Write the prompts' KV into ``state``; return the last token's logits [n, V] float32."""
         ...
 
-    def decode(self, batch: DecodeBatch, state: object, ops: Ops) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         """Write each new token's KV into ``state``; return logits [B, V] float32. Graph-safe."""
         ...

@@ -2,7 +2,8 @@
 
 Tensors go from their file to the device one at a time through ``safetensors.safe_open``
 (memory-mapped), so the host never holds a second full copy of the weights. Names, shapes and
-dtypes are checked from the file headers before any tensor is read.
+dtypes (which tensors the variant has: its weight map) are checked from the file headers
+before any tensor is read.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
-from corelib.models.hf_config import checkpoint_directory, resolved_model_config
-from corelib.models.llama import ModelShape, ModelWeights, assemble_weights, hf_parameter_shapes
+from corelib.models.hub import checkpoint_directory
+from corelib.models.llama import ModelWeights, assemble_weights
+from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
+from corelib.models.weight_map import weight_map
 from corelib.progress import current as current_progress
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,18 +42,20 @@ class _SafeFile(Protocol):
     def get_slice(self, name: str) -> Any: ...
 
 
-def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard | None = None) -> ModelWeights:
+def load_checkpoint(cfg: ModelConfig, shape: ModelShape, device: torch.device,
+                    shard: TensorShard | None = None) -> ModelWeights:
     """The weights of ``cfg.path`` on ``device`` in the model dtype; a ConfigError names what does not fit.
 
-    With ``shard``, only this rank's slice of each tensor reaches the device.
+    ``cfg`` is resolved (the checkpoint's config.json values in it: ``corelib.models.hf_config``),
+    and ``shape`` is its variant's shape of it. With ``shard``, only this rank's slice of each
+    tensor reaches the device.
     """
     if not cfg.path:
         raise ConfigError("model.path is not set; point it at a Hugging Face checkpoint directory")
     directory = checkpoint_directory(cfg.path)
-    cfg = resolved_model_config(cfg)
-    shape = ModelShape.from_config(cfg)
     files = tensor_files(directory)
-    expected = hf_parameter_shapes(shape)
+    sources = weight_map(shape).sources
+    expected = {name: source.shape for name, source in sources.items()}
     missing = sorted(set(expected) - set(files))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -66,7 +71,7 @@ def load_checkpoint(cfg: ModelConfig, device: torch.device, shard: TensorShard |
         def get(name: str) -> torch.Tensor:
             tensor = handles[files[name]].get_tensor(name)
             if shard is not None:
-                tensor = shard.slice(name, tensor)
+                tensor = shard.slice(sources[name], tensor)
             moved = tensor.to(device=device, dtype=shape.dtype)
             _check_finite(moved, tensor, name, directory / files[name])
             task.advance()

@@ -7,6 +7,11 @@ and the EOS ids come from ``config.json`` and replace the preset's values. ``mod
 stays the user's choice (``auto`` takes the checkpoint's), and ``model.max_model_len`` too,
 capped at the checkpoint's ``max_position_embeddings``.
 
+A config that asks for math this decoder does not do (a sliding window that reaches inside
+``model.max_model_len``, logit soft-capping, other attention scales, layers without RoPE,
+mixtures of experts, ...) is refused in one line naming the key, rather than run with plain
+attention and wrong tokens: :data:`UNSUPPORTED` lists them.
+
 The startup resolves this once into the composed config, so the feature gates, the
 scheduler, the workload and the loader all see the same effective values.
 """
@@ -25,8 +30,8 @@ from omegaconf import DictConfig
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models import registry
-from corelib.models.hub import resolve_model_path
-from corelib.models.llama import DTYPES
+from corelib.models.hub import checkpoint_directory, resolve_model_path
+from corelib.models.shape import DTYPES
 
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative
 _DEFAULT_ROPE_THETA = 10000.0
@@ -41,6 +46,7 @@ class CheckpointConfig:
     fields: Mapping[str, Any]  # ModelConfig field -> value
     max_position_embeddings: int
     dtype: str  # the weights' dtype as config.json names it
+    sliding_window: SlidingWindow | None = None
 
     def apply(self, cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
         """``cfg`` with the checkpoint's values, and a note when max_model_len had to be capped."""
@@ -52,6 +58,13 @@ class CheckpointConfig:
                 f"{self.max_position_embeddings}; using {self.max_position_embeddings}"
             )
             max_len = self.max_position_embeddings
+        window = self.sliding_window
+        if window is not None and max_len > window.size:
+            raise ConfigError(
+                f"{self.directory / 'config.json'}: {window.source}: sliding-window attention is not supported, "
+                f"and the window is shorter than model.max_model_len={max_len}; set model.max_model_len<="
+                f"{window.size} (within the window attention is full) or use another checkpoint"
+            )
         dtype = self.dtype if cfg.dtype == "auto" else cfg.dtype
         path = str(self.directory)
         return replace(cfg, **self.fields, max_model_len=max_len, dtype=dtype, path=path), notes
@@ -65,16 +78,6 @@ class CheckpointConfig:
         )
 
 
-def checkpoint_directory(path: str) -> Path:
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        raise ConfigError(
-            f"model.path={path}: no such directory; point it at a Hugging Face checkpoint directory "
-            "(config.json and *.safetensors)"
-        )
-    return directory.resolve()
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -83,6 +86,31 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The attention window a config sets: each token sees only the last ``size`` positions."""
+
+    size: int
+    source: str  # the keys that set it, as config.json has them
+
+
+def sliding_window(hf: Mapping[str, Any]) -> SlidingWindow | None:
+    """The window the config applies, if any.
+
+    Mistral sets only ``sliding_window``; Qwen2 sets it too but applies it only with
+    ``use_sliding_window: true``; ``layer_types`` may name ``sliding_attention`` layers.
+    """
+    size = hf.get("sliding_window")
+    flag = hf.get("use_sliding_window")
+    sliding_layers = "sliding_attention" in (hf.get("layer_types") or [])
+    if size is None or (flag is False and not sliding_layers):
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ConfigError(f"config.json: sliding_window must be a positive integer or null (got {size!r})")
+    source = f"sliding_window={size}" + (" with use_sliding_window=true" if flag else "")
+    return SlidingWindow(size, source + (" (layer_types: sliding_attention)" if sliding_layers else ""))
 
 
 def read_checkpoint_config(path: str) -> CheckpointConfig:
@@ -126,6 +154,7 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     theta_key = f"{rope_source}.rope_theta" if "rope_theta" in rope else "rope_theta"
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     arch = registry.hf_architecture([architecture]) or architecture
+    variant = _llama_variant(arch)
     fields: dict[str, Any] = {
         "architecture": arch,
         "vocab_size": need("vocab_size"),
@@ -138,8 +167,8 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
         "rope_theta": _DEFAULT_ROPE_THETA if theta is None else positive(theta_key, theta),
         "rms_norm_eps": positive("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": arch == "qwen2",
-        "qk_norm": arch == "qwen3",
+        "attention_bias": variant is not None and variant.attention_bias,
+        "qk_norm": variant is not None and variant.qk_norm,
         "eos_token_id": eos[0] if eos else NO_EOS,
         "extra_eos_token_ids": eos[1:],
         "rope_scaling": {} if rope.get("rope_type", "default") == "default" else rope,
@@ -148,7 +177,13 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"{config_file}: torch_dtype={dtype} is not a dtype corelib loads ({', '.join(DTYPES)})")
-    return CheckpointConfig(directory, architecture, fields, max_positions, dtype)
+    return CheckpointConfig(directory, architecture, fields, max_positions, dtype, sliding_window(hf))
+
+
+def _llama_variant(name: str) -> registry.LlamaVariant | None:
+    """The Llama-family variant registered as ``name``; None for a plugin's architecture."""
+    found = registry.architecture(name) if name in registry.names() else None
+    return found if isinstance(found, registry.LlamaVariant) else None
 
 
 def _architecture(hf: Mapping[str, Any], config_file: Path) -> str:
@@ -163,27 +198,57 @@ def _architecture(hf: Mapping[str, Any], config_file: Path) -> str:
     raise ConfigError(f"{config_file}: architectures={names} is not supported; supported: {supported}")
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A config.json key whose values other than ``neutral`` ask for math this decoder does not do."""
+
+    key: str
+    neutral: tuple[object, ...]
+    what: str  # what the key asks for, as the refusal says it
+
+
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported("hidden_act", (None, "silu"), "an activation other than silu"),
+    Unsupported("mlp_bias", (None, False), "biases on the MLP projections"),
+    Unsupported("partial_rotary_factor", (None, 1, 1.0), "RoPE on part of each head"),
+    Unsupported("rotary_pct", (None, 1, 1.0), "RoPE on part of each head"),
+    Unsupported("attn_logit_softcapping", (None,), "attention logit soft-capping"),
+    Unsupported("final_logit_softcapping", (None,), "final logit soft-capping"),
+    Unsupported("query_pre_attn_scalar", (None,), "an attention scale other than 1/sqrt(head_dim)"),
+    Unsupported("attention_multiplier", (None, 1, 1.0), "an attention scale other than 1/sqrt(head_dim)"),
+    Unsupported("embedding_multiplier", (None, 1, 1.0), "scaled embeddings"),
+    Unsupported("residual_multiplier", (None, 1, 1.0), "a scaled residual stream"),
+    Unsupported("logits_scaling", (None, 1, 1.0), "scaled logits"),
+    Unsupported("attention_chunk_size", (None,), "chunked local attention"),
+    Unsupported("sliding_window_pattern", (None,), "alternating local and global attention layers"),
+    Unsupported("no_rope_layers", (None, []), "layers without RoPE"),
+    Unsupported("use_qk_norm", (None, False), "a weightless q/k norm"),
+    Unsupported("num_local_experts", (None, 0, 1), "mixture-of-experts layers"),
+    Unsupported("num_experts", (None, 0, 1), "mixture-of-experts layers"),
+)
+_LAYER_TYPES = ("full_attention", "sliding_attention")  # the second only within the window (CheckpointConfig.apply)
+
+
 def _refuse_unsupported(hf: Mapping[str, Any], architecture: str, config_file: Path) -> None:
-    """Options of these architectures that this decoder does not compute: refuse rather than mis-compute."""
+    """Options this decoder does not compute: refuse rather than mis-compute (one line names them all)."""
     problems = []
     quantization = hf.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         problems.append(f"quantization_config (quant_method={method}): quantized checkpoints are not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']}: only silu is supported")
-    variant = registry.hf_architecture([architecture])
-    if variant is not None and not registry.llama_variant(variant).attention_bias and hf.get("attention_bias"):
+    variant = _llama_variant(registry.hf_architecture([architecture]) or "")
+    if variant is not None and not variant.attention_bias and hf.get("attention_bias"):
         problems.append("attention_bias=true: biases on the attention projections are not supported")
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias=true: biases on the MLP projections are not supported")
-    if hf.get("use_sliding_window"):
-        problems.append("use_sliding_window=true: sliding-window attention is not supported")
+    for option in UNSUPPORTED:
+        value = hf.get(option.key)
+        if value in option.neutral or (option.key == "no_rope_layers" and isinstance(value, list) and all(value)):
+            continue  # (SmolLM3 writes no_rope_layers with a 1 for every layer that has RoPE)
+        problems.append(f"{option.key}={json.dumps(value)}: {option.what} is not supported")
     layer_types = hf.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention layers are supported")
-    if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
-        problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']}: only full-width RoPE is supported")
+    unknown = sorted({str(kind) for kind in layer_types if kind not in _LAYER_TYPES})
+    if unknown:
+        problems.append(f"layer_types has {', '.join(unknown)}: only full_attention layers (and sliding_attention "
+                        "within the window) are supported")
     if problems:
         raise ConfigError(f"{config_file} ({architecture}): {'; '.join(problems)}")
 

@@ -41,6 +41,17 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
+def checkpoint_directory(path: str) -> Path:
+    """``model.path`` as a checkpoint directory (symlinks resolved); a ConfigError when it is none."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.path={path}: no such directory; point it at a Hugging Face checkpoint directory "
+            "(config.json and *.safetensors)"
+        )
+    return directory.resolve()
+
+
 def resolve_model_path(value: str) -> str:
     """A checkpoint directory for ``model.path``: the value itself, or the cached snapshot of a hub id.
 

@@ -1,6 +1,6 @@
 """The hybrid: a Llama-family decoder with a per-sequence causal-convolution state in every layer.
 
-The state (the last K-1 normalised inputs of every layer, per sequence slot) is what makes a
+The state (the last K-1 normalised inputs of every layer, per state index) is what makes a
 rolled-back step unsafe, so the architecture declares ``recurrent_state`` to the gates.
 """
 
@@ -12,15 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from corelib.device import Device
-from corelib.models.base import DecodeBatch, PrefillBatch
+from corelib.models.base import DecodeBatch, ModelState, PrefillBatch
 from corelib.models.llama import KVCache, LayerWeights, LlamaModel
 from corelib.ops import Ops
 
 
 @dataclass
-class HybridState:
-    cache: KVCache
-    conv: torch.Tensor  # [L, num_slots + 1, K-1, H]
+class HybridState(KVCache):
+    """The KV cache and the convolution windows."""
+
+    conv: torch.Tensor  # [L, num_states + 1, K-1, H]
 
 
 def _conv_weights(layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,35 +31,35 @@ def _conv_weights(layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class HybridModel(LlamaModel):
-    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_slots: int) -> object:
-        cache = super().allocate_state(device, num_blocks, block_size, num_slots)
+    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_states: int) -> HybridState:
+        cache = super().allocate_state(device, num_blocks, block_size, num_states)
         shape = self.shape
-        conv = device.zeros((shape.num_layers, num_slots + 1, shape.conv_kernel - 1, shape.hidden_size), shape.dtype)
-        return HybridState(self._cache(cache), conv)
+        conv = device.zeros((shape.num_layers, num_states + 1, shape.conv_kernel - 1, shape.hidden_size), shape.dtype)
+        return HybridState(cache.data, cache.block_size, conv)
 
     @staticmethod
-    def _conv_state(state: object) -> torch.Tensor:
+    def _conv_state(state: ModelState) -> torch.Tensor:
         if not isinstance(state, HybridState):
             raise TypeError(f"the hybrid runs over a HybridState, got {type(state).__name__}")
         return state.conv
 
     def _decode_block(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
-        state: object, ops: Ops,
+        state: ModelState, ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The convolution reads the residual stream itself, so the pending add cannot be fused here.
         h = pending if h is None else h + pending
         conv, conv_norm = _conv_weights(layer)
-        slots, window_state = batch.state_indices, self._conv_state(state)[index]
+        states, window_state = batch.state_indices, self._conv_state(state)[index]
         xn, _ = ops.rms_norm(h, conv_norm, self.shape.rms_norm_eps)  # [B, H]
-        window = torch.cat([window_state[slots], xn[:, None, :]], dim=1)  # [B, K, H]
-        window_state.index_copy_(0, slots, window[:, 1:])
+        window = torch.cat([window_state[states], xn[:, None, :]], dim=1)  # [B, K, H]
+        window_state.index_copy_(0, states, window[:, 1:])
         h = h + F.silu((window * conv[None]).sum(dim=1))
         return super()._decode_block(index, layer, h, None, batch, state, ops)
 
     def _before_layer(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: PrefillBatch,
-        state: object, ops: Ops,
+        state: ModelState, ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = pending if h is None else h + pending
         conv, conv_norm = _conv_weights(layer)

@@ -1,9 +1,9 @@
-"""The Llama family: its shape, its weights in Hugging Face names, and its forward through the ops.
+"""The Llama family: its weights as the forward reads them, and its forward through the ops.
 
-Weights are held in Hugging Face Llama names (``model.layers.0.self_attn.q_proj.weight``),
-so real checkpoints load into the same structure; at build time q/k/v and gate/up are
-fused into one matrix each, which halves the number of matmul launches per layer.
-Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) are flags of the same code
+The weights are assembled from checkpoint tensors through the weight map
+(:mod:`corelib.models.weight_map`), which fuses q/k/v and gate/up into one matrix each (fewer
+matmul launches per layer) whatever the checkpoint holds. Qwen2 (qkv bias), Qwen3 (per-head
+q/k RMSNorm) and Phi-3 (fused checkpoint tensors) are flags of the same code
 (``corelib.models.registry`` sets them per architecture).
 
 Everything a backend may accelerate goes through ``corelib.ops``: the projections (``linear``),
@@ -25,91 +25,29 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.config import ModelConfig
 from corelib.device import Device
 from corelib.errors import ConfigError
-from corelib.models.base import DecodeBatch, ModelFacts, PrefillBatch
-from corelib.models.rope import RopeScaling, inv_freq
+from corelib.models.base import DecodeBatch, ModelFacts, ModelState, PrefillBatch
+from corelib.models.rope import inv_freq
+from corelib.models.shape import ModelShape
+from corelib.models.weight_map import weight_map
 from corelib.ops import Ops
 from corelib.progress import current as current_progress
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"model.dtype={name}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the runner needs, derived once from the config."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_model_len: int
-    rope_theta: float
-    rms_norm_eps: float
-    dtype: torch.dtype
-    attention_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    conv_kernel: int  # 0: no recurrent state
-    rope_scaling: RopeScaling | None = None  # None: plain RoPE
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig) -> ModelShape:
-        from corelib.models.registry import llama_variant
-
-        variant = llama_variant(cfg.architecture)
-        if cfg.num_heads < 1 or cfg.num_kv_heads < 1:
-            raise ConfigError(f"model.num_heads={cfg.num_heads} and model.num_kv_heads={cfg.num_kv_heads} "
-                              "must be at least 1")
-        head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
-        if cfg.num_heads % cfg.num_kv_heads:
-            raise ConfigError(
-                f"model.num_heads={cfg.num_heads} is not a multiple of model.num_kv_heads={cfg.num_kv_heads}"
-            )
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_layers,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=head_dim,
-            intermediate_size=cfg.intermediate_size,
-            max_model_len=cfg.max_model_len,
-            rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_norm_eps,
-            # "auto" (the checkpoint's dtype) is resolved at startup; random weights have none
-            dtype=torch_dtype("float32" if cfg.dtype == "auto" else cfg.dtype),
-            attention_bias=cfg.attention_bias or variant.attention_bias,
-            qk_norm=cfg.qk_norm or variant.qk_norm,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            conv_kernel=cfg.conv_kernel if variant.conv_state else 0,
-            rope_scaling=RopeScaling.parse(cfg.rope_scaling, cfg.max_model_len),
-        )
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # [(nh + 2 nkv) hd, H]
-    qkv_bias: torch.Tensor | None  # [(nh + 2 nkv) hd]
-    q_norm: torch.Tensor | None  # [hd]
-    k_norm: torch.Tensor | None  # [hd]
     o: torch.Tensor  # [H, nh hd]
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H]
     down: torch.Tensor  # [H, I]
-    conv: torch.Tensor | None  # [K, H] hybrid only: depthwise causal convolution
-    conv_norm: torch.Tensor | None  # [H]
+    qkv_bias: torch.Tensor | None = None  # [(nh + 2 nkv) hd]
+    q_norm: torch.Tensor | None = None  # [hd]
+    k_norm: torch.Tensor | None = None  # [hd]
+    conv: torch.Tensor | None = None  # [K, H] hybrid only: depthwise causal convolution
+    conv_norm: torch.Tensor | None = None  # [H]
 
 
 @dataclass
@@ -124,59 +62,6 @@ class ModelWeights:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def hf_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Every parameter in Hugging Face names, with its shape."""
-    h, hd, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    nq, nkv = shape.num_heads * hd, shape.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (nq, h)
-        shapes[p + "self_attn.k_proj.weight"] = (nkv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (nkv, h)
-        if shape.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (nq,)
-            shapes[p + "self_attn.k_proj.bias"] = (nkv,)
-            shapes[p + "self_attn.v_proj.bias"] = (nkv,)
-        if shape.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, nq)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
-        if shape.conv_kernel:
-            shapes[p + "conv.weight"] = (shape.conv_kernel, h)
-            shapes[p + "conv_norm.weight"] = (h,)
-    shapes["model.norm.weight"] = (h,)
-    if not shape.tie_word_embeddings:
-        shapes["lm_head.weight"] = (shape.vocab_size, h)
-    return shapes
-
-
-def random_state_dict(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random weights in Hugging Face names, generated on the CPU in float32.
-
-    Generating on the CPU makes the weights identical on every device and machine.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    state: dict[str, torch.Tensor] = {}
-    shapes = hf_parameter_shapes(shape)
-    with current_progress().task("generating random weights", total=len(shapes), unit="tensors") as task:
-        for name, dims in shapes.items():
-            if name.endswith("norm.weight"):
-                state[name] = 1.0 + 0.1 * torch.randn(dims, generator=generator)
-            elif name.endswith("conv.weight"):
-                state[name] = torch.randn(dims, generator=generator) / dims[0]
-            else:
-                scale = 0.5 if name.endswith(".bias") else 1.0 / dims[-1] ** 0.5
-                state[name] = scale * torch.randn(dims, generator=generator)
-            task.advance()
-    return state
-
-
 def build_weights(
     shape: ModelShape, state: Mapping[str, torch.Tensor], device: torch.device, copy: bool = False
 ) -> ModelWeights:
@@ -185,7 +70,7 @@ def build_weights(
     ``copy``: never share storage with ``state``, even where the device and dtype already
     match (a state that is kept and reused, like the cached random weights).
     """
-    expected = hf_parameter_shapes(shape)
+    expected = weight_map(shape).shapes()
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ConfigError(f"checkpoint lacks {len(missing)} tensors, first {missing[0]!r}")
@@ -201,43 +86,26 @@ def build_weights(
 def assemble_weights(shape: ModelShape, get: Callable[[str], torch.Tensor], device: torch.device) -> ModelWeights:
     """Build the model from ``get(hf_name)``, which returns each checked tensor on ``device`` in the model dtype.
 
-    Tensors are asked for one at a time, so a loader can read each straight from its file.
+    Tensors are asked for one at a time and each once (a tied LM head is the embedding itself),
+    so a loader can read each straight from its file.
     """
+    fetched: dict[str, torch.Tensor] = {}
 
-    def cat(*names: str) -> torch.Tensor:
-        return torch.cat([get(n) for n in names], dim=0).contiguous()
+    def source(name: str) -> torch.Tensor:
+        if name not in fetched:
+            fetched[name] = get(name)
+        return fetched[name]
 
-    layers = []
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        layers.append(
-            LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
-                qkv=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                qkv_bias=cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
-                if shape.attention_bias
-                else None,
-                q_norm=get(attn + "q_norm.weight") if shape.qk_norm else None,
-                k_norm=get(attn + "k_norm.weight") if shape.qk_norm else None,
-                o=get(attn + "o_proj.weight"),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=get(p + "mlp.down_proj.weight"),
-                conv=get(p + "conv.weight") if shape.conv_kernel else None,
-                conv_norm=get(p + "conv_norm.weight") if shape.conv_kernel else None,
-            )
-        )
-    embed = get("model.embed_tokens.weight")
-    lm_head = embed if shape.tie_word_embeddings else get("lm_head.weight")
-    return ModelWeights(
-        shape=shape,
-        embed=embed,
-        layers=layers,
-        norm=get("model.norm.weight"),
-        lm_head=lm_head,
-        cos_sin=rope_table(shape, device),
-    )
+    def stacked(names: tuple[str, ...]) -> torch.Tensor:
+        if len(names) == 1:
+            return source(names[0])
+        return torch.cat([source(name) for name in names], dim=0).contiguous()
+
+    wmap = weight_map(shape)
+    layers = [LayerWeights(**{w.name: stacked(w.sources) for w in wmap.layer(i)}) for i in range(shape.num_layers)]
+    top = {w.name: stacked(w.sources) for w in wmap.model_weights()}
+    return ModelWeights(shape=shape, embed=top["embed"], layers=layers, norm=top["norm"], lm_head=top["lm_head"],
+                        cos_sin=rope_table(shape, device))
 
 
 def rope_table(shape: ModelShape, device: torch.device) -> torch.Tensor:
@@ -249,10 +117,12 @@ def rope_table(shape: ModelShape, device: torch.device) -> torch.Tensor:
     return table.to(device=device, dtype=shape.dtype)
 
 
-
 @dataclass
-class KVCache:
-    """Paged K/V for every layer: [L, 2, num_blocks, block_size, nkv, hd]; block 0 is the null block."""
+class KVCache(ModelState):
+    """The Llama family's state: paged K/V for every layer, [L, 2, num_blocks, block_size, nkv, hd].
+
+    Block 0 is the null block.
+    """
 
     data: torch.Tensor
     block_size: int
@@ -359,7 +229,7 @@ class LlamaModel:
     def facts(self) -> ModelFacts:
         return self._facts
 
-    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_slots: int) -> object:
+    def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_states: int) -> KVCache:
         shape = self.shape
         return KVCache(
             device.zeros((shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
@@ -368,11 +238,10 @@ class LlamaModel:
         )
 
     @staticmethod
-    def _cache(state: object) -> KVCache:
-        cache = getattr(state, "cache", state)
-        if not isinstance(cache, KVCache):
+    def _cache(state: ModelState) -> KVCache:
+        if not isinstance(state, KVCache):
             raise TypeError(f"the Llama family runs over a KVCache, got {type(state).__name__}")
-        return cache
+        return state
 
     def _logits(self, pending: torch.Tensor, h: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         if h is None:  # the stream is whole: the final norm and the LM head as one op
@@ -380,7 +249,7 @@ class LlamaModel:
         x, _ = ops.rms_norm(pending, self.weights.norm, self.shape.rms_norm_eps, h)
         return ops.linear(x, self.weights.lm_head).float()
 
-    def decode(self, batch: DecodeBatch, state: object, ops: Ops) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         weights = self.weights
         pending, h = weights.embed[batch.input_ids], None  # [B, H]
         for i, layer in enumerate(weights.layers):
@@ -389,13 +258,13 @@ class LlamaModel:
 
     def _decode_block(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
-        state: object, ops: Ops,
+        state: ModelState, ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         k_cache, v_cache = self._cache(state).layer(index)
         return self._decode_layer(layer, self.shape, pending, h, batch, k_cache, v_cache, self.weights.cos_sin, ops,
                                   self.weights.all_reduce)
 
-    def prefill(self, batch: PrefillBatch, state: object, ops: Ops) -> torch.Tensor:
+    def prefill(self, batch: PrefillBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         weights, shape = self.weights, self.shape
         pending, h = weights.embed[batch.token_ids], None  # [T, H]
         scale = 1.0 / math.sqrt(shape.head_dim)
@@ -416,7 +285,7 @@ class LlamaModel:
 
     def _before_layer(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: PrefillBatch,
-        state: object, ops: Ops,
+        state: ModelState, ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A hook for variants that add a branch before the attention (the hybrid's convolution)."""
         return pending, h

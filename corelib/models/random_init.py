@@ -1,10 +1,11 @@
-"""Random weights drawn where the model runs: one seeded generator per tensor (``model.init=device``).
+"""Random weights: from one float32 stream on the host, or drawn where the model runs.
 
-The CPU path (:func:`corelib.models.llama.random_state_dict`) draws the whole model from one
+The CPU path (:func:`random_state_dict`, ``model.init=cpu``) draws the whole model from one
 float32 stream on the host: the same weights on every device and machine, but 8 B parameters
-are 32 GB and minutes of drawing, in every rank. Here each tensor has its own generator,
-seeded by (``model.seed``, the tensor's name), on the model's device: every rank draws the
-same full tensor in a fraction of a second, keeps its shard, and the host holds none of it.
+are 32 GB and minutes of drawing, in every rank. The device path (:func:`seeded_weights`,
+``model.init=device``) gives each tensor its own generator, seeded by (``model.seed``, the
+tensor's name), on the model's device: every rank draws the same full tensor in a fraction of
+a second, keeps its shard, and the host holds none of it.
 A device's generator gives the same values on every device of its kind (two H200s agree), not
 across kinds, which is why ``model.init`` is a property of the preset, not of the backend.
 """
@@ -12,13 +13,14 @@ across kinds, which is why ``model.init`` is a property of the preset, not of th
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 
 from corelib.config import ModelConfig, WeightInit
-from corelib.models.llama import ModelShape, ModelWeights, assemble_weights, hf_parameter_shapes
+from corelib.models.llama import ModelWeights, assemble_weights
+from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
+from corelib.models.weight_map import Init, Source, weight_map
 from corelib.progress import current as current_progress
 
 # model.init=auto draws models above this many parameters on the device. Up to it the CPU path
@@ -27,7 +29,7 @@ DEVICE_INIT_MIN_PARAMETERS = 1_000_000_000
 
 
 def parameter_count(shape: ModelShape) -> int:
-    return sum(math.prod(dims) for dims in hf_parameter_shapes(shape).values())
+    return weight_map(shape).parameter_count()
 
 
 def init_on_device(cfg: ModelConfig, shape: ModelShape) -> bool:
@@ -38,22 +40,39 @@ def init_on_device(cfg: ModelConfig, shape: ModelShape) -> bool:
     return choice is WeightInit.device
 
 
-def seeded_tensor(name: str, dims: tuple[int, ...], seed: int, device: torch.device,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """The parameter ``name`` from its own generator seeded by (``seed``, ``name``), on ``device``.
+def random_state_dict(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights in Hugging Face names, generated on the CPU in float32.
 
-    Drawn in float32 with the scales of the CPU path (norms near 1, matrices 1/sqrt(fan-in)),
-    then cast to ``dtype``; it depends on nothing else drawn, so any rank may draw any subset.
+    Generating on the CPU makes the weights identical on every device and machine.
     """
-    generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
-    values = torch.randn(dims, generator=generator, device=device, dtype=torch.float32)
-    if name.endswith("norm.weight"):
-        values.mul_(0.1).add_(1.0)
-    elif name.endswith("conv.weight"):
-        values.div_(dims[0])
-    else:
-        values.mul_(0.5 if name.endswith(".bias") else 1.0 / dims[-1] ** 0.5)
-    return values.to(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    sources = weight_map(shape).sources
+    with current_progress().task("generating random weights", total=len(sources), unit="tensors") as task:
+        for name, source in sources.items():
+            state[name] = _scaled(torch.randn(source.shape, generator=generator), source)
+            task.advance()
+    return state
+
+
+def _scaled(values: torch.Tensor, source: Source) -> torch.Tensor:
+    """Standard normal ``values`` scaled in place the way ``source`` is drawn: norms near 1, matrices 1/sqrt(fan-in)."""
+    if source.init is Init.norm:
+        return values.mul_(0.1).add_(1.0)
+    if source.init is Init.conv:
+        return values.div_(source.shape[0])
+    return values.mul_(0.5 if source.init is Init.bias else 1.0 / source.shape[-1] ** 0.5)
+
+
+def seeded_tensor(source: Source, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The checkpoint tensor ``source`` from its own generator seeded by (``seed``, its name), on ``device``.
+
+    Drawn in float32 with the scales of the CPU path, then cast to ``dtype``; it depends on
+    nothing else drawn, so any rank may draw any subset.
+    """
+    generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, source.name))
+    values = torch.randn(source.shape, generator=generator, device=device, dtype=torch.float32)
+    return _scaled(values, source).to(dtype)
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -65,13 +84,13 @@ def tensor_seed(seed: int, name: str) -> int:
 def seeded_weights(shape: ModelShape, seed: int, device: torch.device,
                    shard: TensorShard | None = None) -> ModelWeights:
     """The model of ``shape`` drawn on ``device``; with ``shard``, this rank's part of the same full tensors."""
-    full = hf_parameter_shapes(shape)
+    full = weight_map(shape).sources
     local = shard.shape(shape) if shard is not None else shape
     drawing = current_progress().task("generating random weights on the device", total=len(full), unit="tensors")
     with drawing as task:
 
         def get(name: str) -> torch.Tensor:
-            tensor = seeded_tensor(name, full[name], seed, device, shape.dtype)
-            return task.advanced(shard.slice(name, tensor) if shard is not None else tensor)
+            tensor = seeded_tensor(full[name], seed, device, shape.dtype)
+            return task.advanced(shard.slice(full[name], tensor) if shard is not None else tensor)
 
         return assemble_weights(local, get, device)

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from corelib.models.llama import LayerWeights, ModelShape, ModelWeights
+from corelib.models.llama import LayerWeights, ModelWeights
 from corelib.models.rope import inv_freq
+from corelib.models.shape import ModelShape
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,6 +5,10 @@ An :class:`Architecture` says what the feature gates need to know without weight
 itself (:meth:`validate`), and builds a :class:`~corelib.models.base.Model` on a device
 (:meth:`load`). A plugin adds one through the ``corelib_models`` hook; the engine never
 names an architecture.
+
+A member of the Llama family is one :class:`LlamaVariant` line in :data:`BUILTIN`: its flags
+make the shape, the shape makes the weight map (:mod:`corelib.models.weight_map`), and the
+weight map is all the loader, the shards and the random weights know of a checkpoint's tensors.
 """
 
 from __future__ import annotations
@@ -18,11 +22,17 @@ import torch
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models.base import Model, ModelFacts
+from corelib.models.checkpoint import load_checkpoint
+from corelib.models.hybrid import HybridModel
+from corelib.models.llama import LlamaModel, ModelWeights, build_weights
+from corelib.models.random_init import init_on_device, random_state_dict, seeded_weights
+from corelib.models.rope import RopeScaling
+from corelib.models.shape import ModelShape, torch_dtype
+from corelib.models.sharding import TensorShard, check_divisible
+from corelib.models.weight_map import weight_map
 
 if TYPE_CHECKING:
     from corelib.device import Device
-    from corelib.models.llama import ModelShape, ModelWeights
-    from corelib.models.sharding import TensorShard
 
 
 class Architecture(Protocol):
@@ -54,22 +64,49 @@ class LlamaVariant:
     attention_bias: bool = False  # qkv bias (Qwen2)
     qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3)
     conv_state: bool = False  # a causal-convolution state per sequence (the hybrid)
+    fused_qkv: bool = False  # checkpoints hold q/k/v as one qkv_proj tensor (Phi-3)
+    fused_gate_up: bool = False  # checkpoints hold gate/up as one gate_up_proj tensor (Phi-3)
 
     def facts(self, cfg: ModelConfig) -> ModelFacts:
         return ModelFacts(self.name, recurrent_state=self.conv_state, multimodal=bool(cfg.multimodal))
 
-    def validate(self, cfg: ModelConfig, tp: int) -> None:
-        from corelib.models.llama import ModelShape
-        from corelib.models.sharding import check_divisible
+    def shape(self, cfg: ModelConfig) -> ModelShape:
+        """The shape of ``cfg`` (resolved: a checkpoint's values in it) as this variant runs it."""
+        if cfg.num_heads < 1 or cfg.num_kv_heads < 1:
+            raise ConfigError(f"model.num_heads={cfg.num_heads} and model.num_kv_heads={cfg.num_kv_heads} "
+                              "must be at least 1")
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={cfg.num_heads} is not a multiple of model.num_kv_heads={cfg.num_kv_heads}"
+            )
+        return ModelShape(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
+            intermediate_size=cfg.intermediate_size,
+            max_model_len=cfg.max_model_len,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_norm_eps,
+            # "auto" (the checkpoint's dtype) is resolved at startup; random weights have none
+            dtype=torch_dtype("float32" if cfg.dtype == "auto" else cfg.dtype),
+            attention_bias=cfg.attention_bias or self.attention_bias,
+            qk_norm=cfg.qk_norm or self.qk_norm,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            conv_kernel=cfg.conv_kernel if self.conv_state else 0,
+            rope_scaling=RopeScaling.parse(cfg.rope_scaling, cfg.max_model_len),
+            fused_qkv=self.fused_qkv,
+            fused_gate_up=self.fused_gate_up,
+        )
 
-        shape = ModelShape.from_config(cfg)
+    def validate(self, cfg: ModelConfig, tp: int) -> None:
+        shape = self.shape(cfg)
         if tp > 1:
             check_divisible(shape, tp)
 
     def load(self, cfg: ModelConfig, device: Device, shard: TensorShard | None, compile_decode: bool) -> Model:
-        from corelib.models.hybrid import HybridModel
-        from corelib.models.llama import LlamaModel
-
         weights = llama_weights(cfg, device.torch_device, shard)
         model_class = HybridModel if self.conv_state else LlamaModel
         return model_class(weights, self.facts(cfg), compile_decode=compile_decode)
@@ -77,8 +114,10 @@ class LlamaVariant:
 
 BUILTIN: tuple[LlamaVariant, ...] = (
     LlamaVariant("llama", ("LlamaForCausalLM",)),
+    LlamaVariant("mistral", ("MistralForCausalLM",)),  # sliding_window is refused where it would act
     LlamaVariant("qwen2", ("Qwen2ForCausalLM",), attention_bias=True),
     LlamaVariant("qwen3", ("Qwen3ForCausalLM",), qk_norm=True),
+    LlamaVariant("phi3", ("Phi3ForCausalLM",), fused_qkv=True, fused_gate_up=True),
     LlamaVariant("hybrid", conv_state=True),
 )
 
@@ -112,6 +151,11 @@ def llama_variant(name: str) -> LlamaVariant:
     return found
 
 
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """The shape of a Llama-family ``cfg`` (resolved), as its variant runs it."""
+    return llama_variant(cfg.architecture).shape(cfg)
+
+
 def hf_architecture(hf_names: list[str]) -> str | None:
     """The registered architecture that loads one of config.json's ``architectures``, if any."""
     for hf_name in hf_names:
@@ -133,19 +177,15 @@ def model_facts(cfg: ModelConfig) -> dict[str, bool | str]:
 def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | None = None) -> ModelWeights:
     """Random seeded weights, or a checkpoint when ``model.path`` is set; ``shard``: one rank's part.
 
-    Random weights come from the CPU path or are drawn on the device, as ``model.init`` says
+    ``cfg`` is resolved (``corelib.models.hf_config``; the startup does it). Random weights come
+    from the CPU path or are drawn on the device, as ``model.init`` says
     (``corelib.models.random_init``); either way every rank starts from the same full tensors.
     """
-    from corelib.models.llama import ModelShape, build_weights
-    from corelib.models.random_init import init_on_device, seeded_weights
-
+    shape = model_shape(cfg)
     if cfg.path:
-        from corelib.models.checkpoint import load_checkpoint
-
-        weights = load_checkpoint(cfg, device, shard)
+        weights = load_checkpoint(cfg, shape, device, shard)
         weights.all_reduce = shard.all_reduce if shard is not None else None
         return weights
-    shape = ModelShape.from_config(cfg)
     if init_on_device(cfg, shape):
         weights = seeded_weights(shape, cfg.seed, device, shard)
         weights.all_reduce = shard.all_reduce if shard is not None else None
@@ -155,7 +195,8 @@ def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | N
     state = _random_state(shape, cfg.seed)
     if shard is None:
         return build_weights(shape, state, device, copy=True)
-    local = {name: shard.slice(name, tensor) for name, tensor in state.items()}
+    sources = weight_map(shape).sources
+    local = {name: shard.slice(sources[name], tensor) for name, tensor in state.items()}
     weights = build_weights(shard.shape(shape), local, device, copy=True)
     weights.all_reduce = shard.all_reduce
     return weights
@@ -164,6 +205,4 @@ def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | N
 @functools.lru_cache(maxsize=1)
 def _random_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     # Engines built one after another in a process (bench, tests) reuse the host copy.
-    from corelib.models.llama import random_state_dict
-
     return random_state_dict(shape, seed)

@@ -1,10 +1,12 @@
 """Megatron-style tensor parallelism of the Llama layout, as slices of Hugging Face tensors.
 
 Column-parallel: q/k/v and gate/up (each rank holds a contiguous group of heads or of
-intermediate features, biases alike). Row-parallel: o_proj and down_proj (each rank holds
-the matching input columns; their partial outputs are summed with an all-reduce). The
-embedding and LM head are replicated, a simpler choice than vocabulary parallelism: every
-rank computes the full logits and samples the same token, so no gather is needed.
+intermediate features, biases alike; a fused tensor is divided part by part). Row-parallel:
+o_proj and down_proj (each rank holds the matching input columns; their partial outputs are
+summed with an all-reduce). The embedding and LM head are replicated, a simpler choice than
+vocabulary parallelism: every rank computes the full logits and samples the same token, so no
+gather is needed. Which tensor is which comes from the weight map
+(:mod:`corelib.models.weight_map`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from corelib.errors import ConfigError
-from corelib.models.llama import ModelShape
-
-_COLUMN = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
-_ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+from corelib.models.shape import ModelShape
+from corelib.models.weight_map import Source, Split
 
 
 def check_divisible(shape: ModelShape, world: int) -> None:
@@ -53,12 +53,11 @@ class TensorShard:
             intermediate_size=full.intermediate_size // self.world,
         )
 
-    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the Hugging Face tensor ``name`` (the whole tensor if replicated)."""
-        if self.world == 1:
+    def slice(self, source: Source, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint tensor ``source`` (the whole tensor if replicated)."""
+        if self.world == 1 or source.split is Split.replicated:
             return tensor
-        if any(part in name for part in _COLUMN):
-            return tensor.chunk(self.world, dim=0)[self.rank].contiguous()
-        if name.endswith(_ROW):
+        if source.split is Split.row:
             return tensor.chunk(self.world, dim=1)[self.rank].contiguous()
-        return tensor
+        parts = torch.split(tensor, list(source.parts), dim=0) if source.parts else (tensor,)
+        return torch.cat([part.chunk(self.world, dim=0)[self.rank] for part in parts], dim=0).contiguous()

@@ -16,7 +16,8 @@ import torch
 from corelib.config import ModelConfig
 from corelib.models.checkpoint import INDEX_FILE
 from corelib.models.hf_config import read_checkpoint_config
-from corelib.models.llama import ModelShape, random_state_dict
+from corelib.models.random_init import random_state_dict
+from corelib.models.registry import model_shape
 from corelib.text import TOKENIZER_FILE
 
 
@@ -60,7 +61,7 @@ def write_random_checkpoint(
     (directory / "config.json").write_text(json.dumps(dict(hf_config), indent=2) + "\n")
     checkpoint = read_checkpoint_config(str(directory))
     model = checkpoint.apply(ModelConfig(name="synthetic", dtype="auto"))[0]
-    shape = ModelShape.from_config(model)
+    shape = model_shape(model)
     target = dtype or shape.dtype
     state = {name: t.to(target).contiguous() for name, t in random_state_dict(shape, seed).items()}
     names = list(state)

@@ -66,10 +66,6 @@ class Tracer:
     def instant(self, name: str, lane: str | None = None, **args: object) -> None:
         """A point in time on a host lane."""
 
-    def device_span(self, name: str, start: Event, end: Event, category: str = COPY_CATEGORY,
-                    lane: str | None = None, **args: object) -> None:
-        """A device span between two completed timing events, on ``lane`` (default: ``end``'s stream)."""
-
     def step(self, handle: StepHandle, path: str) -> None:
         """The device spans of a completed step: its compute span, and its D2H where that was timed."""
 
@@ -190,11 +186,6 @@ class TimelineTracer(Tracer):
         if anchor is None:
             raise RuntimeError("device spans need anchor_device() first")
         return anchor[1] + anchor[0].elapsed_ms(event) / 1e3
-
-    def device_span(self, name: str, start: Event, end: Event, category: str = COPY_CATEGORY,
-                    lane: str | None = None, **args: object) -> None:
-        if self._anchor is not None:
-            self._device_record(category, name, start, end, lane, args or None)
 
     def _device_record(self, category: str, name: str, start: Event, end: Event, lane: str | None,
                        args: Mapping[str, object] | None) -> None:

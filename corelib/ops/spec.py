@@ -15,6 +15,7 @@ from typing import Protocol, cast
 import torch
 
 from corelib.device import Device
+from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_logits, norm_qkv_rope_kv_write
 
 OP_NAMES = (
     "rms_norm",
@@ -40,6 +41,7 @@ COMPOSED_PARTS: dict[str, tuple[str, ...]] = {
 }
 COMPOSED_OPS = tuple(COMPOSED_PARTS)
 COMPOSED = "composed"
+_COMPOSERS = {f.__name__: f for f in (linear_residual, norm_qkv_rope_kv_write, norm_gate_up_silu_mul, norm_logits)}
 
 
 @dataclass(frozen=True)
@@ -276,12 +278,10 @@ class Ops:
     providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
 
     def __post_init__(self) -> None:
-        from corelib.ops import composed
-
         providers = dict(self.providers)
         for op, parts in COMPOSED_PARTS.items():
             if getattr(self, op) is None:
-                object.__setattr__(self, op, functools.partial(getattr(composed, op), self))
+                object.__setattr__(self, op, functools.partial(_COMPOSERS[op], self))
                 by_provider = any(providers.get(part, "reference") != "reference" for part in parts)
                 providers[op] = COMPOSED if by_provider else "reference"
         object.__setattr__(self, "providers", providers)

@@ -3,7 +3,9 @@
 :class:`ServedEngine` is the little the engine loop needs: add, abort, step, a few facts. A
 corelib :class:`~corelib.engine.api.Engine` provides it through :class:`EngineAdapter`; the
 stand-in of :mod:`corelib.server.fake` provides it with no model. :class:`EngineRecipe` is
-picklable, so an engine process builds the same engine the server would have built itself.
+picklable, so an engine process builds the same engine the server would have built itself; a
+recipe of a composed config also runs the startup there (probing the backend, planning, writing
+the run directory's ``plan.json``), so that the server's own process never imports torch.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from omegaconf import DictConfig
@@ -22,12 +25,7 @@ from corelib.server.fake import FakeEngine, FakeSpec
 from corelib.text import Tokenizer
 
 if TYPE_CHECKING:
-    from corelib.backend import DeviceSpec
-    from corelib.config import CorelibConfig
     from corelib.engine.api import Engine
-    from corelib.features import Plan
-    from corelib.options import EngineOptions
-    from corelib.startup import Startup
 
 
 class ServedEngine(Protocol):
@@ -65,8 +63,9 @@ class ServedEngine(Protocol):
 class EngineAdapter:
     """A corelib Engine as a :class:`ServedEngine`."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, startup_messages: Sequence[str] = ()) -> None:
         self.engine = engine
+        self._startup_messages = tuple(startup_messages)
         self._started = time.perf_counter()
 
     @property
@@ -82,7 +81,7 @@ class EngineAdapter:
         cfg = engine.startup.config
         tokenizer = str(engine.tokenizer.path) if engine.tokenizer is not None else None
         return EngineFacts(engine.vocab_size, cfg.model.max_model_len, cfg.engine.max_num_seqs, cfg.model.name,
-                           cfg.model.path, tokenizer, self.kv_blocks()[1], tuple(engine.notices))
+                           cfg.model.path, tokenizer, self.kv_blocks()[1], (*self._startup_messages, *engine.notices))
 
     def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> object:
         return self.engine.add_request(prompt, sampling, request_id)
@@ -109,22 +108,26 @@ class EngineAdapter:
 
 
 @dataclass(frozen=True)
-class StartupParts:
-    """A Startup without its backend object, which the engine process looks up by name again."""
+class ComposedRun:
+    """A composed config (interpolations resolved) and the run directory its startup is recorded in."""
 
-    raw: DictConfig
-    config: CorelibConfig
-    spec: DeviceSpec
-    plan: Plan
-    messages: tuple[str, ...]
-    options: EngineOptions
+    config: DictConfig
+    run_dir: str
 
-    def startup(self) -> Startup:
+    def build(self) -> EngineAdapter:
+        """Check the config, choose the backend, plan, record ``config.yaml`` and ``plan.json``, build."""
+        from corelib.compose import prepare_config_store
+        from corelib.engine.api import Engine
         from corelib.plugins import PluginRegistry
-        from corelib.startup import Startup
+        from corelib.rundir import RunDir
+        from corelib.startup import start
 
-        backend = PluginRegistry().get(self.spec.backend)
-        return Startup(self.raw, self.config, backend, self.spec, self.plan, self.messages, self.options)
+        plugins = self.config.plugins
+        registry = PluginRegistry(allow=plugins.allow, block=plugins.block)
+        prepare_config_store(registry)
+        startup = start(self.config, registry)
+        RunDir(Path(self.run_dir)).record_startup(startup)
+        return EngineAdapter(Engine(startup), startup.messages)
 
 
 @dataclass(frozen=True)
@@ -132,23 +135,22 @@ class EngineRecipe:
     """How to build the served engine: from overrides, from the decisions of a startup, or the stand-in."""
 
     overrides: tuple[str, ...] | None = None
-    startup: StartupParts | None = None
+    composed: ComposedRun | None = None
     fake: FakeSpec | None = None
 
     def __post_init__(self) -> None:
-        given = sum(part is not None for part in (self.overrides, self.startup, self.fake))
+        given = sum(part is not None for part in (self.overrides, self.composed, self.fake))
         if given != 1:
-            raise ValueError(f"an EngineRecipe takes exactly one of overrides, startup and fake ({given} given)")
+            raise ValueError(f"an EngineRecipe takes exactly one of overrides, composed and fake ({given} given)")
 
     @classmethod
     def of_overrides(cls, overrides: Sequence[str]) -> EngineRecipe:
         return cls(overrides=tuple(overrides))
 
     @classmethod
-    def of_startup(cls, startup: Startup) -> EngineRecipe:
-        """The engine ``Engine(startup)`` builds, with the checks and choices already made (nothing re-resolved)."""
-        return cls(startup=StartupParts(startup.raw, startup.config, startup.spec, startup.plan, startup.messages,
-                                        startup.options))
+    def of_config(cls, config: DictConfig, run_dir: Path) -> EngineRecipe:
+        """The engine of a composed config: its startup (backend choice, probe, plan) runs where it is built."""
+        return cls(composed=ComposedRun(config, str(run_dir)))
 
     def build(self) -> ServedEngine:
         if self.fake is not None:
@@ -157,5 +159,5 @@ class EngineRecipe:
 
         if self.overrides is not None:
             return EngineAdapter(Engine.from_overrides(list(self.overrides)))
-        assert self.startup is not None, "checked in __post_init__"
-        return EngineAdapter(Engine(self.startup.startup()))
+        assert self.composed is not None, "checked in __post_init__"
+        return self.composed.build()

@@ -3,17 +3,23 @@
 One arena per step means one host-to-device copy per step, and the same bytes travel through
 the SHM ring unchanged (:mod:`corelib.transport.wire` frames them). The scheduler side packs an
 arena (:mod:`corelib.engine.packing`), the device side reads it (:mod:`corelib.step.runner`):
-both import the layouts from here, neither imports the other.
+both import the layouts from here, neither imports the other. An :class:`ArenaPool` keeps the
+host buffers arenas are packed into (or copied into, as a step's snapshot of an SHM frame) and
+reuses one only once its step has completed.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from corelib.errors import DeviceTimeout
 from corelib.ops.spec import SAMPLING_COLUMNS
 
 ALIGN = 64
@@ -140,3 +146,36 @@ def prefill_layout(num_tokens: int, num_seqs: int, max_len: int) -> ArenaLayout:
             *(Field(name, dtype, (num_seqs,)) for name, dtype in PREFILL_SEQ_FIELDS),
         ]
     )
+
+
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class ArenaPool:
+    """Host arenas (or snapshots of them) reused once the step that read them has completed."""
+
+    def __init__(
+        self, allocate: Allocate, nbytes: int, count: int, timeout_s: float, what: str = "arena"
+    ) -> None:
+        self._free: deque[torch.Tensor] = deque(allocate((nbytes,), torch.uint8) for _ in range(count))
+        self._cond = threading.Condition()
+        self._timeout = timeout_s
+        self._what = what
+        self.nbytes = nbytes
+
+    def acquire(self) -> torch.Tensor:
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while not self._free:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    raise DeviceTimeout(
+                        f"no free {self._what} buffer within {self._timeout:g} s: "
+                        "every buffer still belongs to a step whose tokens were not read"
+                    )
+            return self._free.popleft()
+
+    def release(self, arena: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._cond.notify()

@@ -58,7 +58,7 @@ def build_device_steps(
     runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,
                          layout.buckets(options, device.capabilities.graph_param_update), handoff)
     snapshots = options.pipeline_depth + SNAPSHOT_SPARE if options.transport is Transport.shm else 0
-    stager = build_stager(staging, device, compute, layout.staging_bytes, snapshots, config.engine.timeout_s)
+    stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s)
     steps = DeviceSteps(runner, stager, handoff)
     try:
         if options.graphs:

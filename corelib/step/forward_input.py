@@ -39,12 +39,13 @@ class ForwardInput:
         return self.layout.views(self.arena)
 
 
-def pad_decode_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int, pad_slot: int) -> None:
-    """Padded rows ``[first, last)``: token 0 at position 0 of the pad slot, written to the null block, greedy."""
+def pad_decode_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int,
+                    pad_state_index: int) -> None:
+    """Padded rows ``[first, last)``: token 0 at position 0 of the padding state index, null block, greedy."""
     for name in ("input_ids", "positions", "slot_mapping"):
         views[name][first:last] = 0
     views["seq_lens"][first:last] = 1
-    views["state_indices"][first:last] = pad_slot
+    views["state_indices"][first:last] = pad_state_index
     for column in SAMPLING_COLUMNS:
         views[column.name][first:last] = column.neutral
     views["block_tables"][first:last, :kv_blocks] = 0

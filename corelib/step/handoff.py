@@ -1,6 +1,6 @@
 """Token handoff: how each step's sampled tokens reach the next step and the host.
 
-On the device, each step's samples are scattered into a per-slot relay (``seq_tokens``): the
+On the device, each step's samples are scattered into a relay by state index (``seq_tokens``): the
 next step's input ids come from there, never through the host. Each step's tokens are also
 copied into one of ``depth`` device buffers and, by a non-blocking D2H on their own stream,
 into the matching pinned host buffer; that copy's event is what the host waits for, only when
@@ -77,7 +77,7 @@ class _Buffer:
 class TokenHandoff:
     """The relay, the device and pinned token buffers, and the events that order them."""
 
-    def __init__(self, device: Device, compute: Stream, rows: int, num_slots: int, depth: int,
+    def __init__(self, device: Device, compute: Stream, rows: int, num_states: int, depth: int,
                  timing: bool) -> None:
         if depth < 1:
             raise ValueError(f"the pipeline depth must be at least 1, got {depth}")
@@ -88,8 +88,8 @@ class TokenHandoff:
         self.d2h = device.stream("d2h") if caps.streams else compute
         self.timing = timing and caps.event_timing
         self.time_tokens = False  # a trace times each step's D2H too: its tokens events then carry timing
-        # Per-sequence relay of the latest sampled token; the last slot absorbs padded rows.
-        self.seq_tokens = device.zeros((num_slots + 1,), torch.int64)
+        # Per-sequence relay of the latest sampled token, by state index; the last absorbs padded rows.
+        self.seq_tokens = device.zeros((num_states + 1,), torch.int64)
         self.next_tokens = device.zeros((rows,), torch.int64)
         self.relay = device.zeros((depth, rows), torch.int64)
         self.host = device.host_empty((depth, rows), torch.int64, pinned=True)
@@ -121,14 +121,14 @@ class TokenHandoff:
         self._make_events()
 
     # ------------------------------------------------------------------ inside the device step
-    def decode_inputs(self, input_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Input ids with RELAY rows replaced by the slot's latest sample, on the device."""
-        return torch.where(input_ids >= 0, input_ids, self.seq_tokens[slots])
+    def decode_inputs(self, input_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """Input ids with RELAY rows replaced by each state index's latest sample, on the device."""
+        return torch.where(input_ids >= 0, input_ids, self.seq_tokens[states])
 
-    def publish(self, tokens: torch.Tensor, rows: int, slots: torch.Tensor, for_host: torch.Tensor) -> None:
+    def publish(self, tokens: torch.Tensor, rows: int, states: torch.Tensor, for_host: torch.Tensor) -> None:
         """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens)."""
         self.next_tokens[:rows].copy_(for_host)
-        self.seq_tokens.index_copy_(0, slots, tokens)
+        self.seq_tokens.index_copy_(0, states, tokens)
 
     # ------------------------------------------------------------------ around the device step
     def begin(self, step_id: int) -> tuple[int, StepTiming]:

@@ -19,7 +19,7 @@ from corelib.step.buckets import BucketPolicy
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Batch rows, KV blocks and staging sizes for one engine configuration."""
+    """Batch rows, KV blocks and arena sizes for one engine configuration."""
 
     rows: int
     block_size: int
@@ -64,7 +64,7 @@ class EngineLayout:
         )
 
     @property
-    def staging_bytes(self) -> int:
+    def arena_bytes(self) -> int:
         """Room for the decode arena or the largest prefill arena."""
         longest = max(self.max_batched_tokens, self.max_model_len)
         return max(self.decode_layout.nbytes, prefill_layout(longest, self.rows, self.max_model_len).nbytes)
@@ -75,8 +75,8 @@ class EngineLayout:
         return decode_layout(self.rows, self.max_blocks)
 
     @property
-    def pad_slot(self) -> int:
-        """The per-sequence state slot padded rows use (one past the real slots)."""
+    def pad_state_index(self) -> int:
+        """The state index padded rows use (one past the real ones)."""
         return self.rows
 
     def buckets(self, options: EngineOptions, param_update: bool) -> BucketPolicy:

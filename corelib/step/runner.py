@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from corelib.device import Device, Graph, Stream
+from corelib.device import Device, Stream
 from corelib.faults import maybe_fail
+from corelib.graph import Graph
 from corelib.models.base import DecodeBatch, Model, PrefillBatch
 from corelib.ops import Ops, PagedAttention, SamplingInputs, VarlenAttention
 from corelib.progress import current as current_progress
@@ -77,7 +78,7 @@ class ModelRunner:
         if arena is None:
             raise RuntimeError("graphs need device memory separate from the host")
         pad = self.device.host_empty((self.decode_layout.nbytes,), torch.uint8, pinned=True)
-        pad_decode_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_slot)
+        pad_decode_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_state_index)
         graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}")
         views = self.decode_layout.views(arena)
         param_update = self.buckets.param_update
@@ -126,33 +127,33 @@ class ModelRunner:
     # ------------------------------------------------------------------ device work
     def _decode(self, views: dict[str, torch.Tensor], rows: int, kv: int, sampled: bool) -> None:
         maybe_fail("forward")
-        slots = views["state_indices"][:rows]
+        states = views["state_indices"][:rows]
         positions = views["positions"][:rows]
         attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows],
                                    self.layout.block_size)
-        batch = DecodeBatch(self.handoff.decode_inputs(views["input_ids"][:rows], slots), positions,
-                            views["slot_mapping"][:rows], attention, slots)
+        batch = DecodeBatch(self.handoff.decode_inputs(views["input_ids"][:rows], states), positions,
+                            views["slot_mapping"][:rows], attention, states)
         logits = self.model.decode(batch, self.state, self.ops)
-        self._emit(logits, rows, slots, views, positions + 1, sampled)
+        self._emit(logits, rows, states, views, positions + 1, sampled)
 
     def _prefill(self, views: dict[str, torch.Tensor], num_seqs: int, sampled: bool) -> None:
         maybe_fail("forward")
         cu_seqlens = views["cu_seqlens"]
         attention = VarlenAttention(cu_seqlens, int(views["pad_index"].shape[1]), views["pad_index"], views["valid"])
-        slots = views["state_indices"]
+        states = views["state_indices"]
         batch = PrefillBatch(views["token_ids"], views["positions"], views["slot_mapping"], attention,
-                             views["last_index"], slots)
+                             views["last_index"], states)
         logits = self.model.prefill(batch, self.state, self.ops)
-        self._emit(logits, num_seqs, slots, views, cu_seqlens[1:] - cu_seqlens[:-1], sampled)
+        self._emit(logits, num_seqs, states, views, cu_seqlens[1:] - cu_seqlens[:-1], sampled)
 
-    def _emit(self, logits: torch.Tensor, rows: int, slots: torch.Tensor, views: dict[str, torch.Tensor],
+    def _emit(self, logits: torch.Tensor, rows: int, states: torch.Tensor, views: dict[str, torch.Tensor],
               sample_positions: torch.Tensor, sampled: bool) -> None:
         sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
         tokens = self.ops.sample(logits, sampling)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         finite = torch.isfinite(logits.sum(dim=-1))
-        self.handoff.publish(tokens, rows, slots, torch.where(finite, tokens, NONFINITE))
+        self.handoff.publish(tokens, rows, states, torch.where(finite, tokens, NONFINITE))
 
     def close(self) -> None:
         for graph in self.graphs.values():

@@ -5,64 +5,29 @@ One strategy per engine, chosen once at startup (``EngineOptions.staging``):
 - ``inline``: the host packed the step into pinned memory it owns; the H2D runs on the
   compute stream, in order with the forward.
 - ``host``: the device reads host memory (the cpu backend): no device copy at all. Frames from
-  shared memory are copied into a plain host buffer owned by the step, and the slot released.
+  shared memory are copied into a plain host buffer owned by the step, and the ring slot released.
 - ``ordered`` (SHM, as the second seed describes): on arrival, one contiguous copy of the
-  frame's arena into a pinned snapshot owned by the step, then the slot is released; at submit,
+  frame's arena into a pinned snapshot owned by the step, then the ring slot is released; at submit,
   the H2D runs on the prepare stream after the previous step stopped reading the device arena,
   and a ready event gates graph update and replay on the compute stream.
 - ``early`` (SHM): on arrival, the receiving thread issues the H2D itself, straight from the
-  shared slot, on its own stream, and releases the slot at once. Nothing orders that copy with
+  ring slot, on its own stream, and releases the ring slot at once. Nothing orders that copy with
   the producer's next write: on a device that reads the source when the copy runs (pinned or
   registered memory, npu's unchecked DMA), the step may read the next frame's bytes.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from corelib.device import Device, Event, Stream
-from corelib.errors import DeviceTimeout
 from corelib.options import Staging
+from corelib.step.arena import ArenaPool
 from corelib.step.forward_input import ForwardInput
-
-Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-
-class StagingPool:
-    """Host arenas reused once the step that read them has completed."""
-
-    def __init__(
-        self, allocate: Allocate, nbytes: int, count: int, timeout_s: float, what: str = "input staging"
-    ) -> None:
-        self._free: deque[torch.Tensor] = deque(allocate((nbytes,), torch.uint8) for _ in range(count))
-        self._cond = threading.Condition()
-        self._timeout = timeout_s
-        self._what = what
-        self.nbytes = nbytes
-
-    def acquire(self) -> torch.Tensor:
-        deadline = time.monotonic() + self._timeout
-        with self._cond:
-            while not self._free:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    raise DeviceTimeout(
-                        f"no free {self._what} buffer within {self._timeout:g} s: "
-                        "every buffer still belongs to a step whose tokens were not read"
-                    )
-            return self._free.popleft()
-
-    def release(self, arena: torch.Tensor) -> None:
-        with self._cond:
-            self._free.append(arena)
-            self._cond.notify()
 
 
 @dataclass
@@ -96,8 +61,8 @@ class InputStager(ABC):
         """In process: the arena the host packed belongs to the step until it completes."""
         return Staged(fi, fi.arena, None, release)
 
-    def receive(self, fi: ForwardInput, release_slot: Callable[[], None]) -> Staged:
-        """From a shared-memory slot (``fi.arena`` views the slot); ``release_slot`` gives the slot back."""
+    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
+        """From a shared-memory slot (``fi.arena`` views the slot); ``release_ring_slot`` gives the slot back."""
         raise NotImplementedError(f"{self.mode.value} staging does not read shared memory")
 
     @abstractmethod
@@ -119,11 +84,11 @@ class HostStager(InputStager):
     def __init__(self, device: Device, compute: Stream, snapshot_bytes: int = 0, snapshots: int = 0,
                  timeout_s: float = 60.0) -> None:
         super().__init__(device, compute)
-        self._pool = (StagingPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), snapshot_bytes, snapshots,
+        self._pool = (ArenaPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), snapshot_bytes, snapshots,
                                   timeout_s, "input snapshot") if snapshots else None)
 
-    def receive(self, fi: ForwardInput, release_slot: Callable[[], None]) -> Staged:
-        return _snapshot(self._pool, fi, release_slot)
+    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
+        return _snapshot(self._pool, fi, release_ring_slot)
 
     def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
         return staged.source
@@ -150,14 +115,14 @@ class OrderedStager(InputStager):
     def __init__(self, device: Device, compute: Stream, snapshot_bytes: int, snapshots: int, timeout_s: float) -> None:
         super().__init__(device, compute)
         self.prepare = device.stream("prepare")
-        self._pool = StagingPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=True), snapshot_bytes,
+        self._pool = ArenaPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=True), snapshot_bytes,
                                  snapshots, timeout_s, "pinned input snapshot")
         self._ready = device.event(name="inputs.ready")
         self._consumed = device.event(name="inputs.consumed")
         self._any_consumed = False
 
-    def receive(self, fi: ForwardInput, release_slot: Callable[[], None]) -> Staged:
-        return _snapshot(self._pool, fi, release_slot)
+    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
+        return _snapshot(self._pool, fi, release_ring_slot)
 
     def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
         if target is None:
@@ -187,14 +152,14 @@ class EarlyStager(InputStager):
         self._events = [device.event(name=f"inputs.early_h2d[{i}]") for i in range(in_flight)]
         self._next = 0
 
-    def receive(self, fi: ForwardInput, release_slot: Callable[[], None]) -> Staged:
+    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
         nbytes = fi.layout.nbytes
         target = self.device.empty((nbytes,), torch.uint8)
         self.stream.copy(target, fi.arena[:nbytes])
         ready = self._events[self._next]
         self._next = (self._next + 1) % len(self._events)
         self.stream.record(ready)
-        release_slot()  # the copy may not have read the slot yet: the hazard
+        release_ring_slot()  # the copy may not have read the slot yet: the hazard
         return Staged(fi, target, ready)
 
     def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
@@ -219,14 +184,14 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _snapshot(pool: StagingPool | None, fi: ForwardInput, release_slot: Callable[[], None]) -> Staged:
+def _snapshot(pool: ArenaPool | None, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
     """One contiguous copy of the frame's arena into a buffer the step owns; the slot goes back at once."""
     if pool is None:
         raise RuntimeError("this stager was built without snapshot buffers")
     nbytes = fi.layout.nbytes
     snapshot = pool.acquire()
     _copy_bytes(snapshot[:nbytes], fi.arena[:nbytes])
-    release_slot()  # the producer may reuse the slot: the step owns its snapshot
+    release_ring_slot()  # the producer may reuse the slot: the step owns its snapshot
     return Staged(fi, snapshot, None, lambda: pool.release(snapshot))
 
 

@@ -4,7 +4,7 @@ It plays the device's part: a decode row whose input id is ``RELAY`` reads the s
 sample, as the token handoff's relay does; each row's token comes from ``next_token``; a step's
 inputs are the "device's" until its tokens are read, when it calls the loop's release callback.
 It records what happened, in order (``log``): each submission (with a copy of the packed inputs
-in ``submitted``), each result read, and each time an arena went back to the staging pool.
+in ``submitted``), each result read, and each time an arena went back to the pool.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from corelib.device import MemoryStats
 from corelib.engine.build import build_engine_core
 from corelib.engine.core import EngineCore
 from corelib.options import EngineOptions, Staging, StepCheck
-from corelib.step.arena import RELAY
+from corelib.step.arena import RELAY, ArenaPool
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
-from corelib.step.staging import StagingPool
-from corelib.transport.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
+from corelib.transport.executor import SPARE_ARENAS, Executor, StepFuture
 
 NextToken = Callable[[int, int], int]  # (previous token, its position) -> the token sampled after it
 
@@ -46,7 +45,7 @@ class ScriptedExecutor(Executor):
     """Answers each step with scripted tokens; ``log`` says what happened, in order."""
 
     def __init__(self, layout: EngineLayout, depth: int, next_token: NextToken, timeout_s: float = 10.0) -> None:
-        self.staging = _LoggedPool(self, layout.staging_bytes, depth + STAGING_BUFFERS_SPARE, timeout_s)
+        self.arenas = _LoggedPool(self, layout.arena_bytes, depth + SPARE_ARENAS, timeout_s)
         self._arena_steps: dict[int, int] = {}  # an arena's address -> the step last packed into it
         self.notices = []
         self.next_token = next_token
@@ -87,8 +86,8 @@ class ScriptedExecutor(Executor):
         self.closed = True
 
 
-class _LoggedPool(StagingPool):
-    """The executor's staging pool, logging each arena's return with the step last packed into it."""
+class _LoggedPool(ArenaPool):
+    """The executor's arena pool, logging each arena's return with the step last packed into it."""
 
     def __init__(self, executor: ScriptedExecutor, nbytes: int, count: int, timeout_s: float) -> None:
         super().__init__(lambda shape, dtype: torch.zeros(shape, dtype=dtype), nbytes, count, timeout_s)

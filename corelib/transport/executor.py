@@ -1,6 +1,6 @@
 """Where steps run: on this process's device (in-process), or in worker processes over SHM.
 
-The engine core packs a step into a host arena from the executor's staging pool and calls
+The engine core packs a step into a host arena from the executor's arena pool and calls
 ``submit``; it reads results in submission order. Each transport has a factory in
 :data:`corelib.transport.factory.EXECUTORS`, so the engine never branches on the transport itself.
 """
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 from corelib.device import Device, MemoryStats
 from corelib.observe.trace import Tracer
+from corelib.step.arena import ArenaPool
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepHandle, StepResult
-from corelib.step.staging import StagingPool
 
 if TYPE_CHECKING:
     pass
 
-STAGING_BUFFERS_SPARE = 2  # beyond the pipeline: the step being packed, and room to pack ahead
+SPARE_ARENAS = 2  # beyond the pipeline: the step being packed, and room to pack ahead
 
 
 class StepFuture(ABC):
@@ -35,7 +35,7 @@ class Executor(ABC):
     """Runs packed steps somewhere; results must be read in submission order."""
 
     #: host arenas the engine core packs steps into
-    staging: StagingPool
+    arenas: ArenaPool
     #: user-facing notes from building the executor (said once at start)
     notices: list[str]
 
@@ -71,10 +71,10 @@ class _InprocFuture(StepFuture):
 class InprocExecutor(Executor):
     """The device of this process: steps are launched from the scheduler's own thread."""
 
-    def __init__(self, device: Device, steps: DeviceSteps, staging: StagingPool) -> None:
+    def __init__(self, device: Device, steps: DeviceSteps, arenas: ArenaPool) -> None:
         self.device = device
         self.steps = steps
-        self.staging = staging
+        self.arenas = arenas
         self.notices = []
 
     def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:

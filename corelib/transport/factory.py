@@ -7,10 +7,10 @@ from collections.abc import Callable
 from corelib.config import Transport
 from corelib.options import EngineOptions
 from corelib.startup import Startup
+from corelib.step.arena import ArenaPool
 from corelib.step.build import ModelFactory, build_device_steps
 from corelib.step.layout import EngineLayout
-from corelib.step.staging import StagingPool
-from corelib.transport.executor import STAGING_BUFFERS_SPARE, Executor, InprocExecutor
+from corelib.transport.executor import SPARE_ARENAS, Executor, InprocExecutor
 from corelib.transport.nodes import Topology
 from corelib.transport.shm_executor import ShmExecutor
 
@@ -25,13 +25,12 @@ def build_inproc(
         model = model_factory(startup.config, device, None)
         steps = build_device_steps(device, startup.backend, startup.config, options, layout, model, options.staging)
         pinned = not device.capabilities.device_is_host and device.capabilities.pinned_host
-        staging = StagingPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=pinned),
-                              layout.staging_bytes, options.pipeline_depth + STAGING_BUFFERS_SPARE,
-                              startup.config.engine.timeout_s)
+        arenas = ArenaPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=pinned),
+                           layout.arena_bytes, options.pipeline_depth + SPARE_ARENAS, startup.config.engine.timeout_s)
     except BaseException:
         device.close()
         raise
-    return InprocExecutor(device, steps, staging)
+    return InprocExecutor(device, steps, arenas)
 
 
 def build_shm(

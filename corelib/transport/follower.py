@@ -6,32 +6,73 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from corelib.errors import TransportError, WorkerDied
 from corelib.startup import Startup
 from corelib.step.layout import EngineLayout
-from corelib.transport.nodes import FOLLOWER_POLL_S, HEARTBEAT_S, STATUS_BYTES, MessageCode, Topology, lost_reason
+from corelib.transport.nodes import (
+    FOLLOWER_POLL_S,
+    HEARTBEAT_S,
+    STATUS_BYTES,
+    MessageCode,
+    Topology,
+    lost_reason,
+)
 from corelib.transport.shm_executor import ShmExecutor
 from corelib.transport.wire import FrameHeader, FrameKind
+
+
+class NodeRing(Protocol):
+    """What a follower needs of its node's ring and ranks (an :class:`ShmExecutor`)."""
+
+    @property
+    def timeout(self) -> float: ...
+
+    def write_frame(self, header: FrameHeader, payload: memoryview | None) -> None: ...
+
+    def why_gone(self) -> str | None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+    def stop_now(self) -> None: ...
+
+
+class NodeChannel(Protocol):
+    """What a follower needs of its line to node 0 (a :class:`NodeGroup`)."""
+
+    def receive(self, peer: int, status: bool = False, first: bool = False) -> tuple[MessageCode, torch.Tensor | None]:
+        ...
+
+    def send(self, code: MessageCode, data: torch.Tensor | None, peer: int, status: bool = False,
+             first: bool = False) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Follower:
     """A node other than 0: its ranks' ring, fed with the frames node 0 sends, until node 0 says stop."""
 
-    def __init__(self, startup: Startup, topology: Topology, announce: Callable[[str], None]) -> None:
+    def __init__(self, executor: NodeRing, group: NodeChannel, topology: Topology,
+                 announce: Callable[[str], None]) -> None:
         self.topology = topology
         self.announce = announce
-        self.executor: ShmExecutor = ShmExecutor(startup, startup.options, EngineLayout.of(startup.config),
-                                                 topology=topology)
-        link = self.executor.follower_group
-        assert link is not None, "a follower's executor joins the nodes' group"
-        self.group = link
+        self.executor = executor
+        self.group = group
         self._stop = threading.Event()
         self._local_failure: str | None = None  # one of this node's ranks stopped (set by the status thread)
         self._stopping = False  # node 0's stop frame is in the ring: the ranks exit, and node 0 may leave
         self._status = threading.Thread(target=self._report_loop, name="corelib-node-status", daemon=True)
+
+    @classmethod
+    def start(cls, startup: Startup, topology: Topology, announce: Callable[[str], None]) -> Follower:
+        """This node's ranks started, and the nodes' group joined."""
+        executor = ShmExecutor(startup, startup.options, EngineLayout.of(startup.config), topology=topology)
+        group = executor.follower_group
+        assert group is not None, "a follower's executor joins the nodes' group"
+        return cls(executor, group, topology, announce)
 
     def run(self) -> None:
         """Until node 0 stops; raises naming node 0 when it is gone, or this node's rank that failed."""
@@ -111,7 +152,7 @@ def follow(startup: Startup, announce: Callable[[str], None]) -> bool:
     topology = Topology.from_environment(startup.config.engine.tp)
     if not topology.follower:
         return False
-    follower = Follower(startup, topology, announce)
+    follower = Follower.start(startup, topology, announce)
     graceful = False
     try:
         follower.run()

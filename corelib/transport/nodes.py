@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from corelib.errors import ConfigError, TransportError, one_line
+from corelib.transport.launch import launched_node, launched_nodes
 from corelib.transport.shm import as_bytes
 from corelib.transport.wire import FrameHeader, FrameKind
 
@@ -95,19 +96,13 @@ class Topology:
                 f"torchrun started {local_world} processes per node, but corelib starts one worker process per "
                 "rank itself (engine.tp): launch it with torchrun --nproc-per-node=1"
             )
-        node = int(os.environ.get("RANK", "0"))
+        node = launched_node()
         if tp % nodes:
             raise ConfigError(
                 f"engine.tp={tp} cannot be spread over the {nodes} nodes torchrun started: engine.tp must be a "
                 f"multiple of the number of nodes (each node runs engine.tp / nodes ranks)"
             )
         return cls(node, nodes, tp)
-
-
-def launched_nodes() -> int:
-    """How many corelib processes torchrun started (one per node); 1 without torchrun."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    return int(world) if world.isdigit() and int(world) > 1 else 1
 
 
 def engine_digest(startup: Startup, slot_bytes: int) -> int:

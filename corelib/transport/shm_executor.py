@@ -28,23 +28,16 @@ from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
 from corelib.isolation import worker_command, worker_environment
 from corelib.options import EngineOptions
 from corelib.startup import Startup
+from corelib.step.arena import ArenaPool
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
-from corelib.step.staging import StagingPool
 from corelib.transport.doorbell import new_eventfd
-from corelib.transport.executor import STAGING_BUFFERS_SPARE, Executor, StepFuture
+from corelib.transport.executor import SPARE_ARENAS, Executor, StepFuture
 from corelib.transport.nodes import HEARTBEAT_S, NodeGroup, NodeLink, Topology, engine_digest
 from corelib.transport.parallel import rendezvous
 from corelib.transport.shm import Consumer, Producer, Ring, sweep_stale
-from corelib.transport.wire import (
-    HEADER_BYTES,
-    FrameHeader,
-    FrameKind,
-    InputFlags,
-    decode_result,
-    result_bytes,
-)
+from corelib.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, decode_result, input_header, result_bytes
 from corelib.transport.worker import WorkerArgs
 
 ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
@@ -94,9 +87,9 @@ class ShmExecutor(Executor):
             f"removed {len(stale)} shared-memory segment(s) left by a run that crashed: " + ", ".join(stale)
         ] if stale else []
         # Frames are copied into shared memory at once: the host arenas need not be pinned.
-        self.staging = StagingPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), layout.staging_bytes,
-                                   options.pipeline_depth + STAGING_BUFFERS_SPARE, self.timeout)
-        slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.staging_bytes))
+        self.arenas = ArenaPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), layout.arena_bytes,
+                                options.pipeline_depth + SPARE_ARENAS, self.timeout)
+        slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.arena_bytes))
         result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows))
         self.ranks: list[_Rank] = []
         self._eventfds: list[int] = []
@@ -248,12 +241,8 @@ class ShmExecutor(Executor):
     # ------------------------------------------------------------------ steps
     def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
         self._check_usable()
-        kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
-        flags = InputFlags.SAMPLE if fi.sample else InputFlags.NONE
-        header = FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
-                             sent_at=time.perf_counter(), layout=fi.layout.encode())
         try:
-            self.write_frame(header, fi.arena[: fi.layout.nbytes])
+            self.write_frame(input_header(fi, time.perf_counter()), fi.arena[: fi.layout.nbytes])
         except TransportError as error:
             self.failure = error
             raise

@@ -21,6 +21,7 @@ import crc32c
 
 from corelib.errors import TransportError
 from corelib.step.arena import DECODE_FIELD_NAMES, PREFILL_FIELD_NAMES, ArenaLayout
+from corelib.step.forward_input import ForwardInput, StepKind
 
 
 # ---------------------------------------------------------------------------------------- frames
@@ -56,11 +57,11 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 4  # 4: CRC-32C; 3: named input fields; 2: the checksum covers the header too
+VERSION = 5  # 5: no free float; 4: CRC-32C; 3: named input fields; 2: the checksum covers the header too
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiiddQII")
-_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiddQ")  # the checksum's offset: the CRC reads it as zero
+_FIXED = struct.Struct("<IHHQqiiiidQII")
+_CHECKSUM_AT = struct.calcsize("<IHHQqiiiidQ")  # the checksum's offset: the CRC reads it as zero
 _ZERO_CHECKSUM = bytes(4)
 _LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
 
@@ -83,7 +84,6 @@ class FrameHeader:
     kv_blocks: int = 0
     flags: int = 0  # InputFlags on input frames, ResultFlags on result frames
     sent_at: float = 0.0  # time.perf_counter() of the producer (CLOCK_MONOTONIC, shared by processes)
-    value: float = 0.0  # a free float
     payload_len: int = 0
     checksum: int = 0
     layout: list[int] = field(default_factory=list)
@@ -96,7 +96,7 @@ class FrameHeader:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
         return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-                self.kv_blocks, int(self.flags), self.sent_at, self.value, self.payload_len, checksum,
+                self.kv_blocks, int(self.flags), self.sent_at, self.payload_len, checksum,
                 len(self.layout))
 
     def packed(self, checksum: int | None = None) -> bytes:
@@ -114,8 +114,8 @@ class FrameHeader:
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
-        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, value, payload_len,
-         checksum, words) = _FIXED.unpack_from(buffer, 0)
+        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
+         words) = _FIXED.unpack_from(buffer, 0)
         if magic != MAGIC:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
@@ -125,8 +125,8 @@ class FrameHeader:
         if words > MAX_LAYOUT_WORDS:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
         layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
-        return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, value,
-                   payload_len, checksum, layout)
+        return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
+                   layout)
 
     def input_layout(self, where: str) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
@@ -151,6 +151,14 @@ class FrameHeader:
 
 MAX_CACHED_LAYOUTS = 256  # prefill layouts vary with the step's lengths: keep the cache bounded
 _KINDS = {int(kind): kind for kind in FrameKind}
+
+
+def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
+    """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
+    kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
+    flags = InputFlags.SAMPLE if fi.sample else InputFlags.NONE
+    return FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags), sent_at=sent_at,
+                       layout=fi.layout.encode())
 
 
 # ---------------------------------------------------------------------------------------- results

@@ -50,8 +50,8 @@ def corrupt(d: Path) -> None:
     (d / "model.safetensors").write_bytes(b"\x00" * 64)
 
 
-def mistral(d: Path) -> None:
-    edit_config(d, architectures=["MistralForCausalLM"])
+def gemma(d: Path) -> None:
+    edit_config(d, architectures=["GemmaForCausalLM"])
 
 
 def wrong_shape(d: Path) -> None:
@@ -84,7 +84,8 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str]]] = {
     "no safetensors": (no_weights, ["has no *.safetensors", "pytorch_model.bin", "safe_serialization=True"]),
     "missing shard": (missing_shard, ["names shard model-9.safetensors, which is missing"]),
     "corrupt file": (corrupt, ["model.safetensors is not a readable safetensors file"]),
-    "architecture": (mistral, ["MistralForCausalLM", "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"]),
+    "architecture": (gemma, ["GemmaForCausalLM", "is not supported; supported: LlamaForCausalLM, ",
+                             "Qwen3ForCausalLM"]),
     "shape": (wrong_shape, ["'model.layers.0.mlp.gate_proj.weight'", "(160, 64)", "(96, 64)"]),
     "missing tensor": (missing_tensor, ["lacks tensor 'lm_head.weight' and 9 more", "tie_word_embeddings=false"]),
     "rope type": (yarn_variant, ["rope_type=longrope", "supported: default, linear, dynamic, llama3, yarn"]),

@@ -15,10 +15,10 @@ from corelib.compose import compose_config, prepare_config_store
 from corelib.config import ModelConfig
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
-from corelib.models.checkpoint import load_checkpoint
 from corelib.models.hf_config import resolved_model_config
-from corelib.models.llama import ModelShape, build_weights
+from corelib.models.llama import build_weights
 from corelib.models.reference import reference_generate, reference_logits
+from corelib.models.registry import llama_weights, model_shape
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 from corelib.plugins import PluginRegistry
 from corelib.startup import start
@@ -92,10 +92,10 @@ def test_loaded_logits_match_reference_and_raw_tensors(tmp_path: Path, architect
     state = write_random_checkpoint(tmp_path, hf, shards=shards)
     assert (tmp_path / "model.safetensors.index.json").is_file() == (shards > 1)
     cfg = model_config(tmp_path)
-    weights = load_checkpoint(cfg, torch.device("cpu"))
+    weights = llama_weights(cfg, torch.device("cpu"))
     with torch.inference_mode():
         loaded = reference_logits(weights, PROMPT)
-        from_state = reference_logits(build_weights(ModelShape.from_config(cfg), state, torch.device("cpu")), PROMPT)
+        from_state = reference_logits(build_weights(model_shape(cfg), state, torch.device("cpu")), PROMPT)
         raw = naive_logits(state, hf, PROMPT)
     assert torch.equal(loaded, from_state)
     torch.testing.assert_close(loaded.double(), raw, rtol=1e-4, atol=1e-4)
@@ -105,8 +105,8 @@ def test_loaded_logits_match_reference_and_raw_tensors(tmp_path: Path, architect
 
 def test_bf16_checkpoint_loads_in_the_selected_dtype(tmp_path: Path) -> None:
     state = write_random_checkpoint(tmp_path, tiny_hf_config(torch_dtype="bfloat16"), dtype=torch.bfloat16)
-    as_auto = load_checkpoint(model_config(tmp_path, dtype="auto"), torch.device("cpu"))
-    as_f32 = load_checkpoint(model_config(tmp_path, dtype="float32"), torch.device("cpu"))
+    as_auto = llama_weights(model_config(tmp_path, dtype="auto"), torch.device("cpu"))
+    as_f32 = llama_weights(model_config(tmp_path, dtype="float32"), torch.device("cpu"))
     assert as_auto.embed.dtype == torch.bfloat16
     assert as_f32.embed.dtype == torch.float32
     assert torch.equal(as_f32.embed, state["model.embed_tokens.weight"].float())
@@ -156,8 +156,8 @@ def test_rope_scaling_from_config_changes_long_range_logits(tmp_path: Path) -> N
     write_random_checkpoint(plain_dir, tiny_hf_config())
     scaling = {"rope_type": "linear", "factor": 4.0}
     write_random_checkpoint(scaled_dir, tiny_hf_config(rope_scaling=scaling))
-    plain = load_checkpoint(model_config(plain_dir), torch.device("cpu"))
-    scaled = load_checkpoint(model_config(scaled_dir), torch.device("cpu"))
+    plain = llama_weights(model_config(plain_dir), torch.device("cpu"))
+    scaled = llama_weights(model_config(scaled_dir), torch.device("cpu"))
     # Linear scaling by 4 visits position 4p where plain RoPE visits p.
     torch.testing.assert_close(scaled.cos_sin[8], plain.cos_sin[2])
     assert not torch.equal(reference_logits(plain, PROMPT), reference_logits(scaled, PROMPT))

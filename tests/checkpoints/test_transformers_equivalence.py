@@ -73,6 +73,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
     "qwen3-yarn-rope": ("Qwen3ForCausalLM", {"head_dim": 16, "rope_scaling": YARN_ROPE}),
+    "phi3-fused-qkv": ("Phi3ForCausalLM", {"pad_token_id": 0}),
+    "mistral-window-beyond-the-positions": ("MistralForCausalLM", {"sliding_window": 128}),
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from corelib.config import EmulatorConfig
 from corelib.emulator import EmulatedDevice
 from corelib.emulator.ops import LaunchOp
-from corelib.emulator.worker import Pacer
+from corelib.emulator.stream_thread import Pacer
 from corelib.errors import ConfigError, UnsupportedOperation
 
 OpenDevice = Callable[..., EmulatedDevice]

@@ -1,4 +1,4 @@
-"""The block manager is pure bookkeeping: allocate, append, truncate, share, free."""
+"""The block manager is pure bookkeeping: allocate, append, free."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ def test_blocks_for_rounds_up() -> None:
 def test_allocate_append_free_round_trip() -> None:
     bm = BlockManager(num_blocks=6, block_size=4)
     a = seq(0)
-    assert bm.can_allocate(9)
     bm.allocate(a, 9)
     assert len(a.block_table) == 3
     assert NULL_BLOCK not in a.block_table
@@ -39,27 +38,6 @@ def test_append_beyond_pool_raises_and_changes_nothing() -> None:
     with pytest.raises(RuntimeError, match="needs 3 more KV blocks"):
         bm.append(a, 12)
     assert bm.num_free_blocks == 2 and a.block_table == []
-
-
-def test_truncate_returns_reserved_blocks() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq(0)
-    bm.allocate(a, 8)
-    bm.append(a, 9)  # one block reserved for a lookahead token
-    bm.truncate(a, 8)
-    assert len(a.block_table) == 2 and bm.num_free_blocks == 5
-
-
-def test_shared_blocks_return_only_when_last_holder_frees() -> None:
-    bm = BlockManager(num_blocks=5, block_size=4)
-    a, b = seq(0), seq(1)
-    bm.allocate(a, 8)
-    bm.share(a, b)
-    assert all(bm.ref_counts[blk] == 2 for blk in a.block_table)
-    bm.free(a)
-    assert bm.num_free_blocks == 2
-    bm.free(b)
-    assert bm.num_free_blocks == 4
 
 
 def test_double_release_is_caught() -> None:

@@ -16,8 +16,8 @@ from support import EngineFactory
 
 from corelib.engine import SamplingParams
 from corelib.errors import DeviceError
+from corelib.step.arena import ArenaPool
 from corelib.step.handoff import StepHandle
-from corelib.step.staging import StagingPool
 
 OVERRIDES = [
     "backend=npu", "backend.emulator.chaos=0.3", "backend.emulator.chaos_max_ms=1", "engine.async_token_handoff=on"
@@ -26,11 +26,11 @@ OVERRIDES = [
 
 @pytest.fixture
 def fresh_arenas(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    def acquire(self: StagingPool) -> torch.Tensor:
+    def acquire(self: ArenaPool) -> torch.Tensor:
         return torch.empty(self.nbytes, dtype=torch.uint8)  # pageable: the npu profile reads it late
 
-    monkeypatch.setattr(StagingPool, "acquire", acquire)
-    monkeypatch.setattr(StagingPool, "release", lambda self, arena: None)
+    monkeypatch.setattr(ArenaPool, "acquire", acquire)
+    monkeypatch.setattr(ArenaPool, "release", lambda self, arena: None)
     yield
 
 

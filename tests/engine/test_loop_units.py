@@ -152,9 +152,10 @@ def _decode_step(seqs: list[Sequence], from_relay: list[bool]) -> ScheduledStep:
 
 
 def test_packing_a_decode_step_writes_each_row_and_pads_the_rest() -> None:
-    builder = InputBuilder(max_rows=4, max_blocks=8, block_size=4, pad_slot=4)
-    a = Sequence(0, "a", [5, 6, 7, 8, 9], SamplingParams(temperature=0.5, top_k=3, seed=11), block_table=[3, 7], slot=2)
-    b = Sequence(1, "b", [4], SamplingParams(), block_table=[5], slot=0)
+    builder = InputBuilder(max_rows=4, max_blocks=8, block_size=4, pad_state_index=4)
+    hot = SamplingParams(temperature=0.5, top_k=3, seed=11)
+    a = Sequence(0, "a", [5, 6, 7, 8, 9], hot, block_table=[3, 7], state_index=2)
+    b = Sequence(1, "b", [4], SamplingParams(), block_table=[5], state_index=0)
     b.output_token_ids.append(12)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
     fi = builder.fill(9, _decode_step([a, b], [False, True]), arena, bucket=4, kv_blocks=2)
@@ -172,11 +173,11 @@ def test_packing_a_decode_step_writes_each_row_and_pads_the_rest() -> None:
 
 
 def test_a_slot_taken_by_another_request_gets_its_blocks_and_sampling_anew() -> None:
-    builder = InputBuilder(max_rows=2, max_blocks=4, block_size=4, pad_slot=2)
+    builder = InputBuilder(max_rows=2, max_blocks=4, block_size=4, pad_state_index=2)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
-    first = Sequence(0, "a", [1, 2, 3], SamplingParams(temperature=0.7), block_table=[3], slot=0)
+    first = Sequence(0, "a", [1, 2, 3], SamplingParams(temperature=0.7), block_table=[3], state_index=0)
     builder.fill(0, _decode_step([first], [False]), arena, bucket=1, kv_blocks=1)
-    second = Sequence(1, "b", [4, 5], SamplingParams(), block_table=[6], slot=0)
+    second = Sequence(1, "b", [4, 5], SamplingParams(), block_table=[6], state_index=0)
     fi = builder.fill(1, _decode_step([second], [False]), arena, bucket=1, kv_blocks=1)
     v = fi.views()
     assert v["block_tables"][0, 0].item() == 6 and not fi.sample
@@ -184,9 +185,9 @@ def test_a_slot_taken_by_another_request_gets_its_blocks_and_sampling_anew() -> 
 
 
 def test_a_block_table_that_grows_or_is_dropped_is_packed_anew() -> None:
-    builder = InputBuilder(max_rows=1, max_blocks=4, block_size=2, pad_slot=1)
+    builder = InputBuilder(max_rows=1, max_blocks=4, block_size=2, pad_state_index=1)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
-    seq = Sequence(0, "a", [1, 2], SamplingParams(), block_table=[3], slot=0)
+    seq = Sequence(0, "a", [1, 2], SamplingParams(), block_table=[3], state_index=0)
     builder.fill(0, _decode_step([seq], [False]), arena, bucket=1, kv_blocks=1)
     seq.output_token_ids.append(9)
     seq.block_table.append(5)
@@ -197,10 +198,10 @@ def test_a_block_table_that_grows_or_is_dropped_is_packed_anew() -> None:
 
 
 def test_a_batch_samples_when_any_row_does_not_only_the_first() -> None:
-    builder = InputBuilder(max_rows=2, max_blocks=2, block_size=4, pad_slot=2)
+    builder = InputBuilder(max_rows=2, max_blocks=2, block_size=4, pad_state_index=2)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
-    greedy = Sequence(0, "g", [1, 2], SamplingParams(), block_table=[1], slot=0)
-    hot = Sequence(1, "h", [3, 4], SamplingParams(temperature=1.0), block_table=[2], slot=1)
+    greedy = Sequence(0, "g", [1, 2], SamplingParams(), block_table=[1], state_index=0)
+    hot = Sequence(1, "h", [3, 4], SamplingParams(temperature=1.0), block_table=[2], state_index=1)
     assert builder.fill(0, _decode_step([greedy, hot], [False, False]), arena, 2, 1).sample
     assert not builder.fill(1, _decode_step([greedy], [False]), arena, 1, 1).sample
 
@@ -230,7 +231,7 @@ def _step(handoff: TokenHandoff, step_id: int, tokens: list[int], slots: list[in
 
 
 def test_the_handoff_gives_each_step_its_tokens_and_keeps_the_latest_per_slot(device: EmulatedDevice) -> None:
-    handoff = TokenHandoff(device, device.stream("compute"), rows=4, num_slots=4, depth=2, timing=True)
+    handoff = TokenHandoff(device, device.stream("compute"), rows=4, num_states=4, depth=2, timing=True)
     first = _step(handoff, 0, [11, 12], [0, 3])
     second = _step(handoff, 1, [21], [3])
     assert handoff.read(first, 5.0).tokens == [11, 12]
@@ -247,7 +248,7 @@ def test_the_handoff_gives_each_step_its_tokens_and_keeps_the_latest_per_slot(de
 
 
 def test_a_token_buffer_is_not_reused_before_its_tokens_are_read(device: EmulatedDevice) -> None:
-    handoff = TokenHandoff(device, device.stream("compute"), rows=2, num_slots=2, depth=1, timing=False)
+    handoff = TokenHandoff(device, device.stream("compute"), rows=2, num_states=2, depth=1, timing=False)
     first = _step(handoff, 0, [5], [0])
     with pytest.raises(RuntimeError, match="reused before the tokens"):
         handoff.begin(1)

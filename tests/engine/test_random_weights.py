@@ -13,11 +13,12 @@ from support import EngineFactory, local_weights
 from corelib.compose import compose_config
 from corelib.config import CorelibConfig, ModelConfig, WeightInit
 from corelib.engine import Engine, SamplingParams
-from corelib.models.llama import LayerWeights, ModelShape, ModelWeights
+from corelib.models.llama import LayerWeights, ModelWeights
 from corelib.models.random_init import init_on_device, parameter_count, seeded_tensor, seeded_weights, tensor_seed
 from corelib.models.reference import reference_generate
-from corelib.models.registry import llama_weights
+from corelib.models.registry import llama_weights, model_shape
 from corelib.models.sharding import TensorShard
+from corelib.models.weight_map import Init, Source, Split
 
 CPU = torch.device("cpu")
 
@@ -39,7 +40,7 @@ def _tensors(weights: ModelWeights) -> dict[str, torch.Tensor]:
 
 
 def test_two_builds_with_the_same_seed_are_identical_and_another_seed_differs() -> None:
-    shape = ModelShape.from_config(_model())
+    shape = model_shape(_model())
     first, second = _tensors(seeded_weights(shape, 7, CPU)), _tensors(seeded_weights(shape, 7, CPU))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[name], second[name]) for name in first)
@@ -48,11 +49,11 @@ def test_two_builds_with_the_same_seed_are_identical_and_another_seed_differs() 
 
 
 def test_a_tensor_depends_on_its_name_not_on_what_was_drawn_before() -> None:
-    dims = (64, 32)
-    alone = seeded_tensor("model.layers.1.mlp.down_proj.weight", dims, 0, CPU, torch.float32)
-    seeded_tensor("model.layers.0.mlp.down_proj.weight", dims, 0, CPU, torch.float32)
-    again = seeded_tensor("model.layers.1.mlp.down_proj.weight", dims, 0, CPU, torch.float32)
-    neighbour = seeded_tensor("model.layers.0.mlp.down_proj.weight", dims, 0, CPU, torch.float32)
+    one, zero = (Source(f"model.layers.{i}.mlp.down_proj.weight", (64, 32), Split.row) for i in (1, 0))
+    alone = seeded_tensor(one, 0, CPU, torch.float32)
+    seeded_tensor(zero, 0, CPU, torch.float32)
+    again = seeded_tensor(one, 0, CPU, torch.float32)
+    neighbour = seeded_tensor(zero, 0, CPU, torch.float32)
     assert torch.equal(alone, again)
     assert not torch.equal(alone, neighbour)
 
@@ -64,15 +65,16 @@ def test_the_seed_of_a_tensor_is_the_same_in_every_process() -> None:
 
 
 def test_the_scales_follow_the_cpu_path() -> None:
-    norm = seeded_tensor("model.norm.weight", (4096,), 0, CPU, torch.float32)
-    matrix = seeded_tensor("model.layers.0.self_attn.o_proj.weight", (256, 1024), 0, CPU, torch.float32)
+    norm = seeded_tensor(Source("model.norm.weight", (4096,), init=Init.norm), 0, CPU, torch.float32)
+    matrix = seeded_tensor(Source("model.layers.0.self_attn.o_proj.weight", (256, 1024)), 0, CPU, torch.float32)
     assert abs(float(norm.mean()) - 1.0) < 0.01 and abs(float(norm.std()) - 0.1) < 0.01
     assert abs(float(matrix.std()) - 1024**-0.5) < 0.002
-    assert seeded_tensor("model.norm.weight", (8,), 0, CPU, torch.bfloat16).dtype is torch.bfloat16
+    small = Source("model.norm.weight", (8,), init=Init.norm)
+    assert seeded_tensor(small, 0, CPU, torch.bfloat16).dtype is torch.bfloat16
 
 
 def test_shards_put_together_equal_the_full_tensors() -> None:
-    shape = ModelShape.from_config(_model())
+    shape = model_shape(_model())
     full = seeded_weights(shape, 0, CPU)
     ranks = [seeded_weights(shape, 0, CPU, TensorShard(rank, 2)) for rank in range(2)]
     assert all(torch.equal(r.embed, full.embed) and torch.equal(r.lm_head, full.lm_head) for r in ranks)
@@ -97,16 +99,16 @@ def test_shards_put_together_equal_the_full_tensors() -> None:
 def test_auto_draws_models_above_a_billion_parameters_on_the_device() -> None:
     for preset, on_device in (("tiny", False), ("small-0.6b", False), ("llama-1b", True), ("llama-8b", True)):
         cfg = _model(f"model={preset}")
-        assert init_on_device(cfg, ModelShape.from_config(cfg)) is on_device, preset
+        assert init_on_device(cfg, model_shape(cfg)) is on_device, preset
     tiny = _model("model.init=device")
-    assert init_on_device(tiny, ModelShape.from_config(tiny))
+    assert init_on_device(tiny, model_shape(tiny))
     big = _model("model=llama-8b", "model.init=cpu")
-    assert not init_on_device(big, ModelShape.from_config(big))
+    assert not init_on_device(big, model_shape(big))
 
 
 def test_the_llama_8b_preset_has_the_llama_3_1_8b_shape() -> None:
     cfg = _model("model=llama-8b")
-    shape = ModelShape.from_config(cfg)
+    shape = model_shape(cfg)
     assert (shape.vocab_size, shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads,
             shape.head_dim, shape.intermediate_size) == (128256, 4096, 32, 32, 8, 128, 14336)
     assert shape.dtype is torch.bfloat16 and shape.rope_theta == 500000.0 and not shape.tie_word_embeddings
@@ -117,7 +119,7 @@ def test_the_llama_8b_preset_has_the_llama_3_1_8b_shape() -> None:
 
 def test_the_llama_1b_preset_has_the_llama_3_2_1b_shape() -> None:
     cfg = _model("model=llama-1b")
-    shape = ModelShape.from_config(cfg)
+    shape = model_shape(cfg)
     assert (shape.vocab_size, shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads,
             shape.head_dim, shape.intermediate_size) == (128256, 2048, 16, 32, 8, 64, 8192)
     assert shape.dtype is torch.bfloat16 and shape.rope_theta == 500000.0 and shape.tie_word_embeddings
@@ -130,7 +132,7 @@ def test_model_init_chooses_the_weights_the_engine_builds() -> None:
     cpu_path = llama_weights(_model("model.init=cpu"), CPU)
     device_path = llama_weights(_model("model.init=device"), CPU)
     assert not torch.equal(cpu_path.embed, device_path.embed)
-    assert torch.equal(device_path.embed, seeded_weights(ModelShape.from_config(_model()), 0, CPU).embed)
+    assert torch.equal(device_path.embed, seeded_weights(model_shape(_model()), 0, CPU).embed)
     assert WeightInit(_model().init) is WeightInit.auto
 
 

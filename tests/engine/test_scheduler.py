@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from corelib.engine.block_manager import BlockManager
-from corelib.engine.scheduler import Drain, ScheduledStep, Scheduler, SchedulerLimits
+from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler, SchedulerLimits
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence, Status
 from corelib.engine.stops import StopChecker
 from corelib.step.forward_input import StepKind
@@ -96,7 +96,7 @@ def test_lookahead_schedules_from_relay_and_drops_token_after_stop() -> None:
     assert decode1.from_relay == [True] and decode1.positions == [5]
     assert a.num_pending == 2
     s.postprocess(prefill, [EOS])  # stops; decode1 is still in flight
-    assert a.is_finished and a.block_table == [] and a.slot is None
+    assert a.is_finished and a.block_table == [] and a.state_index is None
     s.postprocess(decode1, [99])
     assert a.output_token_ids == [EOS]  # the token sampled past the stop is dropped
 
@@ -106,7 +106,7 @@ def test_max_tokens_one_never_scheduled_past_its_stop() -> None:
     a = seq(0, max_tokens=1)
     s.add(a)
     prefill = step(s)
-    assert s.schedule(in_flight=True, sync_check=no_sync) is Drain.token
+    assert s.schedule(in_flight=True, sync_check=no_sync) is NoStep.drain
     s.postprocess(prefill, [7])
     assert a.output_token_ids == [7] and a.finish_reason is FinishReason.length
 
@@ -120,7 +120,7 @@ def test_sync_check_forces_drain_while_in_flight() -> None:
     def blocker(seqs: list[Sequence]) -> list[str]:
         return ["host-side stop strings"]
 
-    assert s.schedule(in_flight=True, sync_check=blocker) is Drain.token
+    assert s.schedule(in_flight=True, sync_check=blocker) is NoStep.drain
     s.postprocess(prefill, [3])
     out = s.schedule(in_flight=False, sync_check=blocker)
     assert isinstance(out, ScheduledStep) and out.synchronous and out.sync_reasons == ["host-side stop strings"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -70,3 +72,23 @@ def wait_idle(url: str, timeout_s: float = 10.0) -> dict[str, float]:
 def data_lines(lines: Iterable[str]) -> list[str]:
     """The payloads of SSE ``data:`` lines."""
     return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def announced(process: subprocess.Popen[str]) -> tuple[str, int]:
+    """The URL and the engine process's pid from the line the server prints once it serves."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60
+    for line in process.stdout:
+        if "serving" in line and "http://" in line:
+            match = re.search(r"at (\S+) \(pid \d+, engine process pid (\d+)\)", line)
+            assert match is not None, line
+            return match[1], int(match[2])
+        assert time.monotonic() < deadline, "the server did not start within 60 s"
+    raise AssertionError(f"the server exited before serving: {process.stderr.read() if process.stderr else ''}")

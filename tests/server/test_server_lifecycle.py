@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 from corelib import faults
 from corelib.config import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
-from server.servekit import data_lines, finished, metrics, wait_idle
+from server.servekit import alive, announced, data_lines, finished, metrics, wait_idle
 
 LONG = {"prompt": [0, 5, 6, 7], "max_tokens": 240, "ignore_eos": True}
 
@@ -133,8 +132,8 @@ def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_proces
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
-        url, engine = _announced(process)
-        assert _alive(engine)
+        url, engine = announced(process)
+        assert alive(engine)
         lines: list[str] = []
         body = {"prompt": [0, 5, 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
 
@@ -159,7 +158,7 @@ def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_proces
         assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
         assert process.wait(20) == code
         assert time.monotonic() - sent < 10
-        assert not _alive(engine), "the engine process outlived the server"
+        assert not alive(engine), "the engine process outlived the server"
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/models", timeout=2)
     finally:
@@ -167,23 +166,3 @@ def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_proces
         _, stderr = process.communicate()
     assert said in stderr
     assert "Traceback" not in stderr, stderr
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _announced(process: subprocess.Popen[str]) -> tuple[str, int]:
-    """The URL and the engine process's pid from the line the server prints once it serves."""
-    assert process.stdout is not None
-    deadline = time.monotonic() + 60
-    for line in process.stdout:
-        if "serving" in line and "http://" in line:
-            match = re.search(r"at (\S+) \(pid \d+, engine process pid (\d+)\)", line)
-            assert match is not None, line
-            return match[1], int(match[2])
-        assert time.monotonic() < deadline, "the server did not start within 60 s"
-    raise AssertionError(f"the server exited before serving: {process.stderr.read() if process.stderr else ''}")

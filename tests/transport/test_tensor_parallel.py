@@ -5,14 +5,18 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from corelib.config import ModelConfig
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import ConfigError, CorelibError, WorkerDied
-from corelib.models.llama import ModelShape, hf_parameter_shapes, random_state_dict
+from corelib.models.random_init import random_state_dict
+from corelib.models.registry import model_shape
 from corelib.models.sharding import TensorShard
+from corelib.models.weight_map import weight_map
 from corelib.transport.shm import PREFIX, SHM_DIR
 from corelib.transport.shm_executor import ShmExecutor
 
@@ -49,19 +53,25 @@ def test_tp2_gives_the_tokens_of_tp1(backend: list[str]) -> None:
     assert our_segments() == before
 
 
-def test_shards_put_back_together_are_the_full_weights() -> None:
-    shape = ModelShape.from_config(__import__("corelib.config", fromlist=["ModelConfig"]).ModelConfig(name="t"))
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-qkv-gate-up"])
+def test_shards_put_back_together_are_the_full_weights(fused: bool) -> None:
+    shape = replace(model_shape(ModelConfig(name="t")), fused_qkv=fused, fused_gate_up=fused)
     full = random_state_dict(shape, 0)
+    sources = weight_map(shape).sources
     shards = [TensorShard(rank, 2) for rank in range(2)]
-    local_shapes = hf_parameter_shapes(shards[0].shape(shape))
+    local_shapes = weight_map(shards[0].shape(shape)).shapes()
     for name, tensor in full.items():
-        parts = [s.slice(name, tensor) for s in shards]
+        parts = [s.slice(sources[name], tensor) for s in shards]
         assert tuple(parts[0].shape) == local_shapes[name], name
         if parts[0].shape == tensor.shape:
             assert all(torch.equal(p, tensor) for p in parts), f"{name} should be replicated"
-        else:
-            dim = 0 if parts[0].shape[0] != tensor.shape[0] else 1
-            assert torch.equal(torch.cat(parts, dim=dim), tensor), name
+        elif parts[0].shape[0] == tensor.shape[0]:
+            assert torch.equal(torch.cat(parts, dim=1), tensor), name  # row-parallel: input columns
+        else:  # column-parallel: each stacked part (q, k, v of a fused qkv_proj) split on its own
+            stacked = sources[name].parts or (tensor.shape[0],)
+            halves = [torch.split(p, [rows // 2 for rows in stacked]) for p in parts]
+            whole = [torch.cat(pieces) for pieces in zip(*halves, strict=True)]
+            assert torch.equal(torch.cat(whole), tensor), name
 
 
 def test_tp_needs_the_shm_transport_and_divisible_sizes() -> None:

@@ -18,8 +18,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from corelib.backend import DeviceSpec
-from corelib.device import Graph
 from corelib.errors import DeviceError
+from corelib.graph import Graph
 from corelib.native import TorchDevice, TorchModuleBackend
 from corelib_npu.graph import TASK_UPDATE_API, NpuGraph
 

@@ -57,7 +57,7 @@ class Op(ABC):
     """An operation queued on a worker."""
 
     @abstractmethod
-    def run(self, worker: Worker) -> None: ...
+    def run(self, worker: StreamThread) -> None: ...
 
     @abstractmethod
     def describe(self) -> str: ...
@@ -75,7 +75,7 @@ class RecordOp(Op):
     def __init__(self, marker: Marker) -> None:
         self.marker = marker
 
-    def run(self, worker: Worker) -> None:
+    def run(self, worker: StreamThread) -> None:
         self.marker.complete()
 
     def describe(self) -> str:
@@ -107,7 +107,7 @@ class Pacer:
         return nbytes / self._bytes_per_s if self._bytes_per_s > 0.0 else 0.0
 
 
-class Worker:
+class StreamThread:
     """A thread with a FIFO queue: the emulation of one hardware stream."""
 
     def __init__(

@@ -1,0 +1,63 @@
+"""``python -m corelib serve``: the HTTP side, which never imports torch.
+
+The composed config goes to the engine process as it is (the API key left out); that process
+runs the startup (backend choice, probe, feature plan), records ``config.yaml`` and
+``plan.json`` in the run directory, builds the engine and says what the user must hear. This
+process binds the port, answers HTTP, and streams what the engine sends.
+
+On a node other than 0 of a multi-node run there is no HTTP server: that node follows node 0's
+steps (:func:`corelib.commands.serve_follower_task`, which loads the engine there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from corelib.config import ServerConfig
+from corelib.errors import ConfigError
+from corelib.progress import say
+
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx")
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def check_serve_modules() -> None:
+    """The server's packages are an extra; without them, one line that says how to get them."""
+    missing = [module for module in SERVE_MODULES if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ConfigError(f"serving needs {', '.join(missing)}: pip install 'corelib[serve]'")
+
+
+def without_api_key(cfg: DictConfig) -> tuple[DictConfig, str | None]:
+    """The config as the run directory and the engine get it (the key replaced), and the key."""
+    api_key = cfg.server.api_key or None
+    shown = cfg.copy()
+    if api_key is not None:
+        shown.server.api_key = "<set>"
+    return shown, api_key
+
+
+def serve_task(cfg: DictConfig, output_dir: Path) -> None:
+    """Serve until a signal stops it; the engine, and its startup, run in the engine process."""
+    check_serve_modules()
+    from corelib.server.serve import bind, build_state, check_server, serve
+    from corelib.server.served import EngineRecipe
+
+    shown, api_key = without_api_key(cfg)
+    OmegaConf.resolve(shown)  # ${hydra:...} means nothing in the engine process
+    server = OmegaConf.to_object(shown.server)
+    if not isinstance(server, ServerConfig):
+        raise ConfigError("server does not follow its schema; keep server: default in the defaults list")
+    check_server(server)
+    sock = bind(server.host, server.port)  # a taken port fails before the engine is built
+    try:
+        state = build_state(EngineRecipe.of_config(shown, output_dir), server, api_key)
+    except BaseException:
+        sock.close()
+        raise
+    serve(state, server, sock, lambda line: say(console, line))

@@ -1,0 +1,89 @@
+"""A config.json asking for attention this decoder does not compute is refused in one line, not run wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corelib.config import ModelConfig
+from corelib.errors import ConfigError
+from corelib.models.hf_config import CheckpointConfig, read_checkpoint_config
+from corelib.models.synthetic import tiny_hf_config
+
+
+def checkpoint_config(directory: Path, **changes: Any) -> CheckpointConfig:
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny_hf_config(**changes)))
+    return read_checkpoint_config(str(directory))
+
+
+def resolved(directory: Path, max_model_len: int, **changes: Any) -> ModelConfig:
+    checkpoint = checkpoint_config(directory, **changes)
+    return checkpoint.apply(ModelConfig(name="t", max_model_len=max_model_len))[0]
+
+
+def test_a_window_without_the_qwen2_flag_applies_and_is_refused_past_it(tmp_path: Path) -> None:
+    # Mistral-7B-v0.1 writes sliding_window=4096 and no use_sliding_window: the window is on.
+    with pytest.raises(ConfigError) as refused:
+        resolved(tmp_path, 200, architectures=["MistralForCausalLM"], sliding_window=64)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "sliding_window=64: sliding-window attention is not supported" in line
+    assert "model.max_model_len=200" in line and "model.max_model_len<=64" in line
+
+
+def test_within_the_window_attention_is_full_and_the_checkpoint_runs(tmp_path: Path) -> None:
+    assert resolved(tmp_path, 64, sliding_window=64).max_model_len == 64
+
+
+def test_the_qwen2_flag_turns_the_window_off_and_on(tmp_path: Path) -> None:
+    assert resolved(tmp_path, 200, use_sliding_window=False, sliding_window=32).max_model_len == 200
+    with pytest.raises(ConfigError, match=r"sliding_window=32 with use_sliding_window=true: sliding-window"):
+        resolved(tmp_path, 200, use_sliding_window=True, sliding_window=32)
+
+
+def test_sliding_layers_in_layer_types_apply_the_window(tmp_path: Path) -> None:
+    layers = ["sliding_attention", "full_attention"]  # alternating local and global layers
+    with pytest.raises(ConfigError, match=r"sliding_window=16 \(layer_types: sliding_attention\)"):
+        resolved(tmp_path, 200, use_sliding_window=False, sliding_window=16, layer_types=layers)
+
+
+@pytest.mark.parametrize(("key", "value", "what"), [
+    ("attn_logit_softcapping", 50.0, "attention logit soft-capping"),
+    ("final_logit_softcapping", 30.0, "final logit soft-capping"),
+    ("query_pre_attn_scalar", 256, "an attention scale other than 1/sqrt(head_dim)"),
+    ("attention_multiplier", 0.015625, "an attention scale other than 1/sqrt(head_dim)"),
+    ("sliding_window_pattern", 6, "alternating local and global attention layers"),
+    ("attention_chunk_size", 8192, "chunked local attention"),
+    ("no_rope_layers", [1, 0], "layers without RoPE"),
+    ("partial_rotary_factor", 0.5, "RoPE on part of each head"),
+    ("num_local_experts", 8, "mixture-of-experts layers"),
+    ("hidden_act", "gelu", "an activation other than silu"),
+])
+def test_attention_variants_are_refused_naming_the_key(tmp_path: Path, key: str, value: object, what: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        checkpoint_config(tmp_path, **{key: value})
+    line = str(refused.value)
+    assert "\n" not in line and f"{key}={json.dumps(value)}" in line and what in line
+
+
+def test_a_layer_type_other_than_full_or_sliding_attention_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"layer_types has chunked_attention: only full_attention layers"):
+        checkpoint_config(tmp_path, layer_types=["full_attention", "chunked_attention"])
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("no_rope_layers", [1, 1]), ("partial_rotary_factor", 1.0), ("hidden_act", "silu"),
+    ("attn_logit_softcapping", None), ("layer_types", ["full_attention", "full_attention"]),
+])
+def test_the_neutral_values_of_those_keys_are_accepted(tmp_path: Path, key: str, value: object) -> None:
+    checkpoint_config(tmp_path, **{key: value})
+
+
+def test_every_problem_is_named_on_the_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        checkpoint_config(tmp_path, attn_logit_softcapping=50.0, mlp_bias=True)
+    assert "attn_logit_softcapping=50.0" in str(refused.value) and "mlp_bias=true" in str(refused.value)

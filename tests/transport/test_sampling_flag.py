@@ -1,0 +1,64 @@
+"""A step samples when any of its rows does: decided from every row, in process and over SHM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ringkit import wire
+
+from corelib.engine.block_manager import BlockManager
+from corelib.engine.packing import InputBuilder
+from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from corelib.engine.sequence import SamplingParams, Sequence
+from corelib.engine.stops import StopChecker
+from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.transport.wire import input_header
+from corelib.transport.worker import input_of
+
+ROWS, MAX_BLOCKS, BLOCK = 4, 4, 4
+GREEDY, SAMPLED = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=1)
+
+
+def scheduled(*sampling: SamplingParams) -> tuple[ScheduledStep, ScheduledStep]:
+    """The prefill and the first decode step of one request per ``sampling``, in that order."""
+    scheduler = Scheduler(SchedulerLimits(ROWS, 64, 16), BlockManager(16, BLOCK), ROWS, StopChecker(16, frozenset()))
+    for i, params in enumerate(sampling):
+        scheduler.add(Sequence(i, f"r{i}", [5 + i, 6, 7], params))
+    prefill = scheduler.schedule(in_flight=False, sync_check=lambda seqs: [])
+    assert isinstance(prefill, ScheduledStep)
+    scheduler.postprocess(prefill, [9] * len(sampling))
+    decode = scheduler.schedule(in_flight=False, sync_check=lambda seqs: [])
+    assert isinstance(decode, ScheduledStep) and decode.kind is StepKind.decode
+    return prefill, decode
+
+
+def packed(step: ScheduledStep) -> ForwardInput:
+    builder = InputBuilder(ROWS, MAX_BLOCKS, BLOCK, ROWS)
+    arena = torch.zeros(1 << 16, dtype=torch.uint8)
+    return builder.fill(0, step, arena, ROWS if step.kind is StepKind.decode else len(step.seqs), 1)
+
+
+@pytest.mark.parametrize("order", ["greedy-first", "sampled-first"])
+def test_a_batch_samples_when_any_row_does(order: str) -> None:
+    rows = (GREEDY, SAMPLED) if order == "greedy-first" else (SAMPLED, GREEDY)
+    for step in scheduled(*rows):
+        assert packed(step).sample, step.kind
+
+
+def test_an_all_greedy_batch_takes_the_greedy_path() -> None:
+    for step in scheduled(GREEDY, GREEDY):
+        assert not packed(step).sample, step.kind
+
+
+def test_over_shm_the_worker_sees_the_batch_sample_from_its_second_row() -> None:
+    w = wire(slot_bytes=1 << 16)
+    try:
+        for step in scheduled(GREEDY, SAMPLED):
+            fi = packed(step)
+            w.producer.write(input_header(fi, sent_at=0.0), fi.arena[: fi.layout.nbytes])
+            frame = w.consumers[0].read()
+            received = input_of(frame, "test frame")
+            assert received.sample and received.kind is fi.kind and received.num_seqs == 2
+            w.consumers[0].release(frame)
+    finally:
+        w.close()

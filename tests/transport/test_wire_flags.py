@@ -1,0 +1,47 @@
+"""The flags a frame carries survive the trip through its packed header, in every combination."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from corelib.transport.wire import (
+    HEADER_BYTES,
+    FrameHeader,
+    FrameKind,
+    InputFlags,
+    ResultFlags,
+    WireResult,
+    decode_result,
+    encode_result,
+    result_header,
+)
+
+
+def through_the_wire(header: FrameHeader) -> FrameHeader:
+    buffer = memoryview(bytearray(HEADER_BYTES))
+    header.pack_into(buffer)
+    return FrameHeader.unpack_from(buffer, "test frame")
+
+
+@pytest.mark.parametrize(("graph", "decode"), list(itertools.product([False, True], repeat=2)))
+def test_a_result_says_whether_it_replayed_a_graph_and_whether_it_decoded(graph: bool, decode: bool) -> None:
+    sent = WireResult(7, decode, graph, [3, 1, 4], 1.5, None, 20.0)
+    got = decode_result(through_the_wire(result_header(sent, sent_at=1.0)), encode_result(sent))
+    assert (got.graph, got.decode) == (graph, decode)
+    assert got == sent
+
+
+def test_each_flag_is_a_bit_of_its_own() -> None:
+    for flags in (ResultFlags, InputFlags):
+        bits = [int(flag) for flag in flags if flag]
+        assert all(bit & (bit - 1) == 0 for bit in bits), flags
+        assert len(set(bits)) == len(bits), flags
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_an_input_frame_says_whether_some_row_samples(sample: bool) -> None:
+    flags = InputFlags.SAMPLE if sample else InputFlags.NONE
+    got = through_the_wire(FrameHeader(FrameKind.decode, 0, 3, 2, 4, 2, int(flags)))
+    assert bool(got.flags & InputFlags.SAMPLE) is sample
