@@ -42,6 +42,9 @@ from corelib.transport.worker import WorkerArgs
 
 ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
+# ...and never less than this: a worker's start is an interpreter importing torch, whose time depends on
+# how busy the machine is, not on how long a device wait may take (a dead worker is seen at once anyway).
+STARTUP_TIMEOUT_MIN_S = 60.0
 
 
 def _round_up(value: int, multiple: int = 64) -> int:
@@ -82,6 +85,7 @@ class ShmExecutor(Executor):
         if shm.spin_us < 0:
             raise ConfigError(f"engine.shm.spin_us={shm.spin_us}: must be at least 0 (0: block at once)")
         self.timeout = cfg.engine.timeout_s
+        self.startup_timeout_s = max(self.timeout * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
         stale = sweep_stale()
         self.notices = [
             f"removed {len(stale)} shared-memory segment(s) left by a run that crashed: " + ", ".join(stale)
@@ -106,7 +110,7 @@ class ShmExecutor(Executor):
         try:
             address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
             if topology.nodes > 1:
-                startup_timeout = self.timeout * STARTUP_TIMEOUT_FACTOR
+                startup_timeout = self.startup_timeout_s
                 digest = engine_digest(startup, slot_bytes)
                 if topology.follower:
                     self.follower_group = NodeGroup(topology, self.timeout, startup_timeout)
@@ -143,7 +147,7 @@ class ShmExecutor(Executor):
                 process.stdin.close()
                 os.close(control[1])  # so that a dead worker shows as EOF here
                 self.ranks.append(_Rank(process, Connection(control[0], writable=False), rank))
-            self._await_ready(self.timeout * STARTUP_TIMEOUT_FACTOR)
+            self._await_ready(self.startup_timeout_s)
             if self.link is not None:
                 self.link.start()
             watch = [rank.control.fileno() for rank in self.ranks]
