@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from ringkit import Wired, wire
+from ringkit import RecordingPoller, Wired, wire
 
 from corelib.errors import TransportError, WorkerDied
 from corelib.transport import doorbell, shm
@@ -134,22 +134,6 @@ def blocked(consumer: Consumer) -> bool:
     while not consumer._waiter.sleeps and time.monotonic() < deadline:
         time.sleep(0.001)
     return consumer._waiter.sleeps > 0
-
-
-class RecordingPoller:
-    """Wraps a waiter's poller: what each blocking wait returned (empty: it timed out)."""
-
-    def __init__(self, poller: select.poll) -> None:
-        self._poller = poller
-        self.returned: list[list[tuple[int, int]]] = []
-
-    def register(self, fd: int, mask: int) -> None:
-        self._poller.register(fd, mask)
-
-    def poll(self, timeout: int) -> list[tuple[int, int]]:
-        events = self._poller.poll(timeout)
-        self.returned.append(events)
-        return events
 
 
 def test_a_sleeping_consumer_is_woken_by_the_commit(wired: Make, monkeypatch: pytest.MonkeyPatch) -> None:
