@@ -67,8 +67,8 @@ def read_gate(name: str, source: Traversable | Path, origin: str) -> GateFile:
         node = OmegaConf.create(source.read_text())
     except (OSError, OmegaConfBaseException) as error:
         raise ConfigError(f"feature gate {origin} cannot be read: {one_line(error)}") from None
-    keys = list(node) if isinstance(node, DictConfig) else []
-    if keys != [name] or not isinstance(node[name], DictConfig):
+    keys = [str(key) for key in node] if isinstance(node, DictConfig) else []
+    if not isinstance(node, DictConfig) or keys != [name] or not isinstance(node[name], DictConfig):
         raise ConfigError(f"feature gate {origin} must hold one mapping named {name!r} (found {keys or 'none'})")
     return GateFile(name, origin, node)
 

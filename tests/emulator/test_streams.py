@@ -93,7 +93,11 @@ def test_wait_is_for_the_record_made_before_it(emulated: OpenDevice) -> None:
     a.launch(after_b)  # the second record cannot complete before b ran (unless b waits for it: then 5 s)
     a.launch(lambda: seen.append("second"))
     a.record(event)  # a later record does not move the earlier wait
-    b.launch(lambda: (seen.append("b"), after_b.release()))
+    def on_b() -> None:
+        seen.append("b")
+        after_b.release()
+
+    b.launch(on_b)
     queued.release()
     device.synchronize()
     assert seen == ["first", "b", "second"]

@@ -59,7 +59,7 @@ def test_a_killed_worker_is_named_quickly_and_nothing_leaks(monkeypatch: pytest.
         return pollers[-1]
 
     plain_poll = select.poll
-    monkeypatch.setattr(doorbell.select, "poll", recording_poll)
+    monkeypatch.setattr(select, "poll", recording_poll)  # the module the waiters call
     before = our_segments()
     engine = Engine.from_overrides(["backend=npu", "engine.transport=shm", "engine.timeout_s=30"])
     executor = engine.core.executor

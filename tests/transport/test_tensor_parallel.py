@@ -102,7 +102,7 @@ def recorded_waits(monkeypatch: pytest.MonkeyPatch) -> list[RecordingPoller]:
         pollers.append(RecordingPoller(plain_poll()))
         return pollers[-1]
 
-    monkeypatch.setattr(doorbell.select, "poll", recording_poll)
+    monkeypatch.setattr(select, "poll", recording_poll)  # the module the waiters call
     return pollers
 
 
