@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from corelib.config import register_schemas
 from corelib.errors import ConfigError, UnknownOption, one_line
+from corelib.gate_catalog import is_registered, register_gates
 
 CONFIG_MODULE = "corelib.conf"
 CONFIG_NAME = "config"
@@ -27,18 +28,26 @@ TARGET_KEY = "_target_"
 
 
 _plugin_configs: dict[str, bool] = {"ready": False}
+_plugin_gates: dict[str, Path] = {}  # the feature gates of the last prepare_config_store
 
 
 class PluginConfigs(Protocol):
-    """Where the plugins' backend options are: a loaded PluginRegistry, or a PluginCatalog that knows without torch."""
+    """Where the plugins' backend options and feature gates are: a loaded PluginRegistry, or a
+    PluginCatalog that knows without torch."""
 
     @property
     def config_files(self) -> Mapping[str, Path]: ...
 
+    @property
+    def feature_files(self) -> Mapping[str, Path]: ...
+
 
 def prepare_config_store(plugins: PluginConfigs) -> None:
-    """Register the schemas and the backend configs the plugins ship (the built-in backends' too)."""
+    """Register the schemas, every feature gate, and the backend configs the plugins ship (built-in ones too)."""
     _plugin_configs["ready"] = True
+    _plugin_gates.clear()
+    _plugin_gates.update(plugins.feature_files)
+    register_gates(_plugin_gates)  # before the schemas: a gate may declare an engine key
     register_schemas()
     store = ConfigStore.instance()
     for name, path in plugins.config_files.items():
@@ -69,6 +78,8 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
         from corelib.plugins import PluginRegistry
 
         prepare_config_store(PluginRegistry())
+    elif not is_registered():
+        register_gates(_plugin_gates)
     register_schemas()
     with hydra_context():
         try:

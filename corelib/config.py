@@ -3,6 +3,10 @@
 The YAML tree in ``conf/`` is validated against these at compose time, so a misspelled key
 or a value of the wrong type fails naming its ``full_key`` before anything runs.
 
+A feature gate may name an engine key that no dataclass declares as its ``mode_key``
+(``engine.<name>``): :func:`declare_gate_keys` adds it, as a mode defaulting to ``auto``, to the
+engine schema (:func:`engine_schema`), so a new gate touches no Python here.
+
 Long: it is one thing, the schema of the composed config: a dataclass per group, each key with
 its default and a line of help (``COMMAND --help`` prints them), and the enums the keys take.
 Most lines are that help text. Compose, ``--help`` and the tests of the config tree read the
@@ -11,7 +15,11 @@ schema as a whole; split by group, it would be one schema spread over several fi
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -333,6 +341,9 @@ class FeatureConfig:
     mode: Mode | None = field(default=None, metadata=doc("the mode of a gate without mode_key"))
     mode_map: dict[str, str] = field(default_factory=dict, metadata=doc("maps mode values to auto/on/off"))
     description: str = field(default="", metadata=doc("one line, shown by plan"))
+    order: int = field(
+        default=100, metadata=doc("the gate's row in plan (lower first); gates it depends on are decided first anyway")
+    )
     requirements: list[RequirementConfig] = field(
         default_factory=list, metadata=doc("all must hold for auto to enable it; on refuses if any fails")
     )
@@ -397,10 +408,64 @@ class CorelibConfig:
     )
 
 
+_GATE_KEY = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")  # no double underscore: it joins the keys in class names
+_gate_keys: dict[str, str] = {}  # engine keys that gate files declare -> their help
+
+
+def declare_gate_keys(keys: Mapping[str, str]) -> None:
+    """Make ``engine.<key>`` a mode (``auto`` by default) for each ``{key: help}`` the schema lacks; replaces
+    the keys declared before. Takes effect at the next :func:`register_schemas`."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    for key in keys:
+        if not _GATE_KEY.fullmatch(key):
+            raise ValueError(f"engine.{key}: a gate's engine key is lowercase words joined by single underscores")
+    _gate_keys.clear()
+    _gate_keys.update({key: text for key, text in sorted(keys.items()) if key not in known})
+
+
+def engine_schema() -> type[EngineConfig]:
+    """The schema of ``engine``: :class:`EngineConfig` and the keys the gate files declare."""
+    return _schemas(tuple(_gate_keys))[0]
+
+
+def root_schema() -> type[CorelibConfig]:
+    """The schema of the composed config: :class:`CorelibConfig` with :func:`engine_schema` as its engine."""
+    return _schemas(tuple(_gate_keys))[1]
+
+
+@functools.cache
+def _schemas(keys: tuple[str, ...]) -> tuple[type[EngineConfig], type[CorelibConfig]]:
+    if not keys:
+        return EngineConfig, CorelibConfig
+    name = "__".join(keys)
+    helps = {key: _gate_keys.get(key) or "its feature gate's mode" for key in keys}
+    engine = dataclasses.make_dataclass(
+        f"EngineConfig__{name}",
+        [(key, Mode, field(default=Mode.auto, metadata=doc(helps[key]))) for key in keys],
+        bases=(EngineConfig,),
+    )
+    root = dataclasses.make_dataclass(
+        f"CorelibConfig__{name}",
+        [("engine", engine, field(default=MISSING, metadata=doc("optimizations, transport, KV cache and batching")))],
+        bases=(CorelibConfig,),
+    )
+    for schema in (engine, root):
+        schema.__module__ = __name__  # pickled configs (a worker's) find the class through __getattr__ below
+    return engine, root
+
+
+def __getattr__(name: str) -> type:
+    """``EngineConfig__a__b`` and ``CorelibConfig__a__b``: the schemas with gate keys a and b, in any process."""
+    for index, prefix in enumerate(("EngineConfig__", "CorelibConfig__")):
+        if name.startswith(prefix):
+            return _schemas(tuple(name[len(prefix):].split("__")))[index]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def register_schemas() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
-    cs.store(name="corelib_schema", node=CorelibConfig)
+    cs.store(name="corelib_schema", node=root_schema())
 
 
 class LogLevel(str, enum.Enum):

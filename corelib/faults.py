@@ -5,16 +5,18 @@
 - ``POINT``: ``forward`` (a step's device work), ``capture`` (graph capture), ``submit`` (the
   submission thread), ``poll`` (a worker's polling thread, after it read a frame);
 - ``@N``: trigger on the N-th time this process reaches the point (default 1);
-- ``ACTION``: ``raise`` (default: :class:`InjectedFault`) or ``stall[=SECONDS]`` (sleep there,
-  an hour by default: a hung kernel, or a consumer that stops consuming).
+- ``ACTION``: ``raise`` (default: :class:`InjectedFault`), ``stall[=SECONDS]`` (sleep there,
+  an hour by default: a hung kernel, or a consumer that stops consuming) or ``hold`` (the
+  gate of another process: wait there until the file named by ``CORELIB_FAULTS_RELEASE``
+  exists, after creating that name plus ``.held`` to say so; InjectedFault after an hour).
 
 Example: ``CORELIB_FAULTS=forward@20 python -m corelib run backend=npu``. Worker processes
 inherit the variable, so a point inside a worker is reached there.
 
 The variable is read once, when this module is first imported; tests in one process use
 :func:`injected` instead, and :func:`gate` to hold a point until the test lets it go (so a test
-can act while a step is known to be in progress, whatever the machine's speed). Unset, a hook
-costs one call and one truth test.
+can act while a step is known to be in progress, whatever the machine's speed); ``hold`` does
+the same for a process the test started. Unset, a hook costs one call and one truth test.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 ENV = "CORELIB_FAULTS"
+RELEASE_ENV = "CORELIB_FAULTS_RELEASE"  # hold: the file whose existence releases the held point
 POINTS = frozenset({"forward", "capture", "submit", "poll"})
 DEFAULT_STALL_S = 3600.0
-_SPEC = re.compile(r"^(?P<point>[a-z_]+)(?:@(?P<hit>\d+))?(?::(?P<action>raise|stall)(?:=(?P<seconds>[0-9.]+))?)?$")
+_SPEC = re.compile(
+    r"^(?P<point>[a-z_]+)(?:@(?P<hit>\d+))?(?::(?P<action>raise|stall|hold)(?:=(?P<seconds>[0-9.]+))?)?$"
+)
 
 
 class InjectedFault(RuntimeError):
@@ -41,7 +46,8 @@ class InjectedFault(RuntimeError):
 class Fault:
     point: str
     hit: int = 1  # the N-th arrival at the point triggers
-    stall_s: float | None = None  # None: raise
+    stall_s: float | None = None  # None: raise (or hold)
+    hold: bool = False  # wait for the release file (RELEASE_ENV)
 
 
 def parse(spec: str) -> dict[str, Fault]:
@@ -53,8 +59,8 @@ def parse(spec: str) -> dict[str, Fault]:
         match = _SPEC.match(entry)
         if match is None or match["point"] not in POINTS:
             raise ValueError(
-                f"{ENV}: cannot read {entry!r}; expected POINT[@N][:raise|:stall[=SECONDS]] with POINT one of "
-                f"{', '.join(sorted(POINTS))}"
+                f"{ENV}: cannot read {entry!r}; expected POINT[@N][:raise|:stall[=SECONDS]|:hold] with POINT one "
+                f"of {', '.join(sorted(POINTS))}"
             )
         hit = int(match["hit"] or 1)
         if hit < 1:
@@ -62,7 +68,10 @@ def parse(spec: str) -> dict[str, Fault]:
         stall = None
         if match["action"] == "stall":
             stall = float(match["seconds"]) if match["seconds"] else DEFAULT_STALL_S
-        faults[match["point"]] = Fault(match["point"], hit, stall)
+        hold = match["action"] == "hold"
+        if hold and match["seconds"]:
+            raise ValueError(f"{ENV}: {entry!r}: hold waits for the file named by {RELEASE_ENV}, not for seconds")
+        faults[match["point"]] = Fault(match["point"], hit, stall, hold)
     return faults
 
 
@@ -116,7 +125,25 @@ def maybe_fail(point: str) -> None:
     if fault.stall_s is not None:
         time.sleep(fault.stall_s)
         return
+    if fault.hold:
+        _hold(fault, hit)
+        return
     raise InjectedFault(f"injected fault at {point!r} (arrival {hit}, {ENV})")
+
+
+def _hold(fault: Fault, hit: int) -> None:
+    """Say the point is held (``<release>.held``), then wait until the release file exists."""
+    release = os.environ.get(RELEASE_ENV)
+    if not release:
+        raise InjectedFault(f"{fault.point!r} is armed to hold, but {RELEASE_ENV} names no release file")
+    with open(f"{release}.held", "x"):
+        pass
+    deadline = time.monotonic() + DEFAULT_STALL_S
+    while not os.path.exists(release):
+        if time.monotonic() >= deadline:
+            raise InjectedFault(f"the hold at {fault.point!r} (arrival {hit}) was not released within "
+                                f"{DEFAULT_STALL_S:g} s: no {release}")
+        time.sleep(0.01)
 
 
 @contextmanager

@@ -30,11 +30,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeGuard, cast
 
-from corelib.config import EngineConfig
+from corelib.config import engine_schema
 from corelib.engine.api import Engine
 from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams as EngineSamplingParams
 from corelib.errors import RequestError
+from corelib.gate_catalog import load_gates
 
 Prompt = str | Sequence[int]
 _PLAIN = re.compile(r"[\w./:+\-]*")  # override values that need no quoting
@@ -96,7 +97,9 @@ def override_value(value: object) -> str:
 
 
 def _engine_overrides(options: Mapping[str, object]) -> list[str]:
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    # The engine keys of the schema, and those corelib's own gate files declare (a plugin's: overrides=[...]).
+    declared = {gate.engine_key for gate in load_gates({}) if gate.engine_key is not None}
+    known = {f.name for f in dataclasses.fields(engine_schema())} | declared
     overrides = []
     for name, value in options.items():
         if name not in known:

@@ -1,6 +1,6 @@
 """What composing needs of the installed plugins, found without importing them in this process.
 
-Backend plugins ship their backend options as YAML through a hook, so composing a config needs
+Backend plugins ship their backend options (and feature gates) as YAML through hooks, so composing a config needs
 the plugins loaded, and loading a plugin imports its backend, which imports torch. A process
 that must stay free of torch (the HTTP side of ``python -m corelib serve``) asks a short-lived
 child instead: it loads the plugins, as :class:`~corelib.plugins.PluginRegistry` does, and
@@ -30,10 +30,11 @@ TIMEOUT_S = 300.0  # importing every plugin imports torch and the vendor extensi
 
 @dataclass(frozen=True)
 class PluginCatalog:
-    """The backend options the plugins ship, and why a plugin's backend cannot be selected."""
+    """The backend options and feature gates the plugins ship, and why a plugin's backend cannot be selected."""
 
     config_files: dict[str, Path] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # plugin name -> the error selecting it raises
+    feature_files: dict[str, Path] = field(default_factory=dict)  # gate name -> its YAML
 
     @classmethod
     def of(cls, registry: PluginRegistry) -> PluginCatalog:
@@ -45,7 +46,7 @@ class PluginCatalog:
                 registry.get(name)
             except CorelibError as error:
                 unavailable[name] = str(error)
-        return cls(registry.config_files, unavailable)
+        return cls(registry.config_files, unavailable, registry.feature_files)
 
     def why_unavailable(self, name: str) -> PluginError | None:
         """The error that ``backend=name`` meets because its plugin did not load; None if that is not why."""
@@ -54,13 +55,15 @@ class PluginCatalog:
 
     def to_json(self) -> str:
         return json.dumps({"config_files": {name: str(path) for name, path in self.config_files.items()},
-                           "unavailable": self.unavailable})
+                           "unavailable": self.unavailable,
+                           "feature_files": {name: str(path) for name, path in self.feature_files.items()}})
 
     @classmethod
     def from_json(cls, text: str) -> PluginCatalog:
         data = json.loads(text)
         return cls({str(name): Path(path) for name, path in data["config_files"].items()},
-                   {str(name): str(reason) for name, reason in data["unavailable"].items()})
+                   {str(name): str(reason) for name, reason in data["unavailable"].items()},
+                   {str(name): Path(path) for name, path in data["feature_files"].items()})
 
 
 def read_catalog(allow: Sequence[str] | None, block: Sequence[str], timeout_s: float = TIMEOUT_S) -> PluginCatalog:

@@ -26,6 +26,7 @@ import pluggy
 
 from corelib.backend import Backend
 from corelib.errors import PluginError, one_line
+from corelib.gate_catalog import checked_plugin_gates
 from corelib.models.registry import Architecture
 from corelib.models.registry import register as register_architecture
 
@@ -57,6 +58,15 @@ class BackendHookSpecs:
         Return rule: results of all plugins are collected; a plugin may only ship configs for
         backends it provides. The YAML becomes the option ``backend=<name>`` and is validated
         like the built-in ones.
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def corelib_feature_configs(self) -> dict[str, str]:
+        """Return ``{gate name: path to its YAML}``: feature gates that join the default ``features=all``.
+
+        Return rule: results of all plugins are collected; a name may be taken once (corelib's
+        own ``conf/features`` included). Each YAML is validated like the built-in gates.
         """
         raise NotImplementedError
 
@@ -140,6 +150,7 @@ class PluginRegistry:
         self._backends: dict[str, tuple[Backend, str]] = {}
         self._conflicts: dict[str, list[str]] = {}
         self._configs: dict[str, Path] = {}
+        self._features: dict[str, tuple[Path, str]] = {}  # gate -> its YAML, the plugin that ships it
         self._shipped_configs = _shipped_backend_configs()
         self._signals: list[int] = []  # signals that arrived while plugin code ran
         if entry_points is None:
@@ -269,8 +280,9 @@ class PluginRegistry:
                         "expected instances of corelib.backend.Backend"
                     )
             architectures = [a for result in self._call(record.name, "corelib_models") for a in result]
-            if not backends and not architectures:
-                raise TypeError("it provides no backend and no model (implement corelib_backends or corelib_models)")
+            gates = self._gates_of(record.name)
+            if not backends and not architectures and not gates:
+                raise TypeError("it provides no backend, model or feature gate (implement one of the corelib_* hooks)")
             configs = self._configs_of(record.name, [b.name for b in backends])
             for architecture in architectures:
                 register_architecture(architecture, f"plugin {record.name!r}")
@@ -285,6 +297,11 @@ class PluginRegistry:
             self._claim(backend, record.name)
             record.backends.append(backend.name)
         self._configs.update(configs)
+        self._features.update({name: (path, record.name) for name, path in gates.items()})
+
+    def _gates_of(self, plugin_name: str) -> dict[str, Path]:
+        taken = {name: plugin for name, (_, plugin) in self._features.items()}
+        return checked_plugin_gates(self._call(plugin_name, "corelib_feature_configs"), taken)
 
     def _configs_of(self, plugin_name: str, own_backends: list[str]) -> dict[str, Path]:
         configs: dict[str, Path] = {}
@@ -335,6 +352,10 @@ class PluginRegistry:
     @property
     def config_files(self) -> dict[str, Path]:
         return dict(self._configs)
+
+    @property
+    def feature_files(self) -> dict[str, Path]:  # the gates the loaded plugins ship
+        return {name: path for name, (path, _) in self._features.items()}
 
     @property
     def trusted_packages(self) -> list[str]:

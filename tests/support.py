@@ -42,6 +42,8 @@ FIXTURE_PLUGINS = {
     "interrupts": "corelib_oddities.interrupts",
     "hook_exits": "corelib_oddities.hook_exits",
     "sleeps": "corelib_oddities.sleeps",
+    "gates": "corelib_oddities.gates",
+    "clashing_gate": "corelib_oddities.clashing_gate",
 }
 
 

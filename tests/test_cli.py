@@ -9,6 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 from support import Cli, assert_user_error, install_fixture_plugins
 
+from corelib.gate_catalog import shipped_gate_files
+
 # -- what works -------------------------------------------------------------------------------
 
 
@@ -45,12 +47,12 @@ def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     assert plan["backend"] == "npu"
     assert plan["runtime"] == "emulated"
     assert plan["capabilities"]["pageable_h2d_is_staged"] is False
-    assert set(plan["features"]) == {"graph", "async_token_handoff", "shm_ordered_materialization", "fused_ops",
-                                     "fast_allreduce"}
-    off = {"fused_ops", "fast_allreduce"}
-    assert all(plan["features"][name]["enabled"] for name in plan["features"] if name not in off)
+    assert set(plan["features"]) == set(shipped_gate_files()), "every gate file is in the plan"
+    on = {"graph", "async_token_handoff", "shm_ordered_materialization"}
+    assert all(plan["features"][name]["enabled"] for name in on)
     assert not plan["features"]["fused_ops"]["enabled"], "the emulator runs the reference ops"
     assert not plan["features"]["fast_allreduce"]["enabled"], "one rank has nothing to all-reduce"
+    assert not plan["features"]["pdl"]["enabled"], "the emulator cannot launch kernels early"
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from support import HERMETIC_VARIABLES
 
+from corelib import faults
 from corelib.cli import main
 from corelib.rundir import RequestRecord, RunDir, RunDirError, read_outputs
 
@@ -88,7 +89,11 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_whole_lines(
 @pytest.mark.slow
 def test_ctrl_c_keeps_the_outputs_of_finished_requests(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # The 200th forward is held until the test releases it: by then at least the first 4 requests
+    # (at most 41 steps each) are written, and the run is known to be unfinished, whatever the speed.
+    release = tmp_path / "release"
     env = {k: v for k, v in os.environ.items() if k not in HERMETIC_VARIABLES}
+    env.update({faults.ENV: "forward@200:hold", faults.RELEASE_ENV: str(release)})
     command = [sys.executable, "-m", "corelib", "run", "backend=cpu", "engine.max_num_seqs=4",
                "workload.num_requests=400", "workload.output_len_min=20", "workload.output_len_max=40",
                f"hydra.run.dir={run_dir}"]
@@ -96,13 +101,14 @@ def test_ctrl_c_keeps_the_outputs_of_finished_requests(tmp_path: Path) -> None:
                                text=True)
     outputs = run_dir / "outputs.jsonl"
     try:
+        held = Path(f"{release}.held")
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            if outputs.exists() and outputs.read_text().count("\n") >= 3:
-                break
+        while time.monotonic() < deadline and process.poll() is None and not held.exists():
             time.sleep(0.05)
-        assert process.poll() is None, "the run ended before it could be interrupted"
+        assert held.exists(), f"the run never reached its held forward (exit {process.poll()})"
+        assert outputs.read_text().count("\n") >= 3, "fewer than 3 requests were written before the held forward"
         process.send_signal(signal.SIGINT)
+        release.touch()  # wherever the held forward runs, it must not keep the process alive
         _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:

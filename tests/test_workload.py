@@ -6,11 +6,12 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from corelib import run as run_module
 from corelib.cli import main
 from corelib.config import WorkloadConfig
 from corelib.engine.api import Engine
@@ -105,17 +106,19 @@ def engine() -> Iterator[Engine]:
 
 
 class Watch:
-    """Records when each request was added and how many were in flight at any time."""
+    """Records when each request was added (by ``clock``) and how many were in flight at any time."""
 
-    def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.start = time.perf_counter()
+    def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.start = clock()
         self.added: list[float] = []
         self.in_flight = self.most_in_flight = 0
         self.outputs: list[RequestOutput] = []
         add = engine.add_request
 
         def counted_add(*args: object, **kwargs: object) -> str:
-            self.added.append(time.perf_counter() - self.start)
+            self.added.append(self.clock() - self.start)
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             return add(*args, **kwargs)  # type: ignore[arg-type]
@@ -137,13 +140,39 @@ def test_a_concurrency_cap_holds_requests_back_until_one_finishes(
     assert len(watch.outputs) == 8 and all(o.finish_reason == "length" for o in watch.outputs)
 
 
+class ScriptedClock:
+    """The driver's time, without the machine's: its sleeps advance it, and each engine step takes STEP_S."""
+
+    STEP_S = 0.01
+
+    def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        step = engine.step
+
+        def timed_step() -> list[RequestOutput]:
+            self.now += self.STEP_S
+            return step()
+
+        monkeypatch.setattr(engine, "step", timed_step)
+        monkeypatch.setattr(run_module, "time", self)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_requests_join_at_their_arrival_times(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    requests = build_workload(workload(num_requests=4, output_len_min=2, output_len_max=2), engine.vocab_size, 1)
-    offsets = [0.0, 0.1, 0.2, 0.3]
-    watch = Watch(engine, monkeypatch)
+    # 20 tokens each: later requests arrive while earlier ones run, and must join at the next step.
+    requests = build_workload(workload(num_requests=4, output_len_min=20, output_len_max=20), engine.vocab_size, 1)
+    offsets = [0.0, 0.013, 0.117, 0.441]  # the last arrives when the engine is idle: the driver sleeps until then
+    clock = ScriptedClock(engine, monkeypatch)
+    watch = Watch(engine, monkeypatch, clock.perf_counter)
     drive(engine, requests, offsets, 0, watch.finished)
-    assert all(added >= offset for added, offset in zip(watch.added, offsets, strict=True)), watch.added
-    assert watch.added[-1] < 0.3 + 1.0  # joined between steps, not long after
+    late = [(offset, added) for offset, added in zip(offsets, watch.added, strict=True)
+            if not offset - 1e-9 <= added < offset + ScriptedClock.STEP_S]
+    assert not late, f"(arrival, added) not added at the first step after arriving: {late}"
     assert len(watch.outputs) == 4
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from holdkit import Hold
 
 from corelib.emulator import EmulatedDevice
 from corelib.errors import DeviceError
@@ -15,20 +15,15 @@ from corelib.errors import DeviceError
 OpenDevice = Callable[..., EmulatedDevice]
 
 
-def _hold(seconds: float) -> Callable[[], None]:
-    def busy() -> None:
-        time.sleep(seconds)
-
-    return busy
-
-
 def _h2d_sees(device: EmulatedDevice, source: torch.Tensor) -> float:
-    """Copy ``source`` (all ones) behind busy work, overwrite it with twos, return what the device got."""
+    """Copy ``source`` (all ones) behind held work, overwrite it with twos, return what the device got."""
     dst = device.zeros(tuple(source.shape), source.dtype)
     stream = device.stream("h2d")
-    stream.launch(_hold(0.05))
+    held = Hold()
+    stream.launch(held)
     stream.copy(dst, source)
-    source.fill_(2.0)
+    source.fill_(2.0)  # while the copy is known to be queued
+    held.release()
     stream.synchronize()
     return float(dst[0])
 
@@ -71,11 +66,13 @@ def test_freeing_a_pinned_source_before_its_copy_runs_is_caught(emulated: OpenDe
     device = emulated("npu")
     dst = device.zeros((1024,), torch.float32)
     stream = device.stream("h2d")
-    stream.launch(_hold(0.05))
+    held = Hold()
+    stream.launch(held)
     source = device.host_empty((1024,), torch.float32, pinned=True)
     stream.copy(dst, source)
     del source  # the engine dropped its input before the copy's event completed
     gc.collect()
+    held.release()
     with pytest.raises(DeviceError, match="use-after-free"):
         stream.synchronize()
 
@@ -84,9 +81,11 @@ def test_freeing_a_d2h_destination_before_the_copy_runs_is_caught(emulated: Open
     device = emulated("npu")
     src = device.zeros((16,), torch.float32)
     stream = device.stream("d2h")
-    stream.launch(_hold(0.05))
+    held = Hold()
+    stream.launch(held)
     stream.copy(device.host_empty((16,), torch.float32, pinned=True), src)
     gc.collect()
+    held.release()
     with pytest.raises(DeviceError, match=r"destination.*use-after-free"):
         stream.synchronize()
 
@@ -97,9 +96,11 @@ def test_a_temporary_view_of_a_live_buffer_is_not_a_use_after_free(emulated: Ope
     buffer.copy_(torch.arange(8.0))
     dst = device.zeros((4,), torch.float32)
     stream = device.stream("h2d")
-    stream.launch(_hold(0.02))
+    held = Hold()
+    stream.launch(held)
     stream.copy(dst, buffer[2:6])  # the view object dies at once; its storage lives on
     gc.collect()
+    held.release()
     stream.synchronize()
     assert dst.tolist() == [2.0, 3.0, 4.0, 5.0]
 
@@ -108,9 +109,11 @@ def test_a_staged_pageable_source_may_be_freed_at_once(emulated: OpenDevice) -> 
     device = emulated("cuda")
     dst = device.zeros((8,), torch.float32)
     stream = device.stream("h2d")
-    stream.launch(_hold(0.02))
+    held = Hold()
+    stream.launch(held)
     stream.copy(dst, torch.full((8,), 3.0))
     gc.collect()
+    held.release()
     stream.synchronize()
     assert dst.tolist() == [3.0] * 8
 
@@ -121,10 +124,14 @@ def test_d2h_into_pageable_memory_returns_when_done_on_a_staging_profile(emulate
         src = device.zeros((4,), torch.float32)
         host = torch.zeros(4)
         stream = device.stream("d2h")
-        stream.launch(_hold(0.05))
+        # Held work before the copy: a copy that returns only when done waits for it to end (here by
+        # its short timeout); one that returns at once finds the fill still queued.
+        held = Hold(timeout_s=0.2 if done_on_return else 30.0)
+        stream.launch(held)
         stream.launch(lambda src=src: src.fill_(5.0))  # type: ignore[misc]
         stream.copy(host, src)
         assert (host.tolist() == [5.0] * 4) is done_on_return, backend
+        held.release()
         stream.synchronize()
         assert host.tolist() == [5.0] * 4
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from holdkit import Hold
 
 from corelib.emulator import EmulatedDevice
 from corelib.emulator.device import _stop_forgotten_devices
@@ -63,10 +64,14 @@ def test_failure_propagates_through_a_cross_stream_wait(emulated: OpenDevice) ->
 def test_a_wait_that_never_completes_times_out_naming_both_streams(emulated: OpenDevice) -> None:
     device = emulated("npu", timeout_s=0.2)
     slow, waiter = device.stream("slow"), device.stream("waiter")
-    slow.launch(lambda: _sleep(0.3))
+    stuck = Hold()
+    slow.launch(stuck)  # stays until the waiter has given up
     waiter.wait(slow.record(device.event(name="slow-done")))
-    with pytest.raises(DeviceError) as caught:
-        waiter.synchronize(timeout=2.0)
+    try:
+        with pytest.raises(DeviceError) as caught:
+            waiter.synchronize(timeout=2.0)
+    finally:
+        stuck.release()
     message = str(caught.value)
     assert "waiter" in message and "slow-done" in message and "'slow'" in message
     assert isinstance(caught.value.__cause__, DeviceTimeout)
@@ -80,37 +85,52 @@ def test_wait_is_for_the_record_made_before_it(emulated: OpenDevice) -> None:
     b.synchronize(timeout=1.0)
     assert event.query()
     seen: list[str] = []
-    a.launch(lambda: _sleep(0.05))
+    queued, after_b = Hold(), Hold(timeout_s=5.0)
+    a.launch(queued)  # the first record is still pending when b's wait is issued
     a.launch(lambda: seen.append("first"))
     a.record(event)
     b.wait(event)
-    a.launch(lambda: _sleep(0.1))
+    a.launch(after_b)  # the second record cannot complete before b ran (unless b waits for it: then 5 s)
     a.launch(lambda: seen.append("second"))
     a.record(event)  # a later record does not move the earlier wait
-    b.launch(lambda: seen.append("b"))
+    def on_b() -> None:
+        seen.append("b")
+        after_b.release()
+
+    b.launch(on_b)
+    queued.release()
     device.synchronize()
     assert seen == ["first", "b", "second"]
+    assert not after_b.expired, "b waited for the later record"
 
 
 def test_without_independent_streams_all_work_runs_in_issue_order(emulated: OpenDevice) -> None:
     device = emulated("cuda", streams=False)
     a, b = device.stream("a"), device.stream("b")
-    order: list[str] = []
-    a.launch(lambda: _sleep(0.05))
-    a.launch(lambda: order.append("a"))
-    b.launch(lambda: order.append("b"))
+    order: list[tuple[str, str]] = []
+    held = Hold()
+    a.launch(held)  # a's work is still queued when b's is issued
+    a.launch(lambda: order.append(("a", threading.current_thread().name)))
+    b.launch(lambda: order.append(("b", threading.current_thread().name)))
+    held.release()
     b.synchronize()
-    assert order == ["a", "b"]
+    assert [name for name, _ in order] == ["a", "b"]
+    assert order[0][1] == order[1][1], "both streams' work must run on one queue"
 
 
 def test_elapsed_time_needs_completed_events(emulated: OpenDevice) -> None:
     device = emulated("npu")
     stream = device.stream("s")
     start = stream.record(device.event(timing=True, name="start"))
-    stream.launch(lambda: _sleep(0.1))
+    held = Hold()
+    stream.launch(held)
     end = stream.record(device.event(timing=True, name="end"))
-    with pytest.raises(RuntimeError, match="completed"):
-        start.elapsed_ms(end)
+    try:
+        assert held.running.wait(10), "the stream never reached the held work"
+        with pytest.raises(RuntimeError, match="completed"):
+            start.elapsed_ms(end)
+    finally:
+        held.release()
     end.synchronize()
     assert start.elapsed_ms(end) > 0.0
 
@@ -118,11 +138,21 @@ def test_elapsed_time_needs_completed_events(emulated: OpenDevice) -> None:
 def test_close_drains_queued_work(emulated: OpenDevice) -> None:
     device = emulated("npu")
     done: list[int] = []
-    for index in range(3):
+    holds = [Hold() for _ in range(3)]
+    for index, held in enumerate(holds):
         stream = device.stream(f"s{index}")
-        stream.launch(lambda: _sleep(0.02))
+        stream.launch(held)
         stream.launch(lambda index=index: done.append(index))  # type: ignore[misc]
-    device.close()
+    closing = threading.Thread(target=device.close)
+    closing.start()
+    deadline = time.monotonic() + 10
+    while not device.is_closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert device.is_closed and done == [], "close began while every stream still had work queued"
+    for held in holds:
+        held.release()
+    closing.join(10)
+    assert not closing.is_alive()
     assert sorted(done) == [0, 1, 2]
     assert device.threads_alive() == []
     with pytest.raises(RuntimeError, match="closed"):
@@ -132,14 +162,18 @@ def test_close_drains_queued_work(emulated: OpenDevice) -> None:
 def test_close_cancels_work_stuck_past_the_timeout(emulated: OpenDevice) -> None:
     device = emulated("npu", timeout_s=0.1)
     stuck, other = device.stream("stuck"), device.stream("other")
-    stuck.launch(lambda: _sleep(0.6))
+    held = Hold()
+    stuck.launch(held)  # stays until close has given up on it
     stuck.launch(lambda: None)
     behind = stuck.record(device.event(name="behind"))
-    with pytest.raises(DeviceTimeout, match="stuck"):
-        device.close()  # the sleeping closure cannot be interrupted: close says which stream
-    with pytest.raises(DeviceError, match="cancelled"):
-        behind.synchronize(timeout=0.1)
-    deadline = time.monotonic() + 2.0
+    try:
+        with pytest.raises(DeviceTimeout, match="stuck"):
+            device.close()  # the blocked closure cannot be interrupted: close says which stream
+        with pytest.raises(DeviceError, match="cancelled"):
+            behind.synchronize(timeout=0.1)
+    finally:
+        held.release()
+    deadline = time.monotonic() + 10.0
     while device.threads_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert device.threads_alive() == [], "the worker exits once its closure returns"

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from corelib import faults
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import DeviceError, DeviceTimeout
 from corelib.step.device_steps import DeviceSteps
@@ -73,18 +74,15 @@ def test_submission_error_reaches_caller_with_its_traceback(
             engine.step()
 
 
-def test_stalled_device_times_out_naming_the_event(monkeypatch: pytest.MonkeyPatch, no_new_threads: None) -> None:
-    original = ModelRunner._decode
-
-    def stalled(self: ModelRunner, *args: object) -> None:
-        time.sleep(1.5)
-        original(self, *args)  # type: ignore[arg-type]
-
+def test_stalled_device_times_out_naming_the_event(no_new_threads: None) -> None:
     engine = Engine.from_overrides(["backend=npu", "engine.graph=off", "engine.timeout_s=0.3"])
-    monkeypatch.setattr(ModelRunner, "_decode", stalled)
     stalled_event = r"event 'step1\.(end|tokens)' on stream '\w+'.* did not complete"
-    with pytest.raises((DeviceError, DeviceTimeout), match=stalled_event):
-        engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
-    # The stalled closure cannot be interrupted; close says which stream it could not stop.
-    with pytest.raises(DeviceTimeout, match="could not stop streams 'compute'"):
-        engine.close()
+    # The first decode (the second forward, after the prefill) stalls until the gate opens: the
+    # host's wait and close both give up while it is known to be running, whatever the speed.
+    with faults.gate("forward", hit=2) as stalled:
+        with pytest.raises((DeviceError, DeviceTimeout), match=stalled_event):
+            engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert stalled.reached.is_set(), "the decode never reached the device"
+        # The stalled closure cannot be interrupted; close says which stream it could not stop.
+        with pytest.raises(DeviceTimeout, match="could not stop streams 'compute'"):
+            engine.close()

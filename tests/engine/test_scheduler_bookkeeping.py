@@ -237,3 +237,32 @@ def test_a_preempted_sequence_goes_back_ahead_of_those_still_waiting() -> None:
     assert list(s.waiting) == [c]
     advance(s)  # b makes room for a's second block
     assert list(s.waiting) == [b, c]
+
+
+# ---------------------------------------------------------------------- running ahead near a full pool
+def in_flight_prefill(num_blocks: int) -> tuple[Scheduler, Sequence, Sequence]:
+    """Two prompts of one full block each, their prefill still on the device: both next need a second block."""
+    s = scheduler(num_blocks=num_blocks)
+    a, b = seq(0), seq(1)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.num_pending == b.num_pending == 1
+    return s, a, b
+
+
+def test_running_ahead_takes_the_last_free_blocks_when_they_are_exactly_enough() -> None:
+    s, a, b = in_flight_prefill(num_blocks=5)  # 4 usable: 2 held, 2 free, one more each
+    decode = s.schedule(in_flight=True, sync_check=lambda seqs: [])
+    assert isinstance(decode, ScheduledStep), f"exactly enough free blocks, yet {decode!r}"
+    assert decode.seqs == [a, b] and decode.from_relay == [True, True] and decode.num_preempted == 0
+    assert s.blocks.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("num_blocks", [3, 4])  # 0 or 1 free where 2 are needed
+def test_running_ahead_waits_for_the_tokens_rather_than_preempt_a_sequence_in_flight(num_blocks: int) -> None:
+    s, a, b = in_flight_prefill(num_blocks)
+    free = s.blocks.num_free_blocks
+    assert s.schedule(in_flight=True, sync_check=lambda seqs: []) is NoStep.drain
+    assert s.running == [a, b] and s.num_preemptions == 0 and s.blocks.num_free_blocks == free
+    assert a.num_pending == b.num_pending == 1, "nothing was scheduled"

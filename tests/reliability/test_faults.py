@@ -326,6 +326,33 @@ def test_a_gate_holds_the_chosen_arrival_until_released_and_no_other() -> None:
     faults.maybe_fail("forward")  # the gate is gone with its block
 
 
+def test_a_hold_says_it_holds_and_waits_for_its_release_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert faults.parse("poll@2:hold") == {"poll": faults.Fault("poll", 2, None, hold=True)}
+    with pytest.raises(ValueError, match="not for seconds"):
+        faults.parse("forward:hold=3")
+    release = tmp_path / "release"
+    monkeypatch.setenv(faults.RELEASE_ENV, str(release))  # what a process the test starts inherits
+    passed: list[int] = []
+
+    def arrive() -> None:
+        for number in (1, 2, 3):
+            faults.maybe_fail("forward")
+            passed.append(number)
+
+    held = Path(f"{release}.held")
+    with faults.injected("forward@2:hold"):
+        worker = threading.Thread(target=arrive)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held.exists(), "the second arrival never said it was held"
+        assert passed == [1] and worker.is_alive(), "the second arrival must be held, the first not"
+        release.touch()
+        worker.join(10)
+    assert passed == [1, 2, 3]
+
+
 
 @pytest.mark.slow
 def test_sigkill_to_the_main_process_ends_its_workers_and_the_next_start_removes_its_segments(tmp_path: Path) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import corelib
+from corelib import faults
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams as EngineSamplingParams
 from corelib.llm import llm_overrides
@@ -74,18 +74,21 @@ def test_generate_takes_one_prompt_or_many_and_keeps_their_order(llm: corelib.LL
 def test_a_second_thread_is_refused_while_generate_runs(llm: corelib.LLM) -> None:
     failures: list[Exception] = []
 
-    def long_generate() -> None:
+    def held_generate() -> None:
         try:
-            llm.generate([[3, 4, 5]] * 4, corelib.SamplingParams(max_tokens=300, ignore_eos=True))
+            llm.generate([[3, 4, 5]] * 4, corelib.SamplingParams(max_tokens=8, ignore_eos=True))
         except Exception as error:  # noqa: BLE001 - reported by the assertion below
             failures.append(error)
 
-    runner = threading.Thread(target=long_generate)
-    runner.start()
-    while not llm._lock.locked() and runner.is_alive():
-        time.sleep(0.001)
-    with pytest.raises(RuntimeError, match="already running in another thread"):
-        llm.generate([1, 2], corelib.SamplingParams(max_tokens=2))
+    # The engine runs in this process: a gate holds the first thread's first forward, so its
+    # generate is known to be running, however fast this machine decodes.
+    with faults.gate("forward", hit=1) as held:
+        runner = threading.Thread(target=held_generate)
+        runner.start()
+        assert held.reached.wait(60), "the first generate never reached the device"
+        with pytest.raises(RuntimeError, match="already running in another thread"):
+            llm.generate([1, 2], corelib.SamplingParams(max_tokens=2))
     runner.join(60)
+    assert not runner.is_alive()
     assert not failures, failures
     assert llm.generate([1, 2], corelib.SamplingParams(max_tokens=2))[0].finish_reason == "length"

@@ -116,6 +116,14 @@ def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(
         assert metrics(running.url)["corelib_engine_up"] == 0
 
 
+def healthy(url: str) -> bool:
+    """``GET /health`` answers 200: the server has not taken a stop signal (it drains, or stopped listening)."""
+    try:
+        return httpx.get(f"{url.removesuffix('/v1')}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("stop", "code", "said"), [
     ("sigterm", 128 + signal.SIGTERM, "corelib: terminated (SIGTERM)"),  # a service manager: the main process
@@ -124,11 +132,15 @@ def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(
 def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_process(
     tmp_path: Path, stop: str, code: int, said: str
 ) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The engine process holds its 40th forward (past the graph captures, one forward per batch-size
+    # bucket, and well inside the request's 400 tokens) until the test creates the release file: the
+    # signal arrives while the request is known to be running, however fast this machine decodes.
+    # No grace period: once released, the request is aborted at the next step, never run to its end.
+    release = tmp_path / "release"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", faults.ENV: "forward@40:hold", faults.RELEASE_ENV: str(release)}
     env.pop("CORELIB_API_KEY", None)
     command = [sys.executable, "-m", "corelib", "serve", "backend=npu", "server.port=0", "server.log_level=warning",
-               "server.shutdown_grace_s=0.5", f"hydra.run.dir={tmp_path / 'run'}",
-               "backend.emulator.launch_latency_us=300"]  # slow enough that 400 tokens outlast the grace period
+               "server.shutdown_grace_s=0", f"hydra.run.dir={tmp_path / 'run'}"]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
@@ -143,13 +155,18 @@ def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_proces
 
         reader = threading.Thread(target=read)
         reader.start()
-        while len(data_lines(lines)) < 1 and reader.is_alive():
+        held = Path(f"{release}.held")
+        deadline = time.monotonic() + 60
+        while not (held.exists() and data_lines(lines)) and reader.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        sent = time.monotonic()
+        assert held.exists() and data_lines(lines), "the request never reached the held forward"
         if stop == "sigterm":
             process.send_signal(signal.SIGTERM)
         else:
             os.killpg(process.pid, signal.SIGINT)
+        while time.monotonic() < deadline and healthy(url):  # the server took the signal: it drains
+            time.sleep(0.01)
+        release.touch()
         reader.join(20)
         assert not reader.is_alive(), "the stream did not end after the signal"
         events = data_lines(lines)
@@ -157,7 +174,6 @@ def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_proces
         error = json.loads(events[-2])["error"]
         assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
         assert process.wait(20) == code
-        assert time.monotonic() - sent < 10
         assert not alive(engine), "the engine process outlived the server"
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/models", timeout=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 from dataclasses import dataclass, field
 
 from corelib.transport.doorbell import new_eventfd
@@ -31,3 +32,24 @@ def wire(num_slots: int = 2, slot_bytes: int = 4096, consumers: int = 1, timeout
     producer = Producer(ring, bells, room, timeout, name=name, spin_us=spin_us)
     ends = [Consumer(ring, i, bells[i], room, timeout, name=name, spin_us=spin_us) for i in range(consumers)]
     return Wired(ring, producer, ends, [*bells, room])
+
+
+class RecordingPoller:
+    """Wraps a waiter's poller: what each blocking wait returned (empty: it timed out).
+
+    With ``corelib.transport.doorbell.CHECK_S`` raised above the waits' timeouts, an empty
+    return is a wait that ran out: a test can tell a wake-up by its doorbell or a watched
+    descriptor from a timeout without reading a clock.
+    """
+
+    def __init__(self, poller: select.poll) -> None:
+        self._poller = poller
+        self.returned: list[list[tuple[int, int]]] = []
+
+    def register(self, fd: int, mask: int) -> None:
+        self._poller.register(fd, mask)
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        events = self._poller.poll(timeout)
+        self.returned.append(events)
+        return events
