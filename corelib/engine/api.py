@@ -203,7 +203,7 @@ class Engine:
             except RequestError as error:
                 self.core.finish(seq, FinishReason.error, str(error))
                 return seq.request_id
-            self.scheduler.add(seq)
+            self.core.add(seq)
             return seq.request_id
 
     def abort(self, request_id: str) -> bool:

@@ -4,7 +4,8 @@ Synchronous handoff: every step's tokens are read before the next step is schedu
 Async handoff: step N+1 is scheduled and submitted (its input tokens on the device relay)
 before the host reads step N's tokens, so the device has the next step queued while the
 host does its bookkeeping; the step pipeline says how far ahead. A step whose batch fails a
-per-step requirement of the gate (a multimodal request, host-side stop strings) runs
+per-step requirement of the gate (a multimodal request, host-side stop strings; decided once per request,
+when it is added) runs
 synchronously, after a drain.
 """
 
@@ -79,6 +80,12 @@ class EngineCore:
     @property
     def num_in_flight(self) -> int:
         return len(self.pipeline)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; its per-step sync facts are decided now, once, not at every step."""
+        seq.sync_mask = self._step_check.facts_of(seq)
+        self.scheduler.add(seq)
 
     # ------------------------------------------------------------------ finished requests
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:

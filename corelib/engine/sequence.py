@@ -99,6 +99,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # decoded output when the host checks stop strings or has a tokenizer
+    # The per-step requirements of the async gate this request fails, one bit each, computed once
+    # when it is added (corelib.options.StepCheck); None until then.
+    sync_mask: int | None = None
 
     @property
     def num_tokens(self) -> int:
