@@ -4,9 +4,8 @@ Synchronous handoff: every step's tokens are read before the next step is schedu
 Async handoff: step N+1 is scheduled and submitted (its input tokens on the device relay)
 before the host reads step N's tokens, so the device has the next step queued while the
 host does its bookkeeping; the step pipeline says how far ahead. A step whose batch fails a
-per-step requirement of the gate (a multimodal request, host-side stop strings; decided once per request,
-when it is added) runs
-synchronously, after a drain.
+per-step requirement of the gate (a multimodal request, host-side stop strings; decided once
+per request, when it is added) runs synchronously, after a drain.
 """
 
 from __future__ import annotations
