@@ -62,6 +62,11 @@ class BenchPoint:
     repeats_tpot_ms: list[float] = field(default_factory=list)
     transport_us_p50: float | None = None  # shm: producer commit to inputs ready in the worker
     transport_us_p99: float | None = None
+    # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
+    host_us: float | None = None
+    host_schedule_us: float | None = None
+    host_pack_us: float | None = None
+    host_postprocess_us: float | None = None
 
 
 @dataclass
@@ -208,6 +213,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                 stats = engine.stats(since_step=first_step)
                 device, steps = stats.device, stats.steps
                 transport_us = [s.transport_us for s in steps if s.transport_us is not None]
+                host = [s.host for s in steps if s.host is not None and s.kind.value == "decode"]
                 tpot = statistics.median(r[0] for r in repeats)
                 point = BenchPoint(
                     backend=startup.spec.backend,
@@ -228,9 +234,14 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     repeats_tpot_ms=[r[0] for r in repeats],
                     transport_us_p50=percentile(transport_us, 50),
                     transport_us_p99=percentile(transport_us, 99),
+                    host_us=percentile([h.total_us for h in host], 50),
+                    host_schedule_us=percentile([h.schedule_us for h in host], 50),
+                    host_pack_us=percentile([h.pack_us for h in host], 50),
+                    host_postprocess_us=percentile([h.postprocess_us for h in host], 50),
                 )
                 points.append(point)
-                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_transport_note(point)}")
+                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_host_note(point)}"
+                             f"{_transport_note(point)}")
             if wants_serving(startup.config.workload):
                 served.append(serve(engine, startup.config.workload, label))
                 say(console, f"bench {label}: served the workload in {served[-1].wall_s:.2f} s")
@@ -248,6 +259,14 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     (run_dir.path / "bench.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     say(console, f"wrote {run_dir.path / 'bench.json'}")
     return points
+
+
+def _host_note(point: BenchPoint) -> str:
+    """The scheduler side's work per decode step (schedule + pack + post-process)."""
+    if point.host_us is None:
+        return ""
+    return (f", host {point.host_us:.0f} µs/step (schedule {point.host_schedule_us or 0:.0f}, pack "
+            f"{point.host_pack_us or 0:.0f}, post-process {point.host_postprocess_us or 0:.0f})")
 
 
 def _transport_note(point: BenchPoint) -> str:
@@ -286,7 +305,7 @@ def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
 def bench_table(points: list[BenchPoint]) -> Table:
     table = Table(title="corelib bench (one process, side by side)")
     for column in ("backend", "ops", "pdl", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s",
-                   "occupancy", "gap µs", "xport µs p50/p99", "async/sync"):
+                   "occupancy", "gap µs", "host µs/step", "xport µs p50/p99", "async/sync"):
         table.add_column(column, justify="right")
     ratio = {(r["backend"], r["ops"], r["pdl"], r["tp"], r["transport"], r["materialization"], r["batch_size"]):
              r["async_over_sync_tpot"] for r in ratios(points)}
@@ -300,6 +319,7 @@ def bench_table(points: list[BenchPoint]) -> Table:
             f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
             "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
             "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",
+            "-" if p.host_us is None else f"{p.host_us:.0f}",
             xport,
             "-" if r is None else f"{r:.3f}",
         )
