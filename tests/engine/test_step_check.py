@@ -79,7 +79,7 @@ def test_the_steps_never_run_the_requirement_interpreter(monkeypatch: pytest.Mon
     monkeypatch.setattr(Requirement, "holds", spy)
     core, _ = scripted_core(options=unit_options(run_ahead=1, step_check=check))
     rng = random.Random(3)
-    for seq in battery(4, rng) + [Sequence(9, "mm", [7, 8], SamplingParams(max_tokens=8), multimodal=True)]:
+    for seq in [*battery(4, rng), Sequence(9, "mm", [7, 8], SamplingParams(max_tokens=8), multimodal=True)]:
         core.add(seq)
     per_request = calls["n"]
     assert per_request == 5 * len(check.requirements), "each request's facts are evaluated once, when it is added"
