@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -307,6 +308,12 @@ class Device(ABC):
         self._registrations.append(registration)
         return registration
 
+    def bind_thread(self) -> None:
+        """Make this the calling thread's current device: a thread that launches work on it calls this first
+        (kernels without an explicit device, a vendor's current stream, are per thread)."""
+        self._check_open()
+        self._bind_thread()
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Block the host until all work on all streams of this device has run."""
         self._synchronize(self.default_timeout_s if timeout is None else timeout)
@@ -361,6 +368,9 @@ class Device(ABC):
     @abstractmethod
     def _synchronize(self, timeout: float) -> None: ...
 
+    def _bind_thread(self) -> None:
+        return None
+
     def _quiesce(self) -> None:
         """Let queued work finish (or cancel it) before registrations are released."""
         return None
@@ -369,20 +379,32 @@ class Device(ABC):
         return None
 
 
-def poll_until(done: Callable[[], bool], timeout: float, spin_s: float = 0.002) -> bool:
-    """Poll ``done`` until it is true or ``timeout`` passes; True if it became true.
+def poll_until(
+    done: Callable[[], bool], timeout: float, spin_s: float = 0.002, block: Callable[[float], bool] | None = None
+) -> bool:
+    """Wait until ``done()`` is true or ``timeout`` passes; True if it became true.
 
-    Spins (yielding the GIL) for ``spin_s``, then backs off to sleeps of up to 200 µs,
-    so a short wait costs microseconds and a long one costs no CPU.
+    Spins on ``done`` (yielding the GIL every turn) for up to ``spin_s``; then hands the rest of
+    the wait to ``block(seconds)``, a wait that sleeps until the condition holds or the time is up
+    (the vendor's blocking synchronize on a helper thread), or, without one, keeps yielding. No
+    fixed sleeps: a short wait costs microseconds and ends the moment the condition holds.
     """
-    start = time.perf_counter()
-    deadline = start + timeout
-    sleep = 0.0
+    clock = time.perf_counter
+    now = clock()
+    deadline = now + timeout
+    spin_end = min(deadline, now + spin_s)
     while not done():
-        now = time.perf_counter()
-        if now >= deadline:
+        if now >= spin_end:
+            break
+        os.sched_yield()  # releases the GIL: the threads that make ``done`` true run
+        now = clock()
+    else:
+        return True
+    if block is not None:
+        return block(max(0.0, deadline - now)) or done()
+    while not done():
+        if clock() >= deadline:
             return done()
-        if now - start > spin_s:
-            sleep = min(max(sleep * 2, 10e-6), 200e-6)
-        time.sleep(sleep)
+        os.sched_yield()
     return True
+
