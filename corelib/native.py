@@ -14,6 +14,7 @@ import importlib
 import os
 import queue
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,11 +32,40 @@ from corelib.device import (
     MemoryStats,
     Runtime,
     Stream,
-    poll_until,
 )
 from corelib.errors import BackendUnavailable, DeviceTimeout, UnsupportedOperation, one_line
 from corelib.graph import Graph
 from corelib.memory import HostRegistration, MemoryKind, MemoryLedger
+
+
+def poll_until(
+    done: Callable[[], bool], timeout: float, spin_s: float = 0.002, block: Callable[[float], bool] | None = None
+) -> bool:
+    """Wait until ``done()`` is true or ``timeout`` passes; True if it became true.
+
+    Spins on ``done`` (yielding the GIL every turn) for up to ``spin_s``; then hands the rest of
+    the wait to ``block(seconds)``, a wait that sleeps until the condition holds or the time is up
+    (the vendor's blocking synchronize on a helper thread), or, without one, keeps yielding. No
+    fixed sleeps: a short wait costs microseconds and ends the moment the condition holds.
+    """
+    clock = time.perf_counter
+    now = clock()
+    deadline = now + timeout
+    spin_end = min(deadline, now + spin_s)
+    while not done():
+        if now >= spin_end:
+            break
+        os.sched_yield()  # releases the GIL: the threads that make ``done`` true run
+        now = clock()
+    else:
+        return True
+    if block is not None:
+        return block(max(0.0, deadline - now)) or done()
+    while not done():
+        if clock() >= deadline:
+            return done()
+        os.sched_yield()
+    return True
 
 
 class TorchStream(Stream):

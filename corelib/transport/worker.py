@@ -8,8 +8,9 @@ main thread) waits for the oldest submitted step's tokens, the device's own wait
 on its event, then the vendor's blocking wait), and writes them to the result ring at once (rank
 0), waiting for room there if it must; the receiving thread never does. A step whose tokens are
 there the moment it is submitted (a device that computes on the host) is answered by the
-receiving thread itself, when the result ring has room, without waking the other. Any error is raised on the main thread and reported to the scheduler on
-the control pipe, and the process exits; it never computes on a frame that failed its checks.
+receiving thread itself, when the result ring has room, without waking the other. Any error is
+raised on the main thread and reported to the scheduler on the control pipe, and the process
+exits; it never computes on a frame that failed its checks.
 """
 
 from __future__ import annotations
