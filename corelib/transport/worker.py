@@ -195,7 +195,8 @@ class StepLoop:
                 self._answer_ready(waited=head)
 
     def _answer_ready(self, waited: _Submitted | None) -> None:
-        """Answer the oldest steps while their tokens are there: ``waited``'s are (its event completed)."""
+        """Answer the oldest steps, in order, while their tokens are there (``waited``'s event completed);
+        stop at the first whose tokens are not."""
         while True:
             with self._arrived:
                 head = self._submitted[0] if self._submitted else None
