@@ -64,6 +64,8 @@ sed -n '/^medians/,$p' "$out/host_step.log" >>"$summary"
 
 # -- c: no regression against the previous release --------------------------------------------
 if [ -n "${BEFORE:-}" ]; then
+  # An editable install maps corelib.conf to this tree's conf/: give the other checkout its own.
+  [ -e "$BEFORE/corelib/conf" ] || ln -s ../conf "$BEFORE/corelib/conf"
   for turn in a b; do
     for tree in after before; do
       dir=$here; [ "$tree" = before ] && dir=$(cd "$BEFORE" && pwd)
