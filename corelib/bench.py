@@ -62,6 +62,13 @@ class BenchPoint:
     repeats_tpot_ms: list[float] = field(default_factory=list)
     transport_us_p50: float | None = None  # shm: producer commit to inputs ready in the worker
     transport_us_p99: float | None = None
+    # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
+    host_us: float | None = None
+    host_schedule_us: float | None = None
+    host_pack_us: float | None = None
+    host_postprocess_us: float | None = None
+    # tp > 1: the decode graphs' all-reduces ran through symmetric memory (else the collective library)
+    fast_allreduce: bool = False
 
 
 @dataclass
@@ -144,7 +151,7 @@ def _overrides(cfg: DictConfig) -> list[str]:
         task = []
     return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=", "engine.tp=",
                                                    "engine.transport=", "engine.shm.materialization=",
-                                                   "engine.fused_ops=", "engine.pdl="))]
+                                                   "engine.fused_ops=", "engine.pdl=", "engine.fast_allreduce="))]
 
 
 def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
@@ -169,12 +176,14 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     largest = max(spec.batch_sizes)
     seen: set[tuple[object, ...]] = set()
     devices: list[str] = []
-    for backend, fused, pdl, tp, requested, asked, handoff in itertools.product(
-        backends, spec.fused_ops, spec.pdl, spec.tp, spec.transport, spec.materialization, spec.handoff
+    for backend, fused, pdl, tp, allreduce_mode, requested, asked, handoff in itertools.product(
+        backends, spec.fused_ops, spec.pdl, spec.tp, spec.fast_allreduce, spec.transport, spec.materialization,
+        spec.handoff
     ):
         transport = "shm" if tp > 1 else requested  # ranks are worker processes fed over shm
         materialization = asked if transport == "shm" else "auto"  # it only matters for shm
-        key = (backend, fused, pdl, tp, transport, materialization, handoff)
+        allreduce = allreduce_mode if tp > 1 else "auto"  # one rank: no all-reduce to choose
+        key = (backend, fused, pdl, tp, allreduce, transport, materialization, handoff)
         if key in seen:
             continue
         seen.add(key)
@@ -187,6 +196,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             f"engine.async_token_handoff={handoff}",
             f"engine.fused_ops={fused}",
             f"engine.pdl={pdl}",
+            f"engine.fast_allreduce={allreduce}",
             f"engine.max_num_seqs={max(largest, 1)}",
             f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, 256)}",
         ]
@@ -198,8 +208,8 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
         devices.extend(startup.messages)
         ops = _ops_label(startup)
         with Engine(startup) as engine:
-            label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp} {transport} "
-                     f"{engine.materialization} handoff={handoff} ops={ops} pdl={_on(startup.options.pdl)}")
+            label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp}{_allreduce_note(startup)} "
+                     f"{transport} {engine.materialization} handoff={handoff} ops={ops} pdl={_on(startup.options.pdl)}")
             for batch_size in spec.batch_sizes:
                 _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
                 first_step = engine.stats().num_steps
@@ -208,6 +218,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                 stats = engine.stats(since_step=first_step)
                 device, steps = stats.device, stats.steps
                 transport_us = [s.transport_us for s in steps if s.transport_us is not None]
+                host = [s.host for s in steps if s.host is not None and s.kind.value == "decode"]
                 tpot = statistics.median(r[0] for r in repeats)
                 point = BenchPoint(
                     backend=startup.spec.backend,
@@ -228,9 +239,15 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     repeats_tpot_ms=[r[0] for r in repeats],
                     transport_us_p50=percentile(transport_us, 50),
                     transport_us_p99=percentile(transport_us, 99),
+                    host_us=percentile([h.total_us for h in host], 50),
+                    host_schedule_us=percentile([h.schedule_us for h in host], 50),
+                    host_pack_us=percentile([h.pack_us for h in host], 50),
+                    host_postprocess_us=percentile([h.postprocess_us for h in host], 50),
+                    fast_allreduce=startup.options.fast_allreduce,
                 )
                 points.append(point)
-                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_transport_note(point)}")
+                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_host_note(point)}"
+                             f"{_transport_note(point)}")
             if wants_serving(startup.config.workload):
                 served.append(serve(engine, startup.config.workload, label))
                 say(console, f"bench {label}: served the workload in {served[-1].wall_s:.2f} s")
@@ -250,11 +267,26 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     return points
 
 
+def _host_note(point: BenchPoint) -> str:
+    """The scheduler side's work per decode step (schedule + pack + post-process)."""
+    if point.host_us is None:
+        return ""
+    return (f", host {point.host_us:.0f} µs/step (schedule {point.host_schedule_us or 0:.0f}, pack "
+            f"{point.host_pack_us or 0:.0f}, post-process {point.host_postprocess_us or 0:.0f})")
+
+
 def _transport_note(point: BenchPoint) -> str:
     """The SHM hop (producer commit to inputs staged in the worker), where there is one."""
     if point.transport_us_p50 is None:
         return ""
     return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
+
+
+def _allreduce_note(startup: Startup) -> str:
+    """tp > 1: which all-reduce the graphs run (symmetric memory, or the collective library)."""
+    if startup.options.tp < 2:
+        return ""
+    return " symm" if startup.options.fast_allreduce else " lib"
 
 
 def _on(flag: bool) -> str:
@@ -270,15 +302,15 @@ def _ops_label(startup: Startup) -> str:
 def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Async/sync TPOT at equal everything else, from the same run."""
     out = []
-    index = {(p.backend, p.ops, p.pdl, p.tp, p.transport, p.materialization, p.handoff, p.batch_size): p
-             for p in points}
-    for (backend, ops, pdl, tp, transport, materialization, handoff, batch_size), point in index.items():
+    index = {(p.backend, p.ops, p.pdl, p.tp, p.fast_allreduce, p.transport, p.materialization, p.handoff,
+              p.batch_size): p for p in points}
+    for (backend, ops, pdl, tp, symm, transport, materialization, handoff, batch_size), point in index.items():
         if handoff != "on":
             continue
-        sync = index.get((backend, ops, pdl, tp, transport, materialization, "off", batch_size))
+        sync = index.get((backend, ops, pdl, tp, symm, transport, materialization, "off", batch_size))
         if sync is not None:
-            out.append({"backend": backend, "ops": ops, "pdl": pdl, "tp": tp, "transport": transport,
-                        "materialization": materialization, "batch_size": batch_size,
+            out.append({"backend": backend, "ops": ops, "pdl": pdl, "tp": tp, "fast_allreduce": symm,
+                        "transport": transport, "materialization": materialization, "batch_size": batch_size,
                         "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
     return out
 
@@ -286,20 +318,23 @@ def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
 def bench_table(points: list[BenchPoint]) -> Table:
     table = Table(title="corelib bench (one process, side by side)")
     for column in ("backend", "ops", "pdl", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s",
-                   "occupancy", "gap µs", "xport µs p50/p99", "async/sync"):
+                   "occupancy", "gap µs", "host µs/step", "xport µs p50/p99", "async/sync"):
         table.add_column(column, justify="right")
-    ratio = {(r["backend"], r["ops"], r["pdl"], r["tp"], r["transport"], r["materialization"], r["batch_size"]):
-             r["async_over_sync_tpot"] for r in ratios(points)}
+    ratio = {(r["backend"], r["ops"], r["pdl"], r["tp"], r["fast_allreduce"], r["transport"], r["materialization"],
+              r["batch_size"]): r["async_over_sync_tpot"] for r in ratios(points)}
     for p in points:
-        key = (p.backend, p.ops, p.pdl, p.tp, p.transport, p.materialization, p.batch_size)
+        key = (p.backend, p.ops, p.pdl, p.tp, p.fast_allreduce, p.transport, p.materialization, p.batch_size)
         r = ratio.get(key) if p.handoff == "on" else None
         xport = "-" if p.transport_us_p50 is None else f"{p.transport_us_p50:.0f}/{p.transport_us_p99 or 0:.0f}"
         table.add_row(
-            f"{p.backend}/{p.runtime}", p.ops, _on(p.pdl), str(p.tp), p.transport, p.materialization, p.handoff,
+            f"{p.backend}/{p.runtime}", p.ops, _on(p.pdl),
+            str(p.tp) + ("" if p.tp < 2 else " symm" if p.fast_allreduce else " lib"), p.transport,
+            p.materialization, p.handoff,
             str(p.batch_size),
             f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
             "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
             "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",
+            "-" if p.host_us is None else f"{p.host_us:.0f}",
             xport,
             "-" if r is None else f"{r:.3f}",
         )

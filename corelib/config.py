@@ -383,6 +383,11 @@ class BenchConfig:
     tp: list[int] = field(
         default_factory=lambda: [1], metadata=doc("tensor-parallel ranks to sweep; tp > 1 always runs over shm")
     )
+    fast_allreduce: list[str] = field(
+        default_factory=lambda: ["auto"],
+        metadata=doc("fast_allreduce modes compared at tp > 1 (auto, on, off): symmetric memory vs the collective "
+                     "library, inside the graphs"),
+    )
     prompt_len: int = field(default=32, metadata=doc("prompt tokens per request"))
     output_len: int = field(default=64, metadata=doc("new tokens per request"))
     warmup_steps: int = field(default=4, metadata=doc("steps run before timing"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -307,6 +306,12 @@ class Device(ABC):
         self._registrations.append(registration)
         return registration
 
+    def bind_thread(self) -> None:
+        """Make this the calling thread's current device: a thread that launches work on it calls this first
+        (kernels without an explicit device, a vendor's current stream, are per thread)."""
+        self._check_open()
+        self._bind_thread()
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Block the host until all work on all streams of this device has run."""
         self._synchronize(self.default_timeout_s if timeout is None else timeout)
@@ -361,28 +366,12 @@ class Device(ABC):
     @abstractmethod
     def _synchronize(self, timeout: float) -> None: ...
 
+    def _bind_thread(self) -> None:
+        return None
+
     def _quiesce(self) -> None:
         """Let queued work finish (or cancel it) before registrations are released."""
         return None
 
     def _close(self) -> None:
         return None
-
-
-def poll_until(done: Callable[[], bool], timeout: float, spin_s: float = 0.002) -> bool:
-    """Poll ``done`` until it is true or ``timeout`` passes; True if it became true.
-
-    Spins (yielding the GIL) for ``spin_s``, then backs off to sleeps of up to 200 µs,
-    so a short wait costs microseconds and a long one costs no CPU.
-    """
-    start = time.perf_counter()
-    deadline = start + timeout
-    sleep = 0.0
-    while not done():
-        now = time.perf_counter()
-        if now >= deadline:
-            return done()
-        if now - start > spin_s:
-            sleep = min(max(sleep * 2, 10e-6), 200e-6)
-        time.sleep(sleep)
-    return True

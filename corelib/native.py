@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import queue
+import threading
+import time
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, ClassVar
@@ -29,11 +32,40 @@ from corelib.device import (
     MemoryStats,
     Runtime,
     Stream,
-    poll_until,
 )
 from corelib.errors import BackendUnavailable, DeviceTimeout, UnsupportedOperation, one_line
 from corelib.graph import Graph
 from corelib.memory import HostRegistration, MemoryKind, MemoryLedger
+
+
+def poll_until(
+    done: Callable[[], bool], timeout: float, spin_s: float = 0.002, block: Callable[[float], bool] | None = None
+) -> bool:
+    """Wait until ``done()`` is true or ``timeout`` passes; True if it became true.
+
+    Spins on ``done`` (yielding the GIL every turn) for up to ``spin_s``; then hands the rest of
+    the wait to ``block(seconds)``, a wait that sleeps until the condition holds or the time is up
+    (the vendor's blocking synchronize on a helper thread), or, without one, keeps yielding. No
+    fixed sleeps: a short wait costs microseconds and ends the moment the condition holds.
+    """
+    clock = time.perf_counter
+    now = clock()
+    deadline = now + timeout
+    spin_end = min(deadline, now + spin_s)
+    while not done():
+        if now >= spin_end:
+            break
+        os.sched_yield()  # releases the GIL: the threads that make ``done`` true run
+        now = clock()
+    else:
+        return True
+    if block is not None:
+        return block(max(0.0, deadline - now)) or done()
+    while not done():
+        if clock() >= deadline:
+            return done()
+        os.sched_yield()
+    return True
 
 
 class TorchStream(Stream):
@@ -91,14 +123,67 @@ class TorchEvent(Event):
         return bool(self._native.query())
 
     def _synchronize(self, timeout: float) -> bool:
-        # The vendor's synchronize() cannot time out; polling query() can, and backs off
-        # to short sleeps so a long wait costs no CPU.
-        return poll_until(self._query, timeout)
+        # Spin on query() first (a step's tokens are usually a fraction of a millisecond away);
+        # past that, the vendor's synchronize() sleeps until the event completes, but cannot time
+        # out: it runs on the device's helper thread while this one waits for it, bounded.
+        device = self.device
+        assert isinstance(device, TorchDevice), "a TorchEvent belongs to a TorchDevice"
+        return poll_until(self._query, timeout, block=lambda left: device.blocking.run(self._native.synchronize, left))
 
     def _elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, TorchEvent):
             raise TypeError(f"elapsed_ms needs two events of the same device, got {type(end).__name__}")
         return float(self._native.elapsed_time(end._native))
+
+
+class BlockingCalls:
+    """One helper thread per device for the vendor's blocking waits, which cannot time out: the caller
+    waits for the call with a timeout, without sleeping a fixed time and without the GIL.
+
+    A call that never returns (a hung device) keeps the helper; the caller's wait still ends at its
+    timeout, and the daemon thread goes with the process.
+    """
+
+    def __init__(self, name: str, bind: Callable[[], None]) -> None:
+        self._name = name
+        self._bind = bind
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], threading.Event, list[BaseException]] | None] = (
+            queue.SimpleQueue())
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, call: Callable[[], object], timeout: float) -> bool:
+        """True once ``call()`` returned (its exception is raised here), False after ``timeout`` seconds."""
+        done, failure = threading.Event(), list[BaseException]()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=f"{self._name}-blocking", daemon=True)
+                self._thread.start()
+            self._calls.put((call, done, failure))
+        if not done.wait(timeout):
+            return False
+        if failure:
+            raise failure[0]
+        return True
+
+    def _serve(self) -> None:
+        self._bind()
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            call, done, failure = item
+            try:
+                call()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
+                failure.append(error)
+            done.set()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._calls.put(None)
+                self._thread = None
 
 
 class TorchGraph(Graph):
@@ -147,6 +232,7 @@ class TorchDevice(Device):
         self.memory = MemoryLedger()
         self._streams: list[TorchStream] = []
         self._pool: object | None = None
+        self.blocking = BlockingCalls(f"{device_type}{spec.device_index}", self._bind_thread)
 
     def graph_pool(self) -> object:
         """One memory pool shared by every graph of this device (graphs replay one at a time)."""
@@ -215,7 +301,8 @@ class TorchDevice(Device):
     def _synchronize(self, timeout: float) -> None:
         streams = [stream._native for stream in self._streams]
         streams += [self.module.current_stream(self.index), self.module.default_stream(self.index)]
-        if not poll_until(lambda: all(stream.query() for stream in streams), timeout):
+        if not poll_until(lambda: all(stream.query() for stream in streams), timeout,
+                          block=lambda left: self.blocking.run(lambda: self.module.synchronize(self.index), left)):
             busy = [s.name for s in self._streams if not s._native.query()] or ["the current/default stream"]
             raise DeviceTimeout(
                 f"{self.name}: device synchronize gave up after {timeout:g} s; still busy: {busy}"
@@ -223,6 +310,14 @@ class TorchDevice(Device):
 
     def _quiesce(self) -> None:
         self._synchronize(self.default_timeout_s)
+
+    def _bind_thread(self) -> None:
+        set_device = getattr(self.module, "set_device", None)  # every torch.cuda mirror has it; a stand-in may not
+        if set_device is not None:
+            set_device(self.index)
+
+    def _close(self) -> None:
+        self.blocking.close()
 
 
 def native_stream(stream: Stream) -> TorchStream:

@@ -29,20 +29,46 @@ class Staging(str, enum.Enum):
     early = "early"  # SHM: the receiving thread issues the H2D straight from the slot
 
 
+def request_facts(seq: Seq) -> dict[str, Any]:
+    """The ``request.*`` facts of one request, as the per-step requirements of the gates name them."""
+    return {"multimodal": seq.multimodal, "host_stop_strings": bool(seq.sampling.stop_strings)}
+
+
 @dataclass(frozen=True)
 class StepCheck:
-    """The per-step requirements of async token handoff: a batch failing one runs synchronously."""
+    """The per-step requirements of async token handoff: a batch failing one runs synchronously.
+
+    A request's facts never change while it runs, so the requirements are evaluated once per
+    request (:meth:`facts_of`, when it is added), into one bit per failing requirement; a step's
+    decision is then the union of its rows' bits, and its reasons are the YAML's sentences.
+    """
 
     requirements: tuple[Requirement, ...] = ()
+
+    def facts_of(self, seq: Seq) -> int:
+        """The requirements ``seq`` fails, bit ``i`` for ``requirements[i]`` (0: it never forces a sync)."""
+        if not self.requirements:
+            return 0
+        facts: list[Mapping[str, Any]] = [request_facts(seq)]
+        mask = 0
+        for bit, requirement in enumerate(self.requirements):
+            if failing_step_requirements((requirement,), facts):
+                mask |= 1 << bit
+        return mask
 
     def reasons(self, seqs: Sequence[Seq]) -> list[str]:
         """Why this batch must take the synchronous path (empty: it may run ahead)."""
         if not self.requirements:
             return []
-        facts: list[Mapping[str, Any]] = [
-            {"multimodal": s.multimodal, "host_stop_strings": bool(s.sampling.stop_strings)} for s in seqs
-        ]
-        return failing_step_requirements(self.requirements, facts)
+        mask = 0
+        for seq in seqs:
+            bits = seq.sync_mask
+            if bits is None:  # a request that reached the scheduler without the core's add
+                bits = seq.sync_mask = self.facts_of(seq)
+            mask |= bits
+        if not mask:
+            return []
+        return [r.reason for bit, r in enumerate(self.requirements) if mask >> bit & 1]
 
 
 @dataclass(frozen=True)

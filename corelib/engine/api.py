@@ -203,7 +203,7 @@ class Engine:
             except RequestError as error:
                 self.core.finish(seq, FinishReason.error, str(error))
                 return seq.request_id
-            self.scheduler.add(seq)
+            self.core.add(seq)
             return seq.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -310,7 +310,9 @@ class Engine:
                    for prompt, p, flag in zip(prompts, params, flags, strict=True)]
             wanted, results = set(ids), dict[str, RequestOutput]()
             while len(results) < len(wanted):
-                new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
+                new: list[RequestOutput] = []
+                if self._backlog:  # outputs kept back for their caller; most steps have none to look through
+                    new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
                 if not new:
                     taken = self._take_finished()
                     if not taken:

@@ -4,12 +4,13 @@ Synchronous handoff: every step's tokens are read before the next step is schedu
 Async handoff: step N+1 is scheduled and submitted (its input tokens on the device relay)
 before the host reads step N's tokens, so the device has the next step queued while the
 host does its bookkeeping; the step pipeline says how far ahead. A step whose batch fails a
-per-step requirement of the gate (a multimodal request, host-side stop strings) runs
-synchronously, after a drain.
+per-step requirement of the gate (a multimodal request, host-side stop strings; decided once
+per request, when it is added) runs synchronously, after a drain.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from corelib.engine.block_manager import blocks_for
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
-from corelib.observe.metrics import WINDOW, MetricsCollector, StepRecord
+from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 from corelib.options import StepCheck
 from corelib.step.buckets import BucketPolicy
@@ -48,6 +49,8 @@ class InFlight:
     step: ScheduledStep
     future: StepFuture
     path: str
+    schedule_s: float = 0.0  # host time the scheduler took to choose this step
+    pack_s: float = 0.0  # host time to pack it into its arena
 
 
 class EngineCore:
@@ -79,6 +82,12 @@ class EngineCore:
     @property
     def num_in_flight(self) -> int:
         return len(self.pipeline)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; its per-step sync facts are decided now, once, not at every step."""
+        seq.sync_mask = self._step_check.facts_of(seq)
+        self.scheduler.add(seq)
 
     # ------------------------------------------------------------------ finished requests
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -119,12 +128,15 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
     def iterate(self) -> bool:
         """Advance the loop by one decision. False when there is nothing left to do."""
+        clock = time.perf_counter
+        started = clock()
         with self.tracer.span("schedule", SCHEDULER_LANE):
             decision = self.scheduler.schedule(in_flight=bool(self.pipeline), sync_check=self._step_check.reasons)
+        scheduled = clock() - started
         if isinstance(decision, ScheduledStep):
             if not self.pipeline.can_submit():
                 self._complete_oldest()
-            self._submit(decision)
+            self._submit(decision, scheduled)
             if decision.synchronous:
                 self.drain()
             while self.pipeline.must_read():
@@ -142,11 +154,12 @@ class EngineCore:
         while self.pipeline:
             self._complete_oldest()
 
-    def _submit(self, step: ScheduledStep) -> None:
+    def _submit(self, step: ScheduledStep, schedule_s: float = 0.0) -> None:
+        started = time.perf_counter()
         step_id = self._next_step_id
         self._next_step_id += 1
         if step.kind is StepKind.decode:
-            kv_needed = max(blocks_for(p + 1, self.builder.block_size) for p in step.positions)
+            kv_needed = blocks_for(max(step.positions) + 1, self.builder.block_size)
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
             rows, kv = len(step.seqs), 0
@@ -155,23 +168,26 @@ class EngineCore:
         try:
             with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
                 fi = self.builder.fill(step_id, step, arena, rows, kv)
+            packed = time.perf_counter() - started
             with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
                 future = self.executor.submit(fi, lambda: arenas.release(arena))
         except BaseException:
             arenas.release(arena)
             raise
         path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
-        self.pipeline.push(InFlight(step, future, path))
+        self.pipeline.push(InFlight(step, future, path, schedule_s, packed))
 
     def _complete_oldest(self) -> None:
         item = self.pipeline.pop()
         with self.tracer.span("wait for tokens", SCHEDULER_LANE):
             result = item.future.result(self.timeout_s)
-        self.metrics.record(result, item.path, item.step.sync_reasons)
         if result.handle is not None:
             self.tracer.step(result.handle, item.path)
+        started = time.perf_counter()
         with self.tracer.span("postprocess", SCHEDULER_LANE):
             self._finished.extend(self.scheduler.postprocess(item.step, result.tokens))
+        host = HostTime(item.schedule_s * 1e6, item.pack_s * 1e6, (time.perf_counter() - started) * 1e6)
+        self.metrics.record(result, item.path, item.step.sync_reasons, host)
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""

@@ -73,6 +73,7 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        seq.ends = self.stops.facts_of(seq)  # once per request: the per-token check reads it
         self.waiting.append(seq)
 
     @property
@@ -124,13 +125,19 @@ class Scheduler:
         return ScheduledStep(StepKind.prefill, list(seqs), [], [])
 
     def _can_continue(self, seq: Sequence) -> bool:
+        scheduled = len(seq.output_token_ids) + seq.num_pending  # outputs once every step in flight is read
         return (
             seq.status is Status.RUNNING
-            and len(seq.output_token_ids) + seq.num_pending < seq.sampling.max_tokens
-            and seq.num_scheduled_tokens < self.limits.max_model_len
+            and scheduled < seq.sampling.max_tokens
+            and seq.num_prompt_tokens + scheduled < self.limits.max_model_len
         )
 
     def _needs_preemption(self, seqs: list[Sequence]) -> bool:
+        free = self.blocks.num_free_blocks
+        if free >= len(seqs):
+            # A decode step adds one token per sequence, and every earlier step reserved its own
+            # blocks: no sequence misses more than one block, so there are enough.
+            return False
         size = self.blocks.block_size
         missing = 0
         for seq in seqs:
@@ -138,7 +145,7 @@ class Scheduler:
             need = seq.num_scheduled_tokens
             if need > have:
                 missing += -(-(need - have) // size)
-        return missing > self.blocks.num_free_blocks
+        return missing > free
 
     def _decode(self, candidates: list[Sequence]) -> ScheduledStep:
         scheduled: list[Sequence] = []
@@ -149,7 +156,8 @@ class Scheduler:
         queue = deque(candidates)
         while queue:
             seq = queue.popleft()
-            need = seq.num_scheduled_tokens  # the token fed this step needs its KV slot
+            pending = seq.num_pending
+            need = seq.num_prompt_tokens + len(seq.output_token_ids) + pending  # the fed token needs its KV slot
             if need > len(seq.block_table) * size:
                 while not self.blocks.can_append(seq, need):
                     victim = queue.pop() if queue else seq
@@ -163,8 +171,8 @@ class Scheduler:
                     continue
             scheduled.append(seq)
             positions.append(need - 1)
-            from_relay.append(seq.num_pending > 0)
-            seq.num_pending += 1
+            from_relay.append(pending > 0)
+            seq.num_pending = pending + 1
         return ScheduledStep(StepKind.decode, scheduled, positions, from_relay, num_preempted=preempted)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -183,9 +191,10 @@ class Scheduler:
         """Take one step's sampled tokens; returns the sequences that finished."""
         now = time.perf_counter()
         finished: list[Sequence] = []
+        may_stop, stop_reason, done = self.stops.may_stop, self.stops.stop_reason, Status.FINISHED
         for seq, token in zip(step.seqs, tokens, strict=True):
             seq.num_pending -= 1
-            if seq.is_finished:
+            if seq.status is done:
                 continue  # a token sampled after the stop, while the stop was not yet known
             if token < 0:
                 self.finish(seq, FinishReason.error, now, error=NONFINITE_ERROR)
@@ -194,7 +203,9 @@ class Scheduler:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self.stops.stop_reason(seq, token)
+            if not may_stop(seq, token):
+                continue  # most rows of most steps: no stop id, no text check, below the length limit
+            reason = stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
                 finished.append(seq)

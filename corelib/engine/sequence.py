@@ -76,6 +76,15 @@ class FinishReason(str, enum.Enum):
     abort = "abort"  # the caller aborted it (Engine.abort, or a client that went away)
 
 
+@dataclass(frozen=True)
+class StopFacts:
+    """When a request ends, decided once when the scheduler takes it (``StopChecker.facts_of``)."""
+
+    stop_ids: frozenset[int]  # sampled ids that end it: its stop ids, and EOS unless ignore_eos
+    output_limit: int  # outputs at which it ends for length: max_tokens, or what the model's length leaves
+    host_checks: bool  # its text is checked for stop strings after every token
+
+
 @dataclass
 class Sequence:
     """One request as the scheduler sees it."""
@@ -99,16 +108,24 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # decoded output when the host checks stop strings or has a tokenizer
+    # The per-step requirements of the async gate this request fails, one bit each, computed once
+    # when it is added (corelib.options.StepCheck); None until then.
+    sync_mask: int | None = None
+    ends: StopFacts | None = None  # set when the scheduler takes the request
+    num_prompt_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # a prompt never changes
 
     @property
     def num_tokens(self) -> int:
         """Tokens the host knows: prompt plus outputs seen so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:
         """Tokens that exist once every submitted step has finished."""
-        return self.num_tokens + self.num_pending
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:
@@ -119,7 +136,7 @@ class Sequence:
         return bool(self.sampling.stop_strings)
 
     def token_at(self, position: int) -> int:
-        prompt = len(self.prompt_token_ids)
+        prompt = self.num_prompt_tokens
         return self.prompt_token_ids[position] if position < prompt else self.output_token_ids[position - prompt]
 
     def all_token_ids(self) -> list[int]:

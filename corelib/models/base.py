@@ -80,9 +80,16 @@ class Model(Protocol):
         ...
 
     def prefill(self, batch: PrefillBatch, state: ModelState, ops: Ops) -> torch.Tensor:
-        """Write the prompts' KV into ``state``; return the last token's logits [n, V] float32."""
+        """Write the prompts' KV into ``state``; return the last token's logits [n, V] float32 (or this
+        rank's block of them, as ``decode`` says)."""
         ...
 
     def decode(self, batch: DecodeBatch, state: ModelState, ops: Ops) -> torch.Tensor:
-        """Write each new token's KV into ``state``; return logits [B, V] float32. Graph-safe."""
+        """Write each new token's KV into ``state``; return logits [B, V] float32. Graph-safe.
+
+        Under tensor parallelism a model may return one rank's block of the vocabulary instead
+        ([B, per_rank], from a vocabulary-parallel LM head); it then says which block in a
+        ``vocab_shard`` attribute (a :class:`corelib.models.sharding.VocabShard`), and the runner
+        picks the token across ranks (:mod:`corelib.step.vocab_parallel`).
+        """
         ...

@@ -30,6 +30,7 @@ from corelib.errors import ConfigError
 from corelib.models.base import DecodeBatch, ModelFacts, ModelState, PrefillBatch
 from corelib.models.rope import inv_freq
 from corelib.models.shape import ModelShape
+from corelib.models.sharding import VocabShard
 from corelib.models.weight_map import weight_map
 from corelib.ops import Ops
 from corelib.progress import current as current_progress
@@ -60,6 +61,8 @@ class ModelWeights:
     cos_sin: torch.Tensor  # [max_len, 2, hd] full-width cos and sin, model dtype
     # Tensor parallelism: sums the partial outputs of the row-parallel layers across ranks.
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Tensor parallelism: the block of the vocabulary lm_head holds (None: all of it).
+    vocab: VocabShard | None = None
 
 
 def build_weights(
@@ -223,6 +226,7 @@ class LlamaModel:
     def __init__(self, weights: ModelWeights, facts: ModelFacts, compile_decode: bool = False) -> None:
         self.weights = weights
         self.shape = weights.shape
+        self.vocab_shard = weights.vocab  # its logits are that block of the vocabulary (see corelib.models.base)
         self._facts = facts
         self._decode_layer: DecodeLayer = compiled_decode_layer() if compile_decode else decode_layer
 

@@ -183,13 +183,9 @@ def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | N
     """
     shape = model_shape(cfg)
     if cfg.path:
-        weights = load_checkpoint(cfg, shape, device, shard)
-        weights.all_reduce = shard.all_reduce if shard is not None else None
-        return weights
+        return _sharded(load_checkpoint(cfg, shape, device, shard), shard)
     if init_on_device(cfg, shape):
-        weights = seeded_weights(shape, cfg.seed, device, shard)
-        weights.all_reduce = shard.all_reduce if shard is not None else None
-        return weights
+        return _sharded(seeded_weights(shape, cfg.seed, device, shard), shard)
     # The full model, identical on every rank; copied, since the host copy is cached for the
     # next engine and this one's weights may be changed in place.
     state = _random_state(shape, cfg.seed)
@@ -197,8 +193,18 @@ def llama_weights(cfg: ModelConfig, device: torch.device, shard: TensorShard | N
         return build_weights(shape, state, device, copy=True)
     sources = weight_map(shape).sources
     local = {name: shard.slice(sources[name], tensor) for name, tensor in state.items()}
-    weights = build_weights(shard.shape(shape), local, device, copy=True)
+    return _sharded(build_weights(shard.shape(shape), local, device, copy=True), shard)
+
+
+def _sharded(weights: ModelWeights, shard: TensorShard | None) -> ModelWeights:
+    """One rank's model: its all-reduce, and its block of the LM head (vocabulary-parallel)."""
+    if shard is None:
+        return weights
     weights.all_reduce = shard.all_reduce
+    if shard.world > 1:
+        vocab = shard.vocab(weights.shape.vocab_size)
+        weights.lm_head = vocab.rows(weights.lm_head)  # a tied embedding stays whole: the lookup needs it
+        weights.vocab = vocab
     return weights
 
 

@@ -3,9 +3,10 @@
 Column-parallel: q/k/v and gate/up (each rank holds a contiguous group of heads or of
 intermediate features, biases alike; a fused tensor is divided part by part). Row-parallel:
 o_proj and down_proj (each rank holds the matching input columns; their partial outputs are
-summed with an all-reduce). The embedding and LM head are replicated, a simpler choice than
-vocabulary parallelism: every rank computes the full logits and samples the same token, so no
-gather is needed. Which tensor is which comes from the weight map
+summed with an all-reduce). The embedding is replicated (every rank looks up the same input
+tokens); the LM head is vocabulary-parallel (:class:`VocabShard`): each rank holds a contiguous
+block of its rows, computes that block of the logits, and a small all-reduce picks the token
+(:mod:`corelib.step.vocab_parallel`). Which checkpoint tensor is which comes from the weight map
 (:mod:`corelib.models.weight_map`).
 """
 
@@ -53,6 +54,10 @@ class TensorShard:
             intermediate_size=full.intermediate_size // self.world,
         )
 
+    def vocab(self, vocab_size: int) -> VocabShard:
+        """This rank's block of the vocabulary (its LM head rows and logits columns)."""
+        return VocabShard(self.rank, self.world, vocab_size, self.all_reduce)
+
     def slice(self, source: Source, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the checkpoint tensor ``source`` (the whole tensor if replicated)."""
         if self.world == 1 or source.split is Split.replicated:
@@ -61,3 +66,40 @@ class TensorShard:
             return tensor.chunk(self.world, dim=1)[self.rank].contiguous()
         parts = torch.split(tensor, list(source.parts), dim=0) if source.parts else (tensor,)
         return torch.cat([part.chunk(self.world, dim=0)[self.rank] for part in parts], dim=0).contiguous()
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """One rank's contiguous block of the vocabulary: ``per_rank`` rows of the LM head, the last rank's
+    padded with zero rows (their logits are masked) so that every rank's block has the same size."""
+
+    rank: int
+    world: int
+    vocab_size: int
+    # The process group's in-place sum: what the token pick reduces through (see corelib.step.vocab_parallel).
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+
+    @property
+    def per_rank(self) -> int:
+        return -(-self.vocab_size // self.world)
+
+    @property
+    def start(self) -> int:
+        """The token id of this block's first row."""
+        return self.rank * self.per_rank
+
+    @property
+    def size(self) -> int:
+        """Rows of this block that are real tokens (the rest is padding)."""
+        return max(0, min(self.vocab_size, self.start + self.per_rank) - self.start)
+
+    def rows(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the full LM head [V, H]: [per_rank, H], its own memory."""
+        if lm_head.shape[0] != self.vocab_size:
+            raise ValueError(f"an LM head of {lm_head.shape[0]} rows for a vocabulary of {self.vocab_size}")
+        block = lm_head[self.start : self.start + self.size]
+        if self.size == self.per_rank:
+            return block.clone()
+        padded = lm_head.new_zeros((self.per_rank, *lm_head.shape[1:]))
+        padded[: self.size] = block
+        return padded

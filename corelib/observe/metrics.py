@@ -19,6 +19,19 @@ from corelib.step.handoff import StepResult
 
 
 @dataclass(frozen=True)
+class HostTime:
+    """The scheduler side's own work for one step, in µs: what the host adds to every step."""
+
+    schedule_us: float  # choosing the batch (and its KV blocks)
+    pack_us: float  # writing it into its arena
+    postprocess_us: float  # taking its tokens: stop checks, finished requests
+
+    @property
+    def total_us(self) -> float:
+        return self.schedule_us + self.pack_us + self.postprocess_us
+
+
+@dataclass(frozen=True)
 class StepRecord:
     step_id: int
     kind: StepKind
@@ -28,6 +41,7 @@ class StepRecord:
     gap_ms: float | None
     graph: bool
     transport_us: float | None
+    host: HostTime | None = None  # schedule + pack + post-process of this step on the scheduler side
 
 
 WINDOW = 10_000  # requests and steps kept for percentiles and device spans
@@ -68,9 +82,9 @@ class MetricsCollector:
         """The records of steps ``first_step`` on (those still in the window)."""
         return self.steps[max(0, first_step - self.steps_dropped):]
 
-    def record(self, result: StepResult, path: str, sync_reasons: Iterable[str]) -> None:
+    def record(self, result: StepResult, path: str, sync_reasons: Iterable[str], host: HostTime | None = None) -> None:
         record = StepRecord(result.step_id, result.kind, path, len(result.tokens), result.busy_ms, result.gap_ms,
-                            result.graph, result.transport_us)
+                            result.graph, result.transport_us, host)
         self.steps.append(record)
         if len(self.steps) >= 2 * self.window:
             del self.steps[: self.window]  # in halves: amortized O(1) per step, and slices stay cheap

@@ -30,6 +30,11 @@ class DeviceSteps:
         return StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, event, timing, graph, (staged, target),
                           on_done=staged.release)
 
+    def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
+        """Until a step's tokens are in host memory (bounded); reads nothing, so any thread may wait."""
+        if handle.tokens is None:
+            handle.event.synchronize(timeout)
+
     def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
         """Wait for a step's tokens (bounded) and give its inputs back."""
         return self.handoff.read(handle, timeout)

@@ -15,12 +15,14 @@ from corelib.device import Device, Stream
 from corelib.faults import maybe_fail
 from corelib.graph import Graph
 from corelib.models.base import DecodeBatch, Model, PrefillBatch
+from corelib.models.sharding import VocabShard
 from corelib.ops import Ops, PagedAttention, SamplingInputs, VarlenAttention
 from corelib.progress import current as current_progress
 from corelib.step.buckets import BucketPolicy
 from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
+from corelib.step.vocab_parallel import pick_tokens
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 
@@ -51,6 +53,9 @@ class ModelRunner:
             task.advance()
         self.decode_arena = None if device.capabilities.device_is_host else device.empty(
             (self.decode_layout.nbytes,), torch.uint8)
+        # Under tensor parallelism the model's logits may be one block of the vocabulary per rank.
+        vocab = getattr(model, "vocab_shard", None)
+        self.vocab_shard = vocab if isinstance(vocab, VocabShard) and vocab.world > 1 else None
         self.graphs: dict[tuple[int, int, bool], Graph] = {}
         self._graph_shapes = set(buckets.shapes())
         self.num_graph_steps = 0
@@ -149,10 +154,12 @@ class ModelRunner:
     def _emit(self, logits: torch.Tensor, rows: int, states: torch.Tensor, views: dict[str, torch.Tensor],
               sample_positions: torch.Tensor, sampled: bool) -> None:
         sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
-        tokens = self.ops.sample(logits, sampling)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
-        finite = torch.isfinite(logits.sum(dim=-1))
+        if self.vocab_shard is not None:
+            tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops)
+        else:
+            tokens, finite = self.ops.sample(logits, sampling), torch.isfinite(logits.sum(dim=-1))
         self.handoff.publish(tokens, rows, states, torch.where(finite, tokens, NONFINITE))
 
     def close(self) -> None:

@@ -101,17 +101,40 @@ class _LoggedPool(ArenaPool):
 
 
 class _Future(StepFuture):
-    def __init__(self, executor: ScriptedExecutor, result: StepResult, release: Callable[[], None]) -> None:
+    def __init__(self, executor: ScriptedExecutor | None, result: StepResult, release: Callable[[], None]) -> None:
         self._executor = executor
         self._result = result
         self._release: Callable[[], None] | None = release
 
     def result(self, timeout: float) -> StepResult:
         if self._release is not None:
-            self._executor.log.append(("result", self._result.step_id))
+            if self._executor is not None:
+                self._executor.log.append(("result", self._result.step_id))
             release, self._release = self._release, None
             release()  # the "device" is done with the inputs once its tokens are read
         return self._result
+
+
+class InstantExecutor(Executor):
+    """Answers every step at once with one fixed token per row, copying nothing: the host's side of a
+    step measured (or counted) alone, as if the device took no time."""
+
+    def __init__(self, layout: EngineLayout, depth: int, token: int = 7, timeout_s: float = 10.0) -> None:
+        self.arenas = ArenaPool(lambda shape, dtype: torch.zeros(shape, dtype=dtype), layout.arena_bytes,
+                                depth + SPARE_ARENAS, timeout_s)
+        self.notices = []
+        self.token = token
+        self.steps = 0
+
+    def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
+        self.steps += 1
+        return _Future(None, StepResult(fi.step_id, fi.kind, [self.token] * fi.num_seqs), release)
+
+    def memory_stats(self) -> list[MemoryStats]:
+        return [MemoryStats(0, 0, 0)]
+
+    def close(self, timeout: float) -> None:
+        return None
 
 
 def unit_config(max_num_seqs: int = 4, block_size: int = 4, max_model_len: int = 64, vocab_size: int = 64,
@@ -128,6 +151,13 @@ def unit_options(run_ahead: int = 0, step_check: StepCheck | None = None, timeou
                          tp=1, fast_allreduce=False, staging=Staging.inline, fused_ops=(), pdl=False,
                          attention_reads_live_blocks_only=False, compile=False, timeout_s=timeout_s,
                          step_check=step_check or StepCheck())
+
+
+def instant_core(config: CorelibConfig, options: EngineOptions) -> tuple[EngineCore, InstantExecutor]:
+    """The request loop around an executor that answers at once: only the host's work per step is left."""
+    layout = EngineLayout.of(config)
+    executor = InstantExecutor(layout, options.pipeline_depth)
+    return build_engine_core(config, options, layout, executor), executor
 
 
 def scripted_core(config: CorelibConfig | None = None, options: EngineOptions | None = None,

@@ -4,8 +4,6 @@ A segment holds a control block, then the frame slots. The control block keeps o
 counter per 64-byte cache line, each with a single writer:
 
 - ``COMMITTED`` (producer): frames committed so far; frame ``n`` lives in slot ``n % num_slots``;
-- ``DEMAND`` (producer): a count it publishes to the consumers (the scheduler: result frames it
-  waits for, so a worker knows when to answer);
 - ``ALWAYS`` (any end, at attach): 1 when some process lacks the waiters' barrier, so
   publishers ring on every publication (see :mod:`corelib.transport.doorbell`);
 - ``PRODUCER_ASLEEP`` (producer), and per consumer ``RELEASED[i]`` (frames it gave back, in
@@ -58,20 +56,20 @@ __all__ = ["PREFIX", "SHM_DIR", "Consumer", "Frame", "Producer", "Ring", "Segmen
 SETTLE_S = 0.005  # how long a frame that fails its checks is re-read before it is called corrupt
 
 _LINE = 8  # 8-byte words per 64-byte cache line
-COMMITTED, DEMAND, ALWAYS, PRODUCER_ASLEEP = (i * _LINE for i in range(4))
+COMMITTED, ALWAYS, PRODUCER_ASLEEP = (i * _LINE for i in range(3))
 
 
 def released_word(consumer: int) -> int:
-    return (4 + 2 * consumer) * _LINE
+    return (3 + 2 * consumer) * _LINE
 
 
 def asleep_word(consumer: int) -> int:
-    return (5 + 2 * consumer) * _LINE
+    return (4 + 2 * consumer) * _LINE
 
 
 def control_bytes(num_consumers: int) -> int:
     """The control block, whole pages, so the slots that follow stay page-aligned (host registration)."""
-    return -(-64 * (4 + 2 * num_consumers) // mmap.PAGESIZE) * mmap.PAGESIZE
+    return -(-64 * (3 + 2 * num_consumers) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 @dataclass
@@ -239,12 +237,6 @@ class Producer:
             bell.ring()
         return seq
 
-    def demand(self, count: int) -> None:
-        """Publish ``count`` to the consumers (what they read with :meth:`Consumer.demanded`) and wake them."""
-        self._words[DEMAND] = count
-        for bell in self._bells:
-            bell.ring()
-
     def progress(self) -> str:
         """How far each consumer got: the one that stalls shows behind the others."""
         return self._released_so_far()
@@ -296,9 +288,6 @@ class Consumer:
 
     def available(self) -> bool:
         return self._words[COMMITTED] > self._expected
-
-    def demanded(self) -> int:
-        return self._words[DEMAND]
 
     def wait(self, timeout: float, also: Callable[[], bool] | None = None) -> bool:
         """Until a frame is there (True) or ``also()`` holds (False); TransportError after ``timeout``."""

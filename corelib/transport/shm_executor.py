@@ -1,8 +1,9 @@
 """The scheduler side of ``engine.transport=shm``: worker processes fed through a shared-memory ring.
 
 Each step's packed inputs go into the input ring (one producer, one consumer per rank);
-tokens come back through the result ring from rank 0, which answers a step once the
-scheduler asks for it (the input ring's DEMAND word) or as soon as it can without waiting.
+tokens come back through the result ring from rank 0, which answers every step as soon as its
+tokens are there; the scheduler waits for them as the workers wait for frames (a bounded spin,
+then a sleep on the doorbell).
 Doorbells are counters in the rings and eventfds (:mod:`corelib.transport.doorbell`). Worker
 errors arrive on a control pipe, which every wait also watches: a worker that stops or dies is
 named at once, and in any case within a quarter second.
@@ -279,8 +280,6 @@ class ShmExecutor(Executor):
         self._check_usable()
         consumer = self.consumer
         try:
-            if not consumer.available():
-                self.producer.demand(consumer.expected + 1)  # rank 0 answers once its tokens are there
             frame = consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
         except TransportError as error:
             self.failure = TransportError(f"{error}; {self.producer.progress()}")

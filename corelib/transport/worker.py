@@ -1,15 +1,15 @@
 """A worker process: owns a device and the model, reads steps from the SHM ring, returns tokens.
 
-One thread, one loop. It waits for whichever comes first: the next input frame, or the
-scheduler's demand for the tokens of the oldest step in flight (the input ring's DEMAND
-word: how many result frames the scheduler waits for). A frame is checked, staged (the
-stager the plan chose: ordered, early or a host copy) and submitted, keeping at most the
-pipeline's depth of steps on the device; a demanded step's tokens are waited for and written
-to the result ring (rank 0). While it spins it also answers a step whose tokens are ready
-when the result ring has room, so the scheduler finds them there. Answering only on demand or
-with room never blocks on a full result ring, whatever the ring and pipeline sizes. A second
-thread for the answers measured slower on the CPU: the two handed the GIL to each other on
-every step. Any error is reported to the scheduler on the control pipe, and the process
+Two threads. The receiving thread waits on the input ring's doorbell (a bounded spin, then a
+sleep on its eventfd: never a fixed sleep), checks each frame, stages it (the stager the plan
+chose: ordered, early or a host copy), and submits it once one of the pipeline's token buffers is
+free, so a frame is taken in while earlier steps still run. The answering thread (the process's
+main thread) waits for the oldest submitted step's tokens, the device's own wait (a bounded spin
+on its event, then the vendor's blocking wait), and writes them to the result ring at once (rank
+0), waiting for room there if it must; the receiving thread never does. A step whose tokens are
+there the moment it is submitted (a device that computes on the host) is answered by the
+receiving thread itself, when the result ring has room, without waking the other. Any error is
+raised on the main thread and reported to the scheduler on the control pipe, and the process
 exits; it never computes on a frame that failed its checks.
 """
 
@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -43,7 +44,7 @@ from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepHandle
 from corelib.step.layout import EngineLayout
-from corelib.step.pipeline import StepPipeline
+from corelib.transport.doorbell import CHECK_S
 from corelib.transport.parallel import init_group, leave_group
 from corelib.transport.shm import Consumer, Frame, Producer, Ring
 from corelib.transport.wire import FrameKind, InputFlags, WireResult, encode_result, result_header
@@ -66,7 +67,7 @@ class WorkerArgs:
     num_slots: int
     slot_bytes: int
     result_slot_bytes: int
-    doorbell_fd: int  # eventfd this rank sleeps on for input frames (and the scheduler's demand)
+    doorbell_fd: int  # eventfd this rank's receiving thread sleeps on for input frames
     release_fd: int  # eventfd the scheduler sleeps on for released input slots
     result_doorbell_fd: int  # eventfd the scheduler sleeps on for results (rank 0; -1 elsewhere)
     result_release_fd: int  # eventfd rank 0 sleeps on for released result slots (rank 0; -1 elsewhere)
@@ -87,39 +88,63 @@ def input_of(frame: Frame, where: str) -> ForwardInput:
                         bool(header.flags & InputFlags.SAMPLE), layout, frame.payload)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Submitted:
+    handle: StepHandle
+    transport_us: float  # producer commit to inputs staged here
+
+
 class StepLoop:
-    """Receive, stage and submit steps; answer the oldest when asked (or when ready and there is room)."""
+    """Receive, stage and submit steps on the receiving thread; wait for their tokens and answer on this one."""
 
     def __init__(self, consumer: Consumer, steps: DeviceSteps, results: Producer | None, depth: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, *, inline_answers: bool = False,
+                 on_thread_start: Callable[[], None] = lambda: None) -> None:
+        """``inline_answers``: the device's events can be queried, so the receiving thread may answer
+        a step that is done when submitted; ``on_thread_start``: runs first on the receiving thread."""
         self.consumer = consumer
         self.steps = steps
         self.results = results
         self.timeout = timeout_s
-        self.pipeline: StepPipeline[tuple[StepHandle, float]] = StepPipeline(depth)
+        self._inline = inline_answers
+        self._on_thread_start = on_thread_start
+        self._free = threading.Semaphore(depth)  # token buffers holding no unanswered step
+        self._submitted: deque[_Submitted | None] = deque()  # oldest first; None: nothing more will come
+        self._arrived = threading.Condition()  # the answering thread sleeps here while nothing is submitted
+        self._answering = threading.Lock()  # one thread answers at a time, oldest first
+        self._stopping = False  # the stop frame came: nobody reads results any more
+        self._failure: BaseException | None = None  # what stopped the receiving thread
         self.answered = 0  # steps whose tokens were taken (rank 0: result frames written)
-
-    def _answerable(self) -> bool:
-        if not self.pipeline:
-            return False
-        if self.consumer.demanded() > self.answered:
-            return True
-        results = self.results
-        return (results is None or results.has_room()) and self.pipeline.oldest()[0].done()
+        self.answered_inline = 0  # of those, answered by the receiving thread
 
     def serve(self, memory: Callable[[], MemoryStats], send: Callable[[str, str | None, object], None]) -> None:
-        """Until the stop frame."""
+        """Until the stop frame; raises what stopped either thread."""
+        receiver = threading.Thread(target=self._receive_guarded, args=(memory, send), name="corelib-receive",
+                                    daemon=True)
+        receiver.start()
+        self.answer()
+        receiver.join(self.timeout)
+
+    # ------------------------------------------------------------------ the receiving thread
+    def _receive_guarded(self, memory: Callable[[], MemoryStats],
+                         send: Callable[[str, str | None, object], None]) -> None:
+        try:
+            self._on_thread_start()
+            self.receive(memory, send)
+        except BaseException as error:  # noqa: BLE001 - raised again on the answering thread
+            self._failure = error
+            self._hand_over(None)
+
+    def receive(self, memory: Callable[[], MemoryStats], send: Callable[[str, str | None, object], None]) -> None:
+        """Take frames until the stop frame: memory questions answered, steps staged and submitted."""
         consumer = self.consumer
         while True:
-            if not consumer.wait(IDLE_S, also=self._answerable):
-                self.answer_oldest()
-                continue
-            frame = consumer.read(who="the next step")
+            frame = consumer.read(IDLE_S, who="the next step")  # spins on the doorbell, then sleeps on it
             kind = frame.header.kind
             if kind is FrameKind.stop:
                 consumer.release(frame)
-                while self.pipeline:
-                    self.answer_oldest(reply=False)  # nobody reads them: only give the inputs back
+                self._stopping = True
+                self._hand_over(None)
                 return
             if kind is FrameKind.memory:
                 consumer.release(frame)
@@ -132,19 +157,67 @@ class StepLoop:
             fi = input_of(frame, where)
             staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
             transport_us = (time.perf_counter() - frame.header.sent_at) * 1e6
-            while not self.pipeline.can_submit():
-                self.answer_oldest()
-            self.pipeline.push((self.steps.submit(staged), transport_us))
+            if not self._free.acquire(timeout=self.timeout):
+                raise TransportError(f"{where}: no token buffer came free within {self.timeout:g} s: the "
+                                     f"tokens of step {self._oldest_step()} never came")
+            self._hand_over(_Submitted(self.steps.submit(staged), transport_us))
 
-    def answer_oldest(self, reply: bool = True) -> None:
-        """Wait (bounded) for the oldest step's tokens and write them to the result ring (rank 0)."""
-        handle, transport_us = self.pipeline.pop()
-        result = self.steps.result(handle, self.timeout)
-        self.answered += 1
-        if reply and self.results is not None:
-            wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
-                              result.busy_ms, result.gap_ms, transport_us)
-            self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
+    def _hand_over(self, item: _Submitted | None) -> None:
+        with self._arrived:
+            self._submitted.append(item)
+        if self._inline and item is not None and item.handle.done() and self._answering.acquire(blocking=False):
+            try:
+                self._answer_ready(waited=None)
+            finally:
+                self._answering.release()
+        with self._arrived:
+            if self._submitted:
+                self._arrived.notify()
+
+    def _oldest_step(self) -> int | None:
+        head = self._submitted[0] if self._submitted else None
+        return None if head is None else head.handle.step_id
+
+    # ------------------------------------------------------------------ the answering thread
+    def answer(self) -> None:
+        """Until the stop: wait for the oldest step's tokens, then answer it and every later one that is ready."""
+        while True:
+            with self._arrived:
+                while not self._submitted:
+                    self._arrived.wait(CHECK_S)  # woken at once by a submission; bounded all the same
+                head = self._submitted[0]
+            if head is None:
+                if self._failure is not None:
+                    raise self._failure
+                return
+            self.steps.wait(head.handle, self.timeout)
+            with self._answering:
+                self._answer_ready(waited=head)
+
+    def _answer_ready(self, waited: _Submitted | None) -> None:
+        """Answer the oldest steps, in order, while their tokens are there (``waited``'s event completed);
+        stop at the first whose tokens are not."""
+        while True:
+            with self._arrived:
+                head = self._submitted[0] if self._submitted else None
+            if head is None:
+                return
+            if head is not waited:
+                if not self._inline or not head.handle.done():
+                    return
+                if waited is None and self.results is not None and not self.results.has_room():
+                    return  # the receiving thread never waits for the result ring: the other thread will
+            with self._arrived:
+                self._submitted.popleft()
+            result = self.steps.result(head.handle, self.timeout)
+            self.answered += 1
+            if waited is None:
+                self.answered_inline += 1
+            self._free.release()  # its token buffer is free: the next step may be submitted
+            if self.results is not None and not self._stopping:
+                wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
+                                  result.busy_ms, result.gap_ms, head.transport_us)
+                self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 
 class Worker:
@@ -207,7 +280,8 @@ class Worker:
             results = Producer(out, [args.result_doorbell_fd], args.result_release_fd, self.timeout,
                                alive=self.parent_gone, name="result ring", consumer_names=["the scheduler"],
                                spin_us=spin_us, watch=watch)
-        loop = StepLoop(consumer, steps, results, options.pipeline_depth, self.timeout)
+        loop = StepLoop(consumer, steps, results, options.pipeline_depth, self.timeout,
+                        inline_answers=device.capabilities.event_query, on_thread_start=device.bind_thread)
         self.send("ready", None, "")
         loop.serve(device.memory_stats, self.send)
         if registration is not None:

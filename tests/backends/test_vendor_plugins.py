@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -321,3 +323,34 @@ def test_native_host_registration_checks_the_vendor_status(recorder: Recorder) -
         stream.record(event_b)
         event_b.synchronize(timeout=0.1)
         assert event_a.elapsed_ms(event_b) == 1.5
+
+
+class LateEvent(FakeEvent):
+    """A vendor event still pending until the vendor's blocking synchronize() is called (and returns)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__(recorder)
+        self.synchronized_on: list[str] = []
+
+    def query(self) -> bool:
+        return bool(self.synchronized_on)
+
+    def synchronize(self) -> None:
+        self.synchronized_on.append(threading.current_thread().name)
+
+
+def test_a_long_native_event_wait_is_the_vendors_blocking_wait_never_a_sleep(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    spec = resolve_runtime(_backend("npu"), _config("npu", RuntimeMode.native), 5.0).spec
+    with _backend("npu").open(spec) as device:
+        event = device.event(blocking=True, name="tokens")
+        late = LateEvent(recorder)
+        event._native = late  # type: ignore[attr-defined]
+        device.stream("d2h").record(event)
+        event.synchronize(timeout=5.0)  # past the spin, the wait is handed to the vendor's synchronize()
+        assert late.synchronized_on and late.synchronized_on[0] != threading.current_thread().name, (
+            "the vendor's wait cannot time out, so it runs on a helper thread while this one waits, bounded")
+        assert slept == [], f"the event wait slept fixed times: {slept[:5]}"

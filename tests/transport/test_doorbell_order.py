@@ -14,7 +14,7 @@ import torch
 from ringkit import Wired, wire
 
 from corelib.transport.doorbell import Waiter, new_eventfd
-from corelib.transport.shm import COMMITTED, DEMAND, released_word
+from corelib.transport.shm import COMMITTED, released_word
 from corelib.transport.wire import FrameHeader, FrameKind
 
 
@@ -49,13 +49,6 @@ def test_the_producer_rings_after_it_stores_committed(ring: Wired) -> None:
         frame = ring.consumers[0].read()
         ring.consumers[0].release(frame)
     assert bell.seen == [1, 2, 3], "a consumer woken by the bell must find the frame committed"
-
-
-def test_demand_is_stored_before_the_bell(ring: Wired) -> None:
-    bell = RecordingBell(ring.ring.words, DEMAND)
-    ring.producer._bells = [bell]  # type: ignore[list-item]
-    ring.producer.demand(5)
-    assert bell.seen == [5]
 
 
 def test_a_consumer_rings_the_producer_after_it_stores_its_release(ring: Wired) -> None:

@@ -56,6 +56,37 @@ def test_tp2_gives_the_tokens_of_tp1(backend: list[str]) -> None:
     assert our_segments() == before
 
 
+SAMPLED = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, top_k=k, top_p=p, seed=seed)
+           for n, t, k, p, seed in ((20, 0.0, 0, 1.0, 0), (24, 0.8, 0, 0.9, 3), (6, 1.0, 8, 1.0, 5),
+                                    (30, 0.7, 0, 1.0, 9))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(["backend=cpu"], id="cpu-gloo"),
+        pytest.param(["backend=npu", "backend.emulator.chaos=0.3", "engine.async_token_handoff=on"],
+                     id="npu-emulated-gloo-async"),
+    ],
+)
+def test_the_vocabulary_parallel_head_gives_tp1s_tokens_sampled_and_for_an_odd_vocabulary(
+    backend: list[str],
+) -> None:
+    # 509 tokens over 2 ranks: the second block is padded, and its padding must never be picked.
+    # Greedy batches pick through the small all-reduce; a batch with a sampled request gathers the
+    # whole logits across ranks and samples them as tp=1 does.
+    common = [*backend, "model.vocab_size=509"]
+
+    def run(overrides: list[str]) -> list[list[int]]:
+        with Engine.from_overrides(overrides) as engine:
+            greedy = [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
+            return greedy + [o.output_token_ids for o in engine.generate(PROMPTS, SAMPLED)]
+
+    single = run(common)
+    assert run([*common, "engine.transport=shm", "engine.tp=2"]) == single
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-qkv-gate-up"])
 def test_shards_put_back_together_are_the_full_weights(fused: bool) -> None:
     shape = replace(model_shape(ModelConfig(name="t")), fused_qkv=fused, fused_gate_up=fused)
