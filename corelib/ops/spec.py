@@ -1,6 +1,6 @@
 """What every op takes and returns, the container the model calls, and what a provider supplies.
 
-Shapes use: T tokens (flat, prefill), B sequences (decode), H hidden, nh query heads,
+Shapes use: T tokens (flat: a step's queries), B sequences (rows), H hidden, nh query heads,
 nkv KV heads, hd head dim, NB KV blocks, bs block size, W block-table width, V vocabulary.
 Every op is graph-safe in the reference: no host sync, no data-dependent shapes.
 """
@@ -21,6 +21,7 @@ OP_NAMES = (
     "rms_norm",
     "rope_kv_write",
     "paged_decode_attention",
+    "paged_attention",
     "prefill_attention",
     "silu_mul",
     "sample",
@@ -46,15 +47,26 @@ _COMPOSERS = {f.__name__: f for f in (linear_residual, norm_qkv_rope_kv_write, n
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """Where one decode step's keys and values live: built once per step, shared by every layer.
+    """Where one step's keys and values live: built once per step, shared by every layer.
 
     block_tables [B, W] int32: the first W blocks of each sequence (padded with block 0);
-    seq_lens [B] int64: keys to attend to, the new token included (>= 1).
+    seq_lens [B] int64: keys each row attends to once this step's keys are written (>= 1);
+    query_start [B+1] int64, or None for one query per row (row i's query is token i): row i's
+    queries are the step's tokens query_start[i]:query_start[i+1], the last ones of its context,
+    so its query j sits at position seq_lens[i] - q_len_i + j and attends to the keys up to it;
+    max_query_len: a host int, the most queries of one row (1: a decode step, graph-safe).
     """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     block_size: int
+    query_start: torch.Tensor | None = None
+    max_query_len: int = 1
+
+    @property
+    def is_decode(self) -> bool:
+        """One query per row: the decode step (a captured graph's shape)."""
+        return self.max_query_len == 1
 
     @functools.cached_property
     def key_mask(self) -> torch.Tensor:
@@ -62,6 +74,20 @@ class PagedAttention:
         span = self.block_tables.shape[1] * self.block_size
         positions = torch.arange(span, device=self.seq_lens.device)
         return (positions[None, :] < self.seq_lens[:, None])[:, None, None, :]
+
+    def query_lens(self) -> torch.Tensor:
+        """[B] int64: each row's query count."""
+        if self.query_start is None:
+            return torch.ones_like(self.seq_lens)
+        return self.query_start[1:] - self.query_start[:-1]
+
+    def token_rows(self, num_tokens: int) -> torch.Tensor:
+        """[T] int64: the row each of the step's tokens belongs to, found on the device (no host sync)."""
+        tokens = torch.arange(num_tokens, device=self.seq_lens.device)
+        if self.query_start is None:
+            return tokens
+        rows = torch.searchsorted(self.query_start[1:].contiguous(), tokens, right=True)
+        return rows.clamp_(max=self.seq_lens.shape[0] - 1)
 
 
 @dataclass(frozen=True)
@@ -168,6 +194,20 @@ class PagedDecodeAttention(Protocol):
         ...
 
 
+class PagedAttentionOp(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
+    ) -> torch.Tensor:
+        """Each row's queries over its cached keys, causal: q [T, nh, hd] -> [T, nh, hd].
+
+        The step's keys and values are already in the cache (written by rope_kv_write): a prefill
+        chunk attends to the blocks cached before it and to itself, up to each query's position;
+        a decode row (one query) to its whole context. Grouped-query: query head j reads KV head
+        j // (nh // nkv). With ``attn.is_decode`` (T = B) it is paged_decode_attention.
+        """
+        ...
+
+
 class PrefillAttention(Protocol):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
@@ -267,6 +307,7 @@ class Ops:
     rms_norm: RmsNorm
     rope_kv_write: RopeKvWrite
     paged_decode_attention: PagedDecodeAttention
+    paged_attention: PagedAttentionOp
     prefill_attention: PrefillAttention
     silu_mul: SiluMul
     sample: Sample

@@ -21,6 +21,7 @@ from vendorkit import FakeTmo, FakeTorchNpu, Op, close, install_mlu, install_npu
 
 from corelib.ops import COMPOSED_OPS, OP_NAMES, PagedAttention, VarlenAttention
 from corelib.ops import reference as ref
+from corelib.testing.op_cases import BF16, ChunkCase, DecodeCase
 
 
 @pytest.fixture
@@ -211,6 +212,43 @@ def test_npu_prefill_attention_runs_the_padded_grid_and_matches_the_reference(
     close(out, ref.prefill_attention(q.float(), k.float(), v.float(), attn, 0.125))
 
 
+def chunk_args(case: ChunkCase | DecodeCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttention, float]:
+    q, k_cache, v_cache, attn, scale, _ = case.build(0, torch.device("cpu"))
+    assert isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+    assert isinstance(attn, PagedAttention) and isinstance(scale, float)
+    return q, k_cache, v_cache, attn, scale
+
+
+def test_npu_paged_attention_runs_chunks_through_page_attention_and_matches_the_reference(
+    npu: tuple[FakeTorchNpu, dict[str, Op]]
+) -> None:
+    fake, ops = npu
+    q, k_cache, v_cache, attn, scale = chunk_args(ChunkCase(BF16, 4, 64, 128, ((0, 17), (130, 40), (50, 1))))
+    out = ops["paged_attention"](q, k_cache, v_cache, attn, scale)
+    (call,) = fake.named("npu_fused_infer_attention_score")
+    batch, width = attn.block_tables.shape
+    assert call["input_layout"] == "BSND" and call["query"].shape == (batch, 40, 8, 64), "a padded query grid"
+    assert call["key"].data_ptr() == k_cache.data_ptr() and call["block_table"] is attn.block_tables
+    assert call["actual_seq_lengths_kv"] == [width * 128] * batch, "a length fixed by the shapes, not the lengths"
+    assert call["atten_mask"].shape == (batch, 1, 40, width * 128) and call["sparse_mode"] == 0
+    close(out, ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+
+
+def test_npu_paged_attention_of_decode_rows_is_the_decode_kernel_and_small_blocks_take_the_reference(
+    npu: tuple[FakeTorchNpu, dict[str, Op]]
+) -> None:
+    fake, ops = npu
+    q, k_cache, v_cache, attn, scale = chunk_args(DecodeCase(BF16, 3, 4, 64, 16, long=70))
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, scale),
+          ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+    (call,) = fake.named("npu_fused_infer_attention_score")
+    assert call["input_layout"] == "BSH", "one query per row: the IncreFlashAttention branch"
+    q, k_cache, v_cache, attn, scale = chunk_args(ChunkCase(BF16, 4, 64, 16, ((0, 17), (30, 5))))
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, scale),
+          ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+    assert len(fake.named("npu_fused_infer_attention_score")) == 1, "blocks of 16 with Q_S > 1: the reference"
+
+
 def test_npu_silu_mul_maps_to_npu_swiglu(npu: tuple[FakeTorchNpu, dict[str, Op]]) -> None:
     fake, ops = npu
     x = torch.randn(6, 2 * 48)[:, :64]  # a strided view: npu_swiglu takes contiguous input only
@@ -273,6 +311,23 @@ def test_mlu_prefill_attention_maps_to_packed_flash_attention(
     assert call["is_causal"] and call["max_seq_len_q"] == call["max_seq_len_kv"] == max(lengths)
     assert torch.equal(call["cu_seq_lens_q"], cu_seqlens.int()) and call["softmax_scale"] == 0.125
     close(out, ref.prefill_attention(q.float(), k.float(), v.float(), attn, 0.125))
+
+
+@pytest.mark.parametrize("case", [ChunkCase(BF16, 2, 64, 16, ((0, 17), (30, 5), (40, 1), (16, 16))),
+                                  DecodeCase(BF16, 3, 4, 64, 16, long=70)], ids=["chunks", "decode"])
+def test_mlu_paged_attention_maps_to_flash_attention_over_packed_keys(
+    mlu: tuple[FakeTmo, dict[str, Op]], case: ChunkCase | DecodeCase
+) -> None:
+    fake, ops = mlu
+    q, k_cache, v_cache, attn, scale = chunk_args(case)
+    out = ops["paged_attention"](q, k_cache, v_cache, attn, scale)
+    (call,) = fake.named("flash_attention")
+    batch, width = attn.block_tables.shape
+    ends = torch.cumsum(attn.seq_lens, 0)
+    assert call["is_causal"] and call["max_seq_len_q"] == attn.max_query_len
+    assert call["max_seq_len_kv"] == width * 16 and call["k"].shape[0] == batch * width * 16, "static sizes"
+    assert torch.equal(call["cu_seq_lens_kv"], torch.cat([ends.new_zeros(1), ends]).int())
+    close(out, ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
 
 
 def test_mlu_silu_mul_maps_to_gated_active(mlu: tuple[FakeTmo, dict[str, Op]]) -> None:

@@ -9,6 +9,7 @@ an MLU.
 | rms_norm               | fused_rms_norm                     | yes        | residual add fused        |
 | rope_kv_write          | apply_rotary (+ torch index_copy_) | yes        | KV write: cache layout    |
 | paged_decode_attention | (reference)                        | -          | needs another cache layout|
+| paged_attention        | flash_attention (packed q and kv)  | yes        | keys gathered per row     |
 | prefill_attention      | flash_attention (packed)           | yes        | host max_seqlen is given  |
 | silu_mul               | active(act_mode="silu", gated)     | yes        |                           |
 | linear                 | matmul (trans_b)                   | yes        | bias in the epilogue      |
@@ -45,6 +46,14 @@ which wrap the same kernels in C++.
   compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [T, nkv, hd], cu_seq_lens [n+1] int32
   on the device (vllm-mlu's query_start_loc), causal within each sequence.
 
+- paged attention (a step's queries over each row's cached keys, 1 or more per row) is the
+  same ``flash_attention`` with cu_seq_lens_q = the step's query starts and cu_seq_lens_kv = the
+  cumulative sequence lengths, causal: a row's queries are its last tokens, the mask aligned to
+  the bottom right, as vllm-mlu's prefix-cached prefill calls it. Its paged form (the block_tables
+  argument) wants caches of [num_blocks, num_kv_heads, block_size, head_dim]; vllm-mlu's int8 path
+  gathers the keys into packed [total, nkv, hd] runs and passes no block table, which is what this
+  does for corelib's layout, into a buffer of B * W * bs rows (a static size, so no host sync).
+
 Left on the reference, and why:
 - the KV write and decode attention: ``reshape_paged_cache`` and ``single_query_cached_kv_attn``
   take caches of [num_blocks, num_kv_heads, block_size, head_dim] and check them contiguous
@@ -65,7 +74,7 @@ import torch
 
 from corelib.device import Device
 from corelib.errors import one_line
-from corelib.ops import VarlenAttention
+from corelib.ops import PagedAttention, VarlenAttention
 from corelib.ops import reference as ref
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -206,6 +215,46 @@ class MluKernels:
         )
         return out
 
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
+    ) -> torch.Tensor:
+        num_kv_heads, hd = k_cache.shape[2], k_cache.shape[3]
+        if q.dtype not in _HALF or q.shape[1] % num_kv_heads != 0 or k_cache.dtype != q.dtype:
+            return ref.paged_attention(q, k_cache, v_cache, attn, scale)
+        tables, seq_lens = attn.block_tables, attn.seq_lens
+        batch, width = tables.shape
+        block_size = k_cache.shape[1]
+        span = width * block_size
+        ends = torch.cumsum(seq_lens, 0)
+        cu_kv = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)  # [B+1]: row i's keys are cu_kv[i]:cu_kv[i+1]
+        packed = torch.arange(batch * span, device=q.device)  # past cu_kv[B]: spare rows, never attended
+        row = torch.searchsorted(ends, packed, right=True).clamp_(max=batch - 1)
+        pos = (packed - (ends[row] - seq_lens[row])).clamp_(0, span - 1)
+        slots = tables[row, pos // block_size].long() * block_size + pos % block_size
+        keys = k_cache.reshape(-1, num_kv_heads, hd)[slots]  # [B * W * bs, nkv, hd]
+        values = v_cache.reshape(-1, num_kv_heads, hd)[slots]
+        starts = attn.query_start if attn.query_start is not None else torch.arange(batch + 1, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.tmo.flash_attention(
+            q.contiguous(),
+            keys,
+            values,
+            out,
+            starts.to(torch.int32),
+            cu_kv,
+            None,
+            None,
+            attn.max_query_len,
+            span,  # the longest a row's keys can be: fixed by the shapes
+            scale,
+            True,  # causal, bottom-right: each row's queries are its last tokens
+            -1,
+            -1,
+            torch.float32,
+            False,
+        )
+        return out
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _FLOAT:
             return ref.silu_mul(x)
@@ -247,7 +296,8 @@ class MluOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "prefill_attention", "silu_mul", "linear", "linear_residual")
+        return ("rms_norm", "rope_kv_write", "paged_attention", "prefill_attention", "silu_mul", "linear",
+                "linear_residual")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = MluKernels(cast(TorchMluOps, _import_torch_mlu_ops()))

@@ -8,6 +8,7 @@ follows that documentation (tests/backends/test_vendor_ops.py); it has not run o
 | rms_norm               | npu_rms_norm / npu_add_rms_norm         | yes        | weight in x's dtype        |
 | rope_kv_write          | npu_rotary_mul + npu_scatter_nd_update_ | yes        | cos/sin gathered on device |
 | paged_decode_attention | npu_fused_infer_attention_score (BSH)   | yes        | static length + mask       |
+| paged_attention        | the same (decode: BSH; chunks: BSND)    | decode     | chunks: block size 128-512 |
 | prefill_attention      | npu_fused_infer_attention_score (BSND)  | yes        | padded grid + mask         |
 | silu_mul               | npu_swiglu                              | yes        |                            |
 | linear                 | npu_linear (fp16, fp32)                 | yes        | bf16: torch's matmul       |
@@ -65,6 +66,14 @@ for that call. The TorchAir-only ``npu_fused_infer_attention_score_v2`` takes de
 only in TorchAir's compiled graph mode, which corelib does not use. Prefill uses the same kernel
 on a padded [n, L] grid with a causal-and-valid device mask, so it needs no host copy of
 ``cu_seqlens`` either.
+
+Paged attention with several queries per row (prefill chunks and decode rows in one step) takes
+the same kernel's PromptFlashAttention branch (Q_S > 1) over the paged cache: the queries as a
+padded BSND grid [B, L, nh, hd], key/value as (blocknum, blocksize, H) with the block table, the
+static length W * bs per row, and a device mask [B, 1, L, W * bs] that is causal within the
+chunk and hides the dead keys. The documentation bounds page attention with Q_S > 1 to block
+sizes that are multiples of 128, from 128 to 512, and asks KV_S >= maxBlockNumPerSeq * blockSize
+when a mask is passed (the mask spans W * bs, so it holds); other block sizes take the reference.
 """
 
 from __future__ import annotations
@@ -213,6 +222,43 @@ class NpuKernels:
         )
         return out.view(batch, num_heads, hd)
 
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
+    ) -> torch.Tensor:
+        if attn.is_decode:
+            return self.paged_decode_attention(q, k_cache, v_cache, attn, scale)
+        tokens, num_heads, hd = q.shape
+        num_blocks, block_size, num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        batch, width = attn.block_tables.shape
+        supported = (
+            q.dtype in _HALF
+            and _gqa_supported(num_heads, num_kv_heads)
+            and block_size % 128 == 0 and block_size <= 512  # page attention with Q_S > 1
+            and hd % 16 == 0
+            and batch * width <= num_blocks  # the static length covers W blocks per row
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+        if not supported:
+            return ref.paged_attention(q, k_cache, v_cache, attn, scale)
+        span = width * block_size
+        grid = ref.QueryGrid.of(attn, tokens, span)
+        out, _ = self.npu.npu_fused_infer_attention_score(
+            q[grid.index],  # [B, L, nh, hd] BSND, fresh and contiguous
+            k_cache.view(num_blocks, block_size, num_kv_heads * hd),  # (blocknum, blocksize, H): no copy
+            v_cache.view(num_blocks, block_size, num_kv_heads * hd),
+            atten_mask=grid.visible.logical_not()[:, None],  # [B, 1, L, W*bs], True where not attended
+            actual_seq_lengths_kv=[span] * batch,  # fixed by the shapes, as in decode
+            block_table=attn.block_tables,
+            num_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            scale=scale,
+            input_layout="BSND",
+            block_size=block_size,
+            sparse_mode=0,  # the full mask as given
+        )
+        return grid.unpad(out)
+
     def prefill_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
     ) -> torch.Tensor:
@@ -279,7 +325,8 @@ class NpuOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "paged_decode_attention", "prefill_attention", "silu_mul", "linear")
+        return ("rms_norm", "rope_kv_write", "paged_decode_attention", "paged_attention", "prefill_attention",
+                "silu_mul", "linear")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = NpuKernels(cast(TorchNpuOps, _import_torch_npu()))

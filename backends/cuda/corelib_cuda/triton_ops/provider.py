@@ -63,6 +63,7 @@ class TritonOps:
         from corelib_cuda.triton_ops.activation import silu_mul
         from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
         from corelib_cuda.triton_ops.norm import rms_norm
+        from corelib_cuda.triton_ops.paged_attention import paged_attention
         from corelib_cuda.triton_ops.prefill_attention import prefill_attention
         from corelib_cuda.triton_ops.rope import rope_kv_write
         from corelib_cuda.triton_ops.sampling import sample
@@ -77,6 +78,7 @@ class TritonOps:
             "rms_norm": rms_norm,
             "rope_kv_write": rope_kv_write,
             "paged_decode_attention": functools.partial(paged_decode_attention, pdl=pdl),
+            "paged_attention": functools.partial(paged_attention, pdl=pdl),
             "prefill_attention": prefill_attention,
             "silu_mul": silu_mul,
             "sample": functools.partial(sample, pdl=pdl),
