@@ -62,6 +62,8 @@ class EngineOptions:
     compile: bool  # torch.compile the decode layer
     timeout_s: float
     step_check: StepCheck
+    chunked_prefill: bool = False  # prompts fed in chunks under the token budget, in steps with decode rows
+    prefix_caching: bool = False  # full KV blocks shared by prompts that start alike
 
     @property
     def pipeline_depth(self) -> int:
@@ -92,6 +94,8 @@ class EngineOptions:
             compile=engine.compile,
             timeout_s=engine.timeout_s,
             step_check=step_check,
+            chunked_prefill=plan.is_enabled("chunked_prefill"),
+            prefix_caching=plan.is_enabled("prefix_caching"),
         )
 
     @property

@@ -39,6 +39,9 @@ class EngineStats:
     kv_blocks_free: int
     kv_blocks_total: int  # usable blocks (the null block is never handed out)
     num_preemptions: int
+    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, the tokens found there (not computed again)
+    prefix_cache_evicted_blocks: int = 0  # cached blocks handed out again, their prefix forgotten
     steps: tuple[StepRecord, ...] = ()  # completed since ``since_step`` (within the metrics window)
     device: Mapping[str, Any] = field(default_factory=dict)  # device busy/idle over those steps
 
@@ -105,13 +108,22 @@ class EngineCore:
         if since_step is not None:
             steps = tuple(self.metrics.steps_since(since_step))
             device = self.metrics.device_summary(since_step)
+        cache = blocks.stats
         return EngineStats(self.metrics.num_steps, len(self.scheduler.running), len(self.scheduler.waiting),
                            len(self.pipeline), blocks.num_free_blocks, blocks.num_blocks - 1,
-                           self.scheduler.num_preemptions, steps, device)
+                           self.scheduler.num_preemptions, cache.queried_tokens, cache.hit_tokens,
+                           cache.evicted_blocks, steps, device)
 
     def metrics_summary(self, wall_s: float) -> dict[str, Any]:
         pending = [*self.scheduler.running, *self.scheduler.waiting, *self._finished]
-        return self.metrics.summary(pending, wall_s)
+        cache = self.scheduler.blocks.stats
+        prefix = {
+            "prefix_cache_queried_tokens": cache.queried_tokens,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_hit_rate": cache.hit_rate if cache.queried_tokens else None,
+            "prefix_cache_evicted_blocks": cache.evicted_blocks,
+        }
+        return {**self.metrics.summary(pending, wall_s), **prefix}
 
     def memory_stats(self) -> list[MemoryStats]:
         return self.executor.memory_stats()
@@ -121,6 +133,8 @@ class EngineCore:
         """Advance the loop by one decision. False when there is nothing left to do."""
         with self.tracer.span("schedule", SCHEDULER_LANE):
             decision = self.scheduler.schedule(in_flight=bool(self.pipeline), sync_check=self._step_check.reasons)
+        if isinstance(decision, ScheduledStep) and not decision.seqs:
+            return True  # every row gave its blocks to another (preempted): the next decision admits again
         if isinstance(decision, ScheduledStep):
             if not self.pipeline.can_submit():
                 self._complete_oldest()
@@ -145,11 +159,11 @@ class EngineCore:
     def _submit(self, step: ScheduledStep) -> None:
         step_id = self._next_step_id
         self._next_step_id += 1
+        kv_needed = blocks_for(max(step.seq_lens), self.builder.block_size)
         if step.kind is StepKind.decode:
-            kv_needed = max(blocks_for(p + 1, self.builder.block_size) for p in step.positions)
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
-            rows, kv = len(step.seqs), 0
+            rows, kv = len(step.seqs), kv_needed
         arenas = self.executor.arenas
         arena = arenas.acquire()
         try:

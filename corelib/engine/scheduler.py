@@ -1,9 +1,17 @@
-"""Continuous batching: FIFO admission by free KV blocks, decode batches, preemption by recompute.
+"""Continuous batching: one ragged step of decode rows and prompt chunks, paged KV blocks, preemption by recompute.
 
-Pure Python: no tensors, no device. With async token handoff the scheduler runs one step
-ahead: a sequence may have sampled tokens the host has not seen (``num_pending``). Such a
-sequence's next input comes from the device relay, and a sequence that stops while a step
-is in flight has that step's token dropped and its blocks returned.
+Pure Python: no tensors, no device. Every sequence tracks the tokens whose KV is computed
+(``num_computed_tokens``); a step feeds each of its rows the next tokens after those, so a decode
+row feeds one token and a prompt row a whole prompt, or a chunk of it. With chunked prefill
+(``SchedulerLimits.chunked_prefill``) a step spends a token budget: the decode rows first, then
+chunks of the prompts in progress, then of waiting prompts; a row whose chunk does not reach its
+last token samples nothing. Without it a step is all prompts (whole, first in line) or all decode.
+
+With async token handoff the scheduler runs one step ahead: a sequence may have sampled tokens
+the host has not seen (``num_pending``). Such a sequence's next input comes from the device relay,
+and a sequence that stops while a step is in flight has that step's token dropped and its blocks
+returned. Only a row that samples makes a token pending, so the relay never feeds a row from a
+step that sampled nothing for it.
 """
 
 from __future__ import annotations
@@ -22,15 +30,34 @@ from corelib.step.forward_input import StepKind
 
 @dataclass
 class ScheduledStep:
-    """The sequences of one forward step and what the host knew when it was scheduled."""
+    """The rows of one forward step and what the host knew when it was scheduled."""
 
-    kind: StepKind
     seqs: list[Sequence]
-    positions: list[int]  # decode: the position fed for each sequence
-    from_relay: list[bool]  # decode: the input token is still on the device
+    starts: list[int]  # each row's first position fed
+    query_lens: list[int]  # tokens each row feeds (1: a decode row)
+    samples: list[bool]  # the row samples a token: its tokens reach the last one it has
+    from_relay: list[bool]  # the row's last input token is still on the device
     synchronous: bool = False  # the host waits for this step's tokens before the next one
     sync_reasons: list[str] = field(default_factory=list)
     num_preempted: int = 0
+
+    @property
+    def kind(self) -> StepKind:
+        return StepKind.decode if all(q == 1 for q in self.query_lens) else StepKind.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def positions(self) -> list[int]:
+        """Each row's last position fed (a decode row's one)."""
+        return [start + q - 1 for start, q in zip(self.starts, self.query_lens, strict=True)]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Each row's tokens in the KV cache once this step has run."""
+        return [start + q for start, q in zip(self.starts, self.query_lens, strict=True)]
 
 
 class NoStep(enum.Enum):
@@ -45,11 +72,18 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    chunked_prefill: bool = False  # prompts in chunks under the token budget, decode rows first
 
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
 NONFINITE_ERROR = ("the model's logits were not finite (NaN or inf) for this request: check the weights and the "
                    "model.* values (rms_norm_eps, rope_theta)")
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    tokens: int  # the chunk this row feeds
 
 
 class Scheduler:
@@ -81,47 +115,54 @@ class Scheduler:
 
     def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | NoStep:
         """The next step, or why there is none."""
-        chosen = self._choose_prefill()
-        kind = StepKind.prefill if chosen else StepKind.decode
-        if not chosen:
-            chosen = [seq for seq in self.running if self._can_continue(seq)]
-        if not chosen:
+        if self.limits.chunked_prefill:
+            running = [seq for seq in self.running if self._can_continue(seq)]
+            decode = [seq for seq in running if seq.num_uncomputed_tokens == 1]
+            prompts = [seq for seq in running if seq.num_uncomputed_tokens > 1]
+            budget = self.limits.max_num_batched_tokens - len(decode)
+            admitted = self._choose_prompts(budget - sum(s.num_uncomputed_tokens for s in prompts), chunked=True)
+        else:
+            decode, prompts = [], []
+            admitted = self._choose_prompts(self.limits.max_num_batched_tokens, chunked=False)
+            if not admitted:
+                decode = [seq for seq in self.running if self._can_continue(seq)]
+        candidates = [*decode, *prompts, *(seq for seq, _ in admitted)]
+        if not candidates:
             return NoStep.drain if in_flight else NoStep.idle
-        reasons = sync_check(chosen)
-        if in_flight and (reasons or (kind is StepKind.decode and self._needs_preemption(chosen))):
+        reasons = sync_check(candidates)
+        if in_flight and (reasons or self._needs_preemption(decode)):
             return NoStep.drain
-        step = self._admit(chosen) if kind is StepKind.prefill else self._decode(chosen)
+        step = self._build(decode, prompts, admitted)
+        if not step.seqs and not step.num_preempted:
+            return NoStep.idle
         step.synchronous = bool(reasons)
         step.sync_reasons = reasons
         return step
 
-    def _choose_prefill(self) -> list[Sequence]:
-        chosen: list[Sequence] = []
-        tokens = blocks = 0
+    def _choose_prompts(self, budget: int, chunked: bool) -> list[tuple[Sequence, int]]:
+        """Waiting sequences to admit, first in line, with the tokens each feeds now."""
+        chosen: list[tuple[Sequence, int]] = []
+        blocks = 0
         for seq in self.waiting:
             if len(self.running) + len(chosen) >= self.limits.max_num_seqs:
                 break
             if len(chosen) >= len(self._free_state_indices):
                 break
-            if chosen and tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
+            cached = self.blocks.cached_prefix_tokens(seq)
+            tokens = seq.num_tokens - cached
+            if chunked:
+                tokens = min(tokens, budget)
+            elif chosen and tokens > budget:
                 break
-            need = blocks_for(seq.num_tokens, self.blocks.block_size)
+            if tokens <= 0:
+                break
+            need = blocks_for(cached + tokens, self.blocks.block_size)  # cached blocks may be free ones too
             if blocks + need > self.blocks.num_free_blocks:
                 break
-            chosen.append(seq)
-            tokens += seq.num_tokens
+            chosen.append((seq, tokens))
+            budget -= tokens
             blocks += need
         return chosen
-
-    def _admit(self, seqs: list[Sequence]) -> ScheduledStep:
-        for seq in seqs:
-            self.waiting.remove(seq)
-            self.blocks.allocate(seq, seq.num_tokens)
-            seq.state_index = self._free_state_indices.popleft()
-            seq.status = Status.RUNNING
-            seq.num_pending += 1
-            self.running.append(seq)
-        return ScheduledStep(StepKind.prefill, list(seqs), [], [])
 
     def _can_continue(self, seq: Sequence) -> bool:
         return (
@@ -130,29 +171,47 @@ class Scheduler:
             and seq.num_scheduled_tokens < self.limits.max_model_len
         )
 
-    def _needs_preemption(self, seqs: list[Sequence]) -> bool:
+    def _needs_preemption(self, decode: list[Sequence]) -> bool:
         size = self.blocks.block_size
         missing = 0
-        for seq in seqs:
+        for seq in decode:
             have = len(seq.block_table) * size
             need = seq.num_scheduled_tokens
             if need > have:
                 missing += -(-(need - have) // size)
         return missing > self.blocks.num_free_blocks
 
-    def _decode(self, candidates: list[Sequence]) -> ScheduledStep:
-        scheduled: list[Sequence] = []
-        positions: list[int] = []
-        from_relay: list[bool] = []
+    def _build(self, decode: list[Sequence], prompts: list[Sequence],
+               admitted: list[tuple[Sequence, int]]) -> ScheduledStep:
+        rows, preempted = self._grow_decode_rows(decode)
+        budget = self.limits.max_num_batched_tokens - len(rows)
+        for seq in prompts:  # prompts in progress, in the order they were admitted
+            if seq.status is not Status.RUNNING:
+                continue  # preempted above to make room for a decode row
+            tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            if tokens:
+                rows.append(_Row(seq, tokens))
+                budget -= tokens
+        for seq, planned in admitted:
+            if seq.status is not Status.WAITING or seq not in self.waiting:
+                continue
+            tokens = self._admit(seq, planned)
+            if not tokens:
+                break
+            rows.append(_Row(seq, tokens))
+        return self._step(rows, preempted)
+
+    def _grow_decode_rows(self, decode: list[Sequence]) -> tuple[list[_Row], int]:
+        rows: list[_Row] = []
         preempted = 0
         size = self.blocks.block_size
-        queue = deque(candidates)
+        queue = deque(decode)
         while queue:
             seq = queue.popleft()
             need = seq.num_scheduled_tokens  # the token fed this step needs its KV slot
             if need > len(seq.block_table) * size:
                 while not self.blocks.can_append(seq, need):
-                    victim = queue.pop() if queue else seq
+                    victim = queue.pop() if queue else self._latest_other(seq)
                     self._preempt(victim)
                     preempted += 1
                     if victim is seq:
@@ -161,11 +220,65 @@ class Scheduler:
                     self.blocks.append(seq, need)
                 if seq.status is not Status.RUNNING:
                     continue
-            scheduled.append(seq)
-            positions.append(need - 1)
-            from_relay.append(seq.num_pending > 0)
-            seq.num_pending += 1
-        return ScheduledStep(StepKind.decode, scheduled, positions, from_relay, num_preempted=preempted)
+            rows.append(_Row(seq, 1))
+        return rows, preempted
+
+    def _latest_other(self, seq: Sequence) -> Sequence:
+        """The victim once no later decode row is left: the latest prompt in progress, else ``seq`` itself."""
+        for other in reversed(self.running):
+            if other is not seq and other.num_uncomputed_tokens > 1 and not other.num_pending:
+                return other
+        return seq
+
+    def _fit_chunk(self, seq: Sequence, tokens: int) -> int:
+        """Grow ``seq``'s blocks for a chunk of up to ``tokens``; the chunk the free blocks allow."""
+        if tokens <= 0:
+            return 0
+        size = self.blocks.block_size
+        have = len(seq.block_table) * size + self.blocks.num_free_blocks * size
+        tokens = min(tokens, have - seq.num_computed_tokens)
+        if tokens <= 0:
+            return 0
+        self.blocks.append(seq, seq.num_computed_tokens + tokens)
+        return tokens
+
+    def _admit(self, seq: Sequence, planned: int) -> int:
+        """Start ``seq``: its cached prefix, then blocks for its first tokens (``planned`` of them when
+        chunked, else the rest of them); returns the tokens it feeds now (0: it does not fit)."""
+        if not self._free_state_indices:
+            return 0
+        cached = self.blocks.allocate_prefix(seq)
+        tokens = seq.num_tokens - cached
+        if self.limits.chunked_prefill:
+            tokens = min(tokens, planned)
+        if not self.blocks.can_append(seq, cached + tokens):
+            self.blocks.free(seq)
+            return 0
+        self.waiting.remove(seq)
+        self.blocks.append(seq, cached + tokens)
+        self.blocks.count_lookup(seq, cached)
+        seq.state_index = self._free_state_indices.popleft()
+        seq.status = Status.RUNNING
+        seq.num_computed_tokens = cached
+        self.running.append(seq)
+        return tokens
+
+    def _step(self, rows: list[_Row], preempted: int) -> ScheduledStep:
+        step = ScheduledStep([], [], [], [], [], num_preempted=preempted)
+        for row in rows:
+            seq = row.seq
+            start = seq.num_computed_tokens
+            samples = start + row.tokens == seq.num_scheduled_tokens
+            step.seqs.append(seq)
+            step.starts.append(start)
+            step.query_lens.append(row.tokens)
+            step.samples.append(samples)
+            step.from_relay.append(samples and seq.num_pending > 0)
+            seq.num_computed_tokens = start + row.tokens
+            self.blocks.register(seq, seq.num_computed_tokens)
+            if samples:
+                seq.num_pending += 1
+        return step
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks and put the sequence first in line."""
@@ -175,15 +288,19 @@ class Scheduler:
         self._release_state_index(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ results
     def postprocess(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Sequence]:
-        """Take one step's sampled tokens; returns the sequences that finished."""
+        """Take one step's sampled tokens (one per row; a row that sampled nothing has its token
+        ignored); returns the sequences that finished."""
         now = time.perf_counter()
         finished: list[Sequence] = []
-        for seq, token in zip(step.seqs, tokens, strict=True):
+        for seq, samples, token in zip(step.seqs, step.samples, tokens, strict=True):
+            if not samples:
+                continue  # a chunk short of the prompt's end: its row's token means nothing
             seq.num_pending -= 1
             if seq.is_finished:
                 continue  # a token sampled after the stop, while the stop was not yet known

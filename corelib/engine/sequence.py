@@ -94,6 +94,13 @@ class Sequence:
     blocks_epoch: int = 0
     # Tokens sampled on the device whose values the host has not seen yet (async handoff).
     num_pending: int = 0
+    # Tokens whose keys and values are in the KV cache once every submitted step has run: a prompt
+    # is fed in chunks from here (a prefix found in the cache starts it past 0), a decode row feeds one.
+    num_computed_tokens: int = 0
+    # Prefix caching: the chained keys of the full blocks of its tokens (fixed by the tokens), and how
+    # many blocks of its table are keyed in the cache.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
     state_index: int | None = None  # the token relay's and the recurrent state's row (KV slots are per token)
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -109,6 +116,11 @@ class Sequence:
     def num_scheduled_tokens(self) -> int:
         """Tokens that exist once every submitted step has finished."""
         return self.num_tokens + self.num_pending
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed before the next sample: 1 for a decoding sequence, more within its prompt."""
+        return self.num_scheduled_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -228,6 +228,10 @@ def build_app(state: ServerState) -> ASGIApp:
             metrics.kv_blocks_free.set(snapshot.kv_blocks_free)
             metrics.kv_blocks_total.set(snapshot.kv_blocks_total)
             metrics.occupancy.set(snapshot.occupancy if snapshot.occupancy is not None else float("nan"))
+            queried, hits = snapshot.prefix_cache
+            metrics.prefix_cache_queried.set(queried)
+            metrics.prefix_cache_hits.set(hits)
+            metrics.prefix_cache_hit_rate.set(hits / queried if queried else float("nan"))
             metrics.engine_up.set(0 if snapshot.failure else 1)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

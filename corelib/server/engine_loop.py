@@ -144,7 +144,8 @@ class EngineLoop:
     def _snapshot(self) -> Snapshot:
         free, total = self._engine.kv_blocks()
         running = sum(1 for live in self._live.values() if live.started)
-        return Snapshot(len(self._live) - running, running, free, total, self._engine.occupancy(), self.failure)
+        return Snapshot(len(self._live) - running, running, free, total, self._engine.occupancy(), self.failure,
+                        self._engine.prefix_cache())
 
     def _abort_all(self, why: str) -> None:
         if self.failure is not None:

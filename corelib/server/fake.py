@@ -106,6 +106,9 @@ class FakeEngine:
         wall = time.perf_counter() - self._started
         return self._busy_s / wall if wall > 0 else None
 
+    def prefix_cache(self) -> tuple[int, int]:
+        return 0, 0  # the stand-in keeps no KV cache
+
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]:
         deltas, self._ended = self._ended, []
         if not (self._waiting or self._running):

@@ -57,6 +57,10 @@ class ServedEngine(Protocol):
         """Device busy / (busy + idle) over recent steady decode, when known."""
         ...
 
+    def prefix_cache(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -102,6 +106,10 @@ class EngineAdapter:
     def occupancy(self) -> float | None:
         occupancy = self.engine.metrics(time.perf_counter() - self._started).get("occupancy")
         return occupancy if isinstance(occupancy, float) else None
+
+    def prefix_cache(self) -> tuple[int, int]:
+        stats = self.engine.stats()
+        return stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
 
     def close(self) -> None:
         self.engine.close()

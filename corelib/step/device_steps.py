@@ -22,7 +22,7 @@ class DeviceSteps:
         fi = staged.fi
         self.runner.prepare(fi)  # a missing graph is captured before the inputs are staged
         buffer, timing = self.handoff.begin(fi.step_id)
-        target = self.runner.input_target(fi, self.stager.source_on_device)
+        target = self.runner.input_target()
         arena = self.stager.to_device(staged, target)
         graph = self.runner.run(fi, arena)
         self.stager.after_forward()

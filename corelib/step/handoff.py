@@ -121,14 +121,18 @@ class TokenHandoff:
         self._make_events()
 
     # ------------------------------------------------------------------ inside the device step
-    def decode_inputs(self, input_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """Input ids with RELAY rows replaced by each state index's latest sample, on the device."""
+    def resolve_inputs(self, input_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """Input ids with RELAY tokens replaced by their state index's latest sample, on the device."""
         return torch.where(input_ids >= 0, input_ids, self.seq_tokens[states])
 
-    def publish(self, tokens: torch.Tensor, rows: int, states: torch.Tensor, for_host: torch.Tensor) -> None:
-        """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens)."""
+    def publish(self, tokens: torch.Tensor, rows: int, sample_slots: torch.Tensor, for_host: torch.Tensor) -> None:
+        """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens).
+
+        ``sample_slots``: each row's relay slot, its state index; a row that sampled nothing (a chunk
+        short of its prompt's end) names the padding slot, so its token never reaches the relay.
+        """
         self.next_tokens[:rows].copy_(for_host)
-        self.seq_tokens.index_copy_(0, states, tokens)
+        self.seq_tokens.index_copy_(0, sample_slots, tokens)
 
     # ------------------------------------------------------------------ around the device step
     def begin(self, step_id: int) -> tuple[int, StepTiming]:

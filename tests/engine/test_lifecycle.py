@@ -74,14 +74,15 @@ def test_submission_error_reaches_caller_with_its_traceback(
 
 
 def test_stalled_device_times_out_naming_the_event(monkeypatch: pytest.MonkeyPatch, no_new_threads: None) -> None:
-    original = ModelRunner._decode
+    original = ModelRunner._forward
 
     def stalled(self: ModelRunner, *args: object) -> None:
-        time.sleep(1.5)
+        if args[4] == 1:  # one token per row: a decode step (the prompt's step runs as it is)
+            time.sleep(1.5)
         original(self, *args)  # type: ignore[arg-type]
 
     engine = Engine.from_overrides(["backend=npu", "engine.graph=off", "engine.timeout_s=0.3"])
-    monkeypatch.setattr(ModelRunner, "_decode", stalled)
+    monkeypatch.setattr(ModelRunner, "_forward", stalled)
     stalled_event = r"event 'step1\.(end|tokens)' on stream '\w+'.* did not complete"
     with pytest.raises((DeviceError, DeviceTimeout), match=stalled_event):
         engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))

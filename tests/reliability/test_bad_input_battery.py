@@ -271,7 +271,7 @@ def check_frame(case: FrameCase, monkeypatch: pytest.MonkeyPatch) -> None:
 
             def pack_then_poke(header: FrameHeader, buffer: memoryview) -> None:
                 pack(header, buffer)
-                if header.seq == TARGET_FRAME and header.kind in (FrameKind.prefill, FrameKind.decode):
+                if header.seq == TARGET_FRAME and header.kind is FrameKind.step:
                     poke(buffer[:HEADER_BYTES])
 
             monkeypatch.setattr(FrameHeader, "pack_into", pack_then_poke)
