@@ -32,8 +32,9 @@ BASE = ["backend=npu", "backend.emulator.chaos=0.2", "backend.emulator.chaos_max
 def combinations() -> list[tuple[str, str, str]]:
     found = []
     for gate in GATES:
-        spec = OmegaConf.load(FEATURES / f"{gate}.yaml")[gate]
-        found += [(gate, str(c.feature), str(c.rule)) for c in spec.combines]
+        spec = OmegaConf.to_container(OmegaConf.load(FEATURES / f"{gate}.yaml"))
+        assert isinstance(spec, dict)
+        found += [(gate, str(c["feature"]), str(c["rule"])) for c in spec[gate]["combines"]]
     return found
 
 
