@@ -64,6 +64,7 @@ class EngineOptions:
     step_check: StepCheck
     chunked_prefill: bool = False  # prompts fed in chunks under the token budget, in steps with decode rows
     prefix_caching: bool = False  # full KV blocks shared by prompts that start alike
+    share_prompt_blocks: bool = False  # requests of one prompt (n > 1) share its KV blocks: no recurrent state
 
     @property
     def pipeline_depth(self) -> int:
@@ -72,8 +73,8 @@ class EngineOptions:
 
     @classmethod
     def from_startup(cls, config: CorelibConfig, plan: Plan, capabilities: Capabilities,
-                     provider: OpProvider | None = None) -> EngineOptions:
-        """``provider``: the backend's op provider (used when the fused_ops gate allows)."""
+                     provider: OpProvider | None = None, facts: Mapping[str, Any] | None = None) -> EngineOptions:
+        """``provider``: the backend's op provider (used when the fused_ops gate allows); ``facts``: the model's."""
         engine = config.engine
         async_handoff = plan.is_enabled("async_token_handoff")
         decision = plan.decisions.get("async_token_handoff")
@@ -96,6 +97,8 @@ class EngineOptions:
             step_check=step_check,
             chunked_prefill=plan.is_enabled("chunked_prefill"),
             prefix_caching=plan.is_enabled("prefix_caching"),
+            share_prompt_blocks=facts is not None and bool(facts.get("paged_kv"))
+            and not facts.get("recurrent_state"),
         )
 
     @property

@@ -162,6 +162,34 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def share(self, source: Sequence, target: Sequence, num_tokens: int) -> None:
+        """Give ``target`` (without blocks) ``source``'s blocks that hold its first ``num_tokens`` tokens, counted
+        once more each; a partial last block is copied by the first of them to write into it."""
+        if target.block_table:
+            raise ValueError(f"sequence {target.request_id} already holds blocks")
+        for block in source.block_table[: blocks_for(num_tokens, self.block_size)]:
+            self.ref_counts[block] += 1
+            target.block_table.append(block)
+
+    def writes_shared_block(self, seq: Sequence, position: int) -> bool:
+        """Whether writing ``position`` of ``seq`` would write into a block another sequence holds too."""
+        index = position // self.block_size
+        return index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1
+
+    def copy_on_write(self, seq: Sequence, position: int) -> tuple[int, int]:
+        """Give ``seq`` a block of its own for the shared block holding ``position``; returns (source, copy):
+        the step that writes there copies the block first."""
+        index = position // self.block_size
+        source = seq.block_table[index]
+        holder = Sequence(-1, "copy-on-write", [], seq.sampling)
+        self.append(holder, 1)
+        copy = holder.block_table[0]
+        seq.block_table[index] = copy
+        seq.num_registered_blocks = min(seq.num_registered_blocks, index)
+        seq.blocks_epoch += 1  # the cached copy of its table is stale from this block on
+        self._release(source)
+        return source, copy
+
     def free(self, seq: Sequence) -> None:
         """Drop every block of ``seq``: each returns to the pool (its last blocks first, so they go first)."""
         for block in reversed(seq.block_table):

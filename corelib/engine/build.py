@@ -39,7 +39,8 @@ def build_engine_core(
     engine, model = config.engine, config.model
     eos = frozenset({model.eos_token_id, *model.extra_eos_token_ids})
     scheduler = Scheduler(
-        SchedulerLimits(layout.rows, engine.max_num_batched_tokens, model.max_model_len, options.chunked_prefill),
+        SchedulerLimits(layout.rows, engine.max_num_batched_tokens, model.max_model_len, options.chunked_prefill,
+                        options.share_prompt_blocks),
         BlockManager(layout.num_blocks, layout.block_size, options.prefix_caching, model_identity(config)),
         num_states=layout.rows,
         stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None),

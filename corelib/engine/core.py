@@ -185,7 +185,7 @@ class EngineCore:
         if result.handle is not None:
             self.tracer.step(result.handle, item.path)
         with self.tracer.span("postprocess", SCHEDULER_LANE):
-            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens))
+            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens, result.logprobs))
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""

@@ -96,11 +96,16 @@ class InputBuilder:
         for name, table in self.state_sampling.items():
             v[name][:n] = table[index_t]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
+        copies = len(step.copies)
+        if copies:
+            v["copy_from"][:copies] = torch.tensor([source for source, _ in step.copies], dtype=torch.int64)
+            v["copy_to"][:copies] = torch.tensor([copy for _, copy in step.copies], dtype=torch.int64)
         if decode and bucket > n:
             pad_rows(v, n, bucket, kv_blocks, pad)
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
-        return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena)
+        logprobs = any(s.sampling.logprobs is not None for s in step.seqs)
+        return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies)
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:

@@ -7,6 +7,12 @@ row feeds one token and a prompt row a whole prompt, or a chunk of it. With chun
 chunks of the prompts in progress, then of waiting prompts; a row whose chunk does not reach its
 last token samples nothing. Without it a step is all prompts (whole, first in line) or all decode.
 
+Requests of one prompt (``add_group``: ``n`` choices) share its KV blocks: the first prefills the
+prompt; the step in which it samples its first token hands the others its blocks (counted once
+more each) and each recomputes only the prompt's last token, with its own sampling. A row that
+would write into a block another sequence holds gets a copy of it first (copy on write): the
+step copies the block on the device before its forward.
+
 With async token handoff the scheduler runs one step ahead: a sequence may have sampled tokens
 the host has not seen (``num_pending``). Such a sequence's next input comes from the device relay,
 and a sequence that stops while a step is in flight has that step's token dropped and its blocks
@@ -23,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from corelib.engine.block_manager import BlockManager, blocks_for
-from corelib.engine.sequence import FinishReason, Sequence, Status
+from corelib.engine.sequence import MAX_LOGPROBS, FinishReason, Sequence, Status, TokenLogprobs
 from corelib.engine.stops import StopChecker
 from corelib.step.forward_input import StepKind
 
@@ -37,6 +43,7 @@ class ScheduledStep:
     query_lens: list[int]  # tokens each row feeds (1: a decode row)
     samples: list[bool]  # the row samples a token: its tokens reach the last one it has
     from_relay: list[bool]  # the row's last input token is still on the device
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks copied before the forward
     synchronous: bool = False  # the host waits for this step's tokens before the next one
     sync_reasons: list[str] = field(default_factory=list)
     num_preempted: int = 0
@@ -73,6 +80,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     chunked_prefill: bool = False  # prompts in chunks under the token budget, decode rows first
+    share_prompt_blocks: bool = False  # the requests of one prompt share its blocks (no recurrent state)
 
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
@@ -103,15 +111,35 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_state_indices: deque[int] = deque(range(num_states))
         self.num_preemptions = 0
+        self._forks: dict[int, list[Sequence]] = {}  # a prompt's first request -> the others, until it samples
+        self.num_forked = 0
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Requests of one prompt: the first prefills it, the others take its blocks once it has."""
+        first, *others = seqs
+        self.add(first)
+        if not others:
+            return
+        if not self.limits.share_prompt_blocks:
+            for seq in others:
+                self.add(seq)
+            return
+        for seq in others:
+            seq.status = Status.WAITING
+        self._forks[first.seq_id] = others
+
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
+
+    def unfinished(self) -> list[Sequence]:
+        """Every sequence not finished: running, waiting, and waiting for its prompt's first request."""
+        return [*self.running, *self.waiting, *(seq for group in self._forks.values() for seq in group)]
 
     def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | NoStep:
         """The next step, or why there is none."""
@@ -172,18 +200,18 @@ class Scheduler:
         )
 
     def _needs_preemption(self, decode: list[Sequence]) -> bool:
-        size = self.blocks.block_size
-        missing = 0
-        for seq in decode:
-            have = len(seq.block_table) * size
-            need = seq.num_scheduled_tokens
-            if need > have:
-                missing += -(-(need - have) // size)
+        missing = sum(self._blocks_wanted(seq) for seq in decode)
         return missing > self.blocks.num_free_blocks
+
+    def _blocks_wanted(self, seq: Sequence) -> int:
+        """Blocks a decode row takes from the pool: for its token's slot, and for a copy of a shared block."""
+        copy = self.blocks.writes_shared_block(seq, seq.num_computed_tokens)
+        return self.blocks.num_missing(seq, seq.num_scheduled_tokens) + int(copy)
 
     def _build(self, decode: list[Sequence], prompts: list[Sequence],
                admitted: list[tuple[Sequence, int]]) -> ScheduledStep:
-        rows, preempted = self._grow_decode_rows(decode)
+        copies: list[tuple[int, int]] = []
+        rows, preempted = self._grow_decode_rows(decode, copies)
         budget = self.limits.max_num_batched_tokens - len(rows)
         for seq in prompts:  # prompts in progress, in the order they were admitted
             if seq.status is not Status.RUNNING:
@@ -199,27 +227,25 @@ class Scheduler:
             if not tokens:
                 break
             rows.append(_Row(seq, tokens))
-        return self._step(rows, preempted)
+        return self._step(rows, preempted, copies)
 
-    def _grow_decode_rows(self, decode: list[Sequence]) -> tuple[list[_Row], int]:
+    def _grow_decode_rows(self, decode: list[Sequence], copies: list[tuple[int, int]]) -> tuple[list[_Row], int]:
         rows: list[_Row] = []
         preempted = 0
-        size = self.blocks.block_size
         queue = deque(decode)
         while queue:
             seq = queue.popleft()
-            need = seq.num_scheduled_tokens  # the token fed this step needs its KV slot
-            if need > len(seq.block_table) * size:
-                while not self.blocks.can_append(seq, need):
-                    victim = queue.pop() if queue else self._latest_other(seq)
-                    self._preempt(victim)
-                    preempted += 1
-                    if victim is seq:
-                        break
-                else:
-                    self.blocks.append(seq, need)
-                if seq.status is not Status.RUNNING:
-                    continue
+            while self._blocks_wanted(seq) > self.blocks.num_free_blocks:
+                victim = queue.pop() if queue else self._latest_other(seq)
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if self.blocks.writes_shared_block(seq, seq.num_computed_tokens):
+                copies.append(self.blocks.copy_on_write(seq, seq.num_computed_tokens))
+            self.blocks.append(seq, seq.num_scheduled_tokens)  # the token fed this step needs its KV slot
             rows.append(_Row(seq, 1))
         return rows, preempted
 
@@ -263,8 +289,8 @@ class Scheduler:
         self.running.append(seq)
         return tokens
 
-    def _step(self, rows: list[_Row], preempted: int) -> ScheduledStep:
-        step = ScheduledStep([], [], [], [], [], num_preempted=preempted)
+    def _step(self, rows: list[_Row], preempted: int, copies: list[tuple[int, int]]) -> ScheduledStep:
+        step = ScheduledStep([], [], [], [], [], copies, num_preempted=preempted)
         for row in rows:
             seq = row.seq
             start = seq.num_computed_tokens
@@ -277,8 +303,25 @@ class Scheduler:
             seq.num_computed_tokens = start + row.tokens
             self.blocks.register(seq, seq.num_computed_tokens)
             if samples:
+                if seq.seq_id in self._forks and not seq.output_token_ids and not seq.num_pending:
+                    self._fork(seq, self._forks.pop(seq.seq_id))
                 seq.num_pending += 1
         return step
+
+    def _fork(self, first: Sequence, others: list[Sequence]) -> None:
+        """``first`` has its prompt's KV (this step writes its last): the others take its blocks and recompute
+        only the prompt's last token; one that finds no room waits and prefills on its own."""
+        shared = len(first.prompt_token_ids) - 1
+        for seq in others:
+            if len(self.running) >= self.limits.max_num_seqs or not self._free_state_indices:
+                self.add(seq)
+                continue
+            self.blocks.share(first, seq, shared)
+            seq.state_index = self._free_state_indices.popleft()
+            seq.status = Status.RUNNING
+            seq.num_computed_tokens = shared
+            self.running.append(seq)
+            self.num_forked += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks and put the sequence first in line."""
@@ -293,12 +336,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ results
-    def postprocess(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Sequence]:
+    def postprocess(self, step: ScheduledStep, tokens: Iterable[int],
+                    logprobs: list[list[float]] | None = None) -> list[Sequence]:
         """Take one step's sampled tokens (one per row; a row that sampled nothing has its token
-        ignored); returns the sequences that finished."""
+        ignored) and, from a step that computed them, each row's logprobs; returns the sequences that finished."""
         now = time.perf_counter()
         finished: list[Sequence] = []
-        for seq, samples, token in zip(step.seqs, step.samples, tokens, strict=True):
+        for row, (seq, samples, token) in enumerate(zip(step.seqs, step.samples, tokens, strict=True)):
             if not samples:
                 continue  # a chunk short of the prompt's end: its row's token means nothing
             seq.num_pending -= 1
@@ -309,6 +353,8 @@ class Scheduler:
                 finished.append(seq)
                 continue
             seq.output_token_ids.append(token)
+            if seq.sampling.logprobs is not None and logprobs is not None:
+                seq.logprobs.append(_token_logprobs(token, logprobs[row], seq.sampling.logprobs))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self.stops.stop_reason(seq, token)
@@ -329,10 +375,18 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            for first, group in list(self._forks.items()):
+                if seq in group:
+                    group.remove(seq)
+                    if not group:
+                        del self._forks[first]
+        for other in self._forks.pop(seq.seq_id, []):  # ended before it could share its prompt
+            self.add(other)
 
     def abort_all(self, reason: FinishReason, error: str | None = None) -> list[Sequence]:
         """Finish every unfinished sequence (shutdown or a fatal device error)."""
-        victims = [*self.running, *self.waiting]
+        victims = self.unfinished()
         for seq in victims:
             self.finish(seq, reason, error=error)
         return victims
@@ -341,3 +395,9 @@ class Scheduler:
         if seq.state_index is not None:
             self._free_state_indices.append(seq.state_index)
             seq.state_index = None
+
+
+def _token_logprobs(token: int, row: list[float], count: int) -> TokenLogprobs:
+    """A row of the device's logprobs (the token's, then the top values, then their ids) as ``count`` alternatives."""
+    top = [(int(row[1 + MAX_LOGPROBS + i]), row[1 + i]) for i in range(count)]
+    return TokenLogprobs(token, row[0], tuple(top))

@@ -80,6 +80,11 @@ class Model(Protocol):
         (``num_states`` state indices, plus one for padded rows)."""
         ...
 
+    def copy_blocks(self, state: ModelState, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy KV blocks ``source`` [C] onto ``target`` [C] in every layer (copy on write of a shared
+        block); a model without a paged cache has nothing to copy."""
+        ...
+
     def forward(self, batch: StepBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         """Write the step's keys and values into ``state``, then attend; return each row's last-token
         logits [B, V] float32. Graph-safe when ``batch.is_decode``."""

@@ -253,6 +253,10 @@ class LlamaModel:
         x, _ = ops.rms_norm(pending, self.weights.norm, self.shape.rms_norm_eps, h)
         return ops.linear(x, self.weights.lm_head).float()
 
+    def copy_blocks(self, state: ModelState, source: torch.Tensor, target: torch.Tensor) -> None:
+        data = self._cache(state).data  # [L, 2, NB, bs, nkv, hd]
+        data.index_copy_(2, target, data.index_select(2, source))
+
     def forward(self, batch: StepBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         weights = self.weights
         pending, h = weights.embed[batch.input_ids], None  # [T, H]

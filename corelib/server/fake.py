@@ -78,6 +78,10 @@ class FakeEngine:
         self._count += 1
         self._waiting.append(_Request(request_id, list(prompt), sampling.max_tokens, self._count))
 
+    def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> None:
+        for sampling, request_id in zip(samplings, request_ids, strict=True):
+            self.add_request(prompt, sampling, request_id)
+
     def abort(self, request_id: str) -> bool:
         request = self._running.pop(request_id, None)
         if request is None:

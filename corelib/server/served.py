@@ -41,6 +41,10 @@ class ServedEngine(Protocol):
 
     def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> object: ...
 
+    def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> object:
+        """Requests of one prompt (a request's ``n`` choices): they share its KV blocks where the engine can."""
+        ...
+
     def abort(self, request_id: str) -> bool: ...
 
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]: ...
@@ -89,6 +93,9 @@ class EngineAdapter:
 
     def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> object:
         return self.engine.add_request(prompt, sampling, request_id)
+
+    def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> object:
+        return self.engine.add_requests_sharing_prompt(prompt, samplings, request_ids)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -26,9 +26,9 @@ class DeviceSteps:
         arena = self.stager.to_device(staged, target)
         graph = self.runner.run(fi, arena)
         self.stager.after_forward()
-        event = self.handoff.emit(buffer, fi.num_seqs, timing)
+        event = self.handoff.emit(buffer, fi.num_seqs, timing, fi.logprobs)
         return StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, event, timing, graph, (staged, target),
-                          on_done=staged.release)
+                          on_done=staged.release, logprobs=fi.logprobs)
 
     def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
         """Wait for a step's tokens (bounded) and give its inputs back."""

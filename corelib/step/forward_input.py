@@ -35,6 +35,8 @@ class ForwardInput:
     sample: bool  # some row samples (temperature > 0); else greedy
     layout: ArenaLayout
     arena: torch.Tensor  # uint8, holding layout.nbytes bytes (host memory as packed)
+    logprobs: bool = False  # some row asks for its tokens' logprobs: the step computes them on the device
+    num_copies: int = 0  # KV blocks copied (copy on write) before the forward
 
     @property
     def is_decode(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from corelib.device import Device, Stream
+from corelib.engine.sequence import MAX_LOGPROBS
 from corelib.faults import maybe_fail
 from corelib.graph import Graph
 from corelib.models.base import Model, StepBatch
@@ -25,6 +26,15 @@ from corelib.step.layout import EngineLayout
 from corelib.transport.wire import pad_rows
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, LOGPROB_WIDTH] float32 from the logits the sampler used [B, V] and its tokens [B]: each sampled
+    token's log-probability, the MAX_LOGPROBS largest ones, and their token ids. On the device, graph-safe."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top, ids = logp.topk(min(MAX_LOGPROBS, logp.shape[-1]), dim=-1)
+    chosen = logp.gather(1, tokens[:, None])
+    return torch.cat([chosen, top, ids.to(torch.float32)], dim=1)
 
 
 class ModelRunner:
@@ -53,7 +63,7 @@ class ModelRunner:
             task.advance()
         # The one device arena every step's inputs land in; a decode step's views of it are the graphs' inputs.
         self.arena = None if device.capabilities.device_is_host else device.empty((layout.arena_bytes,), torch.uint8)
-        self.graphs: dict[tuple[int, int, bool], Graph] = {}
+        self.graphs: dict[tuple[int, int, bool, bool], Graph] = {}  # rows, KV width, sampled, logprobs
         self._graph_shapes = set(buckets.shapes())
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -64,17 +74,17 @@ class ModelRunner:
         shapes = self.buckets.shapes()
         with current_progress().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
             for rows, kv in shapes:
-                self._capture(rows, kv, False)
+                self._capture(rows, kv, False, False)
                 task.advance()
 
     def prepare(self, fi: ForwardInput) -> None:
         """Capture the graph ``fi`` needs if it is missing; call before its inputs are staged."""
         if fi.is_decode and self.arena is not None:
             key = (fi.bucket, self.buckets.graph_kv(fi.kv_blocks))
-            if (*key, fi.sample) not in self.graphs and key in self._graph_shapes:
-                self._capture(*key, fi.sample)  # the first sampled batch of this shape
+            if (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
+                self._capture(*key, fi.sample, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
 
-    def _capture(self, rows: int, kv: int, sampled: bool) -> Graph:
+    def _capture(self, rows: int, kv: int, sampled: bool, logprobs: bool) -> Graph:
         maybe_fail("capture")
         arena = self.arena
         if arena is None:
@@ -82,18 +92,19 @@ class ModelRunner:
         nbytes = self.decode_layout.nbytes
         pad = self.device.host_empty((nbytes,), torch.uint8, pinned=True)
         pad_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_state_index)
-        graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}")
+        graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}"
+                                  f"{'_logprobs' if logprobs else ''}")
         views = self.decode_layout.views(arena)
         param_update = self.buckets.param_update
 
         def step() -> None:
-            self._forward(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, sampled)
+            self._forward(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, sampled, logprobs)
 
         self.compute.copy(arena[:nbytes], pad)
         self.compute.launch(step)  # warm-up outside capture: allocator pools, library handles
         graph.capture(lambda: self.compute.launch(step), self.compute, params={"kv_blocks": kv})
         self.compute.synchronize()  # the padding arena may be freed after this
-        self.graphs[(rows, kv, sampled)] = graph
+        self.graphs[(rows, kv, sampled, logprobs)] = graph
         return graph
 
     # ------------------------------------------------------------------ steps
@@ -107,13 +118,18 @@ class ModelRunner:
         Returns whether a captured graph ran.
         """
         rows, kv = fi.bucket, fi.kv_blocks
+        if fi.num_copies:  # copy on write, before the forward (and outside any graph)
+            copies = fi.layout.views(arena)
+            count = fi.num_copies
+            self.compute.launch(lambda: self.model.copy_blocks(self.state, copies["copy_from"][:count],
+                                                               copies["copy_to"][:count]))
         graph = None
         if fi.is_decode and arena is self.arena:
-            graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample))
+            graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
         if graph is None:
             views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
             tokens, longest = fi.num_tokens, fi.max_query_len
-            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample))
+            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs))
             self.num_eager_steps += 1
             return False
         if self.buckets.param_update:
@@ -124,7 +140,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device work
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-                 sampled: bool) -> None:
+                 sampled: bool, logprobs: bool = False) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row."""
         maybe_fail("forward")
         states = views["state_indices"][:rows]
@@ -138,12 +154,14 @@ class ModelRunner:
                           views["positions"][:tokens], views["slot_mapping"][:tokens], attention, states,
                           None if query_start is None else query_start[1:] - 1)
         logits = self.model.forward(batch, self.state, self.ops)
-        self._emit(logits, rows, views, seq_lens, sampled)
+        self._emit(logits, rows, views, seq_lens, sampled, logprobs)
 
     def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], sample_positions: torch.Tensor,
-              sampled: bool) -> None:
+              sampled: bool, logprobs: bool) -> None:
         sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
         tokens = self.ops.sample(logits, sampling)
+        if logprobs:
+            self.handoff.publish_logprobs(rows, token_logprobs(logits, tokens))
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         finite = torch.isfinite(logits.sum(dim=-1))

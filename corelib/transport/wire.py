@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import crc32c
 import torch
 
+from corelib.engine.sequence import MAX_LOGPROBS
 from corelib.errors import TransportError
 from corelib.ops.spec import SAMPLING_COLUMNS
 from corelib.step.arena import ArenaLayout, Field
@@ -36,6 +37,8 @@ ROW_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("seq_lens", torch.int64),  # keys each row attends to once this step's are written
     ("state_indices", torch.int64),  # per-sequence slot: token relay, recurrent state
     ("sample_slots", torch.int64),  # the relay slot of the row's sample: its state index, or the padding one
+    ("copy_from", torch.int64),  # copy on write: the first num_copies entries name KV blocks to copy ...
+    ("copy_to", torch.int64),  # ... into these, before the forward
     *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
 )
 TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
@@ -70,6 +73,8 @@ def pad_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: i
     views["seq_lens"][first:last] = 1
     views["state_indices"][first:last] = pad_state_index
     views["sample_slots"][first:last] = pad_state_index
+    views["copy_from"][first:last] = 0
+    views["copy_to"][first:last] = 0
     for column in SAMPLING_COLUMNS:
         views[column.name][first:last] = column.neutral
     views["block_tables"][first:last, :kv_blocks] = 0
@@ -88,6 +93,7 @@ class InputFlags(enum.IntFlag):
 
     NONE = 0
     SAMPLE = 1  # some row samples (temperature > 0): the sampled graph variant runs
+    LOGPROBS = 2  # some row asks for logprobs: the step computes them and the result carries them
 
 
 class ResultFlags(enum.IntFlag):
@@ -96,6 +102,7 @@ class ResultFlags(enum.IntFlag):
     NONE = 0
     GRAPH = 1  # the step replayed a captured graph
     DECODE = 2  # a decode step (else one holding prefill tokens)
+    LOGPROBS = 4  # the payload carries each row's logprobs after its tokens
 
 
 def field_names(kind: FrameKind) -> tuple[str, ...]:
@@ -105,11 +112,11 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 6  # 6: one step kind, tokens and query length; 5: no free float; 4: CRC-32C; 3: named input fields
+VERSION = 6  # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiiiidQII")
-_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
+_FIXED = struct.Struct("<IHHQqiiiiiiidQII")
+_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
 _ZERO_CHECKSUM = bytes(4)
 _LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
 
@@ -137,6 +144,7 @@ class FrameHeader:
     layout: list[int] = field(default_factory=list)
     num_tokens: int = 0  # step frames: tokens computed
     max_query_len: int = 0  # step frames: the most tokens one row feeds
+    num_copies: int = 0  # step frames: KV blocks copied before the forward
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +154,7 @@ class FrameHeader:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
         return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-                self.kv_blocks, self.num_tokens, self.max_query_len, int(self.flags), self.sent_at,
+                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, int(self.flags), self.sent_at,
                 self.payload_len, checksum, len(self.layout))
 
     def packed(self, checksum: int | None = None) -> bytes:
@@ -164,8 +172,8 @@ class FrameHeader:
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
-        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, flags, sent_at,
-         payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
+        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies, flags,
+         sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
         if magic != MAGIC:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
@@ -176,7 +184,7 @@ class FrameHeader:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
         layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
         return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
-                   layout, num_tokens, max_query_len)
+                   layout, num_tokens, max_query_len, num_copies)
 
     def input_layout(self, where: str) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
@@ -206,24 +214,30 @@ _KINDS = {int(kind): kind for kind in FrameKind}
 
 def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
-    flags = InputFlags.SAMPLE if fi.sample else InputFlags.NONE
+    flags = (InputFlags.SAMPLE if fi.sample else InputFlags.NONE) | (
+        InputFlags.LOGPROBS if fi.logprobs else InputFlags.NONE)
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                        sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
-                       max_query_len=fi.max_query_len)
+                       max_query_len=fi.max_query_len, num_copies=fi.num_copies)
 
 
 def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardInput:
     """The step a checked step frame describes; its arena views ``payload``."""
     layout = header.input_layout(where)
-    if not 1 <= header.max_query_len <= max(header.num_tokens, 1) or header.bucket < header.num_seqs:
+    if (not 1 <= header.max_query_len <= max(header.num_tokens, 1) or header.bucket < header.num_seqs
+            or not 0 <= header.num_copies <= header.num_seqs):
         raise TransportError(f"{where}: a step of {header.num_seqs} rows ({header.bucket} computed), "
                              f"{header.num_tokens} tokens and up to {header.max_query_len} per row is malformed")
+    flags = InputFlags(header.flags)
     return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
-                        header.kv_blocks, bool(header.flags & InputFlags.SAMPLE), layout, payload)
+                        header.kv_blocks, InputFlags.SAMPLE in flags, layout, payload, InputFlags.LOGPROBS in flags,
+                        header.num_copies)
 
 
 # ---------------------------------------------------------------------------------------- results
 RESULT_TAIL = struct.Struct("<ddd")  # busy ms, gap ms (-1: none), transport µs
+#: a row's logprobs as floats: the sampled token's, the top ones' values, then their token ids (exact in float32)
+LOGPROB_WIDTH = 1 + 2 * MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -237,22 +251,28 @@ class WireResult:
     busy_ms: float | None
     gap_ms: float | None
     transport_us: float
+    logprobs: list[list[float]] | None = None  # per row, LOGPROB_WIDTH floats
 
 
 def result_bytes(max_rows: int) -> int:
-    return 8 * max_rows + RESULT_TAIL.size
+    return 8 * max_rows + RESULT_TAIL.size + 4 * LOGPROB_WIDTH * max_rows
 
 
 def result_header(result: WireResult, sent_at: float) -> FrameHeader:
     flags = (ResultFlags.GRAPH if result.graph else ResultFlags.NONE) | (
-        ResultFlags.DECODE if result.decode else ResultFlags.NONE)
+        ResultFlags.DECODE if result.decode else ResultFlags.NONE) | (
+        ResultFlags.LOGPROBS if result.logprobs is not None else ResultFlags.NONE)
     return FrameHeader(FrameKind.result, 0, result.step_id, len(result.tokens), flags=int(flags), sent_at=sent_at)
 
 
 def encode_result(result: WireResult) -> bytes:
     tokens = struct.pack(f"<{len(result.tokens)}q", *result.tokens)
     gap = -1.0 if result.gap_ms is None else result.gap_ms
-    return tokens + RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
+    tail = RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
+    if result.logprobs is None:
+        return tokens + tail
+    flat = [value for row in result.logprobs for value in row]
+    return tokens + tail + struct.pack(f"<{len(flat)}f", *flat)
 
 
 def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResult:
@@ -262,5 +282,12 @@ def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResul
     tokens = list(struct.unpack_from(f"<{n}q", payload, 0))
     busy, gap, transport = RESULT_TAIL.unpack_from(payload, 8 * n)
     flags = ResultFlags(header.flags)
+    logprobs = None
+    if ResultFlags.LOGPROBS in flags:
+        at = 8 * n + RESULT_TAIL.size
+        if len(payload) < at + 4 * LOGPROB_WIDTH * n:
+            raise TransportError(f"result frame for step {header.step_id}: too short for its rows' logprobs")
+        flat = struct.unpack_from(f"<{LOGPROB_WIDTH * n}f", payload, at)
+        logprobs = [list(flat[i * LOGPROB_WIDTH : (i + 1) * LOGPROB_WIDTH]) for i in range(n)]
     return WireResult(header.step_id, ResultFlags.DECODE in flags, ResultFlags.GRAPH in flags, tokens,
-                      busy or None, None if gap < 0 else gap, transport)
+                      busy or None, None if gap < 0 else gap, transport, logprobs)

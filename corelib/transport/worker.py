@@ -134,7 +134,7 @@ class StepLoop:
         self.answered += 1
         if reply and self.results is not None:
             wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
-                              result.busy_ms, result.gap_ms, transport_us)
+                              result.busy_ms, result.gap_ms, transport_us, result.logprobs)
             self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 
