@@ -159,7 +159,7 @@ def main() -> None:
                "triton+pdl": reference_ops().with_provider("triton", with_pdl),
                # PDL on the projections only: the attention launched plainly
                "triton+pdl-attn": reference_ops().with_provider("triton", {
-                   **with_pdl, "paged_decode_attention": provider.load(device)["paged_decode_attention"]})}
+                   **with_pdl, "paged_attention": provider.load(device)["paged_attention"]})}
     if not args.no_reference:
         op_sets = {"reference": reference_ops(), **op_sets}
     rows: list[dict[str, Any]] = []

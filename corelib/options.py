@@ -90,7 +90,7 @@ class EngineOptions:
             staging=_staging(engine.transport, plan, capabilities),
             fused_ops=fused,
             pdl=plan.is_enabled("pdl") and bool(fused),
-            attention_reads_live_blocks_only="paged_decode_attention" in fused and provider is not None
+            attention_reads_live_blocks_only="paged_attention" in fused and provider is not None
             and provider.live_blocks_only,
             compile=engine.compile,
             timeout_s=engine.timeout_s,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from corelib.ops import PagedAttention
-from corelib.ops.reference import paged_attention, paged_decode_attention
+from corelib.ops.reference import decode_attention, paged_attention
 from corelib.testing.op_cases import F32, ChunkCase, DecodeCase
 from corelib.testing.op_conformance import CHUNK_CASES, CHUNK_SWEEP
 
@@ -46,4 +46,4 @@ def test_each_query_sees_its_cached_context_and_the_chunk_up_to_itself(case: Chu
 def test_one_query_per_row_is_the_decode_attention() -> None:
     q, kc, vc, attn, scale, _ = DecodeCase(F32, 5, 2, 64, 16, lengths=(15, 16, 17, 33, 1)).build(0, torch.device("cpu"))
     args = (q, kc, vc, attn, scale)
-    assert torch.equal(paged_attention(*args), paged_decode_attention(*args))  # type: ignore[arg-type]
+    assert torch.equal(paged_attention(*args), decode_attention(*args))  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from corelib.ops.sampling import sample_rows
-from corelib.ops.spec import Ops, PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops.spec import Ops, PagedAttention, SamplingInputs
 
 
 def rms_norm(
@@ -44,9 +44,10 @@ def rope_kv_write(
     return rotated
 
 
-def paged_decode_attention(
+def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
 ) -> torch.Tensor:
+    """paged_attention of a decode step: one query per row over its live cached keys, [B, nh, hd]."""
     batch, width = attn.block_tables.shape
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     span = width * k_cache.shape[1]
@@ -63,7 +64,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
 ) -> torch.Tensor:
     if attn.is_decode:
-        return paged_decode_attention(q, k_cache, v_cache, attn, scale)
+        return decode_attention(q, k_cache, v_cache, attn, scale)
     batch, width = attn.block_tables.shape
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     span = width * k_cache.shape[1]
@@ -110,18 +111,6 @@ class QueryGrid:
         return grid[self.rows, self.columns]
 
 
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
-) -> torch.Tensor:
-    pad_index, valid = attn.padded()
-    length = pad_index.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    mask = (causal[None] & valid[:, None, :])[:, None]  # [n, 1, L, L]
-    qp, kp, vp = (t[pad_index].transpose(1, 2) for t in (q, k, v))  # [n, heads, L, hd]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)[valid]  # [T, nh, hd]
-
-
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -142,9 +131,7 @@ def reference_ops() -> Ops:
     return Ops(
         rms_norm=rms_norm,
         rope_kv_write=rope_kv_write,
-        paged_decode_attention=paged_decode_attention,
         paged_attention=paged_attention,
-        prefill_attention=prefill_attention,
         silu_mul=silu_mul,
         sample=sample,
         linear=linear,

@@ -20,9 +20,7 @@ from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_lo
 OP_NAMES = (
     "rms_norm",
     "rope_kv_write",
-    "paged_decode_attention",
     "paged_attention",
-    "prefill_attention",
     "silu_mul",
     "sample",
     "linear",
@@ -88,29 +86,6 @@ class PagedAttention:
             return tokens
         rows = torch.searchsorted(self.query_start[1:].contiguous(), tokens, right=True)
         return rows.clamp_(max=self.seq_lens.shape[0] - 1)
-
-
-@dataclass(frozen=True)
-class VarlenAttention:
-    """The sequences of one prefill batch, packed flat: sequence i holds tokens cu_seqlens[i]:cu_seqlens[i+1].
-
-    cu_seqlens [n+1] int64 on the device; max_seqlen a host int (prefill runs eagerly).
-    pad_index [n, L] / valid [n, L]: the same packing as a padded grid, when the caller has it.
-    """
-
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    pad_index: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pad_index [n, L], valid [n, L]), derived on the device when not given."""
-        if self.pad_index is not None and self.valid is not None:
-            return self.pad_index, self.valid
-        starts, lengths = self.cu_seqlens[:-1], self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        columns = torch.arange(self.max_seqlen, device=self.cu_seqlens.device)
-        valid = columns[None, :] < lengths[:, None]
-        return torch.where(valid, starts[:, None] + columns[None, :], 0), valid
 
 
 @dataclass(frozen=True)
@@ -183,17 +158,6 @@ class RopeKvWrite(Protocol):
         ...
 
 
-class PagedDecodeAttention(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
-    ) -> torch.Tensor:
-        """One query token per sequence over its live cached keys: q [B, nh, hd] -> [B, nh, hd].
-
-        Grouped-query: query head j reads KV head j // (nh // nkv).
-        """
-        ...
-
-
 class PagedAttentionOp(Protocol):
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
@@ -203,16 +167,9 @@ class PagedAttentionOp(Protocol):
         The step's keys and values are already in the cache (written by rope_kv_write): a prefill
         chunk attends to the blocks cached before it and to itself, up to each query's position;
         a decode row (one query) to its whole context. Grouped-query: query head j reads KV head
-        j // (nh // nkv). With ``attn.is_decode`` (T = B) it is paged_decode_attention.
+        j // (nh // nkv). With ``attn.is_decode`` (T = B, one query per row, a captured graph's step)
+        it must be graph-safe: no host sync, a launch fixed by the shapes.
         """
-        ...
-
-
-class PrefillAttention(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
-    ) -> torch.Tensor:
-        """Causal attention within each packed sequence: q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd]."""
         ...
 
 
@@ -306,9 +263,7 @@ class Ops:
 
     rms_norm: RmsNorm
     rope_kv_write: RopeKvWrite
-    paged_decode_attention: PagedDecodeAttention
     paged_attention: PagedAttentionOp
-    prefill_attention: PrefillAttention
     silu_mul: SiluMul
     sample: Sample
     linear: Linear
@@ -352,7 +307,7 @@ class OpProvider(Protocol):
     """What a backend offers: a name, the ops it provides, and how to load them for a device."""
 
     name: str
-    #: its paged_decode_attention reads only each sequence's live blocks (seq_lens), whatever the
+    #: its paged_attention reads only each sequence's live blocks (seq_lens), whatever the
     #: block-table width: then one graph captured at the full width serves every batch, with no
     #: KV-width buckets. False when the kernel's cost grows with the width it is given.
     live_blocks_only: bool

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from corelib.ops import PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops import PagedAttention, SamplingInputs
 
 LONG_CONTEXT = 1900
 VOCAB = 151936
@@ -123,25 +123,6 @@ class ChunkCase:
         attn = PagedAttention(tables.to(device), torch.tensor(lengths, device=device), bs, start.to(device),
                               max(queries))
         return q.to(device), kc.to(device), vc.to(device), attn, hd**-0.5, live.to(device)
-
-
-@dataclass(frozen=True)
-class PrefillCase:
-    dtype: torch.dtype
-    group: int
-    head_dim: int
-    lengths: tuple[int, ...]
-    kv_heads: int = 2
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        nh, nkv, hd, tokens = self.kv_heads * self.group, self.kv_heads, self.head_dim, sum(self.lengths)
-        # q and k as the model passes them: views of the rotated [T, nh+nkv, hd]; v of the fused qkv
-        qk = randn(gen, tokens, nh + nkv, hd, dtype=self.dtype)
-        v = randn(gen, tokens, (nh + 2 * nkv) * hd, dtype=self.dtype)[:, (nh + nkv) * hd :].view(tokens, nkv, hd)
-        cu = torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int64, device=device)
-        qk, v = qk.to(device), v.to(device)
-        return qk[:, :nh], qk[:, nh:], v, VarlenAttention(cu, max(self.lengths)), hd**-0.5
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ a multiple of any block, odd N, with and without bias:
   ``TOLERANCES`` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
 - sampled token ids: exactly the reference's (greedy ties go to the lowest id; sampled rows
   use the same counter-based noise);
-- paged attention (query lengths of 1 or more over the paged cache: decode rows, first and later
-  prefill chunks, on and off block edges) and paged decode attention read only live keys: every
-  cache slot past a sequence's length (and every block no sequence owns) holds NaN, as stale cache
-  memory may;
+- paged attention (query lengths of 1 or more over the paged cache: decode steps, and steps of
+  decode rows with first and later prefill chunks, on and off block edges) reads only live keys:
+  every cache slot past a sequence's length (and every block no sequence owns) holds NaN, as stale
+  cache memory may;
 - under graph capture: each op captured once in a device graph on static buffers, the inputs
-  changed (decode: other context lengths per row), replayed, and compared with the reference on
-  the new inputs (prefill and chunks keep their lengths: the longest query count is a host int).
+  changed (a decode step: other context lengths per row), replayed, and compared with the reference
+  on the new inputs (steps with chunks run eagerly: the longest query count is a host int).
 
 The default run takes a few cases per op; the full sweep is marked ``slow``.
 """
@@ -51,7 +51,6 @@ from corelib.testing.op_cases import (
     NormGateUpCase,
     NormLogitsCase,
     NormQkvCase,
-    PrefillCase,
     RopeCase,
     SampleCase,
     SiluCase,
@@ -124,12 +123,6 @@ CHUNK_CASES = [
 ]
 CHUNK_SWEEP = [ChunkCase(d, g, hd, bs, ((0, 1), (bs - 1, 2), (bs, bs), (bs + 1, 130), (3 * bs, 1), (0, 300)))
                for d, g, hd, bs in _GEOMETRY[1::2]]
-PREFILL_CASES = [
-    PrefillCase(F32, 1, 64, (1,)),
-    PrefillCase(F32, 4, 64, (5, 70, 1)),
-    PrefillCase(BF16, 2, 128, (33, 100)),
-]
-PREFILL_SWEEP = [PrefillCase(d, g, hd, (1, bs - 1, bs, bs + 1, 130)) for d, g, hd, bs in _GEOMETRY[::2]]
 ROPE_CASES = [RopeCase(F32, 5, 2, 64, 16), RopeCase(BF16, 3, 2, 128, 32, kv_heads=8), RopeCase(F32, 1, 8, 128, 16)]
 ROPE_SWEEP = [RopeCase(d, (1, 3, 32, 128)[i % 4], g, hd, bs) for i, (d, g, hd, bs) in enumerate(_GEOMETRY)]
 NORM_CASES = [
@@ -220,20 +213,12 @@ def _rope(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return out, kc, vc  # type: ignore[return-value]
 
 
-def _prefill(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
-    return (ops.prefill_attention(*args),)  # type: ignore[arg-type]
-
-
 def _silu(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return (ops.silu_mul(*args),)  # type: ignore[arg-type]
 
 
 def _sample(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return (ops.sample(*args),)  # type: ignore[arg-type]
-
-
-def _decode(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
-    return _paged_call(ops, args, ops.providers["paged_decode_attention"] != "reference", "paged_decode_attention")
 
 
 def _paged(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
@@ -264,9 +249,7 @@ def _qkv(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
 CALLS: dict[str, Call] = {
     "rms_norm": _norm,
     "rope_kv_write": _rope,
-    "paged_decode_attention": _decode,
     "paged_attention": _paged,
-    "prefill_attention": _prefill,
     "silu_mul": _silu,
     "sample": _sample,
     "linear": _linear,
@@ -293,19 +276,9 @@ def test_rope_kv_write_matches_reference(op_target: OpTarget, case: RopeCase) ->
     _check(op_target, "rope_kv_write", case, _rope)
 
 
-@pytest.mark.parametrize("case", _params(DECODE_CASES, DECODE_SWEEP))
-def test_paged_decode_attention_matches_reference(op_target: OpTarget, case: DecodeCase) -> None:
-    _check(op_target, "paged_decode_attention", case, _decode)
-
-
-@pytest.mark.parametrize("case", _params([*DECODE_CASES[:3], *CHUNK_CASES], CHUNK_SWEEP))
+@pytest.mark.parametrize("case", _params([*DECODE_CASES, *CHUNK_CASES], [*DECODE_SWEEP, *CHUNK_SWEEP]))
 def test_paged_attention_matches_reference(op_target: OpTarget, case: DecodeCase | ChunkCase) -> None:
     _check(op_target, "paged_attention", case, _paged)
-
-
-@pytest.mark.parametrize("case", _params(PREFILL_CASES, PREFILL_SWEEP))
-def test_prefill_attention_matches_reference(op_target: OpTarget, case: PrefillCase) -> None:
-    _check(op_target, "prefill_attention", case, _prefill)
 
 
 @pytest.mark.parametrize("case", _params(SILU_CASES, SILU_SWEEP))
@@ -346,9 +319,7 @@ def test_norm_qkv_rope_kv_write_matches_reference(op_target: OpTarget, case: Nor
 GRAPH_CASES: dict[str, Case] = {
     "rms_norm": NormCase(BF16, (3, 1024), residual=True),
     "rope_kv_write": RopeCase(BF16, 3, 2, 128, 16),
-    "paged_decode_attention": DecodeCase(BF16, 3, 4, 128, 16, long=300),
-    "paged_attention": ChunkCase(BF16, 2, 64, 16, ((0, 17), (40, 1), (20, 30))),
-    "prefill_attention": PrefillCase(BF16, 2, 64, (5, 40)),
+    "paged_attention": DecodeCase(BF16, 3, 4, 128, 16, long=300),  # a decode step: the captured shape
     "silu_mul": SiluCase(BF16, 3, 3072),
     "sample": SampleCase(3, ties=True),
     "linear": LinearCase(BF16, 3, 1001, 300, bias=True),

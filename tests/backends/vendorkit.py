@@ -119,11 +119,8 @@ class FakeTorchNpu(Recording):
         require(heads % kv_heads == 0 and heads // kv_heads <= 64, "GQA ratio")
         mask = kw.get("atten_mask")
         require(mask is None or mask.dtype in (torch.bool, torch.int8, torch.uint8), "atten_mask bool/int8/uint8")
-        if kw.get("block_table") is not None:
-            out = self._paged(query, key, value, mask, heads, kv_heads, kw)
-        else:
-            out = self._dense(query, key, value, mask, heads, kv_heads, kw)
-        return out, torch.zeros(1)
+        require(kw.get("block_table") is not None, "modelled: page attention only (corelib passes its block tables)")
+        return self._paged(query, key, value, mask, heads, kv_heads, kw), torch.zeros(1)
 
     def _paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, heads: int,
                kv_heads: int, kw: dict[str, Any]) -> torch.Tensor:
@@ -162,17 +159,6 @@ class FakeTorchNpu(Recording):
                          cache_v[blocks, pos % block_size], dead, kw["scale"])
             out.append(row if queries > 1 else row.reshape(1, heads * hd))
         return torch.stack(out).to(query.dtype)  # BSH [B, 1, H] or BSND [B, Q_S, N, D]
-
-    def _dense(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, heads: int,
-               kv_heads: int, kw: dict[str, Any]) -> torch.Tensor:
-        # BSND without lengths: every row of every batch entry is computed; mask (B, 1, S, S_kv)
-        require(kw["input_layout"] == "BSND" and kw.get("sparse_mode", 0) == 0, "modelled: BSND, sparse_mode 0")
-        require(query.dim() == 4 and query.shape[2] == heads and key.shape[2] == kv_heads, "BSND shapes")
-        batch, length, s_kv = query.shape[0], query.shape[1], key.shape[1]
-        require(mask is None or mask.shape == (batch, 1, length, s_kv), "full mask (B, 1, S, S_kv)")
-        out = [attend(query[b], key[b], value[b], torch.zeros(length, s_kv, dtype=torch.bool) if mask is None
-                      else mask[b, 0].bool(), kw["scale"]) for b in range(batch)]
-        return torch.stack(out).to(query.dtype)
 
 
 class FakeTmo(Recording):

@@ -8,9 +8,7 @@ an MLU.
 |------------------------|------------------------------------|------------|---------------------------|
 | rms_norm               | fused_rms_norm                     | yes        | residual add fused        |
 | rope_kv_write          | apply_rotary (+ torch index_copy_) | yes        | KV write: cache layout    |
-| paged_decode_attention | (reference)                        | -          | needs another cache layout|
 | paged_attention        | flash_attention (packed q and kv)  | yes        | keys gathered per row     |
-| prefill_attention      | flash_attention (packed)           | yes        | host max_seqlen is given  |
 | silu_mul               | active(act_mode="silu", gated)     | yes        |                           |
 | linear                 | matmul (trans_b)                   | yes        | bias in the epilogue      |
 | linear_residual        | matmul (residual, beta = 1)        | yes        | residual in the epilogue  |
@@ -43,9 +41,8 @@ which wrap the same kernels in C++.
   rounding the product: within the dtype's tolerance.
 - ``flash_attention(q, k, v, out, cu_seq_lens_q, cu_seq_lens_kv, alibi_slope, attn_bias,
   max_seq_len_q, max_seq_len_kv, softmax_scale, is_causal, window_size_left, window_size_right,
-  compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [T, nkv, hd], cu_seq_lens [n+1] int32
+  compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [K, nkv, hd], cu_seq_lens [n+1] int32
   on the device (vllm-mlu's query_start_loc), causal within each sequence.
-
 - paged attention (a step's queries over each row's cached keys, 1 or more per row) is the
   same ``flash_attention`` with cu_seq_lens_q = the step's query starts and cu_seq_lens_kv = the
   cumulative sequence lengths, causal: a row's queries are its last tokens, the mask aligned to
@@ -55,11 +52,11 @@ which wrap the same kernels in C++.
   does for corelib's layout, into a buffer of B * W * bs rows (a static size, so no host sync).
 
 Left on the reference, and why:
-- the KV write and decode attention: ``reshape_paged_cache`` and ``single_query_cached_kv_attn``
-  take caches of [num_blocks, num_kv_heads, block_size, head_dim] and check them contiguous
-  (xllm reshape_paged_cache.cpp, single_query_cached_kv_attn.cpp); corelib allocates
-  [num_blocks, block_size, num_kv_heads, head_dim], whose permuted view is not contiguous. They
-  become usable once a provider may choose the cache layout;
+- the KV write, and the paged kernels: ``reshape_paged_cache``, ``single_query_cached_kv_attn`` and
+  ``flash_attention``'s block_tables take caches of [num_blocks, num_kv_heads, block_size, head_dim]
+  and check them contiguous (xllm reshape_paged_cache.cpp, single_query_cached_kv_attn.cpp);
+  corelib allocates [num_blocks, block_size, num_kv_heads, head_dim], whose permuted view is not
+  contiguous. They become usable once a provider may choose the cache layout;
 - sampling.
 """
 
@@ -74,7 +71,7 @@ import torch
 
 from corelib.device import Device
 from corelib.errors import one_line
-from corelib.ops import PagedAttention, VarlenAttention
+from corelib.ops import PagedAttention
 from corelib.ops import reference as ref
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -188,33 +185,6 @@ class MluKernels:
         v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
         return rotated
 
-    def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
-    ) -> torch.Tensor:
-        if q.dtype not in _HALF or q.shape[1] % k.shape[1] != 0:
-            return ref.prefill_attention(q, k, v, attn, scale)
-        cu_seqlens = attn.cu_seqlens.to(torch.int32)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.tmo.flash_attention(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out,
-            cu_seqlens,
-            cu_seqlens,  # keys are the same packed tokens
-            None,
-            None,
-            attn.max_seqlen,
-            attn.max_seqlen,
-            scale,
-            True,
-            -1,
-            -1,
-            torch.float32,  # accumulate in float32, as vllm-mlu's default
-            False,
-        )
-        return out
-
     def paged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
@@ -279,7 +249,7 @@ def _import_torch_mlu_ops() -> ModuleType:
 
 
 class MluOps:
-    """The ``torch_mlu_ops`` op provider: norms, RoPE, prefill attention, SiLU-and-multiply, the projections."""
+    """The ``torch_mlu_ops`` op provider: norms, RoPE, paged attention, SiLU-and-multiply, the projections."""
 
     name = "torch_mlu_ops"
     live_blocks_only = False  # decode attention stays on the reference, which gathers the whole width
@@ -296,8 +266,7 @@ class MluOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "paged_attention", "prefill_attention", "silu_mul", "linear",
-                "linear_residual")
+        return ("rms_norm", "rope_kv_write", "paged_attention", "silu_mul", "linear", "linear_residual")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = MluKernels(cast(TorchMluOps, _import_torch_mlu_ops()))
