@@ -11,6 +11,7 @@
 # BASE_COMMIT (default 6413ed0) when this is a git checkout, else (1) measures this tree only.
 # Assumes corelib with the serve extra and the cuda backend (Triton) are installed from this tree.
 # For a dry run elsewhere: MODEL=tiny DEVICE="backend=npu" QUICK=1 benchmarks/ragged_h200.sh /tmp/dry
+# (RATE=N: the mixed traffic's arrivals per second, default 16)
 set -uo pipefail
 out=${1:?usage: ragged_h200.sh OUTDIR}
 mkdir -p "$out"
@@ -113,7 +114,7 @@ load() {  # load NAME overrides...: one bench-serve run against the server
 }
 shared=(server.bench.shared_prefix_len=1024 server.bench.prompt_len=32 server.bench.output_len=64
         'server.bench.concurrency=[16]' server.bench.num_requests=$([ "$quick" = 1 ] && echo 32 || echo 256))
-mixed=(server.bench.prompt_len=1500 server.bench.output_len=64 'server.bench.rates=[16]' 'server.bench.concurrency=[]'
+mixed=(server.bench.prompt_len=1500 server.bench.output_len=64 "server.bench.rates=[${RATE:-16}]" 'server.bench.concurrency=[]'
        server.bench.num_requests=0 server.bench.duration_s=$([ "$quick" = 1 ] && echo 2 || echo 10)
        server.bench.decoders=32 server.bench.decoder_output_len=2048)
 for caching in off on; do
@@ -169,7 +170,7 @@ if off and on:
               f"  hits {p['prefix_cache_hit_rate']}")
     print(f"   on / off: TTFT p50 {on['ttft_ms_p50'] / off['ttft_ms_p50']:.3f} (target <= 0.25), "
           f"req/s {on['requests_per_s'] / off['requests_per_s']:.2f} (target >= 2)")
-print("4. mixed traffic (1,500-token prompts at 16 req/s while 32 decode): decoders' inter-token ms p50 / p99")
+print("4. mixed traffic (1,500-token prompts, Poisson, while 32 decode): decoders' inter-token ms p50 / p99")
 for label in ("off", "on"):
     p = point(f"mixed-{label}")
     if p:

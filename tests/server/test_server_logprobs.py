@@ -84,3 +84,16 @@ def test_logprobs_out_of_range_are_a_400_naming_the_field(server: RunningServer,
                                                            param: str) -> None:
     response = httpx.post(f"{server.url}{path}", json={"model": "chat-model", **body}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_metrics_show_the_prefix_cache_finding_a_repeated_prompt(server: RunningServer) -> None:
+    def figure(name: str) -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    before = figure("corelib_prefix_cache_hit_tokens")
+    prompt = [(5 * i) % 200 + 3 for i in range(40)]  # two full blocks of 16 and a part
+    for _ in range(2):
+        client(server).completions.create(model="chat-model", prompt=prompt, max_tokens=2, temperature=0)
+    assert figure("corelib_prefix_cache_hit_tokens") - before >= 32, "the second request found the first's blocks"
+    assert 0 < figure("corelib_prefix_cache_hit_rate") <= 1
