@@ -11,17 +11,20 @@
 # BASE_COMMIT (default 6413ed0) when this is a git checkout, else (1) measures this tree only.
 # Assumes corelib with the serve extra and the cuda backend (Triton) are installed from this tree.
 # For a dry run elsewhere: MODEL=tiny DEVICE="backend=npu" QUICK=1 benchmarks/ragged_h200.sh /tmp/dry
-# (RATE=N: the mixed traffic's arrivals per second, default 16)
+# (RATE=N: the mixed traffic's arrivals per second, default 16; DECODER_LEN=N: each decoder's tokens, default 2048)
 set -uo pipefail
 out=${1:?usage: ragged_h200.sh OUTDIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 port=${PORT:-8124}
 model=${MODEL:-small-0.6b}
 device=(${DEVICE:-backend=cuda backend.runtime=native})
 quick=${QUICK:-0}
+parts=${PARTS:-1234}  # which of the four parts to run (the table reads whatever OUTDIR holds)
 status=0
 echo "== machine: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)" \
   "cpus: $(nproc)  date: $(date -u +%F)  commit: $(git -C "$here" rev-parse --short HEAD 2>/dev/null)" \
@@ -29,29 +32,36 @@ echo "== machine: $(nvidia-smi --query-gpu=name,driver_version --format=csv,nohe
 
 # ---------------------------------------------------------------------------- 1. decode before / after
 base=${BASE:-}
-if [ -z "$base" ] && git -C "$here" rev-parse --git-dir >/dev/null 2>&1; then
+if [ -z "$base" ] && [ -d "$out/base-tree" ]; then
+  base="$out/base-tree"  # made by an earlier run into this OUTDIR
+elif [ -z "$base" ] && [[ $parts == *1* ]] && git -C "$here" rev-parse --git-dir >/dev/null 2>&1; then
   base="$out/base-tree"
   git -C "$here" worktree add --detach "$base" "${BASE_COMMIT:-6413ed0}" >"$out/base-tree.log" 2>&1 \
     || { echo "no base checkout (see $out/base-tree.log): decode measured on this tree only"; base=""; }
 fi
-decode() {  # decode NAME [PYTHONPATH]: bench of decode-only steps at batch 1 and 32
-  local name=$1 path=${2:-}
-  PYTHONPATH="$path" python3 -m corelib bench model="$model" "${device[@]}" bench=h200 'bench.batch_sizes=[1,32]' \
-    'bench.handoff=[on]' 'bench.transport=[inproc]' bench.repeats=5 hydra.run.dir="$out/$name" \
+decode() {  # decode NAME TREE: bench of decode-only steps at batch 1 and 32, corelib and its backends from TREE
+  local name=$1 tree=$2
+  # python -m puts the working directory first on sys.path: run from TREE, its backends ahead of the installed ones;
+  # the config tree ships as corelib.conf, which the installed (editable) corelib would map to this tree's conf/
+  [ -e "$tree/corelib/conf" ] || ln -s ../conf "$tree/corelib/conf"
+  (cd "$tree" && PYTHONPATH="$tree/backends/cpu:$tree/backends/cuda:$tree/backends/npu:$tree/backends/mlu" \
+    python3 -m corelib bench model="$model" "${device[@]}" bench=h200 'bench.batch_sizes=[1,32]' \
+    'bench.handoff=[on]' 'bench.transport=[inproc]' bench.repeats=5 hydra.run.dir="$out/$name") \
     >"$out/$name.log" 2>&1 || status=1
 }
-if [ -n "$base" ]; then
-  tree="$base:$base/backends/cpu:$base/backends/cuda:$base/backends/npu:$base/backends/mlu"
-  decode decode-before "$tree"
-  decode decode-after
-  decode decode-before-2 "$tree"  # before, after, before, after: drift shows as a gap between the repeats
-  decode decode-after-2
+if [[ $parts != *1* ]]; then
+  :
+elif [ -n "$base" ]; then
+  decode decode-before "$base"
+  decode decode-after "$here"
+  decode decode-before-2 "$base"  # before, after, before, after: drift shows as a gap between the repeats
+  decode decode-after-2 "$here"
 else
-  decode decode-after
+  decode decode-after "$here"
 fi
 
 # ---------------------------------------------------------------------------- 2. the same tokens
-python3 - "$out" "$model" "${device[@]}" <<'EOF' >"$out/tokens.log" 2>&1 || status=1
+[[ $parts != *2* ]] || python3 - "$out" "$model" "${device[@]}" <<'EOF' >"$out/tokens.log" 2>&1 || status=1
 import json, random, sys
 from corelib.engine import Engine, SamplingParams
 out, model, device = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -116,8 +126,9 @@ shared=(server.bench.shared_prefix_len=1024 server.bench.prompt_len=32 server.be
         'server.bench.concurrency=[16]' server.bench.num_requests=$([ "$quick" = 1 ] && echo 32 || echo 256))
 mixed=(server.bench.prompt_len=1500 server.bench.output_len=64 "server.bench.rates=[${RATE:-16}]" 'server.bench.concurrency=[]'
        server.bench.num_requests=0 server.bench.duration_s=$([ "$quick" = 1 ] && echo 2 || echo 10)
-       server.bench.decoders=32 server.bench.decoder_output_len=2048)
+       server.bench.decoders=32 server.bench.decoder_output_len="${DECODER_LEN:-2048}")
 for caching in off on; do
+  [[ $parts == *3* ]] || break
   if serve "prefix-$caching" engine.prefix_caching="$caching" engine.chunked_prefill=on; then
     load "prefix-$caching-warmup" "${shared[@]}" server.bench.num_requests=16 server.bench.shared_prefix_len=0
     load "prefix-$caching" "${shared[@]}"
@@ -125,6 +136,7 @@ for caching in off on; do
   stop
 done
 for chunked in off on; do
+  [[ $parts == *4* ]] || break
   if serve "mixed-$chunked" engine.chunked_prefill="$chunked" engine.prefix_caching=off \
       engine.max_num_batched_tokens=512; then
     load "mixed-$chunked-warmup" 'server.bench.concurrency=[32]' server.bench.num_requests=64

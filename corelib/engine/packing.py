@@ -105,7 +105,9 @@ class InputBuilder:
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
         logprobs = any(s.sampling.logprobs is not None for s in step.seqs)
-        return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies)
+        leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
+        return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
+                            leading)
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:

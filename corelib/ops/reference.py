@@ -65,6 +65,11 @@ def paged_attention(
 ) -> torch.Tensor:
     if attn.is_decode:
         return decode_attention(q, k_cache, v_cache, attn, scale)
+    if attn.decode_rows:  # the decode rows as a decode step: no row padded to the longest chunk
+        decode, chunks = attn.split()
+        d = attn.decode_rows
+        return torch.cat([decode_attention(q[:d], k_cache, v_cache, decode, scale),
+                          paged_attention(q[d:], k_cache, v_cache, chunks, scale)])
     batch, width = attn.block_tables.shape
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     span = width * k_cache.shape[1]

@@ -52,7 +52,9 @@ class PagedAttention:
     query_start [B+1] int64, or None for one query per row (row i's query is token i): row i's
     queries are the step's tokens query_start[i]:query_start[i+1], the last ones of its context,
     so its query j sits at position seq_lens[i] - q_len_i + j and attends to the keys up to it;
-    max_query_len: a host int, the most queries of one row (1: a decode step, graph-safe).
+    max_query_len: a host int, the most queries of one row (1: a decode step, graph-safe);
+    decode_rows: a host int, rows [0, decode_rows) have one query each (a step lists its decode
+    rows first), so a provider may run them as a decode step and only the rest as chunks.
     """
 
     block_tables: torch.Tensor
@@ -60,6 +62,7 @@ class PagedAttention:
     block_size: int
     query_start: torch.Tensor | None = None
     max_query_len: int = 1
+    decode_rows: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -78,6 +81,17 @@ class PagedAttention:
         if self.query_start is None:
             return torch.ones_like(self.seq_lens)
         return self.query_start[1:] - self.query_start[:-1]
+
+    def split(self) -> tuple[PagedAttention, PagedAttention]:
+        """(the first ``decode_rows`` rows as a decode step, the other rows with their queries): the
+        decode rows' queries are the step's first ``decode_rows`` tokens; the others keep their offsets."""
+        d, starts = self.decode_rows, self.query_start
+        if starts is None or not 0 < d < self.block_tables.shape[0]:
+            raise ValueError(f"a step of {self.block_tables.shape[0]} rows cannot split off {d} decode rows")
+        decode = PagedAttention(self.block_tables[:d], self.seq_lens[:d], self.block_size)
+        chunks = PagedAttention(self.block_tables[d:], self.seq_lens[d:], self.block_size, starts[d:] - d,
+                                self.max_query_len)
+        return decode, chunks
 
     def token_rows(self, num_tokens: int) -> torch.Tensor:
         """[T] int64: the row each of the step's tokens belongs to, found on the device (no host sync)."""

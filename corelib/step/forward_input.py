@@ -37,6 +37,7 @@ class ForwardInput:
     arena: torch.Tensor  # uint8, holding layout.nbytes bytes (host memory as packed)
     logprobs: bool = False  # some row asks for its tokens' logprobs: the step computes them on the device
     num_copies: int = 0  # KV blocks copied (copy on write) before the forward
+    decode_rows: int = 0  # a step with chunks: its first rows feed one token each (listed first)
 
     @property
     def is_decode(self) -> bool:

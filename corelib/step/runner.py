@@ -128,8 +128,9 @@ class ModelRunner:
             graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
         if graph is None:
             views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
-            tokens, longest = fi.num_tokens, fi.max_query_len
-            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs))
+            tokens, longest, leading = fi.num_tokens, fi.max_query_len, fi.decode_rows
+            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs,
+                                                      leading))
             self.num_eager_steps += 1
             return False
         if self.buckets.param_update:
@@ -140,7 +141,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device work
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-                 sampled: bool, logprobs: bool = False) -> None:
+                 sampled: bool, logprobs: bool = False, decode_rows: int = 0) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row."""
         maybe_fail("forward")
         states = views["state_indices"][:rows]
@@ -148,7 +149,7 @@ class ModelRunner:
         decode = longest == 1
         query_start = None if decode else views["query_start"][: rows + 1]
         attention = PagedAttention(views["block_tables"][:rows, :kv], seq_lens, self.layout.block_size, query_start,
-                                   longest)
+                                   longest, decode_rows)
         token_states = states if decode else states[attention.token_rows(tokens)]
         batch = StepBatch(self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states),
                           views["positions"][:tokens], views["slot_mapping"][:tokens], attention, states,

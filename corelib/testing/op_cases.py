@@ -100,6 +100,7 @@ class ChunkCase:
     block_size: int
     rows: tuple[tuple[int, int], ...]  # (tokens cached before the step, queries in the step)
     kv_heads: int = 2
+    split: bool = False  # name the leading one-query rows as decode rows (PagedAttention.decode_rows)
 
     def build(self, seed: int, device: torch.device) -> Args:
         # Another seed keeps every length (max_query_len is a host int) and draws new values and blocks.
@@ -120,8 +121,9 @@ class ChunkCase:
         queries = [q for _, q in self.rows]
         q = randn(gen, sum(queries), nkv * self.group, hd, dtype=self.dtype)
         start = torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int64)
+        leading = next((i for i, n in enumerate(queries) if n > 1), len(queries)) if self.split else 0
         attn = PagedAttention(tables.to(device), torch.tensor(lengths, device=device), bs, start.to(device),
-                              max(queries))
+                              max(queries), leading)
         return q.to(device), kc.to(device), vc.to(device), attn, hd**-0.5, live.to(device)
 
 

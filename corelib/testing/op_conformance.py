@@ -120,6 +120,9 @@ CHUNK_CASES = [
     ChunkCase(F32, 4, 128, 32, ((100, 1), (0, 70), (33, 130), (64, 1), (5, 3))),
     ChunkCase(BF16, 8, 128, 16, ((0, 33), (300, 64), (17, 1))),
     ChunkCase(BF16, 2, 64, 32, ((1, 1), (31, 2), (32, 97), (1500, 16)), kv_heads=1),
+    # decode rows listed first and named so: a provider may run them as a decode step
+    ChunkCase(F32, 4, 64, 16, ((40, 1), (300, 1), (1, 1), (0, 33), (17, 1), (5, 70)), split=True),
+    ChunkCase(BF16, 2, 128, 32, ((700, 1), (33, 130)), split=True),
 ]
 CHUNK_SWEEP = [ChunkCase(d, g, hd, bs, ((0, 1), (bs - 1, 2), (bs, bs), (bs + 1, 130), (3 * bs, 1), (0, 300)))
                for d, g, hd, bs in _GEOMETRY[1::2]]

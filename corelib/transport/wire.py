@@ -115,8 +115,8 @@ MAGIC = 0x434F524C  # "CORL"
 VERSION = 6  # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiiiiidQII")
-_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
+_FIXED = struct.Struct("<IHHQqiiiiiiiidQII")
+_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
 _ZERO_CHECKSUM = bytes(4)
 _LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
 
@@ -145,6 +145,7 @@ class FrameHeader:
     num_tokens: int = 0  # step frames: tokens computed
     max_query_len: int = 0  # step frames: the most tokens one row feeds
     num_copies: int = 0  # step frames: KV blocks copied before the forward
+    decode_rows: int = 0  # step frames: the leading rows that feed one token each
 
     @property
     def nbytes(self) -> int:
@@ -154,8 +155,8 @@ class FrameHeader:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
         return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, int(self.flags), self.sent_at,
-                self.payload_len, checksum, len(self.layout))
+                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows, int(self.flags),
+                self.sent_at, self.payload_len, checksum, len(self.layout))
 
     def packed(self, checksum: int | None = None) -> bytes:
         fixed = _FIXED.pack(*self._fixed(self.checksum if checksum is None else checksum))
@@ -172,8 +173,8 @@ class FrameHeader:
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
-        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies, flags,
-         sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
+        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
+         decode_rows, flags, sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
         if magic != MAGIC:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
@@ -184,7 +185,7 @@ class FrameHeader:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
         layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
         return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
-                   layout, num_tokens, max_query_len, num_copies)
+                   layout, num_tokens, max_query_len, num_copies, decode_rows)
 
     def input_layout(self, where: str) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
@@ -218,20 +219,20 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
         InputFlags.LOGPROBS if fi.logprobs else InputFlags.NONE)
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                        sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
-                       max_query_len=fi.max_query_len, num_copies=fi.num_copies)
+                       max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows)
 
 
 def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardInput:
     """The step a checked step frame describes; its arena views ``payload``."""
     layout = header.input_layout(where)
     if (not 1 <= header.max_query_len <= max(header.num_tokens, 1) or header.bucket < header.num_seqs
-            or not 0 <= header.num_copies <= header.num_seqs):
+            or not 0 <= header.num_copies <= header.num_seqs or not 0 <= header.decode_rows < max(header.bucket, 1)):
         raise TransportError(f"{where}: a step of {header.num_seqs} rows ({header.bucket} computed), "
                              f"{header.num_tokens} tokens and up to {header.max_query_len} per row is malformed")
     flags = InputFlags(header.flags)
     return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
                         header.kv_blocks, InputFlags.SAMPLE in flags, layout, payload, InputFlags.LOGPROBS in flags,
-                        header.num_copies)
+                        header.num_copies, header.decode_rows)
 
 
 # ---------------------------------------------------------------------------------------- results

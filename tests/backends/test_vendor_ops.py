@@ -225,6 +225,20 @@ def test_npu_paged_attention_of_decode_rows_is_the_decode_kernel_and_small_block
     assert len(fake.named("npu_fused_infer_attention_score")) == 1, "blocks of 16 with Q_S > 1: the reference"
 
 
+def test_npu_paged_attention_runs_named_decode_rows_as_a_decode_step_and_the_chunks_apart(
+    npu: tuple[FakeTorchNpu, dict[str, Op]]
+) -> None:
+    fake, ops = npu
+    q, k_cache, v_cache, attn, scale = chunk_args(ChunkCase(BF16, 4, 64, 128, ((90, 1), (300, 1), (0, 40)),
+                                                            split=True))
+    assert attn.decode_rows == 2
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, scale),
+          ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+    decode, chunk = fake.named("npu_fused_infer_attention_score")
+    assert decode["input_layout"] == "BSH" and decode["query"].shape == (2, 1, 8 * 64)
+    assert chunk["input_layout"] == "BSND" and chunk["query"].shape == (1, 40, 8, 64)
+
+
 def test_npu_silu_mul_maps_to_npu_swiglu(npu: tuple[FakeTorchNpu, dict[str, Op]]) -> None:
     fake, ops = npu
     x = torch.randn(6, 2 * 48)[:, :64]  # a strided view: npu_swiglu takes contiguous input only

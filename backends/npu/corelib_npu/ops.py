@@ -224,6 +224,11 @@ class NpuKernels:
     ) -> torch.Tensor:
         if attn.is_decode:
             return self._decode_attention(q, k_cache, v_cache, attn, scale)
+        if attn.decode_rows:  # the decode rows through the Q_S = 1 branch, the chunks through Q_S > 1
+            decode, chunks = attn.split()
+            d = attn.decode_rows
+            return torch.cat([self._decode_attention(q[:d], k_cache, v_cache, decode, scale),
+                              self.paged_attention(q[d:], k_cache, v_cache, chunks, scale)])
         tokens, num_heads, hd = q.shape
         num_blocks, block_size, num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
         batch, width = attn.block_tables.shape

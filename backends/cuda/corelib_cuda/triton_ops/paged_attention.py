@@ -103,6 +103,11 @@ def paged_attention(
     # q [T, nh, hd], k_cache / v_cache [NB, bs, nkv, hd], block_tables [B, W], seq_lens [B], query_start [B+1]
     if attn.is_decode:
         return paged_decode_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)
+    if attn.decode_rows:  # the decode rows by flash-decoding, split over their context; the chunks here
+        decode, chunks = attn.split()
+        d = attn.decode_rows
+        return torch.cat([paged_decode_attention(q[:d], k_cache, v_cache, decode, scale),
+                          paged_attention(q[d:], k_cache, v_cache, chunks, scale)])
     check_float(_OP, q=q, k_cache=k_cache)
     check(q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, _OP,
           f"expected q [T, nh, hd] and caches [NB, bs, nkv, hd]; got q {tuple(q.shape)}, "
