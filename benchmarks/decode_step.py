@@ -30,7 +30,7 @@ from corelib.backend import DeviceSpec
 from corelib.compose import compose_config
 from corelib.config import ModelConfig
 from corelib.device import Capabilities, Device, Runtime
-from corelib.models.base import DecodeBatch
+from corelib.models.base import StepBatch
 from corelib.models.llama import KVCache, LlamaModel
 from corelib.models.registry import architecture
 from corelib.ops import Ops, PagedAttention
@@ -53,7 +53,7 @@ def load(name: str, dtype: str, device: Device, *extra: str) -> LlamaModel:
     return model
 
 
-def step_inputs(model: LlamaModel, batch: int, context: int, seed: int = 0) -> tuple[DecodeBatch, KVCache]:
+def step_inputs(model: LlamaModel, batch: int, context: int, seed: int = 0) -> tuple[StepBatch, KVCache]:
     """Row b has ``context + b % 7`` cached tokens (random keys and values); its new token goes next."""
     shape, device = model.shape, model.weights.embed.device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -67,27 +67,27 @@ def step_inputs(model: LlamaModel, batch: int, context: int, seed: int = 0) -> t
     slots = tables.long().gather(1, (lengths // BLOCK)[:, None])[:, 0] * BLOCK + lengths % BLOCK
     ids = torch.randint(0, shape.vocab_size, (batch,), generator=gen, device=device)
     attention = PagedAttention(tables, lengths + 1, BLOCK)
-    return DecodeBatch(ids, lengths, slots, attention, torch.arange(batch, device=device)), KVCache(data, BLOCK)
+    return StepBatch(ids, lengths, slots, attention, torch.arange(batch, device=device)), KVCache(data, BLOCK)
 
 
-def advance(inputs: DecodeBatch, token: torch.Tensor) -> DecodeBatch:
+def advance(inputs: StepBatch, token: torch.Tensor) -> StepBatch:
     """The next step of the same rows, fed ``token`` (a new PagedAttention: its key mask is cached)."""
     positions = inputs.positions + 1
     tables = inputs.attention.block_tables
     slots = tables.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
     attention = PagedAttention(tables, positions + 1, BLOCK)
-    return DecodeBatch(token, positions, slots, attention, inputs.state_indices)
+    return StepBatch(token, positions, slots, attention, inputs.state_indices)
 
 
-def replay(model: LlamaModel, ops: Ops, batch: DecodeBatch, cache: KVCache, replays: int) -> dict[str, Any]:
+def replay(model: LlamaModel, ops: Ops, batch: StepBatch, cache: KVCache, replays: int) -> dict[str, Any]:
     """Capture one step, replay it; µs per step (best of 5 rounds) and whether every replay agreed."""
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
-        model.decode(batch, cache, ops)  # compile and warm outside capture
+        model.forward(batch, cache, ops)  # compile and warm outside capture
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            logits = model.decode(batch, cache, ops)
+            logits = model.forward(batch, cache, ops)
         graph.replay()
         first = logits.clone()
         same = True
@@ -125,11 +125,11 @@ def bf16_bound(name: str, device: Device, steps: int, batch: int, context: int) 
         cache.data.copy_(cache_high.data)  # the same context, rounded
         runs[label] = (inputs, cache)
     for _ in range(steps):
-        logits_high = high.decode(inputs_high, cache_high, reference_ops())
+        logits_high = high.forward(inputs_high, cache_high, reference_ops())
         token = logits_high.argmax(-1)
         for label, ops in (("triton", fused), ("reference", reference_ops())):
             inputs, cache = runs[label]
-            logits = low.decode(inputs, cache, ops)
+            logits = low.forward(inputs, cache, ops)
             errors[label].append(relative_error(logits, logits_high))
             if label == "triton":
                 agree += int((logits.argmax(-1) == token).sum())
@@ -159,7 +159,7 @@ def main() -> None:
                "triton+pdl": reference_ops().with_provider("triton", with_pdl),
                # PDL on the projections only: the attention launched plainly
                "triton+pdl-attn": reference_ops().with_provider("triton", {
-                   **with_pdl, "paged_decode_attention": provider.load(device)["paged_decode_attention"]})}
+                   **with_pdl, "paged_attention": provider.load(device)["paged_attention"]})}
     if not args.no_reference:
         op_sets = {"reference": reference_ops(), **op_sets}
     rows: list[dict[str, Any]] = []

@@ -9,7 +9,7 @@ rms_norm + residual, gate_up linear, silu_mul, down linear): its kernels counted
 torch.profiler, and a CUDA graph of all the model's layers timed per step.
 
     python3 benchmarks/ops_h200.py                       # bs 1 32 128, context 96 and 1900, head_dim 64
-    (prefill_attention: `bs` prompts of `context` tokens each, up to 65536 tokens)
+    (paged_attention(chunks): `bs` rows each feeding its last min(context, 512) tokens as one chunk)
     python3 benchmarks/ops_h200.py --head-dim 128 --out ops.json
 """
 
@@ -29,7 +29,7 @@ from corelib_cuda.triton_ops import TritonOps
 
 from corelib.backend import DeviceSpec
 from corelib.device import Capabilities, Runtime
-from corelib.ops import Ops, PagedAttention, VarlenAttention
+from corelib.ops import Ops, PagedAttention
 from corelib.ops.reference import reference_ops
 
 BLOCK_SIZE = 16
@@ -113,7 +113,7 @@ class Layer:
         qk = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd)
         v = qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
         rotated = ops.rope_kv_write(qk, v, self.positions, self.cos_sin, self.k_cache, self.v_cache, self.slot_mapping)
-        attn = ops.paged_decode_attention(rotated[:, :nh], self.k_cache, self.v_cache, self.attn, hd**-0.5)
+        attn = ops.paged_attention(rotated[:, :nh], self.k_cache, self.v_cache, self.attn, hd**-0.5)
         h = F.linear(attn.reshape(batch, nh * hd), self.o)
         x, residual = ops.rms_norm(h, self.post_norm, s.eps, residual)
         return F.linear(ops.silu_mul(F.linear(x, self.gate_up)), self.down), residual
@@ -150,16 +150,16 @@ def op_rows(layer: Layer, ops: Ops, include_context_free: bool) -> list[OpRow]:
     gate_up = torch.randn(batch, 2 * s.inter, device="cuda").to(layer.dtype)
     logits = torch.randn(batch, s.vocab, device="cuda")
     cases: dict[str, Callable[[Ops], object]] = {
-        "paged_decode_attention": lambda o: o.paged_decode_attention(q, layer.k_cache, layer.v_cache, layer.attn,
-                                                                     hd**-0.5),
+        "paged_attention(decode)": lambda o: o.paged_attention(q, layer.k_cache, layer.v_cache, layer.attn,
+                                                               hd**-0.5),
     }
-    tokens = batch * layer.context
-    if tokens <= 65536:  # prefill of `batch` prompts of `context` tokens (the reference pads them to a grid)
-        pq = torch.randn(tokens, nh + nkv, hd, device="cuda").to(layer.dtype)
-        pv = torch.randn(tokens, nkv, hd, device="cuda").to(layer.dtype)
-        cu = torch.arange(0, tokens + 1, layer.context, device="cuda")
-        varlen = VarlenAttention(cu, layer.context)
-        cases["prefill_attention"] = lambda o: o.prefill_attention(pq[:, :nh], pq[:, nh:], pv, varlen, hd**-0.5)
+    chunk = min(layer.context, 512)
+    if batch * chunk <= 65536:  # each row's last `chunk` tokens as one prefill chunk over its cached context
+        pq = torch.randn(batch * chunk, nh, hd, device="cuda").to(layer.dtype)
+        starts = torch.arange(0, batch * chunk + 1, chunk, device="cuda")
+        chunked = PagedAttention(layer.attn.block_tables, layer.attn.seq_lens, layer.attn.block_size, starts, chunk)
+        cases["paged_attention(chunks)"] = lambda o: o.paged_attention(pq, layer.k_cache, layer.v_cache, chunked,
+                                                                       hd**-0.5)
     if include_context_free:
         cases |= {
             "rms_norm+residual": lambda o: o.rms_norm(layer.h, layer.input_norm, s.eps, layer.residual)[0],
@@ -174,7 +174,7 @@ def op_rows(layer: Layer, ops: Ops, include_context_free: bool) -> list[OpRow]:
     for name, run in cases.items():
         actual, expected = run(ops), run(reference)
         assert isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
-        graph = name != "prefill_attention"  # eager in the engine; the reference is not capturable
+        graph = name != "paged_attention(chunks)"  # eager in the engine; the reference is not capturable
         triton_us, triton_graph_us = _bench(lambda run=run: run(ops), graph)  # type: ignore[misc]
         ref_us, ref_graph_us = _bench(lambda run=run: run(reference), graph)  # type: ignore[misc]
         error = _rel_error(actual, expected)

@@ -148,7 +148,7 @@ def graph_floor(engine: Engine, batch_size: int, prompt_len: int, new_tokens: in
     total = 0.0
     device.synchronize()
     for (rows, kv), count in sorted(steps.items()):
-        graph = runner.graphs.get((rows, kv, False))
+        graph = runner.graphs.get((rows, kv, False, False))  # greedy, no logprobs
         if graph is None:
             return {"skipped": f"no captured graph for {rows} rows x {kv} KV blocks"}
         for _ in range(FLOOR_WARMUP):

@@ -87,6 +87,7 @@ class ServePoint:
     ttft_ms_p99: float | None
     tpot_ms_p50: float | None
     tpot_ms_p99: float | None
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix cache / looked up
 
 
 def wants_serving(workload: WorkloadConfig) -> bool:
@@ -124,20 +125,23 @@ def serve(engine: Engine, workload: WorkloadConfig, label: str) -> ServePoint:
         ttft_ms_p99=percentile(ttft, 99),
         tpot_ms_p50=percentile(tpot, 50),
         tpot_ms_p99=percentile(tpot, 99),
+        prefix_cache_hit_rate=engine.metrics(wall).get("prefix_cache_hit_rate"),
     )
 
 
 def serve_table(points: list[ServePoint]) -> Table:
     table = Table(title="corelib bench: the workload served (arrivals as configured)")
-    for column in ("engine", "requests (error)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "wall s"):
+    for column in ("engine", "requests (error)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "wall s",
+                   "prefix hits"):
         table.add_column(column, justify="right")
 
     def pair(low: float | None, high: float | None) -> str:
         return "-" if low is None else f"{low:.2f}/{high or 0:.2f}"
 
     for p in points:
+        hits = "-" if p.prefix_cache_hit_rate is None else f"{p.prefix_cache_hit_rate * 100:.1f} %"
         table.add_row(p.label, f"{p.requests} ({p.requests_failed})", pair(p.ttft_ms_p50, p.ttft_ms_p99),
-                      pair(p.tpot_ms_p50, p.tpot_ms_p99), f"{p.tokens_per_s:.0f}", f"{p.wall_s:.2f}")
+                      pair(p.tpot_ms_p50, p.tpot_ms_p99), f"{p.tokens_per_s:.0f}", f"{p.wall_s:.2f}", hits)
     return table
 
 

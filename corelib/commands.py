@@ -21,7 +21,8 @@ from corelib.startup import Startup, start
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: Plan, combinations: bool = False) -> Table:
+    """The decision table; ``combinations``: also how each enabled gate works with the other enabled ones."""
     table = Table(title="feature plan", show_lines=False)
     table.add_column("feature")
     table.add_column("mode")
@@ -33,6 +34,8 @@ def plan_table(plan: Plan) -> Table:
         if decision.enabled and decision.step_requirements:
             per_step = "; ".join(r.reason for r in decision.step_requirements)
             reasons += f"\nper step, synchronous when: {per_step}"
+        if combinations and decision.enabled:
+            reasons += "".join(f"\nwith {other}: {rule}" for other, rule in decision.combines if plan.is_enabled(other))
         table.add_row(decision.feature, f"{decision.mode_key}={decision.mode_value}", verdict, reasons)
     return table
 
@@ -53,7 +56,7 @@ def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tupl
 
 def plan_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     startup, run_dir = prepare(cfg, registry, output_dir)
-    show(console, plan_table(startup.plan))
+    show(console, plan_table(startup.plan, combinations=True))
     say(console, f"wrote {run_dir.path}/{{config.yaml,plan.json}}")
 
 

@@ -233,7 +233,13 @@ class EngineConfig:
         default=0, metadata=doc("KV blocks in the pool; 0: enough for max_num_seqs requests of max_model_len")
     )
     max_num_seqs: int = field(default=64, metadata=doc("most requests decoding at once"))
-    max_num_batched_tokens: int = field(default=2048, metadata=doc("prefill token budget per step"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=doc("tokens one step feeds at most: its decode rows and prompt chunks")
+    )
+    chunked_prefill: Mode = field(
+        default=Mode.auto, metadata=doc("feed prompts in chunks under max_num_batched_tokens, beside decode rows")
+    )
+    prefix_caching: Mode = field(default=Mode.auto, metadata=doc("share the KV blocks of prompts that begin alike"))
     graph_batch_sizes: list[int] = field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata=doc("decode batch buckets captured as graphs")
     )
@@ -332,6 +338,14 @@ class RequirementConfig:
 
 
 @dataclass
+class CombinationConfig:
+    """How a feature works together with another gate (shown by plan, run by a test)."""
+
+    feature: str = field(default="", metadata=doc("the other feature"))
+    rule: str = field(default="", metadata=doc("what holds when both are on"))
+
+
+@dataclass
 class FeatureConfig:
     """``features/<name>.yaml``: one feature gate."""
 
@@ -346,6 +360,9 @@ class FeatureConfig:
     )
     requirements: list[RequirementConfig] = field(
         default_factory=list, metadata=doc("all must hold for auto to enable it; on refuses if any fails")
+    )
+    combines: list[CombinationConfig] = field(
+        default_factory=list, metadata=doc("how the feature works with other gates, one rule each")
     )
 
 
@@ -508,8 +525,20 @@ class ServeBenchConfig:
     dataset: str | None = field(
         default=None, metadata=doc('JSONL file with {"prompt": ...} per line; null: random token-id prompts')
     )
-    prompt_len: int = field(default=32, metadata=doc("tokens of a random prompt"))
+    prompt_len: int = field(default=32, metadata=doc("tokens of a random prompt (after the shared prefix)"))
+    shared_prefix_len: int = field(
+        default=0, metadata=doc("tokens every random prompt starts with, the same for all (a system prompt); 0: none")
+    )
     output_len: int = field(default=64, metadata=doc("tokens asked of every request (EOS ignored)"))
+    decoders: int = field(
+        default=0,
+        metadata=doc("mixed traffic: requests kept decoding while each point's load arrives; their inter-token "
+                     "times are reported apart"),
+    )
+    decoder_prompt_len: int = field(default=32, metadata=doc("tokens of a decoder's random prompt"))
+    decoder_output_len: int = field(
+        default=1024, metadata=doc("tokens a decoder asks for; it asks again when done, until the point ends")
+    )
     disconnect_fraction: float = field(default=0.0, metadata=doc("share of clients that hang up mid-stream"))
     seed: int = field(default=0, metadata=doc("prompts, arrivals and disconnects"))
     timeout_s: float = field(default=300.0, metadata=doc("longest one request may take"))

@@ -83,6 +83,7 @@ class Decision:
     enabled: bool
     reasons: tuple[str, ...]
     step_requirements: tuple[Requirement, ...] = ()
+    combines: tuple[tuple[str, str], ...] = ()  # (other feature, what holds when both are on)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +93,7 @@ class Decision:
             "enabled": self.enabled,
             "reasons": list(self.reasons),
             "per_step": [r.reason for r in self.step_requirements],
+            "combines": {other: rule for other, rule in self.combines},
         }
 
 
@@ -186,9 +188,10 @@ def _decide(
         requirement.check_fact(facts)
     at_start = [r for r in requirements if r.scope is Scope.start]
     per_step = tuple(r for r in requirements if r.scope is Scope.step)
+    combines = tuple((c.feature, c.rule) for c in spec.combines)
 
     def decision(enabled: bool, reasons: list[str]) -> Decision:
-        return Decision(name, mode_key, mode_value, mode, enabled, tuple(reasons), per_step)
+        return Decision(name, mode_key, mode_value, mode, enabled, tuple(reasons), per_step, combines)
 
     if mode is Mode.off:
         return decision(False, [f"switched off by {mode_key}={mode_value}"]), []
@@ -226,6 +229,9 @@ def _dependency_order(specs: Mapping[str, FeatureConfig]) -> list[str]:
 
     for name in specs:
         visit(name, [])
+        unknown = [c.feature for c in specs[name].combines if c.feature not in specs]
+        if unknown:
+            raise ConfigError(f"feature {name!r} states how it combines with unknown feature {unknown[0]!r}")
     return order
 
 

@@ -57,6 +57,7 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # each output token's logprob and the k most likely (k <= 20); None: none
 
     def __post_init__(self) -> None:
         try:
@@ -70,7 +71,7 @@ class SamplingParams:
         return EngineSamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            stop_strings=stop,
+            stop_strings=stop, logprobs=self.logprobs,
         )
 
 

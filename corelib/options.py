@@ -88,6 +88,9 @@ class EngineOptions:
     compile: bool  # torch.compile the decode layer
     timeout_s: float
     step_check: StepCheck
+    chunked_prefill: bool = False  # prompts fed in chunks under the token budget, in steps with decode rows
+    prefix_caching: bool = False  # full KV blocks shared by prompts that start alike
+    share_prompt_blocks: bool = False  # requests of one prompt (n > 1) share its KV blocks: no recurrent state
 
     @property
     def pipeline_depth(self) -> int:
@@ -96,8 +99,8 @@ class EngineOptions:
 
     @classmethod
     def from_startup(cls, config: CorelibConfig, plan: Plan, capabilities: Capabilities,
-                     provider: OpProvider | None = None) -> EngineOptions:
-        """``provider``: the backend's op provider (used when the fused_ops gate allows)."""
+                     provider: OpProvider | None = None, facts: Mapping[str, Any] | None = None) -> EngineOptions:
+        """``provider``: the backend's op provider (used when the fused_ops gate allows); ``facts``: the model's."""
         engine = config.engine
         async_handoff = plan.is_enabled("async_token_handoff")
         decision = plan.decisions.get("async_token_handoff")
@@ -113,11 +116,15 @@ class EngineOptions:
             staging=_staging(engine.transport, plan, capabilities),
             fused_ops=fused,
             pdl=plan.is_enabled("pdl") and bool(fused),
-            attention_reads_live_blocks_only="paged_decode_attention" in fused and provider is not None
+            attention_reads_live_blocks_only="paged_attention" in fused and provider is not None
             and provider.live_blocks_only,
             compile=engine.compile,
             timeout_s=engine.timeout_s,
             step_check=step_check,
+            chunked_prefill=plan.is_enabled("chunked_prefill"),
+            prefix_caching=plan.is_enabled("prefix_caching"),
+            share_prompt_blocks=facts is not None and bool(facts.get("paged_kv"))
+            and not facts.get("recurrent_state"),
         )
 
     @property

@@ -58,12 +58,21 @@ def summary_table(metrics: dict[str, Any]) -> Table:
         ("steps: sync / async path", f"{metrics['steps_sync']} / {metrics['steps_async']}"),
         ("decode steps: graph / eager", f"{metrics['graph_steps']} / {metrics['eager_steps']}"),
         ("preemptions", str(metrics["preemptions"])),
+        ("prefix cache: hit / looked-up prompt tokens", _prefix_cache(metrics)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     for reason, count in metrics["sync_step_reasons"].items():
         table.add_row(f"  synchronous steps: {reason}", str(count))
     return table
+
+
+def _prefix_cache(metrics: dict[str, Any]) -> str:
+    rate = metrics.get("prefix_cache_hit_rate")
+    if rate is None:
+        return "-"
+    return (f"{metrics['prefix_cache_hit_tokens']} / {metrics['prefix_cache_queried_tokens']} "
+            f"({rate * 100:.1f} %, {metrics['prefix_cache_evicted_blocks']} blocks evicted)")
 
 
 def _arrivals(metrics: dict[str, Any]) -> str:

@@ -66,11 +66,12 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     resolution = resolve_runtime(backend, config.backend, config.engine.timeout_s)
     check_memory(config, resolution.spec)
     messages.append(resolution.message)
-    plan = evaluate(config.features, raw, resolution.spec.capabilities.as_dict(), model_facts(config.model))
+    facts = model_facts(config.model)
+    plan = evaluate(config.features, raw, resolution.spec.capabilities.as_dict(), facts)
     from corelib.options import EngineOptions  # the engine package imports this module
 
     provider = backend.op_provider()
-    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider)
+    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider, facts)
     if options.fused_ops and provider is not None:
         rest = [op for op in OP_NAMES if op not in options.fused_ops]
         messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"

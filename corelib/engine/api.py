@@ -69,6 +69,7 @@ class Engine:
         self._owner: str | None = None
         self._backlog: dict[str, tuple[Seq, RequestOutput]] = {}  # finished, not yet returned to their caller
         self._live_ids: set[str] = set()
+        self._last_id = ""  # the id the latest _sequence gave out
         self.layout = EngineLayout.of(cfg)
         self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
         self.vocab_size = model_cfg.vocab_size
@@ -176,35 +177,73 @@ class Engine:
         """
         with self._driving("add_request"):
             self._check_open()
-            if request_id is not None and (not isinstance(request_id, str) or not request_id):
-                raise RequestError(f"request_id={request_id!r}: must be a non-empty str")
-            if request_id is not None and request_id in self._live_ids:
-                raise RequestError(f"request_id={request_id!r} is already in use by an unfinished request; "
-                                   "give each request its own id")
-            sampling = sampling or SamplingParams()
-            problem: RequestError | None = None
-            try:
-                prompt_token_ids = self.encode(prompt)
-            except RequestError as error:
-                prompt_token_ids, problem = [], error
-            number = next(self._ids)
-            if request_id is None:
-                request_id = str(number)
-                while request_id in self._live_ids:
-                    request_id = f"{number}-{next(self._ids)}"
-            seq = Seq(number, request_id, prompt_token_ids, sampling, multimodal=multimodal,
-                      arrival_time=time.perf_counter())
-            self._live_ids.add(request_id)
-            try:
-                if problem is not None:
-                    raise problem
-                config = self.startup.config
-                check_request(seq, config.model, self.vocab_size, config.engine.refuse_overlong)
-            except RequestError as error:
-                self.core.finish(seq, FinishReason.error, str(error))
-                return seq.request_id
-            self.core.add(seq)
-            return seq.request_id
+            seq = self._sequence(prompt, sampling or SamplingParams(), request_id, multimodal)
+            if seq is not None:
+                self.core.add(seq)
+            return self._last_id
+
+    def add_requests_sharing_prompt(
+        self,
+        prompt: Prompt,
+        samplings: Sequence[SamplingParams],
+        request_ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Queue one request per ``samplings`` entry on the same prompt (an API's ``n``), sharing its KV blocks.
+
+        The first request prefills the prompt; the others take its blocks once it has (each computes
+        only the prompt's last token, then samples on its own; a block one of them writes into is
+        copied first). Where the model keeps a recurrent state they run as separate requests. Each
+        request finishes, streams and aborts on its own; invalid ones finish at once with 'error'.
+        """
+        with self._driving("add_requests_sharing_prompt"):
+            self._check_open()
+            ids = list(request_ids) if request_ids is not None else [None] * len(samplings)
+            if len(ids) != len(samplings):
+                raise RequestError(f"{len(samplings)} sampling settings but {len(ids)} request ids")
+            if len({i for i in ids if i is not None}) != sum(1 for i in ids if i is not None):
+                raise RequestError("request_ids: give each request its own id")
+            encoded = self.encode(prompt) if isinstance(prompt, str) else prompt
+            group, out = [], []
+            for sampling, request_id in zip(samplings, ids, strict=True):
+                seq = self._sequence(encoded, sampling, request_id, False)
+                out.append(self._last_id)
+                if seq is not None:
+                    group.append(seq)
+            if group:
+                self.core.add_group(group)
+            return out
+
+    def _sequence(self, prompt: Prompt, sampling: SamplingParams, request_id: str | None,
+                  multimodal: bool) -> Seq | None:
+        """A checked sequence for the scheduler, or None when it was finished at once with the error."""
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise RequestError(f"request_id={request_id!r}: must be a non-empty str")
+        if request_id is not None and request_id in self._live_ids:
+            raise RequestError(f"request_id={request_id!r} is already in use by an unfinished request; "
+                               "give each request its own id")
+        problem: RequestError | None = None
+        try:
+            prompt_token_ids = self.encode(prompt)
+        except RequestError as error:
+            prompt_token_ids, problem = [], error
+        number = next(self._ids)
+        if request_id is None:
+            request_id = str(number)
+            while request_id in self._live_ids:
+                request_id = f"{number}-{next(self._ids)}"
+        seq = Seq(number, request_id, prompt_token_ids, sampling, multimodal=multimodal,
+                  arrival_time=time.perf_counter())
+        self._live_ids.add(request_id)
+        self._last_id = request_id
+        try:
+            if problem is not None:
+                raise problem
+            config = self.startup.config
+            check_request(seq, config.model, self.vocab_size, config.engine.refuse_overlong)
+        except RequestError as error:
+            self.core.finish(seq, FinishReason.error, str(error))
+            return None
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """End a request now (finish_reason 'abort'): its KV blocks go back, tokens in flight are dropped.
@@ -214,7 +253,7 @@ class Engine:
         """
         with self._driving("abort"):
             self._check_open()
-            for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            for seq in self.scheduler.unfinished():
                 if seq.request_id == request_id:
                     self.core.finish(seq, FinishReason.abort)
                     return True

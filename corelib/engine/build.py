@@ -21,6 +21,12 @@ from corelib.text import Tokenizer
 from corelib.transport.executor import Executor
 
 
+def model_identity(config: CorelibConfig) -> str:
+    """What a cached KV block's key depends on besides its tokens: every model setting (weights, shape,
+    dtype, RoPE), so blocks are never shared across models."""
+    return repr(config.model)
+
+
 def build_engine_core(
     config: CorelibConfig,
     options: EngineOptions,
@@ -33,12 +39,13 @@ def build_engine_core(
     engine, model = config.engine, config.model
     eos = frozenset({model.eos_token_id, *model.extra_eos_token_ids})
     scheduler = Scheduler(
-        SchedulerLimits(layout.rows, engine.max_num_batched_tokens, model.max_model_len),
-        BlockManager(layout.num_blocks, layout.block_size),
+        SchedulerLimits(layout.rows, engine.max_num_batched_tokens, model.max_model_len, options.chunked_prefill,
+                        options.share_prompt_blocks),
+        BlockManager(layout.num_blocks, layout.block_size, options.prefix_caching, model_identity(config)),
         num_states=layout.rows,
         stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None),
     )
-    builder = InputBuilder(layout.rows, layout.max_blocks, layout.block_size, layout.pad_state_index)
+    builder = InputBuilder(layout)
     return EngineCore(
         scheduler, builder, layout.buckets(options, graph_param_update), executor,
         StepPipeline(options.pipeline_depth), options.step_check, engine.timeout_s, engine.metrics_window,

@@ -40,6 +40,9 @@ class EngineStats:
     kv_blocks_free: int
     kv_blocks_total: int  # usable blocks (the null block is never handed out)
     num_preemptions: int
+    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, the tokens found there (not computed again)
+    prefix_cache_evicted_blocks: int = 0  # cached blocks handed out again, their prefix forgotten
     steps: tuple[StepRecord, ...] = ()  # completed since ``since_step`` (within the metrics window)
     device: Mapping[str, Any] = field(default_factory=dict)  # device busy/idle over those steps
 
@@ -89,6 +92,12 @@ class EngineCore:
         seq.sync_mask = self._step_check.facts_of(seq)
         self.scheduler.add(seq)
 
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Queue the requests of one prompt (an API's ``n``): they share its KV blocks once it is computed."""
+        for seq in seqs:
+            seq.sync_mask = self._step_check.facts_of(seq)
+        self.scheduler.add_group(seqs)
+
     # ------------------------------------------------------------------ finished requests
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """End ``seq`` now (its blocks and slot go back); its output is returned by the next ``take_finished``."""
@@ -114,13 +123,22 @@ class EngineCore:
         if since_step is not None:
             steps = tuple(self.metrics.steps_since(since_step))
             device = self.metrics.device_summary(since_step)
+        cache = blocks.stats
         return EngineStats(self.metrics.num_steps, len(self.scheduler.running), len(self.scheduler.waiting),
                            len(self.pipeline), blocks.num_free_blocks, blocks.num_blocks - 1,
-                           self.scheduler.num_preemptions, steps, device)
+                           self.scheduler.num_preemptions, cache.queried_tokens, cache.hit_tokens,
+                           cache.evicted_blocks, steps, device)
 
     def metrics_summary(self, wall_s: float) -> dict[str, Any]:
         pending = [*self.scheduler.running, *self.scheduler.waiting, *self._finished]
-        return self.metrics.summary(pending, wall_s)
+        cache = self.scheduler.blocks.stats
+        prefix = {
+            "prefix_cache_queried_tokens": cache.queried_tokens,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_hit_rate": cache.hit_rate if cache.queried_tokens else None,
+            "prefix_cache_evicted_blocks": cache.evicted_blocks,
+        }
+        return {**self.metrics.summary(pending, wall_s), **prefix}
 
     def memory_stats(self) -> list[MemoryStats]:
         return self.executor.memory_stats()
@@ -133,6 +151,8 @@ class EngineCore:
         with self.tracer.span("schedule", SCHEDULER_LANE):
             decision = self.scheduler.schedule(in_flight=bool(self.pipeline), sync_check=self._step_check.reasons)
         scheduled = clock() - started
+        if isinstance(decision, ScheduledStep) and not decision.seqs:
+            return True  # every row gave its blocks to another (preempted): the next decision admits again
         if isinstance(decision, ScheduledStep):
             if not self.pipeline.can_submit():
                 self._complete_oldest()
@@ -158,11 +178,11 @@ class EngineCore:
         started = time.perf_counter()
         step_id = self._next_step_id
         self._next_step_id += 1
+        kv_needed = blocks_for(max(step.seq_lens), self.builder.block_size)
         if step.kind is StepKind.decode:
-            kv_needed = blocks_for(max(step.positions) + 1, self.builder.block_size)
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
-            rows, kv = len(step.seqs), 0
+            rows, kv = len(step.seqs), kv_needed
         arenas = self.executor.arenas
         arena = arenas.acquire()
         try:
@@ -185,7 +205,7 @@ class EngineCore:
             self.tracer.step(result.handle, item.path)
         started = time.perf_counter()
         with self.tracer.span("postprocess", SCHEDULER_LANE):
-            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens))
+            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens, result.logprobs))
         host = HostTime(item.schedule_s * 1e6, item.pack_s * 1e6, (time.perf_counter() - started) * 1e6)
         self.metrics.record(result, item.path, item.step.sync_reasons, host)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corelib.engine.sequence import FinishReason, Sequence
+from corelib.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from corelib.rundir import RequestRecord
 
 
@@ -20,6 +20,7 @@ class RequestOutput:
     error: str | None = None
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when the request asked for them
 
     def record(self) -> RequestRecord:
         return RequestRecord(
@@ -44,5 +45,5 @@ def output_of(seq: Sequence, text: str | None) -> RequestOutput:
     reason = seq.finish_reason.value if seq.finish_reason is not None else FinishReason.cancelled.value
     return RequestOutput(
         seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), reason,
-        text, seq.error, ttft, tpot,
+        text, seq.error, ttft, tpot, None if seq.sampling.logprobs is None else list(seq.logprobs),
     )

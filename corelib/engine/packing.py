@@ -1,19 +1,23 @@
-"""Packing: a scheduled step written into one arena (layouts in :mod:`corelib.step.arena`).
+"""Packing: a scheduled step written into one arena (the step layout of :mod:`corelib.transport.wire`).
 
 Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
-tables, sampling settings, by state index) live in host tables updated only when they change, so packing a
-decode step is a few vector ops.
+tables, sampling settings, by state index) live in host tables updated only when they change, so
+packing a decode step is a few vector ops; a step with prompt chunks adds each row's tokens.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.ops.spec import SAMPLING_COLUMNS
-from corelib.step.arena import RELAY, ArenaLayout, decode_layout, prefill_layout
-from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
+from corelib.step.arena import RELAY
+from corelib.step.forward_input import ForwardInput
+from corelib.step.layout import EngineLayout
+from corelib.transport.wire import pad_rows
 
 
 class InputBuilder:
@@ -23,24 +27,18 @@ class InputBuilder:
     tables by state index, updated only when they change, so packing a decode step is a few vector ops.
     """
 
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_state_index: int) -> None:
-        self.max_rows = max_rows
-        self.max_blocks = max_blocks
-        self.block_size = block_size
-        self.pad_state_index = pad_state_index
-        self.decode = decode_layout(max_rows, max_blocks)
-        states = pad_state_index + 1
-        self.state_block_tables = torch.zeros((states, max_blocks), dtype=torch.int32)
+    def __init__(self, layout: EngineLayout) -> None:
+        self.layout = layout
+        self.max_rows = layout.rows
+        self.max_blocks = layout.max_blocks
+        self.block_size = layout.block_size
+        self.pad_state_index = layout.pad_state_index
+        self.decode = layout.decode_layout
+        states = self.pad_state_index + 1
+        self.state_block_tables = torch.zeros((states, self.max_blocks), dtype=torch.int32)
         # Sampling values by state index, one host table per column, refreshed when an index changes owner.
         self.state_sampling = {c.name: torch.full((states,), c.neutral, dtype=c.dtype) for c in SAMPLING_COLUMNS}
         self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * states  # seq_id, blocks_epoch, blocks written
-
-    def prefill_layout(self, step: ScheduledStep) -> ArenaLayout:
-        lengths = [seq.num_tokens for seq in step.seqs]
-        return prefill_layout(sum(lengths), len(lengths), max(lengths))
-
-    def _kv_slot(self, block_table: list[int], position: int) -> int:
-        return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _sync_state(self, seq: EngineSequence, index: int) -> None:
         """Bring the cached block table and sampling values of state ``index`` up to date with ``seq``."""
@@ -56,67 +54,70 @@ class InputBuilder:
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
 
     def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int) -> ForwardInput:
-        if step.kind is StepKind.decode:
-            return self._fill_decode(step_id, step, arena, bucket, kv_blocks)
-        return self._fill_prefill(step_id, step, arena)
-
-    def _fill_decode(
-        self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int
-    ) -> ForwardInput:
+        """Pack ``step`` into ``arena``: ``bucket`` rows computed (a decode step pads to its graph's), ``kv_blocks``
+        block-table columns."""
         n = len(step.seqs)
-        v = self.decode.views(arena)
+        num_tokens, longest = step.num_tokens, max(step.query_lens)
+        decode = longest == 1
+        layout = self.decode if decode else self.layout.step_layout(num_tokens)
+        v = layout.views(arena)
+        pad = self.pad_state_index
         indices: list[int] = []
-        ids: list[int] = []
-        for seq, position, relay in zip(step.seqs, step.positions, step.from_relay, strict=True):
-            index = seq.state_index if seq.state_index is not None else self.pad_state_index
+        for seq in step.seqs:
+            index = seq.state_index if seq.state_index is not None else pad
             self._sync_state(seq, index)
             indices.append(index)
-            ids.append(RELAY if relay else seq.token_at(position))
         index_t = torch.tensor(indices, dtype=torch.int64)
-        positions = torch.tensor(step.positions, dtype=torch.int64)
-        v["input_ids"][:n] = torch.tensor(ids, dtype=torch.int64)
-        v["positions"][:n] = positions
-        block = self.state_block_tables[index_t, positions // self.block_size].to(torch.int64)
-        v["slot_mapping"][:n] = block * self.block_size + positions % self.block_size
-        v["seq_lens"][:n] = positions + 1
+        seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)
+        if decode:
+            ids = [RELAY if relay else seq.token_at(p)
+                   for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)]
+            positions = seq_lens - 1
+            token_states = index_t
+        else:
+            ids = list(itertools.chain.from_iterable(
+                _row_tokens(seq, start, q, relay)
+                for seq, start, q, relay in zip(step.seqs, step.starts, step.query_lens, step.from_relay, strict=True)))
+            lengths = torch.tensor(step.query_lens, dtype=torch.int64)
+            token_states = index_t.repeat_interleave(lengths)
+            # Each token's position: its row's start plus its place in the row.
+            row_first = torch.cumsum(lengths, 0) - lengths
+            positions = torch.arange(num_tokens) - row_first.repeat_interleave(lengths) + \
+                torch.tensor(step.starts, dtype=torch.int64).repeat_interleave(lengths)
+            v["query_start"][0] = 0
+            v["query_start"][1 : n + 1] = torch.cumsum(lengths, 0)
+        v["input_ids"][:num_tokens] = torch.tensor(ids, dtype=torch.int64)
+        v["positions"][:num_tokens] = positions
+        block = self.state_block_tables[token_states, positions // self.block_size].to(torch.int64)
+        v["slot_mapping"][:num_tokens] = block * self.block_size + positions % self.block_size
+        v["seq_lens"][:n] = seq_lens
         v["state_indices"][:n] = index_t
+        v["sample_slots"][:n] = torch.where(torch.tensor(step.samples), index_t, pad)
         for name, table in self.state_sampling.items():
             v[name][:n] = table[index_t]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
-        if bucket > n:
-            pad_decode_rows(v, n, bucket, kv_blocks, self.pad_state_index)
+        copies = len(step.copies)
+        if copies:
+            v["copy_from"][:copies] = torch.tensor([source for source, _ in step.copies], dtype=torch.int64)
+            v["copy_to"][:copies] = torch.tensor([copy for _, copy in step.copies], dtype=torch.int64)
+        if decode and bucket > n:
+            pad_rows(v, n, bucket, kv_blocks, pad)
+        rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
-        return ForwardInput(step_id, StepKind.decode, n, bucket, kv_blocks, sample, self.decode, arena)
+        logprobs = any(s.sampling.logprobs is not None for s in step.seqs)
+        leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
+        return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
+                            leading)
 
-    def _fill_prefill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor) -> ForwardInput:
-        layout = self.prefill_layout(step)
-        v = layout.views(arena)
-        tokens: list[int] = []
-        kv_slots: list[int] = []
-        lengths = []
-        for seq in step.seqs:
-            ids = seq.all_token_ids()
-            tokens += ids
-            kv_slots += [self._kv_slot(seq.block_table, p) for p in range(len(ids))]
-            lengths.append(len(ids))
-        longest = max(lengths)
-        v["token_ids"].copy_(torch.tensor(tokens, dtype=torch.int64))
-        v["positions"].copy_(torch.cat([torch.arange(length) for length in lengths]))
-        v["slot_mapping"].copy_(torch.tensor(kv_slots, dtype=torch.int64))
-        length_t = torch.tensor(lengths, dtype=torch.int64)
-        ends = torch.cumsum(length_t, 0)
-        v["cu_seqlens"][0] = 0
-        v["cu_seqlens"][1:] = ends
-        starts = ends - length_t
-        columns = torch.arange(longest)
-        valid = columns[None, :] < length_t[:, None]
-        v["valid"].copy_(valid)
-        v["pad_index"].copy_(torch.where(valid, starts[:, None] + columns[None, :], 0))
-        v["last_index"].copy_(ends - 1)
-        pad = self.pad_state_index
-        v["state_indices"].copy_(torch.tensor([pad if s.state_index is None else s.state_index for s in step.seqs]))
-        for column in SAMPLING_COLUMNS:
-            values = [getattr(s.sampling, column.param) for s in step.seqs]
-            v[column.name].copy_(torch.tensor(values, dtype=column.dtype))
-        sample = any(s.sampling.temperature > 0 for s in step.seqs)
-        return ForwardInput(step_id, StepKind.prefill, len(lengths), len(lengths), 0, sample, layout, arena)
+
+def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:
+    """The input ids of a row's ``count`` tokens from position ``start`` (its last from the relay when ``relay``)."""
+    known = seq.num_tokens
+    prompt = seq.prompt_token_ids
+    end = start + count
+    ids = prompt[start:min(end, len(prompt))]
+    if end > len(prompt):
+        ids = ids + seq.output_token_ids[max(start - len(prompt), 0) : min(end, known) - len(prompt)]
+    if relay:
+        ids = [*ids[: count - 1], RELAY]
+    return ids

@@ -1,9 +1,23 @@
-"""Continuous batching: FIFO admission by free KV blocks, decode batches, preemption by recompute.
+"""Continuous batching: one ragged step of decode rows and prompt chunks, paged KV blocks, preemption by recompute.
 
-Pure Python: no tensors, no device. With async token handoff the scheduler runs one step
-ahead: a sequence may have sampled tokens the host has not seen (``num_pending``). Such a
-sequence's next input comes from the device relay, and a sequence that stops while a step
-is in flight has that step's token dropped and its blocks returned.
+Pure Python: no tensors, no device. Every sequence tracks the tokens whose KV is computed
+(``num_computed_tokens``); a step feeds each of its rows the next tokens after those, so a decode
+row feeds one token and a prompt row a whole prompt, or a chunk of it. With chunked prefill
+(``SchedulerLimits.chunked_prefill``) a step spends a token budget: the decode rows first, then
+chunks of the prompts in progress, then of waiting prompts; a row whose chunk does not reach its
+last token samples nothing. Without it a step is all prompts (whole, first in line) or all decode.
+
+Requests of one prompt (``add_group``: ``n`` choices) share its KV blocks: the first prefills the
+prompt; the step in which it samples its first token hands the others its blocks (counted once
+more each) and each recomputes only the prompt's last token, with its own sampling. A row that
+would write into a block another sequence holds gets a copy of it first (copy on write): the
+step copies the block on the device before its forward.
+
+With async token handoff the scheduler runs one step ahead: a sequence may have sampled tokens
+the host has not seen (``num_pending``). Such a sequence's next input comes from the device relay,
+and a sequence that stops while a step is in flight has that step's token dropped and its blocks
+returned. Only a row that samples makes a token pending, so the relay never feeds a row from a
+step that sampled nothing for it.
 """
 
 from __future__ import annotations
@@ -15,22 +29,42 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from corelib.engine.block_manager import BlockManager, blocks_for
-from corelib.engine.sequence import FinishReason, Sequence, Status
+from corelib.engine.sequence import MAX_LOGPROBS, FinishReason, Sequence, Status, TokenLogprobs
 from corelib.engine.stops import StopChecker
 from corelib.step.forward_input import StepKind
 
 
 @dataclass
 class ScheduledStep:
-    """The sequences of one forward step and what the host knew when it was scheduled."""
+    """The rows of one forward step and what the host knew when it was scheduled."""
 
-    kind: StepKind
     seqs: list[Sequence]
-    positions: list[int]  # decode: the position fed for each sequence
-    from_relay: list[bool]  # decode: the input token is still on the device
+    starts: list[int]  # each row's first position fed
+    query_lens: list[int]  # tokens each row feeds (1: a decode row)
+    samples: list[bool]  # the row samples a token: its tokens reach the last one it has
+    from_relay: list[bool]  # the row's last input token is still on the device
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks copied before the forward
     synchronous: bool = False  # the host waits for this step's tokens before the next one
     sync_reasons: list[str] = field(default_factory=list)
     num_preempted: int = 0
+
+    @property
+    def kind(self) -> StepKind:
+        return StepKind.decode if all(q == 1 for q in self.query_lens) else StepKind.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def positions(self) -> list[int]:
+        """Each row's last position fed (a decode row's one)."""
+        return [start + q - 1 for start, q in zip(self.starts, self.query_lens, strict=True)]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Each row's tokens in the KV cache once this step has run."""
+        return [start + q for start, q in zip(self.starts, self.query_lens, strict=True)]
 
 
 class NoStep(enum.Enum):
@@ -45,11 +79,19 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    chunked_prefill: bool = False  # prompts in chunks under the token budget, decode rows first
+    share_prompt_blocks: bool = False  # the requests of one prompt share its blocks (no recurrent state)
 
 
 SyncCheck = Callable[[list[Sequence]], list[str]]
 NONFINITE_ERROR = ("the model's logits were not finite (NaN or inf) for this request: check the weights and the "
                    "model.* values (rms_norm_eps, rope_theta)")
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    tokens: int  # the chunk this row feeds
 
 
 class Scheduler:
@@ -69,6 +111,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_state_indices: deque[int] = deque(range(num_states))
         self.num_preemptions = 0
+        self._forks: dict[int, list[Sequence]] = {}  # a prompt's first request -> the others, until it samples
+        self.num_forked = 0
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -76,53 +120,78 @@ class Scheduler:
         seq.ends = self.stops.facts_of(seq)  # once per request: the per-token check reads it
         self.waiting.append(seq)
 
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Requests of one prompt: the first prefills it, the others take its blocks once it has."""
+        first, *others = seqs
+        self.add(first)
+        if not others:
+            return
+        if not self.limits.share_prompt_blocks:
+            for seq in others:
+                self.add(seq)
+            return
+        for seq in others:
+            seq.status = Status.WAITING
+        self._forks[first.seq_id] = others
+
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
+
+    def unfinished(self) -> list[Sequence]:
+        """Every sequence not finished: running, waiting, and waiting for its prompt's first request."""
+        return [*self.running, *self.waiting, *(seq for group in self._forks.values() for seq in group)]
 
     def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | NoStep:
         """The next step, or why there is none."""
-        chosen = self._choose_prefill()
-        kind = StepKind.prefill if chosen else StepKind.decode
-        if not chosen:
-            chosen = [seq for seq in self.running if self._can_continue(seq)]
-        if not chosen:
+        if self.limits.chunked_prefill:
+            running = [seq for seq in self.running if self._can_continue(seq)]
+            decode = [seq for seq in running if seq.num_uncomputed_tokens == 1]
+            prompts = [seq for seq in running if seq.num_uncomputed_tokens > 1]
+            budget = self.limits.max_num_batched_tokens - len(decode)
+            admitted = self._choose_prompts(budget - sum(s.num_uncomputed_tokens for s in prompts), chunked=True)
+        else:
+            decode, prompts = [], []
+            admitted = self._choose_prompts(self.limits.max_num_batched_tokens, chunked=False)
+            if not admitted:
+                decode = [seq for seq in self.running if self._can_continue(seq)]
+        candidates = [*decode, *prompts, *(seq for seq, _ in admitted)]
+        if not candidates:
             return NoStep.drain if in_flight else NoStep.idle
-        reasons = sync_check(chosen)
-        if in_flight and (reasons or (kind is StepKind.decode and self._needs_preemption(chosen))):
+        reasons = sync_check(candidates)
+        if in_flight and (reasons or self._needs_preemption(decode)):
             return NoStep.drain
-        step = self._admit(chosen) if kind is StepKind.prefill else self._decode(chosen)
+        step = self._build(decode, prompts, admitted)
+        if not step.seqs and not step.num_preempted:
+            return NoStep.idle
         step.synchronous = bool(reasons)
         step.sync_reasons = reasons
         return step
 
-    def _choose_prefill(self) -> list[Sequence]:
-        chosen: list[Sequence] = []
-        tokens = blocks = 0
+    def _choose_prompts(self, budget: int, chunked: bool) -> list[tuple[Sequence, int]]:
+        """Waiting sequences to admit, first in line, with the tokens each feeds now."""
+        chosen: list[tuple[Sequence, int]] = []
+        blocks = 0
         for seq in self.waiting:
             if len(self.running) + len(chosen) >= self.limits.max_num_seqs:
                 break
             if len(chosen) >= len(self._free_state_indices):
                 break
-            if chosen and tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
+            cached = self.blocks.cached_prefix_tokens(seq)
+            tokens = seq.num_tokens - cached
+            if chunked:
+                tokens = min(tokens, budget)
+            elif chosen and tokens > budget:
                 break
-            need = blocks_for(seq.num_tokens, self.blocks.block_size)
+            if tokens <= 0:
+                break
+            need = blocks_for(cached + tokens, self.blocks.block_size)  # cached blocks may be free ones too
             if blocks + need > self.blocks.num_free_blocks:
                 break
-            chosen.append(seq)
-            tokens += seq.num_tokens
+            chosen.append((seq, tokens))
+            budget -= tokens
             blocks += need
         return chosen
-
-    def _admit(self, seqs: list[Sequence]) -> ScheduledStep:
-        for seq in seqs:
-            self.waiting.remove(seq)
-            self.blocks.allocate(seq, seq.num_tokens)
-            seq.state_index = self._free_state_indices.popleft()
-            seq.status = Status.RUNNING
-            seq.num_pending += 1
-            self.running.append(seq)
-        return ScheduledStep(StepKind.prefill, list(seqs), [], [])
 
     def _can_continue(self, seq: Sequence) -> bool:
         scheduled = len(seq.output_token_ids) + seq.num_pending  # outputs once every step in flight is read
@@ -132,48 +201,138 @@ class Scheduler:
             and seq.num_prompt_tokens + scheduled < self.limits.max_model_len
         )
 
-    def _needs_preemption(self, seqs: list[Sequence]) -> bool:
+    def _needs_preemption(self, decode: list[Sequence]) -> bool:
         free = self.blocks.num_free_blocks
-        if free >= len(seqs):
-            # A decode step adds one token per sequence, and every earlier step reserved its own
-            # blocks: no sequence misses more than one block, so there are enough.
+        if free >= len(decode):
+            # A decode row takes at most one block (its token's slot, or a copy of the shared block it
+            # writes into), and every earlier step reserved its own: there are enough.
             return False
-        size = self.blocks.block_size
-        missing = 0
-        for seq in seqs:
-            have = len(seq.block_table) * size
-            need = seq.num_scheduled_tokens
-            if need > have:
-                missing += -(-(need - have) // size)
+        missing = sum(self._blocks_wanted(seq) for seq in decode)
         return missing > free
 
-    def _decode(self, candidates: list[Sequence]) -> ScheduledStep:
-        scheduled: list[Sequence] = []
-        positions: list[int] = []
-        from_relay: list[bool] = []
+    def _blocks_wanted(self, seq: Sequence) -> int:
+        """Blocks a decode row takes from the pool: for its token's slot, and for a copy of a shared block."""
+        copy = self.blocks.writes_shared_block(seq, seq.num_computed_tokens)
+        return self.blocks.num_missing(seq, seq.num_scheduled_tokens) + int(copy)
+
+    def _build(self, decode: list[Sequence], prompts: list[Sequence],
+               admitted: list[tuple[Sequence, int]]) -> ScheduledStep:
+        copies: list[tuple[int, int]] = []
+        rows, preempted = self._grow_decode_rows(decode, copies)
+        budget = self.limits.max_num_batched_tokens - len(rows)
+        for seq in prompts:  # prompts in progress, in the order they were admitted
+            if seq.status is not Status.RUNNING:
+                continue  # preempted above to make room for a decode row
+            tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            if tokens:
+                rows.append(_Row(seq, tokens))
+                budget -= tokens
+        for seq, planned in admitted:
+            if seq.status is not Status.WAITING or seq not in self.waiting:
+                continue
+            tokens = self._admit(seq, planned)
+            if not tokens:
+                break
+            rows.append(_Row(seq, tokens))
+        return self._step(rows, preempted, copies)
+
+    def _grow_decode_rows(self, decode: list[Sequence], copies: list[tuple[int, int]]) -> tuple[list[_Row], int]:
+        rows: list[_Row] = []
         preempted = 0
-        size = self.blocks.block_size
-        queue = deque(candidates)
+        blocks, size = self.blocks, self.blocks.block_size
+        queue = deque(decode)
         while queue:
             seq = queue.popleft()
-            pending = seq.num_pending
-            need = seq.num_prompt_tokens + len(seq.output_token_ids) + pending  # the fed token needs its KV slot
-            if need > len(seq.block_table) * size:
-                while not self.blocks.can_append(seq, need):
-                    victim = queue.pop() if queue else seq
+            need = seq.num_scheduled_tokens  # the token fed this step needs its KV slot
+            shared = blocks.writes_shared_block(seq, seq.num_computed_tokens)
+            if shared or need > len(seq.block_table) * size:  # most rows of most steps have their slot
+                while self._blocks_wanted(seq) > blocks.num_free_blocks:
+                    victim = queue.pop() if queue else self._latest_other(seq)
                     self._preempt(victim)
                     preempted += 1
                     if victim is seq:
                         break
-                else:
-                    self.blocks.append(seq, need)
                 if seq.status is not Status.RUNNING:
                     continue
-            scheduled.append(seq)
-            positions.append(need - 1)
-            from_relay.append(pending > 0)
-            seq.num_pending = pending + 1
-        return ScheduledStep(StepKind.decode, scheduled, positions, from_relay, num_preempted=preempted)
+                if shared:
+                    copies.append(blocks.copy_on_write(seq, seq.num_computed_tokens))
+                blocks.append(seq, need)
+            rows.append(_Row(seq, 1))
+        return rows, preempted
+
+    def _latest_other(self, seq: Sequence) -> Sequence:
+        """The victim once no later decode row is left: the latest prompt in progress, else ``seq`` itself."""
+        for other in reversed(self.running):
+            if other is not seq and other.num_uncomputed_tokens > 1 and not other.num_pending:
+                return other
+        return seq
+
+    def _fit_chunk(self, seq: Sequence, tokens: int) -> int:
+        """Grow ``seq``'s blocks for a chunk of up to ``tokens``; the chunk the free blocks allow."""
+        if tokens <= 0:
+            return 0
+        size = self.blocks.block_size
+        have = len(seq.block_table) * size + self.blocks.num_free_blocks * size
+        tokens = min(tokens, have - seq.num_computed_tokens)
+        if tokens <= 0:
+            return 0
+        self.blocks.append(seq, seq.num_computed_tokens + tokens)
+        return tokens
+
+    def _admit(self, seq: Sequence, planned: int) -> int:
+        """Start ``seq``: its cached prefix, then blocks for its first tokens (``planned`` of them when
+        chunked, else the rest of them); returns the tokens it feeds now (0: it does not fit)."""
+        if not self._free_state_indices:
+            return 0
+        cached = self.blocks.allocate_prefix(seq)
+        tokens = seq.num_tokens - cached
+        if self.limits.chunked_prefill:
+            tokens = min(tokens, planned)
+        if not self.blocks.can_append(seq, cached + tokens):
+            self.blocks.free(seq)
+            return 0
+        self.waiting.remove(seq)
+        self.blocks.append(seq, cached + tokens)
+        self.blocks.count_lookup(seq, cached)
+        seq.state_index = self._free_state_indices.popleft()
+        seq.status = Status.RUNNING
+        seq.num_computed_tokens = cached
+        self.running.append(seq)
+        return tokens
+
+    def _step(self, rows: list[_Row], preempted: int, copies: list[tuple[int, int]]) -> ScheduledStep:
+        step = ScheduledStep([], [], [], [], [], copies, num_preempted=preempted)
+        for row in rows:
+            seq = row.seq
+            start = seq.num_computed_tokens
+            samples = start + row.tokens == seq.num_scheduled_tokens
+            step.seqs.append(seq)
+            step.starts.append(start)
+            step.query_lens.append(row.tokens)
+            step.samples.append(samples)
+            step.from_relay.append(samples and seq.num_pending > 0)
+            seq.num_computed_tokens = start + row.tokens
+            self.blocks.register(seq, seq.num_computed_tokens)
+            if samples:
+                if seq.seq_id in self._forks and not seq.output_token_ids and not seq.num_pending:
+                    self._fork(seq, self._forks.pop(seq.seq_id))
+                seq.num_pending += 1
+        return step
+
+    def _fork(self, first: Sequence, others: list[Sequence]) -> None:
+        """``first`` has its prompt's KV (this step writes its last): the others take its blocks and recompute
+        only the prompt's last token; one that finds no room waits and prefills on its own."""
+        shared = len(first.prompt_token_ids) - 1
+        for seq in others:
+            if len(self.running) >= self.limits.max_num_seqs or not self._free_state_indices:
+                self.add(seq)
+                continue
+            self.blocks.share(first, seq, shared)
+            seq.state_index = self._free_state_indices.popleft()
+            seq.status = Status.RUNNING
+            seq.num_computed_tokens = shared
+            self.running.append(seq)
+            self.num_forked += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks and put the sequence first in line."""
@@ -183,16 +342,21 @@ class Scheduler:
         self._release_state_index(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ results
-    def postprocess(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Sequence]:
-        """Take one step's sampled tokens; returns the sequences that finished."""
+    def postprocess(self, step: ScheduledStep, tokens: Iterable[int],
+                    logprobs: list[list[float]] | None = None) -> list[Sequence]:
+        """Take one step's sampled tokens (one per row; a row that sampled nothing has its token
+        ignored) and, from a step that computed them, each row's logprobs; returns the sequences that finished."""
         now = time.perf_counter()
         finished: list[Sequence] = []
         may_stop, stop_reason, done = self.stops.may_stop, self.stops.stop_reason, Status.FINISHED
-        for seq, token in zip(step.seqs, tokens, strict=True):
+        for row, (seq, samples, token) in enumerate(zip(step.seqs, step.samples, tokens, strict=True)):
+            if not samples:
+                continue  # a chunk short of the prompt's end: its row's token means nothing
             seq.num_pending -= 1
             if seq.status is done:
                 continue  # a token sampled after the stop, while the stop was not yet known
@@ -201,6 +365,8 @@ class Scheduler:
                 finished.append(seq)
                 continue
             seq.output_token_ids.append(token)
+            if seq.sampling.logprobs is not None and logprobs is not None:
+                seq.logprobs.append(_token_logprobs(token, logprobs[row], seq.sampling.logprobs))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if not may_stop(seq, token):
@@ -223,10 +389,18 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            for first, group in list(self._forks.items()):
+                if seq in group:
+                    group.remove(seq)
+                    if not group:
+                        del self._forks[first]
+        for other in self._forks.pop(seq.seq_id, []):  # ended before it could share its prompt
+            self.add(other)
 
     def abort_all(self, reason: FinishReason, error: str | None = None) -> list[Sequence]:
         """Finish every unfinished sequence (shutdown or a fatal device error)."""
-        victims = [*self.running, *self.waiting]
+        victims = self.unfinished()
         for seq in victims:
             self.finish(seq, reason, error=error)
         return victims
@@ -235,3 +409,9 @@ class Scheduler:
         if seq.state_index is not None:
             self._free_state_indices.append(seq.state_index)
             seq.state_index = None
+
+
+def _token_logprobs(token: int, row: list[float], count: int) -> TokenLogprobs:
+    """A row of the device's logprobs (the token's, then the top values, then their ids) as ``count`` alternatives."""
+    top = [(int(row[1 + MAX_LOGPROBS + i]), row[1 + i]) for i in range(count)]
+    return TokenLogprobs(token, row[0], tuple(top))

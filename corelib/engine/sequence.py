@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from corelib.errors import RequestError
 
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs bound)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop_strings: tuple[str, ...] = ()  # checked on the host; such steps run synchronously
+    logprobs: int | None = None  # None: none; k: each output token's log-probability and the k most likely
 
     def validate(self, vocab_size: int) -> None:
         """Raise a RequestError naming the first invalid field."""
@@ -41,10 +44,15 @@ class SamplingParams:
             raise RequestError(f"sampling.stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if "" in self.stop_strings:
             raise RequestError("sampling.stop_strings: an empty string would stop every request at its first token")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"sampling.logprobs={self.logprobs}: must be in [0, {MAX_LOGPROBS}] or None")
 
     def _check_types(self) -> None:
         # Python callers are not type-checked: a float max_tokens or a str temperature would
         # otherwise fail deep inside, or quietly round.
+        if self.logprobs is not None and (not isinstance(self.logprobs, numbers.Integral)
+                                          or isinstance(self.logprobs, bool)):
+            raise RequestError(f"sampling.logprobs={self.logprobs!r}: must be an integer or None")
         for name in ("max_tokens", "top_k", "seed"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -60,6 +68,15 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise RequestError(f"sampling.stop_token_ids={ids!r}: token ids must be integers")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability under the logits it was sampled from, and the most likely ones."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 class Status(enum.Enum):
@@ -103,6 +120,13 @@ class Sequence:
     blocks_epoch: int = 0
     # Tokens sampled on the device whose values the host has not seen yet (async handoff).
     num_pending: int = 0
+    # Tokens whose keys and values are in the KV cache once every submitted step has run: a prompt
+    # is fed in chunks from here (a prefix found in the cache starts it past 0), a decode row feeds one.
+    num_computed_tokens: int = 0
+    # Prefix caching: the chained keys of the full blocks of its tokens (fixed by the tokens), and how
+    # many blocks of its table are keyed in the cache.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
     state_index: int | None = None  # the token relay's and the recurrent state's row (KV slots are per token)
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -116,6 +140,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)  # a prompt never changes
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when asked for
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +151,11 @@ class Sequence:
     def num_scheduled_tokens(self) -> int:
         """Tokens that exist once every submitted step has finished."""
         return self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed before the next sample: 1 for a decoding sequence, more within its prompt."""
+        return self.num_scheduled_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

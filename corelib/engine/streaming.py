@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from corelib.engine.sequence import Sequence
+from corelib.engine.sequence import Sequence, TokenLogprobs
 from corelib.text import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ class TokenDelta:
     token_ids: list[int]
     text: str  # '' without a tokenizer
     output: RequestOutput | None = None  # set on a request's last delta
+    logprobs: list[TokenLogprobs] | None = None  # of token_ids, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:
@@ -80,15 +81,21 @@ class DeltaTracker:
             new = seq.output_token_ids[sent:]
             self._sent[seq.seq_id] = len(seq.output_token_ids)
             state = self._state(seq)
-            deltas.append(TokenDelta(seq.request_id, new, state.push(new) if state else ""))
+            deltas.append(TokenDelta(seq.request_id, new, state.push(new) if state else "", None,
+                                     _logprobs(seq, sent)))
         return deltas
 
     def finished(self, done: Iterable[tuple[Sequence, RequestOutput]]) -> list[TokenDelta]:
         deltas = []
         for seq, output in done:
-            new = output.output_token_ids[self._sent.pop(seq.seq_id, 0) :]
+            sent = self._sent.pop(seq.seq_id, 0)
+            new = output.output_token_ids[sent:]
             state = self._state(seq)
             self._text.pop(seq.seq_id, None)
             text = state.finish(output.text or "") if state is not None else ""
-            deltas.append(TokenDelta(seq.request_id, new, text, output))
+            deltas.append(TokenDelta(seq.request_id, new, text, output, _logprobs(seq, sent)))
         return deltas
+
+
+def _logprobs(seq: Sequence, sent: int) -> list[TokenLogprobs] | None:
+    return None if seq.sampling.logprobs is None else seq.logprobs[sent:]

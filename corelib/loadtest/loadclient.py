@@ -22,6 +22,8 @@ from corelib.loadtest.sse_client import ResponseError, SseClient
 
 TPOT_HISTOGRAM = "corelib_time_per_output_token_seconds"
 ENGINE_RSS = "corelib_engine_process_resident_memory_bytes"  # when the engine runs in a process of its own
+PREFIX_QUERIED = "corelib_prefix_cache_queried_tokens"
+PREFIX_HITS = "corelib_prefix_cache_hit_tokens"
 
 
 @dataclass
@@ -113,7 +115,7 @@ class Client:
         response.raise_for_status()
         wanted = {"corelib_kv_blocks_free", "corelib_kv_blocks_total", "corelib_requests_running",
                   "corelib_requests_waiting", "process_resident_memory_bytes", ENGINE_RSS, f"{TPOT_HISTOGRAM}_sum",
-                  f"{TPOT_HISTOGRAM}_count"}
+                  f"{TPOT_HISTOGRAM}_count", PREFIX_QUERIED, PREFIX_HITS}
         figures: dict[str, float] = {}
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:

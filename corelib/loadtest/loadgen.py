@@ -12,6 +12,12 @@ the engine's own TPOT beside the clients'.
 Throughput counts completed requests over the span from the first send to the last answer;
 TTFT is send to first text, TPOT the time after the first text per remaining token
 (:mod:`corelib.loadtest.loadclient`).
+
+Two workload shapes the engine's scheduling is measured by: a shared prefix (every random prompt
+starts with the same ``shared_prefix_len`` tokens, a system prompt, so prefix caching can reuse
+its KV blocks; the point reports the server's prefix-cache hit rate), and mixed traffic
+(``decoders`` requests keep decoding while the point's prompts arrive; their inter-token times
+are reported apart, so a prompt that stalls the decoders shows as a long p99).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from rich.table import Table
 
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
-from corelib.loadtest.loadclient import ENGINE_RSS, TPOT_HISTOGRAM, Client, Outcome
+from corelib.loadtest.loadclient import ENGINE_RSS, PREFIX_HITS, PREFIX_QUERIED, TPOT_HISTOGRAM, Client, Outcome
 from corelib.rundir import RunDir
 
 Prompt = str | list[int]
@@ -67,6 +73,12 @@ class Point:
     # The engine's own TPOT of the requests that finished during the point (the server's
     # /metrics): what the clients saw beyond it is the server's doing.
     engine_tpot_ms_mean: float | None = None
+    # Mixed traffic: the time between two tokens of the requests kept decoding meanwhile.
+    decoder_itl_ms_p50: float | None = None
+    decoder_itl_ms_p99: float | None = None
+    decoder_tokens: int = 0
+    # The server's prefix-cache hit rate over the point (prompt tokens found / looked up).
+    prefix_cache_hit_rate: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -90,6 +102,11 @@ class Load:
         self.rng = random.Random(spec.seed)
         self.prompts = _read_dataset(Path(spec.dataset)) if spec.dataset else None
         self._cycle: Iterator[Prompt] | None = itertools.cycle(self.prompts) if self.prompts else None
+        prefix = random.Random(spec.seed + 1)  # the same system prompt whatever the load's own draws
+        if spec.endpoint is Endpoint.chat:
+            self.prefix: Prompt = " ".join(prefix.choice(WORDS) for _ in range(spec.shared_prefix_len))
+        else:
+            self.prefix = [prefix.randrange(2, 256) for _ in range(spec.shared_prefix_len)]
 
     def next_request(self) -> tuple[dict[str, object], int | None]:
         """A payload and, for a client that will hang up, after how many text chunks."""
@@ -109,10 +126,26 @@ class Load:
             payload["prompt"] = prompt
         return payload, hang_up
 
-    def _random_prompt(self) -> Prompt:
+    def _random_prompt(self, length: int | None = None, shared: bool = True) -> Prompt:
+        count = self.spec.prompt_len if length is None else length
         if self.spec.endpoint is Endpoint.chat:
-            return " ".join(self.rng.choice(WORDS) for _ in range(self.spec.prompt_len))
-        return [self.rng.randrange(2, 256) for _ in range(self.spec.prompt_len)]  # inside any real vocabulary
+            text = " ".join(self.rng.choice(WORDS) for _ in range(count))
+            prefix = self.prefix if shared and isinstance(self.prefix, str) else ""
+            return f"{prefix} {text}" if prefix else text
+        ids = [self.rng.randrange(2, 256) for _ in range(count)]  # inside any real vocabulary
+        return [*self.prefix, *ids] if shared and isinstance(self.prefix, list) else ids
+
+    def decoder_request(self) -> dict[str, object]:
+        """A request kept decoding while a point's load arrives (mixed traffic)."""
+        spec = self.spec
+        payload, _ = self.next_request()
+        prompt = self._random_prompt(spec.decoder_prompt_len, shared=False)
+        if spec.endpoint is Endpoint.chat:
+            payload["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            payload["prompt"] = prompt
+        payload["max_tokens"] = spec.decoder_output_len
+        return payload
 
 
 def _read_dataset(path: Path) -> list[Prompt]:
@@ -148,6 +181,15 @@ async def _run_point(client: Client, load: Load, mode: str, level: float) -> Poi
         outcomes.append(await client.request(payload, hang_up))
 
     engine_before = await _engine_tpot(client)
+    cache_before = await _prefix_cache(client)
+    stop = asyncio.Event()
+    started = [asyncio.Event() for _ in range(spec.decoders)]
+    gaps: list[float] = []
+    decoders = [asyncio.create_task(_decode_until(client, load, stop, ready, gaps)) for ready in started]
+    if decoders:  # the load arrives once every decoder streams
+        await asyncio.wait_for(asyncio.gather(*(ready.wait() for ready in started)), spec.timeout_s)
+        start = time.perf_counter()
+        gaps.clear()
     sent = 0
     if mode == "rate":
         tasks: list[asyncio.Task[None]] = []
@@ -167,10 +209,51 @@ async def _run_point(client: Client, load: Load, mode: str, level: float) -> Poi
 
         await asyncio.gather(*(worker() for _ in range(int(level))))
     point = _summarize(mode, level, outcomes, time.perf_counter() - start)
+    stop.set()
+    await asyncio.gather(*decoders)
+    point.decoder_tokens = len(gaps)
+    point.decoder_itl_ms_p50 = percentile([g * 1e3 for g in gaps], 50)
+    point.decoder_itl_ms_p99 = percentile([g * 1e3 for g in gaps], 99)
+    cache_after = await _prefix_cache(client)
+    if cache_before is not None and cache_after is not None and cache_after[0] > cache_before[0]:
+        point.prefix_cache_hit_rate = (cache_after[1] - cache_before[1]) / (cache_after[0] - cache_before[0])
     engine_after = await _engine_tpot(client)
     if engine_before is not None and engine_after is not None and engine_after[1] > engine_before[1]:
         point.engine_tpot_ms_mean = (engine_after[0] - engine_before[0]) * 1e3 / (engine_after[1] - engine_before[1])
     return point
+
+
+async def _decode_until(client: Client, load: Load, stop: asyncio.Event, ready: asyncio.Event,
+                        gaps: list[float]) -> None:
+    """Keep one request decoding until ``stop``: ask again when one ends; every gap between two of its
+    text pieces goes to ``gaps``."""
+    while not stop.is_set():
+        last: float | None = None
+        async with client.sse.post(client.path, load.decoder_request()) as response:
+            if response.status != 200:
+                raise CorelibError(f"a decoder's request was answered {response.status}: "
+                                   f"{(await response.read()).decode(errors='replace')[:200]}")
+            async for data in response.events():
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    ready.set()
+                if stop.is_set():
+                    return  # leaving the block hangs up
+
+
+async def _prefix_cache(client: Client) -> tuple[float, float] | None:
+    """(prompt tokens looked up, found) in the server's prefix cache so far; None if /metrics cannot be read."""
+    try:
+        figures = await client.metrics()
+    except httpx.HTTPError:
+        return None
+    return figures.get(PREFIX_QUERIED, 0.0), figures.get(PREFIX_HITS, 0.0)
 
 
 async def _engine_tpot(client: Client) -> tuple[float, float] | None:
@@ -269,19 +352,26 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
 
 def table(result: dict[str, object]) -> Table:
     out = Table(title=f"bench-serve {result['url']} ({result['endpoint']}, {result['model']})")
-    for column in ("load", "requests", "ok", "hung up", "refused", "lost", "dup", "req/s", "out tok/s",
-                   "TTFT ms p50/p99", "TPOT ms p50/p99", "TPOT mean: clients/engine ms"):
-        out.add_column(column, justify="right")
     points = result["points"]
     assert isinstance(points, list)
+    mixed = any(p["decoder_tokens"] for p in points)
+    cached = any(p["prefix_cache_hit_rate"] is not None for p in points)
+    for column in ("load", "requests", "ok", "hung up", "refused", "lost", "dup", "req/s", "out tok/s",
+                   "TTFT ms p50/p99", "TPOT ms p50/p99", "TPOT mean: clients/engine ms",
+                   *(["decoders' inter-token ms p50/p99"] if mixed else []), *(["prefix hits"] if cached else [])):
+        out.add_column(column, justify="right")
     for p in points:
+        extra = [f"{_ms(p['decoder_itl_ms_p50'], 2)}/{_ms(p['decoder_itl_ms_p99'], 2)}"] if mixed else []
+        if cached:
+            rate = p["prefix_cache_hit_rate"]
+            extra.append("-" if rate is None else f"{rate * 100:.1f} %")
         unit = "req/s" if p["mode"] == "rate" else "clients"
         out.add_row(
             f"{p['load']:g} {unit}", str(p["requests"]), str(p["completed"]), str(p["disconnected"]),
             str(p["refused"]), str(p["lost"]), str(p["duplicated"]), f"{p['requests_per_s']:.2f}",
             f"{p['output_tokens_per_s']:.1f}",
             f"{_ms(p['ttft_ms_p50'])}/{_ms(p['ttft_ms_p99'])}", f"{_ms(p['tpot_ms_p50'])}/{_ms(p['tpot_ms_p99'])}",
-            f"{_ms(p['tpot_ms_mean'], 3)}/{_ms(p['engine_tpot_ms_mean'], 3)}",
+            f"{_ms(p['tpot_ms_mean'], 3)}/{_ms(p['engine_tpot_ms_mean'], 3)}", *extra,
         )
     return out
 

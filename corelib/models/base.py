@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from corelib.device import Device
-from corelib.ops import Ops, PagedAttention, VarlenAttention
+from corelib.ops import Ops, PagedAttention
 
 
 @dataclass(frozen=True)
@@ -38,26 +38,27 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """One new token per sequence. All tensors on the device, [B] unless noted."""
+class StepBatch:
+    """One step: T tokens of B rows, each row's tokens the next of its sequence. All on the device.
 
-    input_ids: torch.Tensor  # int64, the relay already resolved
-    positions: torch.Tensor  # int64
-    slot_mapping: torch.Tensor  # int64: KV slot of the new token
-    attention: PagedAttention  # block tables [B, W] and sequence lengths
-    state_indices: torch.Tensor  # int64: each sequence's state index (token relay, recurrent state)
+    A decode step has one token per row (T = B, token i is row i's, graph-safe); a step of prompt
+    chunks has more. Each row's keys and values are written before its attention reads the cache.
+    """
 
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """Whole prompts, packed flat: T tokens of n sequences."""
-
-    token_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] int64, the relay already resolved
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    attention: VarlenAttention  # cu_seqlens [n+1] and the padded grid
-    last_index: torch.Tensor  # [n] int64: each sequence's last token in the flat order
-    state_indices: torch.Tensor  # [n] int64
+    slot_mapping: torch.Tensor  # [T] int64: KV slot of each token
+    attention: PagedAttention  # block tables [B, W], sequence lengths, each row's query tokens
+    state_indices: torch.Tensor  # [B] int64: each row's state index (token relay, recurrent state)
+    last_index: torch.Tensor | None = None  # [B] int64: each row's last token (None: token i, a decode step)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.last_index is None
+
+    def last_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, ...]: each row's last token, the one whose logits it samples from."""
+        return x if self.last_index is None else x[self.last_index]
 
 
 class ModelState:
@@ -79,13 +80,14 @@ class Model(Protocol):
         (``num_states`` state indices, plus one for padded rows)."""
         ...
 
-    def prefill(self, batch: PrefillBatch, state: ModelState, ops: Ops) -> torch.Tensor:
-        """Write the prompts' KV into ``state``; return the last token's logits [n, V] float32 (or this
-        rank's block of them, as ``decode`` says)."""
+    def copy_blocks(self, state: ModelState, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy KV blocks ``source`` [C] onto ``target`` [C] in every layer (copy on write of a shared
+        block); a model without a paged cache has nothing to copy."""
         ...
 
-    def decode(self, batch: DecodeBatch, state: ModelState, ops: Ops) -> torch.Tensor:
-        """Write each new token's KV into ``state``; return logits [B, V] float32. Graph-safe.
+    def forward(self, batch: StepBatch, state: ModelState, ops: Ops) -> torch.Tensor:
+        """Write the step's keys and values into ``state``, then attend; return each row's last-token
+        logits [B, V] float32. Graph-safe when ``batch.is_decode``.
 
         Under tensor parallelism a model may return one rank's block of the vocabulary instead
         ([B, per_rank], from a vocabulary-parallel LM head); it then says which block in a

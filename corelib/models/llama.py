@@ -7,13 +7,16 @@ q/k RMSNorm) and Phi-3 (fused checkpoint tensors) are flags of the same code
 (``corelib.models.registry`` sets them per architecture).
 
 Everything a backend may accelerate goes through ``corelib.ops``: the projections (``linear``),
-RMSNorm with the residual add fused, RoPE with the KV-cache write, paged decode and prefill
-attention, SiLU-and-multiply. A decode step on one device runs each layer as five ops, each of
-which a provider may run as one kernel: norm + qkv + RoPE + KV write, the attention,
+RMSNorm with the residual add fused, RoPE with the KV-cache write, paged attention (one query
+per row or many), SiLU-and-multiply. One forward serves every step, decode rows and prompt
+chunks alike: a layer writes the step's keys and values into the paged cache, then each token
+attends over its row's cached keys up to its own position. On one device a layer is five ops,
+each of which a provider may run as one kernel: norm + qkv + RoPE + KV write, the attention,
 o-projection + residual, norm + gate/up + SiLU-and-multiply, down projection + residual; the
-final norm and the LM head are one more. Prefill, tensor parallelism (an all-reduce sits
-between each projection and its residual add) and per-head q/k norms run the ops one by one,
-the residual stream carried as (pending, h): each layer's output is added by the next RMSNorm.
+final norm and the LM head (over each row's last token) are one more. Tensor parallelism (an
+all-reduce sits between each projection and its residual add) and per-head q/k norms run the ops
+one by one, the residual stream carried as (pending, h): each layer's output is added by the
+next RMSNorm.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from corelib.device import Device
 from corelib.errors import ConfigError
-from corelib.models.base import DecodeBatch, ModelFacts, ModelState, PrefillBatch
+from corelib.models.base import ModelFacts, ModelState, StepBatch
 from corelib.models.rope import inv_freq
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import VocabShard
@@ -166,24 +169,24 @@ def mlp(layer: LayerWeights, x: torch.Tensor, ops: Ops) -> torch.Tensor:
     return ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
 
 
-def fused_decode_layer(
-    layer: LayerWeights, shape: ModelShape, h: torch.Tensor, batch: DecodeBatch, k_cache: torch.Tensor,
+def fused_layer(
+    layer: LayerWeights, shape: ModelShape, h: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
     v_cache: torch.Tensor, cos_sin: torch.Tensor, ops: Ops,
 ) -> torch.Tensor:
-    """One decoder layer on one device as five ops: the residual stream h [B, H] in, the next one out."""
-    eps, batch_size = shape.rms_norm_eps, h.shape[0]
+    """One decoder layer on one device as five ops: the residual stream h [T, H] in, the next one out."""
+    eps, tokens = shape.rms_norm_eps, h.shape[0]
     q = ops.norm_qkv_rope_kv_write(h, layer.input_norm, eps, layer.qkv, layer.qkv_bias, batch.positions, cos_sin,
-                                   k_cache, v_cache, batch.slot_mapping)  # [B, nh, hd]
-    attn = ops.paged_decode_attention(q, k_cache, v_cache, batch.attention, 1.0 / math.sqrt(shape.head_dim))
-    h = ops.linear_residual(attn.reshape(batch_size, shape.num_heads * shape.head_dim), layer.o, h)
+                                   k_cache, v_cache, batch.slot_mapping)  # [T, nh, hd]
+    attn = ops.paged_attention(q, k_cache, v_cache, batch.attention, 1.0 / math.sqrt(shape.head_dim))
+    h = ops.linear_residual(attn.reshape(tokens, shape.num_heads * shape.head_dim), layer.o, h)
     return ops.linear_residual(ops.norm_gate_up_silu_mul(h, layer.post_norm, eps, layer.gate_up), layer.down, h)
 
 
-def decode_layer(
-    layer: LayerWeights, shape: ModelShape, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
+def decoder_layer(
+    layer: LayerWeights, shape: ModelShape, pending: torch.Tensor, h: torch.Tensor | None, batch: StepBatch,
     k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor, ops: Ops, all_reduce: AllReduce | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One decoder layer for one new token per sequence: (pending, h) -> (pending, h), all [B, H].
+    """One decoder layer over the step's tokens: (pending, h) -> (pending, h), all [T, H].
 
     ``pending`` is added to the residual stream ``h`` by the input norm (None: ``pending`` is h).
     Without tensor parallelism or per-head q/k norms the layer runs fused and returns (h, None).
@@ -191,33 +194,33 @@ def decode_layer(
     """
     if all_reduce is None and layer.q_norm is None:
         stream = pending if h is None else h + pending
-        return fused_decode_layer(layer, shape, stream, batch, k_cache, v_cache, cos_sin, ops), None
-    batch_size = pending.shape[0]
+        return fused_layer(layer, shape, stream, batch, k_cache, v_cache, cos_sin, ops), None
+    tokens = pending.shape[0]
     x, h = ops.rms_norm(pending, layer.input_norm, shape.rms_norm_eps, h)
     qk, _ = attention_qkv(layer, shape, x, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, ops)
-    attn = ops.paged_decode_attention(qk[:, : shape.num_heads], k_cache, v_cache, batch.attention,
-                                      1.0 / math.sqrt(shape.head_dim))  # [B, nh, hd]
-    out = _reduced(ops.linear(attn.reshape(batch_size, shape.num_heads * shape.head_dim), layer.o), all_reduce)
+    attn = ops.paged_attention(qk[:, : shape.num_heads], k_cache, v_cache, batch.attention,
+                               1.0 / math.sqrt(shape.head_dim))  # [T, nh, hd]
+    out = _reduced(ops.linear(attn.reshape(tokens, shape.num_heads * shape.head_dim), layer.o), all_reduce)
     x, h = ops.rms_norm(out, layer.post_norm, shape.rms_norm_eps, h)
     return _reduced(mlp(layer, x, ops), all_reduce), h
 
 
-DecodeLayer = Callable[
-    [LayerWeights, ModelShape, torch.Tensor, torch.Tensor | None, DecodeBatch, torch.Tensor, torch.Tensor,
+DecoderLayer = Callable[
+    [LayerWeights, ModelShape, torch.Tensor, torch.Tensor | None, StepBatch, torch.Tensor, torch.Tensor,
      torch.Tensor, Ops, AllReduce | None],
     tuple[torch.Tensor, torch.Tensor | None],
 ]
 
 
 @functools.cache
-def compiled_decode_layer() -> DecodeLayer:
-    """``decode_layer`` through ``torch.compile``, shared by every engine of the process.
+def compiled_decode_layer() -> DecoderLayer:
+    """``decoder_layer`` through ``torch.compile`` for decode steps, shared by every engine of the process.
 
     Dynamic shapes, so batch and KV-width buckets reuse one compilation (sizes 0 and 1 are
     specialised by torch, hence a few compilations at most); no CUDA graphs of its own
     (mode default): the engine captures the compiled kernels in its own graphs.
     """
-    return torch.compile(decode_layer, dynamic=True)
+    return torch.compile(decoder_layer, dynamic=True)
 
 
 class LlamaModel:
@@ -228,7 +231,8 @@ class LlamaModel:
         self.shape = weights.shape
         self.vocab_shard = weights.vocab  # its logits are that block of the vocabulary (see corelib.models.base)
         self._facts = facts
-        self._decode_layer: DecodeLayer = compiled_decode_layer() if compile_decode else decode_layer
+        # Decode steps (one token per row, graph-captured) may run compiled; prompt chunks run eagerly.
+        self._decode_layer: DecoderLayer = compiled_decode_layer() if compile_decode else decoder_layer
 
     def facts(self) -> ModelFacts:
         return self._facts
@@ -253,43 +257,22 @@ class LlamaModel:
         x, _ = ops.rms_norm(pending, self.weights.norm, self.shape.rms_norm_eps, h)
         return ops.linear(x, self.weights.lm_head).float()
 
-    def decode(self, batch: DecodeBatch, state: ModelState, ops: Ops) -> torch.Tensor:
-        weights = self.weights
-        pending, h = weights.embed[batch.input_ids], None  # [B, H]
-        for i, layer in enumerate(weights.layers):
-            pending, h = self._decode_block(i, layer, pending, h, batch, state, ops)
-        return self._logits(pending, h, ops)
+    def copy_blocks(self, state: ModelState, source: torch.Tensor, target: torch.Tensor) -> None:
+        data = self._cache(state).data  # [L, 2, NB, bs, nkv, hd]
+        data.index_copy_(2, target, data.index_select(2, source))
 
-    def _decode_block(
-        self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: DecodeBatch,
+    def forward(self, batch: StepBatch, state: ModelState, ops: Ops) -> torch.Tensor:
+        weights = self.weights
+        pending, h = weights.embed[batch.input_ids], None  # [T, H]
+        for i, layer in enumerate(weights.layers):
+            pending, h = self._block(i, layer, pending, h, batch, state, ops)
+        return self._logits(batch.last_tokens(pending), None if h is None else batch.last_tokens(h), ops)  # [B, V]
+
+    def _block(
+        self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: StepBatch,
         state: ModelState, ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         k_cache, v_cache = self._cache(state).layer(index)
-        return self._decode_layer(layer, self.shape, pending, h, batch, k_cache, v_cache, self.weights.cos_sin, ops,
-                                  self.weights.all_reduce)
-
-    def prefill(self, batch: PrefillBatch, state: ModelState, ops: Ops) -> torch.Tensor:
-        weights, shape = self.weights, self.shape
-        pending, h = weights.embed[batch.token_ids], None  # [T, H]
-        scale = 1.0 / math.sqrt(shape.head_dim)
-        for i, layer in enumerate(weights.layers):
-            pending, h = self._before_layer(i, layer, pending, h, batch, state, ops)
-            k_cache, v_cache = self._cache(state).layer(i)
-            x, h = ops.rms_norm(pending, layer.input_norm, shape.rms_norm_eps, h)
-            qk, v = attention_qkv(layer, shape, x, batch.positions, weights.cos_sin, k_cache, v_cache,
-                                  batch.slot_mapping, ops)
-            attn = ops.prefill_attention(qk[:, : shape.num_heads], qk[:, shape.num_heads :], v, batch.attention,
-                                         scale)
-            out = _reduced(ops.linear(attn.reshape(-1, shape.num_heads * shape.head_dim), layer.o),
-                           weights.all_reduce)
-            x, h = ops.rms_norm(out, layer.post_norm, shape.rms_norm_eps, h)
-            pending = _reduced(mlp(layer, x, ops), weights.all_reduce)
-        last = batch.last_index
-        return self._logits(pending[last], None if h is None else h[last], ops)  # [n, V]
-
-    def _before_layer(
-        self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: PrefillBatch,
-        state: ModelState, ops: Ops,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A hook for variants that add a branch before the attention (the hybrid's convolution)."""
-        return pending, h
+        run = self._decode_layer if batch.is_decode else decoder_layer
+        return run(layer, self.shape, pending, h, batch, k_cache, v_cache, self.weights.cos_sin, ops,
+                   self.weights.all_reduce)

@@ -15,7 +15,6 @@ from corelib.ops.spec import (
     PagedAttention,
     SamplingColumn,
     SamplingInputs,
-    VarlenAttention,
     load_provider,
 )
 
@@ -28,6 +27,5 @@ __all__ = [
     "PagedAttention",
     "SamplingColumn",
     "SamplingInputs",
-    "VarlenAttention",
     "load_provider",
 ]

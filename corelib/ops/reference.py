@@ -6,11 +6,13 @@ in the model dtype; rotate-half RoPE with a cos/sin table in the model dtype).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from corelib.ops.sampling import sample_rows
-from corelib.ops.spec import Ops, PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops.spec import Ops, PagedAttention, SamplingInputs
 
 
 def rms_norm(
@@ -42,9 +44,10 @@ def rope_kv_write(
     return rotated
 
 
-def paged_decode_attention(
+def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
 ) -> torch.Tensor:
+    """paged_attention of a decode step: one query per row over its live cached keys, [B, nh, hd]."""
     batch, width = attn.block_tables.shape
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     span = width * k_cache.shape[1]
@@ -57,16 +60,60 @@ def paged_decode_attention(
     return out[:, :, 0, :]
 
 
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
 ) -> torch.Tensor:
-    pad_index, valid = attn.padded()
-    length = pad_index.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    mask = (causal[None] & valid[:, None, :])[:, None]  # [n, 1, L, L]
-    qp, kp, vp = (t[pad_index].transpose(1, 2) for t in (q, k, v))  # [n, heads, L, hd]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)[valid]  # [T, nh, hd]
+    if attn.is_decode:
+        return decode_attention(q, k_cache, v_cache, attn, scale)
+    if attn.decode_rows:  # the decode rows as a decode step: no row padded to the longest chunk
+        decode, chunks = attn.split()
+        d = attn.decode_rows
+        return torch.cat([decode_attention(q[:d], k_cache, v_cache, decode, scale),
+                          paged_attention(q[d:], k_cache, v_cache, chunks, scale)])
+    batch, width = attn.block_tables.shape
+    nkv, hd = k_cache.shape[2], k_cache.shape[3]
+    span = width * k_cache.shape[1]
+    keys = k_cache[attn.block_tables].view(batch, span, nkv, hd).transpose(1, 2)  # [B, nkv, S, hd]
+    values = v_cache[attn.block_tables].view(batch, span, nkv, hd).transpose(1, 2)
+    grid = QueryGrid.of(attn, q.shape[0], span)
+    out = F.scaled_dot_product_attention(
+        q[grid.index].transpose(1, 2), keys, values, attn_mask=grid.visible[:, None], scale=scale, enable_gqa=True
+    )  # [B, nh, L, hd]
+    return grid.unpad(out.transpose(1, 2))  # [T, nh, hd]
+
+
+@dataclass(frozen=True)
+class QueryGrid:
+    """A step's queries as a padded grid [B, L] (L = the longest row's queries), and back to [T].
+
+    index [B, L]: the step token each cell holds (row i's query j is token query_start[i] + j);
+    visible [B, L, S]: the keys of the row's first S cache positions each cell attends to (up to
+    its own position, and within the row's length; a padding cell sees the row's keys, so no
+    cell is empty); rows / columns [T]: each token's cell. Everything is found on the device.
+    """
+
+    index: torch.Tensor
+    visible: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+
+    @classmethod
+    def of(cls, attn: PagedAttention, tokens: int, span: int) -> QueryGrid:
+        batch, device = attn.block_tables.shape[0], attn.seq_lens.device
+        starts = attn.query_start[:-1] if attn.query_start is not None else torch.arange(batch, device=device)
+        lengths, longest = attn.query_lens(), attn.max_query_len
+        columns = torch.arange(longest, device=device)
+        index = (starts[:, None] + columns[None, :]).clamp(max=max(tokens - 1, 0))
+        query_pos = (attn.seq_lens - lengths)[:, None] + columns[None, :]  # [B, L]
+        key_pos = torch.arange(span, device=device)
+        visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos < attn.seq_lens[:, None])[:, None, :]
+        rows = attn.token_rows(tokens)
+        token_columns = (torch.arange(tokens, device=device) - starts[rows]).clamp(0, longest - 1)
+        return cls(index, visible, rows, token_columns)
+
+    def unpad(self, grid: torch.Tensor) -> torch.Tensor:
+        """[B, L, ...] -> [T, ...]: each token's cell."""
+        return grid[self.rows, self.columns]
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +136,7 @@ def reference_ops() -> Ops:
     return Ops(
         rms_norm=rms_norm,
         rope_kv_write=rope_kv_write,
-        paged_decode_attention=paged_decode_attention,
-        prefill_attention=prefill_attention,
+        paged_attention=paged_attention,
         silu_mul=silu_mul,
         sample=sample,
         linear=linear,

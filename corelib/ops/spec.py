@@ -1,6 +1,6 @@
 """What every op takes and returns, the container the model calls, and what a provider supplies.
 
-Shapes use: T tokens (flat, prefill), B sequences (decode), H hidden, nh query heads,
+Shapes use: T tokens (flat: a step's queries), B sequences (rows), H hidden, nh query heads,
 nkv KV heads, hd head dim, NB KV blocks, bs block size, W block-table width, V vocabulary.
 Every op is graph-safe in the reference: no host sync, no data-dependent shapes.
 """
@@ -20,8 +20,7 @@ from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_lo
 OP_NAMES = (
     "rms_norm",
     "rope_kv_write",
-    "paged_decode_attention",
-    "prefill_attention",
+    "paged_attention",
     "silu_mul",
     "sample",
     "linear",
@@ -46,15 +45,29 @@ _COMPOSERS = {f.__name__: f for f in (linear_residual, norm_qkv_rope_kv_write, n
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """Where one decode step's keys and values live: built once per step, shared by every layer.
+    """Where one step's keys and values live: built once per step, shared by every layer.
 
     block_tables [B, W] int32: the first W blocks of each sequence (padded with block 0);
-    seq_lens [B] int64: keys to attend to, the new token included (>= 1).
+    seq_lens [B] int64: keys each row attends to once this step's keys are written (>= 1);
+    query_start [B+1] int64, or None for one query per row (row i's query is token i): row i's
+    queries are the step's tokens query_start[i]:query_start[i+1], the last ones of its context,
+    so its query j sits at position seq_lens[i] - q_len_i + j and attends to the keys up to it;
+    max_query_len: a host int, the most queries of one row (1: a decode step, graph-safe);
+    decode_rows: a host int, rows [0, decode_rows) have one query each (a step lists its decode
+    rows first), so a provider may run them as a decode step and only the rest as chunks.
     """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     block_size: int
+    query_start: torch.Tensor | None = None
+    max_query_len: int = 1
+    decode_rows: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """One query per row: the decode step (a captured graph's shape)."""
+        return self.max_query_len == 1
 
     @functools.cached_property
     def key_mask(self) -> torch.Tensor:
@@ -63,28 +76,30 @@ class PagedAttention:
         positions = torch.arange(span, device=self.seq_lens.device)
         return (positions[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
+    def query_lens(self) -> torch.Tensor:
+        """[B] int64: each row's query count."""
+        if self.query_start is None:
+            return torch.ones_like(self.seq_lens)
+        return self.query_start[1:] - self.query_start[:-1]
 
-@dataclass(frozen=True)
-class VarlenAttention:
-    """The sequences of one prefill batch, packed flat: sequence i holds tokens cu_seqlens[i]:cu_seqlens[i+1].
+    def split(self) -> tuple[PagedAttention, PagedAttention]:
+        """(the first ``decode_rows`` rows as a decode step, the other rows with their queries): the
+        decode rows' queries are the step's first ``decode_rows`` tokens; the others keep their offsets."""
+        d, starts = self.decode_rows, self.query_start
+        if starts is None or not 0 < d < self.block_tables.shape[0]:
+            raise ValueError(f"a step of {self.block_tables.shape[0]} rows cannot split off {d} decode rows")
+        decode = PagedAttention(self.block_tables[:d], self.seq_lens[:d], self.block_size)
+        chunks = PagedAttention(self.block_tables[d:], self.seq_lens[d:], self.block_size, starts[d:] - d,
+                                self.max_query_len)
+        return decode, chunks
 
-    cu_seqlens [n+1] int64 on the device; max_seqlen a host int (prefill runs eagerly).
-    pad_index [n, L] / valid [n, L]: the same packing as a padded grid, when the caller has it.
-    """
-
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    pad_index: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pad_index [n, L], valid [n, L]), derived on the device when not given."""
-        if self.pad_index is not None and self.valid is not None:
-            return self.pad_index, self.valid
-        starts, lengths = self.cu_seqlens[:-1], self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        columns = torch.arange(self.max_seqlen, device=self.cu_seqlens.device)
-        valid = columns[None, :] < lengths[:, None]
-        return torch.where(valid, starts[:, None] + columns[None, :], 0), valid
+    def token_rows(self, num_tokens: int) -> torch.Tensor:
+        """[T] int64: the row each of the step's tokens belongs to, found on the device (no host sync)."""
+        tokens = torch.arange(num_tokens, device=self.seq_lens.device)
+        if self.query_start is None:
+            return tokens
+        rows = torch.searchsorted(self.query_start[1:].contiguous(), tokens, right=True)
+        return rows.clamp_(max=self.seq_lens.shape[0] - 1)
 
 
 @dataclass(frozen=True)
@@ -157,22 +172,18 @@ class RopeKvWrite(Protocol):
         ...
 
 
-class PagedDecodeAttention(Protocol):
+class PagedAttentionOp(Protocol):
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
-        """One query token per sequence over its live cached keys: q [B, nh, hd] -> [B, nh, hd].
+        """Each row's queries over its cached keys, causal: q [T, nh, hd] -> [T, nh, hd].
 
-        Grouped-query: query head j reads KV head j // (nh // nkv).
+        The step's keys and values are already in the cache (written by rope_kv_write): a prefill
+        chunk attends to the blocks cached before it and to itself, up to each query's position;
+        a decode row (one query) to its whole context. Grouped-query: query head j reads KV head
+        j // (nh // nkv). With ``attn.is_decode`` (T = B, one query per row, a captured graph's step)
+        it must be graph-safe: no host sync, a launch fixed by the shapes.
         """
-        ...
-
-
-class PrefillAttention(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
-    ) -> torch.Tensor:
-        """Causal attention within each packed sequence: q [T, nh, hd], k/v [T, nkv, hd] -> [T, nh, hd]."""
         ...
 
 
@@ -266,8 +277,7 @@ class Ops:
 
     rms_norm: RmsNorm
     rope_kv_write: RopeKvWrite
-    paged_decode_attention: PagedDecodeAttention
-    prefill_attention: PrefillAttention
+    paged_attention: PagedAttentionOp
     silu_mul: SiluMul
     sample: Sample
     linear: Linear
@@ -311,7 +321,7 @@ class OpProvider(Protocol):
     """What a backend offers: a name, the ops it provides, and how to load them for a device."""
 
     name: str
-    #: its paged_decode_attention reads only each sequence's live blocks (seq_lens), whatever the
+    #: its paged_attention reads only each sequence's live blocks (seq_lens), whatever the
     #: block-table width: then one graph captured at the full width serves every batch, with no
     #: KV-width buckets. False when the kernel's cost grows with the width it is given.
     live_blocks_only: bool

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -23,8 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from corelib.errors import one_line
 from corelib.server.bridge import Call, EngineBridge
 from corelib.server.chat import ChatTemplate
-from corelib.server.events import Overloaded, TooLarge, Unavailable
-from corelib.server.inputs import Prepared, prepare_chat, prepare_completion
+from corelib.server.events import EngineInfo, Overloaded, TooLarge, Unavailable
+from corelib.server.inputs import Prepared, prepare_chat, prepare_completion, token_text
 from corelib.server.messages import Final
 from corelib.server.metrics import ServerMetrics
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
@@ -191,14 +192,15 @@ def build_app(state: ServerState) -> ASGIApp:
         parsed = await body(request, CompletionRequest)
         prepared = prepare_completion(parsed, bridge.info)
         formatter = Formatter(False, state.model_name, prepared, bridge.info.tokenizer is not None,
-                              parsed.include_usage)
+                              parsed.include_usage, token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = await body(request, ChatRequest)
         prepared = prepare_chat(parsed, bridge.info, state.template)
-        formatter = Formatter(True, state.model_name, prepared, True, parsed.include_usage)
+        formatter = Formatter(True, state.model_name, prepared, True, parsed.include_usage,
+                              token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)
 
     @app.get("/v1/models")
@@ -228,6 +230,10 @@ def build_app(state: ServerState) -> ASGIApp:
             metrics.kv_blocks_free.set(snapshot.kv_blocks_free)
             metrics.kv_blocks_total.set(snapshot.kv_blocks_total)
             metrics.occupancy.set(snapshot.occupancy if snapshot.occupancy is not None else float("nan"))
+            queried, hits = snapshot.prefix_cache
+            metrics.prefix_cache_queried.set(queried)
+            metrics.prefix_cache_hits.set(hits)
+            metrics.prefix_cache_hit_rate.set(hits / queried if queried else float("nan"))
             metrics.engine_up.set(0 if snapshot.failure else 1)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -236,3 +242,11 @@ def build_app(state: ServerState) -> ASGIApp:
         await app(scope, receive, send)
 
     return asgi
+
+
+def token_strings(info: EngineInfo) -> Callable[[int], str]:
+    """One token's text for logprobs: the tokenizer's, or ``<id>`` without one."""
+    tokenizer = info.tokenizer
+    if tokenizer is None:
+        return lambda token: token_text([token])
+    return lambda token: tokenizer.decode([token])

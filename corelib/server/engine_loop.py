@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import one_line
 from corelib.server.events import SHUTDOWN, Snapshot
@@ -28,6 +29,7 @@ from corelib.server.messages import (
     Drain,
     Final,
     Frame,
+    LogprobDelta,
     SnapshotFrame,
     StepFrame,
     Submit,
@@ -121,11 +123,15 @@ class EngineLoop:
             if self.failure is not None or self._stopping:
                 self._end(ids, self._refusal(), self.failure is not None)
                 return
-            for request_id, prompt, sampling in command.requests:
+            for group in _by_prompt(command.requests):
+                group_ids = [request_id for request_id, _, _ in group]
                 try:
-                    engine.add_request(prompt, sampling, request_id)
+                    if len(group) == 1:
+                        engine.add_request(group[0][1], group[0][2], group_ids[0])
+                    else:  # n choices of one prompt: prefilled once, its blocks shared
+                        engine.add_request_group(group[0][1], [sampling for _, _, sampling in group], group_ids)
                 except Exception as error:  # noqa: BLE001 - the engine refuses every request (closed or failed)
-                    self._end([request_id], one_line(error), server_error=True)
+                    self._end(group_ids, one_line(error), server_error=True)
         elif isinstance(command, Abort):
             for request_id in command.request_ids:
                 if request_id in self._live and self.failure is None:
@@ -144,7 +150,8 @@ class EngineLoop:
     def _snapshot(self) -> Snapshot:
         free, total = self._engine.kv_blocks()
         running = sum(1 for live in self._live.values() if live.started)
-        return Snapshot(len(self._live) - running, running, free, total, self._engine.occupancy(), self.failure)
+        return Snapshot(len(self._live) - running, running, free, total, self._engine.occupancy(), self.failure,
+                        self._engine.prefix_cache())
 
     def _abort_all(self, why: str) -> None:
         if self.failure is not None:
@@ -169,7 +176,7 @@ class EngineLoop:
                 return []
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
-        running: list[Delta] = []
+        running: list[Delta | LogprobDelta] = []
         finals: list[Final] = []
         for delta in deltas:
             live = self._live.get(delta.request_id)
@@ -180,7 +187,10 @@ class EngineLoop:
             output = delta.output
             if output is None and self.failure is None:
                 if not live.final_only:
-                    running.append((delta.request_id, delta.token_ids, delta.text))
+                    if delta.logprobs is None:
+                        running.append((delta.request_id, delta.token_ids, delta.text))
+                    else:
+                        running.append(LogprobDelta(delta.request_id, delta.token_ids, delta.text, delta.logprobs))
                 continue
             ended_by = live.ended_by if output is not None and output.finish_reason == "abort" else None
             server_error = output is None or (self.failure is not None and output.finish_reason == "error")
@@ -200,8 +210,22 @@ class EngineLoop:
     def _end_all(self, why: str, server_error: bool) -> None:
         self._end(list(self._live), why, server_error)
 
-    def _send(self, running: list[Delta], finals: list[Final]) -> None:
+    def _send(self, running: list[Delta | LogprobDelta], finals: list[Final]) -> None:
         news = self.failure is not None and not self._failure_sent
         if running or finals or news:
             self._failure_sent = self._failure_sent or news
             self._emit(StepFrame(running, finals, self.failure))
+
+
+Submitted = tuple[str, list[int], SamplingParams]  # request id, prompt, sampling
+
+
+def _by_prompt(requests: list[Submitted]) -> list[list[Submitted]]:
+    """Runs of consecutive requests with the same prompt (the choices of one prompt), in order."""
+    groups: list[list[Submitted]] = []
+    for request in requests:
+        if groups and groups[-1][0][1] == request[1]:
+            groups[-1].append(request)
+        else:
+            groups.append([request])
+    return groups

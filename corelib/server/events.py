@@ -46,6 +46,7 @@ class Snapshot:
     kv_blocks_total: int
     occupancy: float | None  # device busy / (busy + idle) over recent steady decode
     failure: str | None
+    prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache, and found
 
 
 class Overloaded(Exception):

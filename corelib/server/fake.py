@@ -78,6 +78,10 @@ class FakeEngine:
         self._count += 1
         self._waiting.append(_Request(request_id, list(prompt), sampling.max_tokens, self._count))
 
+    def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> None:
+        for sampling, request_id in zip(samplings, request_ids, strict=True):
+            self.add_request(prompt, sampling, request_id)
+
     def abort(self, request_id: str) -> bool:
         request = self._running.pop(request_id, None)
         if request is None:
@@ -105,6 +109,9 @@ class FakeEngine:
     def occupancy(self) -> float | None:
         wall = time.perf_counter() - self._started
         return self._busy_s / wall if wall > 0 else None
+
+    def prefix_cache(self) -> tuple[int, int]:
+        return 0, 0  # the stand-in keeps no KV cache
 
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]:
         deltas, self._ended = self._ended, []

@@ -127,6 +127,8 @@ def _prepared(
 ) -> Prepared:
     if request.seed is not None and not 0 <= request.seed < SEED_LIMIT:
         raise bad_request(f"seed={request.seed}: must be in [0, 2**62)", "seed")
+    if isinstance(request, ChatRequest) and request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
     requests: list[tuple[list[int], SamplingParams]] = []
     for prompt in prompts:
         room = info.max_model_len - len(prompt)
@@ -148,6 +150,7 @@ def _prepared(
                 stop_token_ids=tuple(request.stop_token_ids or ()),
                 ignore_eos=request.ignore_eos,
                 stop_strings=request.stop_strings,
+                logprobs=request.num_logprobs,
             )
             _validate(sampling, info, max_param)
             requests.append((prompt, sampling))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from corelib.engine.outputs import RequestOutput
-from corelib.engine.sequence import SamplingParams
+from corelib.engine.sequence import SamplingParams, TokenLogprobs
 from corelib.server.events import EngineFacts, Snapshot
 
 LENGTH = struct.Struct("!I")
@@ -57,6 +57,15 @@ Command = Submit | Abort | Drain | Ask | Stop
 Delta = tuple[str, list[int], str]  # request id, its new tokens, their text ('' without a tokenizer)
 
 
+class LogprobDelta(NamedTuple):
+    """New tokens of a request that asked for logprobs: a Delta with each token's logprobs."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs]
+
+
 class Final(NamedTuple):
     """A request's last update: the engine's output, or why the server ended it."""
 
@@ -68,12 +77,12 @@ class Final(NamedTuple):
     server_error: bool = False
 
 
-Update = Delta | Final  # what an HTTP request hears about one of its choices
+Update = Delta | LogprobDelta | Final  # what an HTTP request hears about one of its choices
 
 
 @dataclass(frozen=True)
 class StepFrame:
-    deltas: list[Delta]
+    deltas: list[Delta | LogprobDelta]
     finals: list[Final]
     failure: str | None = None  # set once the engine failed: it takes no more requests
 

@@ -41,6 +41,13 @@ class ServerMetrics:
         self.running = Gauge(f"{PREFIX}_requests_running", "Requests producing tokens", registry=r)
         self.kv_blocks_free = Gauge(f"{PREFIX}_kv_blocks_free", "Free KV-cache blocks", registry=r)
         self.kv_blocks_total = Gauge(f"{PREFIX}_kv_blocks_total", "Usable KV-cache blocks", registry=r)
+        self.prefix_cache_queried = Gauge(f"{PREFIX}_prefix_cache_queried_tokens",
+                                          "Prompt tokens of admitted requests looked up in the prefix cache",
+                                          registry=r)
+        self.prefix_cache_hits = Gauge(f"{PREFIX}_prefix_cache_hit_tokens",
+                                       "Prompt tokens found in the prefix cache (not computed again)", registry=r)
+        self.prefix_cache_hit_rate = Gauge(f"{PREFIX}_prefix_cache_hit_rate",
+                                           "Prefix cache hit tokens / queried tokens since start", registry=r)
         self.occupancy = Gauge(f"{PREFIX}_device_occupancy", "Device busy / (busy + idle) in recent steady decode",
                                registry=r)
         self.engine_up = Gauge(f"{PREFIX}_engine_up", "1 while the engine serves, 0 after it failed", registry=r)

@@ -2,8 +2,8 @@
 
 Bodies are validated here, before anything reaches the engine: a wrong type or value is a 400
 whose ``param`` names the field, never a 500. Parameters of the OpenAI API that this server
-does not implement are refused by name when they ask for something (``logprobs: 5``) and
-accepted when they hold their neutral value (``logprobs: null``), so ordinary clients work.
+does not implement are refused by name when they ask for something (``echo: true``) and
+accepted when they hold their neutral value (``echo: false``), so ordinary clients work.
 """
 
 from __future__ import annotations
@@ -77,11 +77,19 @@ class _Sampling(BaseModel):
 TokenIds = list[int]
 
 
+MAX_LOGPROBS = 20  # the engine's bound (corelib.engine.sequence.MAX_LOGPROBS), OpenAI's top_logprobs bound
+
+
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``. ``prompt`` is text, token ids, or a list of either (one choice set each)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each token's and the k most likely
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -105,17 +113,21 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the model's length
     max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool = False  # each output token's log-probability
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and the k most likely (needs logprobs)
 
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 # OpenAI parameters this server does not implement, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "echo": (False, None),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),

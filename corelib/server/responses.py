@@ -4,6 +4,11 @@ finish_reason is ``stop`` (EOS, a stop token id or a stop string) or ``length`` 
 the model's context). A request the engine refused (``error``) or the server ended (shutdown,
 engine failure) is answered with an OpenAI error object: the whole response before streaming
 starts, a ``data: {"error": ...}`` event after. A client that went away is sent nothing.
+
+Logprobs, where asked for, come as OpenAI shapes them: a completion choice's ``logprobs`` holds
+``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob) and ``text_offset``; a chat
+choice's holds ``content``, one entry per token with its ``bytes`` and ``top_logprobs``. A stream's
+chunk carries those of the tokens it brings.
 """
 
 from __future__ import annotations
@@ -11,11 +16,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from corelib.engine.sequence import TokenLogprobs
 from corelib.server.inputs import Prepared, token_text
-from corelib.server.messages import Delta, Final, Update
+from corelib.server.messages import Delta, Final, LogprobDelta, Update
 from corelib.server.protocol import ApiError, JsonObject
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -44,12 +51,44 @@ class Formatter:
     prepared: Prepared
     has_tokenizer: bool
     include_usage: bool = False
+    token_str: Callable[[int], str] = field(default=lambda token: token_text([token]))  # one token's text
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     _templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # per choice: a chunk around its text
     _index: dict[str, int] = field(default_factory=dict)  # streaming: request id -> choice
     _left: int = 0  # streaming: choices not finished yet
     _completion_tokens: int = 0
+    _offsets: dict[int, int] = field(default_factory=dict)  # streaming completions: each choice's text so far
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(sampling.logprobs is not None for _, sampling in self.prepared.requests)
+
+    def logprobs(self, items: Sequence[TokenLogprobs], index: int = 0) -> JsonObject:
+        """The logprobs of ``items`` (tokens of choice ``index``) as OpenAI shapes them."""
+        token = self.token_str
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> JsonObject:
+                text = token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, p) for t, p in i.top]}
+                                for i in items]}
+        texts = [token(i.token_id) for i in items]
+        offsets, at = [], self._offsets.get(index, 0)
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        self._offsets[index] = at
+        return {"tokens": texts, "token_logprobs": [i.logprob for i in items],
+                "top_logprobs": [{token(t): p for t, p in i.top} for i in items], "text_offset": offsets}
+
+    def _final_logprobs(self, update: Final, index: int, whole: bool) -> JsonObject | None:
+        output = update.output
+        if output is None or output.logprobs is None:
+            return None
+        items = output.logprobs if whole else output.logprobs[len(output.logprobs) - len(update.token_ids):]
+        return self.logprobs(items, index)
 
     @property
     def object(self) -> str:
@@ -83,24 +122,26 @@ class Formatter:
             assert output is not None, "a failed choice is answered with an error, not a response"
             completion_tokens += len(output.output_token_ids)
             reason = FINISH_REASONS[output.finish_reason]
+            logprobs = self._final_logprobs(update, index, whole=True)
             if self.chat:
                 message = {"role": "assistant", "content": self.final_text(update)}
-                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
-                choices.append({"index": index, "text": self.final_text(update), "logprobs": None,
+                choices.append({"index": index, "text": self.final_text(update), "logprobs": logprobs,
                                 "finish_reason": reason})
         return {**self._head(chunk=False), "choices": choices, "usage": self.usage(completion_tokens)}
 
     # ------------------------------------------------------------------ streaming
-    def _chunk(self, index: int, text: str | None, reason: str | None, role: bool = False) -> bytes:
+    def _chunk(self, index: int, text: str | None, reason: str | None, role: bool = False,
+               logprobs: JsonObject | None = None) -> bytes:
         choice: JsonObject
         if self.chat:
             delta: JsonObject = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         body: JsonObject = {**self._head(chunk=True), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
@@ -135,6 +176,7 @@ class Formatter:
             text = text if self.has_tokenizer else token_text(token_ids)
             return (self._text_chunk(self._index[request_id], text) if text else b""), False
         texts: dict[int, list[str]] = {}
+        scores: dict[int, list[TokenLogprobs]] = {}  # choices that asked for logprobs: those of their new tokens
         out: list[bytes] = []
         for update in batch:
             i = self._index[update[0]]
@@ -142,24 +184,42 @@ class Formatter:
                 text = update[2] if self.has_tokenizer else token_text(update[1])
                 if text:
                     texts.setdefault(i, []).append(text)
+                if type(update) is LogprobDelta:
+                    scores.setdefault(i, []).extend(update.logprobs)
                 continue
             assert isinstance(update, Final), "a batch holds deltas and finals only"
             problem = failure(update)
             if problem is not None:
-                out += [self._text_chunk(j, "".join(pieces)) for j, pieces in texts.items()]
+                out += self._pending(texts, scores)
                 return b"".join([*out, event(problem.body()), DONE]), True
             assert update.output is not None, "a final without an error carries the engine's output"
             self._completion_tokens += len(update.output.output_token_ids)
             text = "".join(texts.pop(i, ())) + self.text(update)
-            out.append(self._chunk(i, text, FINISH_REASONS[update.output.finish_reason]))
+            logprobs = None
+            if update.output.logprobs is not None:
+                tail = update.output.logprobs[len(update.output.logprobs) - len(update.token_ids):]
+                logprobs = self.logprobs([*scores.pop(i, ()), *tail], i)
+            out.append(self._chunk(i, text, FINISH_REASONS[update.output.finish_reason], logprobs=logprobs))
             self._left -= 1
-        out += [self._text_chunk(j, "".join(pieces)) for j, pieces in texts.items()]
+        out += self._pending(texts, scores)
         if self._left > 0:
             return b"".join(out), False
         if self.include_usage:
             out.append(event({**self._head(chunk=True), "choices": [], "usage": self.usage(self._completion_tokens)}))
         out.append(DONE)
         return b"".join(out), True
+
+
+    def _pending(self, texts: dict[int, list[str]], scores: dict[int, list[TokenLogprobs]]) -> list[bytes]:
+        """The chunks of the choices with new text that did not finish in this batch."""
+        out = []
+        for j, pieces in texts.items():
+            if j in scores:
+                out.append(self._chunk(j, "".join(pieces), None, logprobs=self.logprobs(scores.pop(j), j)))
+            else:
+                out.append(self._text_chunk(j, "".join(pieces)))
+        out += [self._chunk(j, "", None, logprobs=self.logprobs(items, j)) for j, items in scores.items() if items]
+        return out
 
 
 def event(body: JsonObject) -> bytes:

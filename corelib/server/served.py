@@ -41,6 +41,10 @@ class ServedEngine(Protocol):
 
     def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> object: ...
 
+    def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> object:
+        """Requests of one prompt (a request's ``n`` choices): they share its KV blocks where the engine can."""
+        ...
+
     def abort(self, request_id: str) -> bool: ...
 
     def step_tokens(self, tracker: DeltaTracker) -> list[TokenDelta]: ...
@@ -55,6 +59,10 @@ class ServedEngine(Protocol):
 
     def occupancy(self) -> float | None:
         """Device busy / (busy + idle) over recent steady decode, when known."""
+        ...
+
+    def prefix_cache(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there)."""
         ...
 
     def close(self) -> None: ...
@@ -86,6 +94,9 @@ class EngineAdapter:
     def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> object:
         return self.engine.add_request(prompt, sampling, request_id)
 
+    def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> object:
+        return self.engine.add_requests_sharing_prompt(prompt, samplings, request_ids)
+
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
@@ -102,6 +113,10 @@ class EngineAdapter:
     def occupancy(self) -> float | None:
         occupancy = self.engine.metrics(time.perf_counter() - self._started).get("occupancy")
         return occupancy if isinstance(occupancy, float) else None
+
+    def prefix_cache(self) -> tuple[int, int]:
+        stats = self.engine.stats()
+        return stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
 
     def close(self) -> None:
         self.engine.close()

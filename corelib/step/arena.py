@@ -3,7 +3,8 @@
 One arena per step means one host-to-device copy per step, and the same bytes travel through
 the SHM ring unchanged (:mod:`corelib.transport.wire` frames them). The scheduler side packs an
 arena (:mod:`corelib.engine.packing`), the device side reads it (:mod:`corelib.step.runner`):
-both import the layouts from here, neither imports the other. An :class:`ArenaPool` keeps the
+both read the one step layout that :mod:`corelib.transport.wire` defines by name, neither imports the
+other. An :class:`ArenaPool` keeps the
 host buffers arenas are packed into (or copied into, as a step's snapshot of an SHM frame) and
 reuses one only once its step has completed.
 """
@@ -20,10 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from corelib.errors import DeviceTimeout
-from corelib.ops.spec import SAMPLING_COLUMNS
 
 ALIGN = 64
-RELAY = -1  # a decode row's input id: take the token from the device relay, not from the host
+RELAY = -1  # a step token's input id: take the token from the device relay, not from the host
 
 _DTYPE_CODES: dict[torch.dtype, int] = {torch.int64: 0, torch.int32: 1, torch.float32: 2, torch.bool: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
@@ -106,46 +106,6 @@ class ArenaLayout:
                 raise ValueError(f"field {name!r} has a malformed shape {dims}")
             fields.append(Field(name, _CODE_DTYPES[code], dims))
         return cls.of(fields)
-
-
-# One row per sequence of a decode step (R = the engine's largest batch), plus its block table.
-DECODE_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-    ("input_ids", torch.int64),  # RELAY: the token sampled by the previous step, on the device
-    ("positions", torch.int64),
-    ("slot_mapping", torch.int64),  # KV cache slot of the new token: block * block_size + offset
-    ("seq_lens", torch.int64),  # keys to attend to, the new token included
-    ("state_indices", torch.int64),  # per-sequence slot: token relay, recurrent state
-    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
-)
-DECODE_FIELD_NAMES = (*(name for name, _ in DECODE_FIELDS), "block_tables")
-
-# A prefill step: its tokens packed flat (T), and one row per sequence (n).
-PREFILL_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
-PREFILL_SEQ_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-    ("last_index", torch.int64),  # index of each sequence's last token in the flat tokens
-    ("state_indices", torch.int64),
-    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
-)
-PREFILL_FIELD_NAMES = (
-    *PREFILL_TOKEN_FIELDS, "cu_seqlens", "pad_index", "valid", *(name for name, _ in PREFILL_SEQ_FIELDS)
-)
-
-
-def decode_layout(max_rows: int, max_blocks: int) -> ArenaLayout:
-    fields = [Field(name, dtype, (max_rows,)) for name, dtype in DECODE_FIELDS]
-    return ArenaLayout.of([*fields, Field("block_tables", torch.int32, (max_rows, max_blocks))])
-
-
-def prefill_layout(num_tokens: int, num_seqs: int, max_len: int) -> ArenaLayout:
-    return ArenaLayout.of(
-        [
-            *(Field(name, torch.int64, (num_tokens,)) for name in PREFILL_TOKEN_FIELDS),
-            Field("cu_seqlens", torch.int64, (num_seqs + 1,)),
-            Field("pad_index", torch.int64, (num_seqs, max_len)),
-            Field("valid", torch.bool, (num_seqs, max_len)),
-            *(Field(name, dtype, (num_seqs,)) for name, dtype in PREFILL_SEQ_FIELDS),
-        ]
-    )
 
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

@@ -22,13 +22,13 @@ class DeviceSteps:
         fi = staged.fi
         self.runner.prepare(fi)  # a missing graph is captured before the inputs are staged
         buffer, timing = self.handoff.begin(fi.step_id)
-        target = self.runner.input_target(fi, self.stager.source_on_device)
+        target = self.runner.input_target()
         arena = self.stager.to_device(staged, target)
         graph = self.runner.run(fi, arena)
         self.stager.after_forward()
-        event = self.handoff.emit(buffer, fi.num_seqs, timing)
+        event = self.handoff.emit(buffer, fi.num_seqs, timing, fi.logprobs)
         return StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, event, timing, graph, (staged, target),
-                          on_done=staged.release)
+                          on_done=staged.release, logprobs=fi.logprobs)
 
     def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
         """Until a step's tokens are in host memory (bounded); reads nothing, so any thread may wait."""

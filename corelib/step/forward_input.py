@@ -1,9 +1,10 @@
-"""ForwardInput: one step's packed inputs (an arena, layouts in :mod:`corelib.step.arena`) and its shape.
+"""ForwardInput: one step's packed inputs (an arena in the step layout of :mod:`corelib.transport.wire`) and its shape.
 
-The decode layout is fixed (rows for the largest batch, columns for the longest sequence), so
-captured graphs read static device views of it; prefill layouts are sized per step (prefill
-runs eagerly). The scheduler side packs arenas (:mod:`corelib.engine.packing`); the device side
-reads them.
+A step is flat tokens (each row's queries, one after another) and one row per sequence. Its
+shape is host ints: rows computed, tokens computed, the longest row's query count, KV columns.
+A step whose rows all have one query is a decode step: it uses the fixed layout whose views a
+captured graph reads. The scheduler side packs arenas (:mod:`corelib.engine.packing`); the
+device side reads them.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.ops.spec import SAMPLING_COLUMNS
 from corelib.step.arena import ArenaLayout
 
 
 class StepKind(str, enum.Enum):
-    prefill = "prefill"
-    decode = "decode"
+    prefill = "prefill"  # some row feeds several tokens (a prompt, or a chunk of one)
+    decode = "decode"  # every row feeds one token: the graph-captured shape
 
 
 @dataclass(frozen=True)
@@ -27,25 +27,25 @@ class ForwardInput:
     """One step's packed inputs and the shape of the work they describe."""
 
     step_id: int
-    kind: StepKind
-    num_seqs: int
-    bucket: int  # decode: rows the device computes (>= num_seqs, padded); prefill: num_seqs
-    kv_blocks: int  # decode: block-table columns read
+    num_seqs: int  # rows that hold a sequence
+    bucket: int  # rows the device computes (>= num_seqs: a decode step pads to its graph's rows)
+    num_tokens: int  # tokens the device computes (a decode step: bucket, one per row)
+    max_query_len: int  # the most tokens one row feeds (1: a decode step)
+    kv_blocks: int  # block-table columns read
     sample: bool  # some row samples (temperature > 0); else greedy
     layout: ArenaLayout
     arena: torch.Tensor  # uint8, holding layout.nbytes bytes (host memory as packed)
+    logprobs: bool = False  # some row asks for its tokens' logprobs: the step computes them on the device
+    num_copies: int = 0  # KV blocks copied (copy on write) before the forward
+    decode_rows: int = 0  # a step with chunks: its first rows feed one token each (listed first)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @property
+    def kind(self) -> StepKind:
+        return StepKind.decode if self.is_decode else StepKind.prefill
 
     def views(self) -> dict[str, torch.Tensor]:
         return self.layout.views(self.arena)
-
-
-def pad_decode_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int,
-                    pad_state_index: int) -> None:
-    """Padded rows ``[first, last)``: token 0 at position 0 of the padding state index, null block, greedy."""
-    for name in ("input_ids", "positions", "slot_mapping"):
-        views[name][first:last] = 0
-    views["seq_lens"][first:last] = 1
-    views["state_indices"][first:last] = pad_state_index
-    for column in SAMPLING_COLUMNS:
-        views[column.name][first:last] = column.neutral
-    views["block_tables"][first:last, :kv_blocks] = 0

@@ -4,7 +4,8 @@ On the device, each step's samples are scattered into a relay by state index (``
 next step's input ids come from there, never through the host. Each step's tokens are also
 copied into one of ``depth`` device buffers and, by a non-blocking D2H on their own stream,
 into the matching pinned host buffer; that copy's event is what the host waits for, only when
-it needs the tokens.
+it needs the tokens. A step that computes logprobs copies its rows' logprobs the same way, beside
+its tokens.
 
 Events are made once and re-recorded: one set per token buffer, and timing events in a ring
 one longer than the pipeline, so a step's events stay intact until the host has read them
@@ -21,6 +22,7 @@ import torch
 
 from corelib.device import Device, Event, Stream
 from corelib.step.forward_input import StepKind
+from corelib.transport.wire import LOGPROB_WIDTH
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class StepResult:
     graph: bool = False  # a decode step that replayed a captured graph
     transport_us: float | None = None  # SHM: producer commit to inputs ready in the worker
     handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
+    logprobs: list[list[float]] | None = None  # per row: LOGPROB_WIDTH floats (see corelib.transport.wire)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class StepHandle:
     def __init__(
         self, step_id: int, kind: StepKind, num_seqs: int, buffer: int, event: Event, timing: StepTiming,
         graph: bool, keepalive: tuple[object, ...], on_done: Callable[[], None] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self.step_id = step_id
         self.kind = kind
@@ -62,7 +66,9 @@ class StepHandle:
         # Inputs stay referenced until the output event completes: the device may still read them.
         self.keepalive: tuple[object, ...] | None = keepalive
         self.on_done = on_done  # gives the step's inputs back once the device no longer reads them
+        self.logprobs = logprobs  # the step copied its rows' logprobs too
         self.tokens: list[int] | None = None
+        self.logprob_rows: list[list[float]] | None = None
 
     def done(self) -> bool:
         return self.tokens is not None or self.event.query()
@@ -93,6 +99,10 @@ class TokenHandoff:
         self.next_tokens = device.zeros((rows,), torch.int64)
         self.relay = device.zeros((depth, rows), torch.int64)
         self.host = device.host_empty((depth, rows), torch.int64, pinned=True)
+        # Logprobs, only for steps that compute them: the same path as the tokens, LOGPROB_WIDTH floats a row.
+        self.next_logprobs = device.zeros((rows, LOGPROB_WIDTH), torch.float32)
+        self.relay_logprobs = device.zeros((depth, rows, LOGPROB_WIDTH), torch.float32)
+        self.host_logprobs = device.host_empty((depth, rows, LOGPROB_WIDTH), torch.float32, pinned=True)
         self._buffers: list[_Buffer] = []
         self._ring: list[StepTiming] = []
         self._make_events()
@@ -121,14 +131,22 @@ class TokenHandoff:
         self._make_events()
 
     # ------------------------------------------------------------------ inside the device step
-    def decode_inputs(self, input_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """Input ids with RELAY rows replaced by each state index's latest sample, on the device."""
+    def resolve_inputs(self, input_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """Input ids with RELAY tokens replaced by their state index's latest sample, on the device."""
         return torch.where(input_ids >= 0, input_ids, self.seq_tokens[states])
 
-    def publish(self, tokens: torch.Tensor, rows: int, states: torch.Tensor, for_host: torch.Tensor) -> None:
-        """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens)."""
+    def publish(self, tokens: torch.Tensor, rows: int, sample_slots: torch.Tensor, for_host: torch.Tensor) -> None:
+        """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens).
+
+        ``sample_slots``: each row's relay slot, its state index; a row that sampled nothing (a chunk
+        short of its prompt's end) names the padding slot, so its token never reaches the relay.
+        """
         self.next_tokens[:rows].copy_(for_host)
-        self.seq_tokens.index_copy_(0, states, tokens)
+        self.seq_tokens.index_copy_(0, sample_slots, tokens)
+
+    def publish_logprobs(self, rows: int, logprobs: torch.Tensor) -> None:
+        """Keep a step's logprob rows [rows, LOGPROB_WIDTH] for the host (a step that computes them)."""
+        self.next_logprobs[:rows].copy_(logprobs)
 
     # ------------------------------------------------------------------ around the device step
     def begin(self, step_id: int) -> tuple[int, StepTiming]:
@@ -155,12 +173,15 @@ class TokenHandoff:
             self.compute.record(timing.start)
         return index, timing
 
-    def emit(self, index: int, num_seqs: int, timing: StepTiming) -> Event:
-        """After the forward: copy the tokens to buffer ``index`` and on to the host; returns the host event."""
+    def emit(self, index: int, num_seqs: int, timing: StepTiming, logprobs: bool = False) -> Event:
+        """After the forward: copy the tokens (and the logprobs of a step that computed them) to buffer
+        ``index`` and on to the host; returns the host event."""
         compute, n = self.compute, num_seqs
         # relay[index] was last read by the D2H of the step `depth` back; its tokens were read on
         # the host (the busy check in begin), so that copy has finished and the buffer is free.
         compute.copy(self.relay[index, :n], self.next_tokens[:n])
+        if logprobs:
+            compute.copy(self.relay_logprobs[index, :n], self.next_logprobs[:n])
         end = timing.end
         if end is None:
             raise RuntimeError("every step records an end event")
@@ -168,6 +189,8 @@ class TokenHandoff:
         if self.d2h is not compute:
             self.d2h.wait(end)
         self.d2h.copy(self.host[index, :n], self.relay[index, :n])
+        if logprobs:
+            self.d2h.copy(self.host_logprobs[index, :n], self.relay_logprobs[index, :n])
         event = self._buffers[index].tokens_event
         self.d2h.record(event)
         return event
@@ -177,6 +200,8 @@ class TokenHandoff:
         if handle.tokens is None:
             handle.event.synchronize(timeout)
             handle.tokens = self.host[handle.buffer, : handle.num_seqs].tolist()
+            if handle.logprobs:
+                handle.logprob_rows = self.host_logprobs[handle.buffer, : handle.num_seqs].tolist()
             handle.keepalive = None
             self._buffers[handle.buffer].busy = False
             done, handle.on_done = handle.on_done, None
@@ -189,4 +214,5 @@ class TokenHandoff:
             if self._prev_end is not None:
                 gap = max(0.0, self._prev_end.elapsed_ms(start))
         self._prev_end = end if self.timing else None
-        return StepResult(handle.step_id, handle.kind, handle.tokens, busy, gap, handle.graph, handle=handle)
+        return StepResult(handle.step_id, handle.kind, handle.tokens, busy, gap, handle.graph, handle=handle,
+                          logprobs=handle.logprob_rows)

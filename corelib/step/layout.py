@@ -13,8 +13,11 @@ from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.models.registry import architecture
 from corelib.options import EngineOptions
-from corelib.step.arena import ArenaLayout, decode_layout, prefill_layout
+from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy
+from corelib.transport.wire import step_layout
+
+TOKEN_GRANULE = 256  # a step's token slots are a multiple of this: a few distinct layouts, not one per length
 
 
 @dataclass(frozen=True)
@@ -64,15 +67,27 @@ class EngineLayout:
         )
 
     @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step feeds: the budget, a whole prompt when prompts are not chunked, or a
+        token per row."""
+        return max(self.max_batched_tokens, self.max_model_len, self.rows)
+
+    @property
     def arena_bytes(self) -> int:
-        """Room for the decode arena or the largest prefill arena."""
-        longest = max(self.max_batched_tokens, self.max_model_len)
-        return max(self.decode_layout.nbytes, prefill_layout(longest, self.rows, self.max_model_len).nbytes)
+        """Room for the largest step."""
+        return self.step_layout(self.max_step_tokens).nbytes
 
     @property
     def decode_layout(self) -> ArenaLayout:
-        """The fixed arena of a decode step: a row per sequence of the largest batch."""
-        return decode_layout(self.rows, self.max_blocks)
+        """The fixed arena of a decode step: a row and a token per sequence of the largest batch."""
+        return step_layout(self.rows, self.rows, self.max_blocks)
+
+    def step_layout(self, num_tokens: int) -> ArenaLayout:
+        """The arena of a step feeding ``num_tokens`` tokens (one per row: the decode layout)."""
+        if num_tokens <= self.rows:
+            return self.decode_layout
+        slots = -(-num_tokens // TOKEN_GRANULE) * TOKEN_GRANULE
+        return step_layout(min(slots, max(self.max_step_tokens, num_tokens)), self.rows, self.max_blocks)
 
     @property
     def pad_state_index(self) -> int:

@@ -1,10 +1,11 @@
 """The model runner: the forward pass and the captured graphs, nothing else.
 
-A decode step reads its inputs from one static device arena (the graphs' inputs), resolves
-relayed input ids, calls the model, samples, and publishes the tokens to the handoff; a
-decode batch that fits a bucket replays a captured graph of exactly that, an oversize batch
-and every prefill run eagerly. How the inputs got into the arena is the stager's business;
-where the tokens go next is the handoff's.
+Every step reads its inputs from one static device arena (a decode step's views of it are the
+graphs' inputs), resolves relayed input ids, calls the model's one forward, samples each row's
+last token, and publishes the tokens to the handoff. A decode step (one token per row) that fits
+a bucket replays a captured graph of exactly that; an oversize batch and every step with prompt
+chunks run eagerly. How the inputs got into the arena is the stager's business; where the tokens
+go next is the handoff's.
 """
 
 from __future__ import annotations
@@ -12,19 +13,30 @@ from __future__ import annotations
 import torch
 
 from corelib.device import Device, Stream
+from corelib.engine.sequence import MAX_LOGPROBS
 from corelib.faults import maybe_fail
 from corelib.graph import Graph
-from corelib.models.base import DecodeBatch, Model, PrefillBatch
+from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
-from corelib.ops import Ops, PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops import Ops, PagedAttention, SamplingInputs
 from corelib.progress import current as current_progress
 from corelib.step.buckets import BucketPolicy
-from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
+from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
-from corelib.step.vocab_parallel import pick_tokens
+from corelib.step.vocab_parallel import gather_logits, pick_tokens
+from corelib.transport.wire import pad_rows
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, LOGPROB_WIDTH] float32 from the logits the sampler used [B, V] and its tokens [B]: each sampled
+    token's log-probability, the MAX_LOGPROBS largest ones, and their token ids. On the device, graph-safe."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top, ids = logp.topk(min(MAX_LOGPROBS, logp.shape[-1]), dim=-1)
+    chosen = logp.gather(1, tokens[:, None])
+    return torch.cat([chosen, top, ids.to(torch.float32)], dim=1)
 
 
 class ModelRunner:
@@ -51,12 +63,12 @@ class ModelRunner:
         with current_progress().task("allocating the KV cache", total=1) as task:
             self.state = model.allocate_state(device, layout.num_blocks, layout.block_size, layout.rows)
             task.advance()
-        self.decode_arena = None if device.capabilities.device_is_host else device.empty(
-            (self.decode_layout.nbytes,), torch.uint8)
+        # The one device arena every step's inputs land in; a decode step's views of it are the graphs' inputs.
+        self.arena = None if device.capabilities.device_is_host else device.empty((layout.arena_bytes,), torch.uint8)
         # Under tensor parallelism the model's logits may be one block of the vocabulary per rank.
         vocab = getattr(model, "vocab_shard", None)
         self.vocab_shard = vocab if isinstance(vocab, VocabShard) and vocab.world > 1 else None
-        self.graphs: dict[tuple[int, int, bool], Graph] = {}
+        self.graphs: dict[tuple[int, int, bool, bool], Graph] = {}  # rows, KV width, sampled, logprobs
         self._graph_shapes = set(buckets.shapes())
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -67,60 +79,63 @@ class ModelRunner:
         shapes = self.buckets.shapes()
         with current_progress().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
             for rows, kv in shapes:
-                self._capture(rows, kv, False)
+                self._capture(rows, kv, False, False)
                 task.advance()
 
     def prepare(self, fi: ForwardInput) -> None:
         """Capture the graph ``fi`` needs if it is missing; call before its inputs are staged."""
-        if fi.kind is StepKind.decode and self.decode_arena is not None:
+        if fi.is_decode and self.arena is not None:
             key = (fi.bucket, self.buckets.graph_kv(fi.kv_blocks))
-            if (*key, fi.sample) not in self.graphs and key in self._graph_shapes:
-                self._capture(*key, fi.sample)  # the first sampled batch of this shape
+            if (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
+                self._capture(*key, fi.sample, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
 
-    def _capture(self, rows: int, kv: int, sampled: bool) -> Graph:
+    def _capture(self, rows: int, kv: int, sampled: bool, logprobs: bool) -> Graph:
         maybe_fail("capture")
-        arena = self.decode_arena
+        arena = self.arena
         if arena is None:
             raise RuntimeError("graphs need device memory separate from the host")
-        pad = self.device.host_empty((self.decode_layout.nbytes,), torch.uint8, pinned=True)
-        pad_decode_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_state_index)
-        graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}")
+        nbytes = self.decode_layout.nbytes
+        pad = self.device.host_empty((nbytes,), torch.uint8, pinned=True)
+        pad_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_state_index)
+        graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}"
+                                  f"{'_logprobs' if logprobs else ''}")
         views = self.decode_layout.views(arena)
         param_update = self.buckets.param_update
 
         def step() -> None:
-            self._decode(views, rows, graph.params["kv_blocks"] if param_update else kv, sampled)
+            self._forward(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, sampled, logprobs)
 
-        self.compute.copy(arena, pad)
+        self.compute.copy(arena[:nbytes], pad)
         self.compute.launch(step)  # warm-up outside capture: allocator pools, library handles
         graph.capture(lambda: self.compute.launch(step), self.compute, params={"kv_blocks": kv})
         self.compute.synchronize()  # the padding arena may be freed after this
-        self.graphs[(rows, kv, sampled)] = graph
+        self.graphs[(rows, kv, sampled, logprobs)] = graph
         return graph
 
     # ------------------------------------------------------------------ steps
-    def input_target(self, fi: ForwardInput, source_on_device: bool) -> torch.Tensor | None:
-        """Where a step's inputs must land: the graphs' static arena, a prefill buffer, or nowhere (host)."""
-        if self.decode_arena is None:
-            return None
-        if fi.kind is StepKind.decode:
-            return self.decode_arena
-        return None if source_on_device else self.device.empty((fi.layout.nbytes,), torch.uint8)
+    def input_target(self) -> torch.Tensor | None:
+        """Where a step's inputs must land: the static device arena, or nowhere (the device reads host memory)."""
+        return self.arena
 
     def run(self, fi: ForwardInput, arena: torch.Tensor) -> bool:
         """Queue the forward of ``fi`` whose inputs are (or will be, stream-ordered) in ``arena``.
 
         Returns whether a captured graph ran.
         """
-        if fi.kind is StepKind.prefill:
-            views = fi.layout.views(arena)
-            self.compute.launch(lambda: self._prefill(views, fi.num_seqs, fi.sample))
-            return False
         rows, kv = fi.bucket, fi.kv_blocks
-        graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample)) if arena is self.decode_arena else None
+        if fi.num_copies:  # copy on write, before the forward (and outside any graph)
+            copies = fi.layout.views(arena)
+            count = fi.num_copies
+            self.compute.launch(lambda: self.model.copy_blocks(self.state, copies["copy_from"][:count],
+                                                               copies["copy_to"][:count]))
+        graph = None
+        if fi.is_decode and arena is self.arena:
+            graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
         if graph is None:
             views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
-            self.compute.launch(lambda: self._decode(views, rows, kv, fi.sample))
+            tokens, longest, leading = fi.num_tokens, fi.max_query_len, fi.decode_rows
+            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs,
+                                                      leading))
             self.num_eager_steps += 1
             return False
         if self.buckets.param_update:
@@ -130,37 +145,40 @@ class ModelRunner:
         return True
 
     # ------------------------------------------------------------------ device work
-    def _decode(self, views: dict[str, torch.Tensor], rows: int, kv: int, sampled: bool) -> None:
+    def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
+                 sampled: bool, logprobs: bool = False, decode_rows: int = 0) -> None:
+        """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row."""
         maybe_fail("forward")
         states = views["state_indices"][:rows]
-        positions = views["positions"][:rows]
-        attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows],
-                                   self.layout.block_size)
-        batch = DecodeBatch(self.handoff.decode_inputs(views["input_ids"][:rows], states), positions,
-                            views["slot_mapping"][:rows], attention, states)
-        logits = self.model.decode(batch, self.state, self.ops)
-        self._emit(logits, rows, states, views, positions + 1, sampled)
+        seq_lens = views["seq_lens"][:rows]
+        decode = longest == 1
+        query_start = None if decode else views["query_start"][: rows + 1]
+        attention = PagedAttention(views["block_tables"][:rows, :kv], seq_lens, self.layout.block_size, query_start,
+                                   longest, decode_rows)
+        token_states = states if decode else states[attention.token_rows(tokens)]
+        batch = StepBatch(self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states),
+                          views["positions"][:tokens], views["slot_mapping"][:tokens], attention, states,
+                          None if query_start is None else query_start[1:] - 1)
+        logits = self.model.forward(batch, self.state, self.ops)
+        self._emit(logits, rows, views, seq_lens, sampled, logprobs)
 
-    def _prefill(self, views: dict[str, torch.Tensor], num_seqs: int, sampled: bool) -> None:
-        maybe_fail("forward")
-        cu_seqlens = views["cu_seqlens"]
-        attention = VarlenAttention(cu_seqlens, int(views["pad_index"].shape[1]), views["pad_index"], views["valid"])
-        states = views["state_indices"]
-        batch = PrefillBatch(views["token_ids"], views["positions"], views["slot_mapping"], attention,
-                             views["last_index"], states)
-        logits = self.model.prefill(batch, self.state, self.ops)
-        self._emit(logits, num_seqs, states, views, cu_seqlens[1:] - cu_seqlens[:-1], sampled)
-
-    def _emit(self, logits: torch.Tensor, rows: int, states: torch.Tensor, views: dict[str, torch.Tensor],
-              sample_positions: torch.Tensor, sampled: bool) -> None:
+    def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], sample_positions: torch.Tensor,
+              sampled: bool, logprobs: bool) -> None:
         sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
-        if self.vocab_shard is not None:
+        if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
+            if self.vocab_shard.size < self.vocab_shard.per_rank:
+                logits[:, self.vocab_shard.size:] = float("-inf")
+            logits = gather_logits(logits, self.vocab_shard)
+            tokens, finite = self.ops.sample(logits, sampling), torch.isfinite(logits.sum(dim=-1))
+        elif self.vocab_shard is not None:
             tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops)
         else:
             tokens, finite = self.ops.sample(logits, sampling), torch.isfinite(logits.sum(dim=-1))
-        self.handoff.publish(tokens, rows, states, torch.where(finite, tokens, NONFINITE))
+        if logprobs:
+            self.handoff.publish_logprobs(rows, token_logprobs(logits, tokens))
+        self.handoff.publish(tokens, rows, views["sample_slots"][:rows], torch.where(finite, tokens, NONFINITE))
 
     def close(self) -> None:
         for graph in self.graphs.values():

@@ -50,8 +50,6 @@ class InputStager(ABC):
     """Moves a step's inputs to the device; ``to_device`` runs in submission order."""
 
     mode: Staging
-    #: the step's source is device memory already (the early H2D landed there): no prefill copy needed
-    source_on_device = False
 
     def __init__(self, device: Device, compute: Stream) -> None:
         self.device = device
@@ -144,7 +142,6 @@ class EarlyStager(InputStager):
     """The receiving thread issues the H2D straight from the shared slot, and releases it at once."""
 
     mode = Staging.early
-    source_on_device = True
 
     def __init__(self, device: Device, compute: Stream, in_flight: int) -> None:
         super().__init__(device, compute)

@@ -30,10 +30,7 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingInputs | None, shard: Vo
     if shard.size < shard.per_rank:
         logits[:, shard.size:] = float("-inf")  # the padding rows of the last block are never picked
     if sampling is not None:
-        gathered = logits.new_zeros((shard.world, rows, shard.per_rank))  # [world, B, per_rank]
-        gathered[shard.rank] = logits
-        all_reduce(gathered)
-        full = gathered.permute(1, 0, 2).reshape(rows, -1)[:, : shard.vocab_size].contiguous()  # [B, V]
+        full = gather_logits(logits, shard)
         return ops.sample(full, sampling), torch.isfinite(full.sum(dim=-1))
     local = ops.sample(logits, None)  # [B] this block's first maximum
     table = logits.new_zeros((3, shard.world, rows))  # best logit, its token id, block finite; per rank
@@ -44,3 +41,16 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingInputs | None, shard: Vo
     winner = table[0].argmax(dim=0, keepdim=True)  # [1, B]: the first (lowest) rank holding the largest logit
     tokens = table[1].gather(0, winner)[0].to(torch.int64)
     return tokens, table[2].sum(dim=0) == shard.world
+
+
+def gather_logits(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The whole vocabulary's logits [B, V] on every rank, from each rank's block [B, per_rank] (its
+    padding columns already -inf): each block written at its rank's place in a zeroed table, summed."""
+    all_reduce = shard.all_reduce
+    if all_reduce is None:
+        raise RuntimeError("a vocabulary-parallel LM head needs the process group's all-reduce")
+    rows = logits.shape[0]
+    gathered = logits.new_zeros((shard.world, rows, shard.per_rank))  # [world, B, per_rank]
+    gathered[shard.rank] = logits
+    all_reduce(gathered)
+    return gathered.permute(1, 0, 2).reshape(rows, -1)[:, : shard.vocab_size].contiguous()

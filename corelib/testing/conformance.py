@@ -32,8 +32,7 @@ from corelib.testing.helpers import (
 # The op conformance tests run with the suite (they skip where a backend has no op provider).
 from corelib.testing.op_conformance import (  # noqa: F401
     test_op_replays_in_a_graph_on_new_inputs,
-    test_paged_decode_attention_matches_reference,
-    test_prefill_attention_matches_reference,
+    test_paged_attention_matches_reference,
     test_provider_loads_the_ops_it_names,
     test_rms_norm_matches_reference,
     test_rope_kv_write_matches_reference,

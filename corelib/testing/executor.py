@@ -1,8 +1,10 @@
 """A scripted executor: the engine's loop with no model and no device, for unit tests on the CPU.
 
-It plays the device's part: a decode row whose input id is ``RELAY`` reads the slot's latest
-sample, as the token handoff's relay does; each row's token comes from ``next_token``; a step's
-inputs are the "device's" until its tokens are read, when it calls the loop's release callback.
+It plays the device's part: a token whose input id is ``RELAY`` reads its slot's latest sample,
+as the token handoff's relay does; each row's token comes from ``next_token`` of its last input
+token and goes to the relay slot the row names (a row that samples nothing names the padding
+slot; its token is ``UNSAMPLED``, which no host may read as a token); a step's inputs are the
+"device's" until its tokens are read, when it calls the loop's release callback.
 It records what happened, in order (``log``): each submission (with a copy of the packed inputs
 in ``submitted``), each result read, and each time an arena went back to the pool.
 """
@@ -20,12 +22,13 @@ from corelib.engine.build import build_engine_core
 from corelib.engine.core import EngineCore
 from corelib.options import EngineOptions, Staging, StepCheck
 from corelib.step.arena import RELAY, ArenaPool
-from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
 from corelib.transport.executor import SPARE_ARENAS, Executor, StepFuture
 
 NextToken = Callable[[int, int], int]  # (previous token, its position) -> the token sampled after it
+UNSAMPLED = 10**9  # the token a row that samples nothing returns: out of every vocabulary
 
 
 def count_up(vocab_size: int) -> NextToken:
@@ -62,20 +65,18 @@ class ScriptedExecutor(Executor):
         return _Future(self, StepResult(fi.step_id, fi.kind, self._run(fi, views)), release)
 
     def _run(self, fi: ForwardInput, views: dict[str, torch.Tensor]) -> list[int]:
+        pad = len(self.relay) - 1
         tokens = []
-        if fi.kind is StepKind.prefill:
-            ends = views["cu_seqlens"][1:].tolist()
-            for row, end in enumerate(ends):
-                token = self.next_token(int(views["token_ids"][end - 1]), end - 1 - int(views["cu_seqlens"][row]))
-                self.relay[int(views["state_indices"][row])] = token
-                tokens.append(token)
-            return tokens
         for row in range(fi.num_seqs):
+            last = row if fi.is_decode else int(views["query_start"][row + 1]) - 1
             slot = int(views["state_indices"][row])
-            given = int(views["input_ids"][row])
+            given = int(views["input_ids"][last])
             previous = self.relay[slot] if given == RELAY else given
-            token = self.next_token(previous, int(views["positions"][row]))
-            self.relay[slot] = token
+            token = self.next_token(previous, int(views["positions"][last]))
+            sample_slot = int(views["sample_slots"][row])
+            if sample_slot == pad:
+                token = UNSAMPLED
+            self.relay[sample_slot] = token
             tokens.append(token)
         return tokens
 

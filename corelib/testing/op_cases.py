@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from corelib.ops import PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops import PagedAttention, SamplingInputs
 
 LONG_CONTEXT = 1900
 VOCAB = 151936
@@ -87,22 +87,44 @@ class DecodeCase:
 
 
 @dataclass(frozen=True)
-class PrefillCase:
+class ChunkCase:
+    """A step of query lengths >= 1 over the paged cache: rows as (cached context, query length).
+
+    The step's own keys are in the cache already (the op reads only the cache); every slot past a
+    row's end, and every block no row owns, is dead (the live mask, for poisoning).
+    """
+
     dtype: torch.dtype
     group: int
     head_dim: int
-    lengths: tuple[int, ...]
+    block_size: int
+    rows: tuple[tuple[int, int], ...]  # (tokens cached before the step, queries in the step)
     kv_heads: int = 2
+    split: bool = False  # name the leading one-query rows as decode rows (PagedAttention.decode_rows)
 
     def build(self, seed: int, device: torch.device) -> Args:
+        # Another seed keeps every length (max_query_len is a host int) and draws new values and blocks.
         gen = torch.Generator().manual_seed(seed)
-        nh, nkv, hd, tokens = self.kv_heads * self.group, self.kv_heads, self.head_dim, sum(self.lengths)
-        # q and k as the model passes them: views of the rotated [T, nh+nkv, hd]; v of the fused qkv
-        qk = randn(gen, tokens, nh + nkv, hd, dtype=self.dtype)
-        v = randn(gen, tokens, (nh + 2 * nkv) * hd, dtype=self.dtype)[:, (nh + nkv) * hd :].view(tokens, nkv, hd)
-        cu = torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int64, device=device)
-        qk, v = qk.to(device), v.to(device)
-        return qk[:, :nh], qk[:, nh:], v, VarlenAttention(cu, max(self.lengths)), hd**-0.5
+        bs, nkv, hd = self.block_size, self.kv_heads, self.head_dim
+        lengths = [cached + queries for cached, queries in self.rows]
+        width = max(-(-n // bs) for n in lengths) + 1  # one padding column (block 0)
+        num_blocks = len(self.rows) * width + 1
+        kc = randn(gen, num_blocks, bs, nkv, hd, dtype=self.dtype)
+        vc = randn(gen, num_blocks, bs, nkv, hd, dtype=self.dtype)
+        owners = torch.randperm(num_blocks - 1, generator=gen) + 1
+        tables = torch.zeros(len(self.rows), width, dtype=torch.int32)
+        live = torch.zeros(num_blocks, bs, dtype=torch.bool)
+        for row, length in enumerate(lengths):
+            blocks = owners[row * width : row * width + -(-length // bs)]
+            tables[row, : len(blocks)] = blocks.to(torch.int32)
+            live.view(-1)[(blocks[:, None] * bs + torch.arange(bs)).view(-1)[:length]] = True
+        queries = [q for _, q in self.rows]
+        q = randn(gen, sum(queries), nkv * self.group, hd, dtype=self.dtype)
+        start = torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int64)
+        leading = next((i for i, n in enumerate(queries) if n > 1), len(queries)) if self.split else 0
+        attn = PagedAttention(tables.to(device), torch.tensor(lengths, device=device), bs, start.to(device),
+                              max(queries), leading)
+        return q.to(device), kc.to(device), vc.to(device), attn, hd**-0.5, live.to(device)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,13 @@ a multiple of any block, odd N, with and without bias:
   ``TOLERANCES`` (float32 1e-4, bfloat16 2e-2, float16 5e-3);
 - sampled token ids: exactly the reference's (greedy ties go to the lowest id; sampled rows
   use the same counter-based noise);
-- paged decode attention reads only live keys: every cache slot past a sequence's length (and
-  every block no sequence owns) holds NaN, as stale cache memory may;
+- paged attention (query lengths of 1 or more over the paged cache: decode steps, and steps of
+  decode rows with first and later prefill chunks, on and off block edges) reads only live keys:
+  every cache slot past a sequence's length (and every block no sequence owns) holds NaN, as stale
+  cache memory may;
 - under graph capture: each op captured once in a device graph on static buffers, the inputs
-  changed (decode: other context lengths per row), replayed, and compared with the reference on
-  the new inputs (prefill keeps its lengths: its max_seqlen is a host int).
+  changed (a decode step: other context lengths per row), replayed, and compared with the reference
+  on the new inputs (steps with chunks run eagerly: the longest query count is a host int).
 
 The default run takes a few cases per op; the full sweep is marked ``slow``.
 """
@@ -41,6 +43,7 @@ from corelib.testing.op_cases import (
     F32,
     Args,
     Case,
+    ChunkCase,
     DecodeCase,
     LinearCase,
     LinearResidualCase,
@@ -48,7 +51,6 @@ from corelib.testing.op_cases import (
     NormGateUpCase,
     NormLogitsCase,
     NormQkvCase,
-    PrefillCase,
     RopeCase,
     SampleCase,
     SiluCase,
@@ -82,14 +84,14 @@ class OpTarget:
         return self.ops
 
 
-def _decode_call(ops: Ops, args: Args, poison: bool) -> tuple[torch.Tensor, ...]:
+def _paged_call(ops: Ops, args: Args, poison: bool, op: str) -> tuple[torch.Tensor, ...]:
     q, kc, vc, attn, scale, live = args
     assert isinstance(q, torch.Tensor) and isinstance(kc, torch.Tensor) and isinstance(vc, torch.Tensor)
     assert isinstance(attn, PagedAttention) and isinstance(scale, float) and isinstance(live, torch.Tensor)
     if poison:  # keys past each length may hold anything: NaN must not leak into the output
         dead = ~live[:, :, None, None]
         kc, vc = kc.masked_fill(dead, float("nan")), vc.masked_fill(dead, float("nan"))
-    return (ops.paged_decode_attention(q, kc, vc, attn, scale),)
+    return (getattr(ops, op)(q, kc, vc, attn, scale),)
 
 
 def _params(default: Sequence[Case], sweep: Sequence[Case]) -> Sequence[object]:
@@ -109,12 +111,21 @@ DECODE_CASES = [
     DecodeCase(BF16, 32, 2, 64, 16, long=100, kv_heads=1),
 ]
 DECODE_SWEEP = [DecodeCase(d, (1, 3, 32, 128)[i % 4], g, hd, bs) for i, (d, g, hd, bs) in enumerate(_GEOMETRY)]
-PREFILL_CASES = [
-    PrefillCase(F32, 1, 64, (1,)),
-    PrefillCase(F32, 4, 64, (5, 70, 1)),
-    PrefillCase(BF16, 2, 128, (33, 100)),
+# Steps of query lengths >= 1: rows as (cached context, queries). A first chunk (nothing cached),
+# later chunks starting on and off a block edge, chunks across several blocks and longer than a
+# query tile, decode rows (one query) among them, and a long cached context.
+CHUNK_CASES = [
+    ChunkCase(F32, 1, 64, 16, ((0, 5),)),
+    ChunkCase(F32, 2, 64, 16, ((0, 17), (16, 16), (7, 40), (30, 1))),
+    ChunkCase(F32, 4, 128, 32, ((100, 1), (0, 70), (33, 130), (64, 1), (5, 3))),
+    ChunkCase(BF16, 8, 128, 16, ((0, 33), (300, 64), (17, 1))),
+    ChunkCase(BF16, 2, 64, 32, ((1, 1), (31, 2), (32, 97), (1500, 16)), kv_heads=1),
+    # decode rows listed first and named so: a provider may run them as a decode step
+    ChunkCase(F32, 4, 64, 16, ((40, 1), (300, 1), (1, 1), (0, 33), (17, 1), (5, 70)), split=True),
+    ChunkCase(BF16, 2, 128, 32, ((700, 1), (33, 130)), split=True),
 ]
-PREFILL_SWEEP = [PrefillCase(d, g, hd, (1, bs - 1, bs, bs + 1, 130)) for d, g, hd, bs in _GEOMETRY[::2]]
+CHUNK_SWEEP = [ChunkCase(d, g, hd, bs, ((0, 1), (bs - 1, 2), (bs, bs), (bs + 1, 130), (3 * bs, 1), (0, 300)))
+               for d, g, hd, bs in _GEOMETRY[1::2]]
 ROPE_CASES = [RopeCase(F32, 5, 2, 64, 16), RopeCase(BF16, 3, 2, 128, 32, kv_heads=8), RopeCase(F32, 1, 8, 128, 16)]
 ROPE_SWEEP = [RopeCase(d, (1, 3, 32, 128)[i % 4], g, hd, bs) for i, (d, g, hd, bs) in enumerate(_GEOMETRY)]
 NORM_CASES = [
@@ -205,10 +216,6 @@ def _rope(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return out, kc, vc  # type: ignore[return-value]
 
 
-def _prefill(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
-    return (ops.prefill_attention(*args),)  # type: ignore[arg-type]
-
-
 def _silu(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return (ops.silu_mul(*args),)  # type: ignore[arg-type]
 
@@ -217,8 +224,8 @@ def _sample(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return (ops.sample(*args),)  # type: ignore[arg-type]
 
 
-def _decode(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
-    return _decode_call(ops, args, poison=ops.providers["paged_decode_attention"] != "reference")
+def _paged(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    return _paged_call(ops, args, ops.providers["paged_attention"] != "reference", "paged_attention")
 
 
 def _linear(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
@@ -245,8 +252,7 @@ def _qkv(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
 CALLS: dict[str, Call] = {
     "rms_norm": _norm,
     "rope_kv_write": _rope,
-    "paged_decode_attention": _decode,
-    "prefill_attention": _prefill,
+    "paged_attention": _paged,
     "silu_mul": _silu,
     "sample": _sample,
     "linear": _linear,
@@ -273,14 +279,9 @@ def test_rope_kv_write_matches_reference(op_target: OpTarget, case: RopeCase) ->
     _check(op_target, "rope_kv_write", case, _rope)
 
 
-@pytest.mark.parametrize("case", _params(DECODE_CASES, DECODE_SWEEP))
-def test_paged_decode_attention_matches_reference(op_target: OpTarget, case: DecodeCase) -> None:
-    _check(op_target, "paged_decode_attention", case, _decode)
-
-
-@pytest.mark.parametrize("case", _params(PREFILL_CASES, PREFILL_SWEEP))
-def test_prefill_attention_matches_reference(op_target: OpTarget, case: PrefillCase) -> None:
-    _check(op_target, "prefill_attention", case, _prefill)
+@pytest.mark.parametrize("case", _params([*DECODE_CASES, *CHUNK_CASES], [*DECODE_SWEEP, *CHUNK_SWEEP]))
+def test_paged_attention_matches_reference(op_target: OpTarget, case: DecodeCase | ChunkCase) -> None:
+    _check(op_target, "paged_attention", case, _paged)
 
 
 @pytest.mark.parametrize("case", _params(SILU_CASES, SILU_SWEEP))
@@ -321,8 +322,7 @@ def test_norm_qkv_rope_kv_write_matches_reference(op_target: OpTarget, case: Nor
 GRAPH_CASES: dict[str, Case] = {
     "rms_norm": NormCase(BF16, (3, 1024), residual=True),
     "rope_kv_write": RopeCase(BF16, 3, 2, 128, 16),
-    "paged_decode_attention": DecodeCase(BF16, 3, 4, 128, 16, long=300),
-    "prefill_attention": PrefillCase(BF16, 2, 64, (5, 40)),
+    "paged_attention": DecodeCase(BF16, 3, 4, 128, 16, long=300),  # a decode step: the captured shape
     "silu_mul": SiluCase(BF16, 3, 3072),
     "sample": SampleCase(3, ties=True),
     "linear": LinearCase(BF16, 3, 1001, 300, bias=True),

@@ -295,7 +295,7 @@ class ShmExecutor(Executor):
             wire = decode_result(frame.header, frame.data)
             kind = StepKind.decode if wire.decode else StepKind.prefill
             return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
-                              wire.transport_us)
+                              wire.transport_us, logprobs=wire.logprobs)
         finally:
             self.consumer.release(frame)
 

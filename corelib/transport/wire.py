@@ -1,8 +1,9 @@
 """The step wire protocol: how one step's inputs and results are laid out, in process and over SHM.
 
-Everything both ends of the SHM transport must agree on is defined here once, by name (the
-arena layouts of a step's inputs, which frames carry unchanged, are :mod:`corelib.step.arena`):
+Everything both ends of the SHM transport must agree on is defined here once, by name:
 
+- the step layout (:func:`step_layout`): one step's inputs in one arena (the arena mechanics are
+  :mod:`corelib.step.arena`), which the packer writes, frames carry unchanged and the runner reads;
 - the frame kinds, and one flag set per direction (:class:`InputFlags` on input frames,
   :class:`ResultFlags` on result frames);
 - the frame header (:class:`FrameHeader`), and the payload of a result frame
@@ -14,30 +15,85 @@ The scheduler side and the worker side both import this module; neither imports 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass, field
 
 import crc32c
+import torch
 
+from corelib.engine.sequence import MAX_LOGPROBS
 from corelib.errors import TransportError
-from corelib.step.arena import DECODE_FIELD_NAMES, PREFILL_FIELD_NAMES, ArenaLayout
-from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.step.arena import ArenaLayout, Field
+from corelib.step.forward_input import ForwardInput
+
+# ---------------------------------------------------------------------------------------- the step
+# One step: R rows (one per sequence, R = the engine's largest batch), W block-table columns and
+# T tokens, the rows' queries one after another. The row fields come first, so their offsets are
+# the same whatever T is: a decode step (T = R, one token per row) is the fixed layout a captured
+# graph reads, and a step of prefill chunks the same layout with more tokens.
+ROW_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("seq_lens", torch.int64),  # keys each row attends to once this step's are written
+    ("state_indices", torch.int64),  # per-sequence slot: token relay, recurrent state
+    ("sample_slots", torch.int64),  # the relay slot of the row's sample: its state index, or the padding one
+    ("copy_from", torch.int64),  # copy on write: the first num_copies entries name KV blocks to copy ...
+    ("copy_to", torch.int64),  # ... into these, before the forward
+    *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
+)
+TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("input_ids", torch.int64),  # RELAY: the token sampled by the previous step, on the device
+    ("positions", torch.int64),
+    ("slot_mapping", torch.int64),  # KV cache slot of the token: block * block_size + offset
+)
+STEP_FIELD_NAMES = (*(name for name, _ in ROW_FIELDS), "query_start", "block_tables",
+                    *(name for name, _ in TOKEN_FIELDS))
+
+
+@functools.lru_cache(maxsize=64)
+def step_layout(tokens: int, rows: int, width: int) -> ArenaLayout:
+    """The arena of a step of ``tokens`` token slots over ``rows`` rows of ``width`` blocks each.
+
+    query_start [R+1]: row i's tokens are query_start[i]:query_start[i+1] (a decode step leaves it
+    unread: token i is row i's).
+    """
+    return ArenaLayout.of([
+        *(Field(name, dtype, (rows,)) for name, dtype in ROW_FIELDS),
+        Field("query_start", torch.int64, (rows + 1,)),
+        Field("block_tables", torch.int32, (rows, width)),
+        *(Field(name, dtype, (tokens,)) for name, dtype in TOKEN_FIELDS),
+    ])
+
+
+def pad_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int, pad_state_index: int) -> None:
+    """Rows (and their tokens) ``[first, last)`` of a decode step: token 0 at position 0 of the padding
+    state index, on the null block, greedy, sampling into the padding slot."""
+    for name in ("input_ids", "positions", "slot_mapping"):
+        views[name][first:last] = 0
+    views["seq_lens"][first:last] = 1
+    views["state_indices"][first:last] = pad_state_index
+    views["sample_slots"][first:last] = pad_state_index
+    views["copy_from"][first:last] = 0
+    views["copy_to"][first:last] = 0
+    for column in SAMPLING_COLUMNS:
+        views[column.name][first:last] = column.neutral
+    views["block_tables"][first:last, :kv_blocks] = 0
 
 
 # ---------------------------------------------------------------------------------------- frames
 class FrameKind(enum.IntEnum):
-    prefill = 0
-    decode = 1
+    step = 1  # one step's inputs
     result = 2
     stop = 3
     memory = 5  # asks each worker for its device's memory figures (answered on the control pipe)
 
 
 class InputFlags(enum.IntFlag):
-    """Flags of a prefill or decode frame."""
+    """Flags of a step frame."""
 
     NONE = 0
     SAMPLE = 1  # some row samples (temperature > 0): the sampled graph variant runs
+    LOGPROBS = 2  # some row asks for logprobs: the step computes them and the result carries them
 
 
 class ResultFlags(enum.IntFlag):
@@ -45,23 +101,22 @@ class ResultFlags(enum.IntFlag):
 
     NONE = 0
     GRAPH = 1  # the step replayed a captured graph
-    DECODE = 2  # a decode step (else prefill)
+    DECODE = 2  # a decode step (else one holding prefill tokens)
+    LOGPROBS = 4  # the payload carries each row's logprobs after its tokens
 
 
 def field_names(kind: FrameKind) -> tuple[str, ...]:
-    if kind is FrameKind.decode:
-        return DECODE_FIELD_NAMES
-    if kind is FrameKind.prefill:
-        return PREFILL_FIELD_NAMES
+    if kind is FrameKind.step:
+        return STEP_FIELD_NAMES
     raise TransportError(f"a {kind.name} frame carries no step inputs")
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 5  # 5: no free float; 4: CRC-32C; 3: named input fields; 2: the checksum covers the header too
+VERSION = 6  # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiidQII")
-_CHECKSUM_AT = struct.calcsize("<IHHQqiiiidQ")  # the checksum's offset: the CRC reads it as zero
+_FIXED = struct.Struct("<IHHQqiiiiiiiidQII")
+_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
 _ZERO_CHECKSUM = bytes(4)
 _LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
 
@@ -87,6 +142,10 @@ class FrameHeader:
     payload_len: int = 0
     checksum: int = 0
     layout: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # step frames: tokens computed
+    max_query_len: int = 0  # step frames: the most tokens one row feeds
+    num_copies: int = 0  # step frames: KV blocks copied before the forward
+    decode_rows: int = 0  # step frames: the leading rows that feed one token each
 
     @property
     def nbytes(self) -> int:
@@ -96,8 +155,8 @@ class FrameHeader:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
         return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-                self.kv_blocks, int(self.flags), self.sent_at, self.payload_len, checksum,
-                len(self.layout))
+                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows, int(self.flags),
+                self.sent_at, self.payload_len, checksum, len(self.layout))
 
     def packed(self, checksum: int | None = None) -> bytes:
         fixed = _FIXED.pack(*self._fixed(self.checksum if checksum is None else checksum))
@@ -114,8 +173,8 @@ class FrameHeader:
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
-        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
-         words) = _FIXED.unpack_from(buffer, 0)
+        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
+         decode_rows, flags, sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
         if magic != MAGIC:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
@@ -126,13 +185,14 @@ class FrameHeader:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
         layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
         return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
-                   layout)
+                   layout, num_tokens, max_query_len, num_copies, decode_rows)
 
     def input_layout(self, where: str) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
 
-        Decoded once per distinct layout: a decode step's layout never changes, so a worker
-        looks it up rather than rebuilding it every step.
+        Decoded once per distinct layout: a decode step's layout never changes and a step of
+        prefill tokens has one of a few token counts, so a worker looks it up rather than
+        rebuilding it every step.
         """
         key = (int(self.kind), *self.layout)
         layout = _LAYOUTS.get(key)
@@ -149,20 +209,36 @@ class FrameHeader:
         return layout
 
 
-MAX_CACHED_LAYOUTS = 256  # prefill layouts vary with the step's lengths: keep the cache bounded
+MAX_CACHED_LAYOUTS = 64  # a bound, should a producer send many token counts
 _KINDS = {int(kind): kind for kind in FrameKind}
 
 
 def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
-    kind = FrameKind.decode if fi.kind is StepKind.decode else FrameKind.prefill
-    flags = InputFlags.SAMPLE if fi.sample else InputFlags.NONE
-    return FrameHeader(kind, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags), sent_at=sent_at,
-                       layout=fi.layout.encode())
+    flags = (InputFlags.SAMPLE if fi.sample else InputFlags.NONE) | (
+        InputFlags.LOGPROBS if fi.logprobs else InputFlags.NONE)
+    return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
+                       sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
+                       max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows)
+
+
+def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardInput:
+    """The step a checked step frame describes; its arena views ``payload``."""
+    layout = header.input_layout(where)
+    if (not 1 <= header.max_query_len <= max(header.num_tokens, 1) or header.bucket < header.num_seqs
+            or not 0 <= header.num_copies <= header.num_seqs or not 0 <= header.decode_rows < max(header.bucket, 1)):
+        raise TransportError(f"{where}: a step of {header.num_seqs} rows ({header.bucket} computed), "
+                             f"{header.num_tokens} tokens and up to {header.max_query_len} per row is malformed")
+    flags = InputFlags(header.flags)
+    return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
+                        header.kv_blocks, InputFlags.SAMPLE in flags, layout, payload, InputFlags.LOGPROBS in flags,
+                        header.num_copies, header.decode_rows)
 
 
 # ---------------------------------------------------------------------------------------- results
 RESULT_TAIL = struct.Struct("<ddd")  # busy ms, gap ms (-1: none), transport µs
+#: a row's logprobs as floats: the sampled token's, the top ones' values, then their token ids (exact in float32)
+LOGPROB_WIDTH = 1 + 2 * MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -176,22 +252,28 @@ class WireResult:
     busy_ms: float | None
     gap_ms: float | None
     transport_us: float
+    logprobs: list[list[float]] | None = None  # per row, LOGPROB_WIDTH floats
 
 
 def result_bytes(max_rows: int) -> int:
-    return 8 * max_rows + RESULT_TAIL.size
+    return 8 * max_rows + RESULT_TAIL.size + 4 * LOGPROB_WIDTH * max_rows
 
 
 def result_header(result: WireResult, sent_at: float) -> FrameHeader:
     flags = (ResultFlags.GRAPH if result.graph else ResultFlags.NONE) | (
-        ResultFlags.DECODE if result.decode else ResultFlags.NONE)
+        ResultFlags.DECODE if result.decode else ResultFlags.NONE) | (
+        ResultFlags.LOGPROBS if result.logprobs is not None else ResultFlags.NONE)
     return FrameHeader(FrameKind.result, 0, result.step_id, len(result.tokens), flags=int(flags), sent_at=sent_at)
 
 
 def encode_result(result: WireResult) -> bytes:
     tokens = struct.pack(f"<{len(result.tokens)}q", *result.tokens)
     gap = -1.0 if result.gap_ms is None else result.gap_ms
-    return tokens + RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
+    tail = RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
+    if result.logprobs is None:
+        return tokens + tail
+    flat = [value for row in result.logprobs for value in row]
+    return tokens + tail + struct.pack(f"<{len(flat)}f", *flat)
 
 
 def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResult:
@@ -201,5 +283,12 @@ def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResul
     tokens = list(struct.unpack_from(f"<{n}q", payload, 0))
     busy, gap, transport = RESULT_TAIL.unpack_from(payload, 8 * n)
     flags = ResultFlags(header.flags)
+    logprobs = None
+    if ResultFlags.LOGPROBS in flags:
+        at = 8 * n + RESULT_TAIL.size
+        if len(payload) < at + 4 * LOGPROB_WIDTH * n:
+            raise TransportError(f"result frame for step {header.step_id}: too short for its rows' logprobs")
+        flat = struct.unpack_from(f"<{LOGPROB_WIDTH * n}f", payload, at)
+        logprobs = [list(flat[i * LOGPROB_WIDTH : (i + 1) * LOGPROB_WIDTH]) for i in range(n)]
     return WireResult(header.step_id, ResultFlags.DECODE in flags, ResultFlags.GRAPH in flags, tokens,
-                      busy or None, None if gap < 0 else gap, transport)
+                      busy or None, None if gap < 0 else gap, transport, logprobs)

@@ -41,16 +41,15 @@ from corelib.models.sharding import TensorShard
 from corelib.options import EngineOptions
 from corelib.step.build import build_device_steps, load_model
 from corelib.step.device_steps import DeviceSteps
-from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepHandle
 from corelib.step.layout import EngineLayout
 from corelib.transport.doorbell import CHECK_S
 from corelib.transport.parallel import init_group, leave_group
-from corelib.transport.shm import Consumer, Frame, Producer, Ring
-from corelib.transport.wire import FrameKind, InputFlags, WireResult, encode_result, result_header
+from corelib.transport.shm import Consumer, Producer, Ring
+from corelib.transport.wire import FrameKind, WireResult, encode_result, input_of, result_header
 
 IDLE_S = 365 * 24 * 3600.0  # waiting for the next step: idle is fine (the scheduler's liveness is checked)
-_STEP_KINDS = {FrameKind.decode: StepKind.decode, FrameKind.prefill: StepKind.prefill}
 
 
 @dataclasses.dataclass
@@ -78,14 +77,6 @@ class WorkerArgs:
     master_port: int = 0
     local_rank: int = 0  # this rank's place on its node: its device index and its consumer index in the ring
     local_world: int = 1  # ranks on this node (engine.tp / nodes): the ring's consumers
-
-
-def input_of(frame: Frame, where: str) -> ForwardInput:
-    """The step a checked input frame describes; its arena views the slot."""
-    header = frame.header
-    layout = header.input_layout(where)
-    return ForwardInput(header.step_id, _STEP_KINDS[header.kind], header.num_seqs, header.bucket, header.kv_blocks,
-                        bool(header.flags & InputFlags.SAMPLE), layout, frame.payload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +143,9 @@ class StepLoop:
                 continue
             maybe_fail("poll")
             where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
-            if kind not in _STEP_KINDS:
+            if kind is not FrameKind.step:
                 raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
-            fi = input_of(frame, where)
+            fi = input_of(frame.header, frame.payload, where)
             staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
             transport_us = (time.perf_counter() - frame.header.sent_at) * 1e6
             if not self._free.acquire(timeout=self.timeout):
@@ -216,7 +207,7 @@ class StepLoop:
             self._free.release()  # its token buffer is free: the next step may be submitted
             if self.results is not None and not self._stopping:
                 wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
-                                  result.busy_ms, result.gap_ms, head.transport_us)
+                                  result.busy_ms, result.gap_ms, head.transport_us, result.logprobs)
                 self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 

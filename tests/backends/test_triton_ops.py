@@ -37,7 +37,7 @@ from corelib.backend import DeviceSpec
 from corelib.compose import compose_config
 from corelib.config import ModelConfig
 from corelib.device import Capabilities, Device, Runtime
-from corelib.models.base import DecodeBatch
+from corelib.models.base import StepBatch
 from corelib.models.hybrid import HybridState
 from corelib.models.llama import KVCache, LlamaModel
 from corelib.models.registry import architecture as architecture_of
@@ -103,7 +103,7 @@ def test_decode_cases_cover_the_split_k_path() -> None:
     assert any(splits(case) > 1 for case in DECODE_SWEEP)
 
 
-def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[DecodeBatch, KVCache]:
+def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[StepBatch, KVCache]:
     """A decode step over random cached context: each row's new token goes to its next slot."""
     gen = torch.Generator().manual_seed(7)
     width = max(-(-(n + 1) // block_size) for n in lengths)
@@ -113,7 +113,7 @@ def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tu
     tables = (1 + torch.arange(len(lengths) * width, dtype=torch.int32)).view(len(lengths), width)
     positions = torch.tensor(lengths)
     slots = tables.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
-    batch = DecodeBatch(torch.randint(0, shape.vocab_size, (len(lengths),), generator=gen), positions, slots,
+    batch = StepBatch(torch.randint(0, shape.vocab_size, (len(lengths),), generator=gen), positions, slots,
                         PagedAttention(tables, positions + 1, block_size), torch.arange(len(lengths)))
     return batch, cache
 
@@ -134,7 +134,7 @@ def test_a_decode_step_through_the_triton_ops_gives_the_reference_logits(op_targ
         if architecture == "hybrid":
             assert isinstance(state, HybridState)
             state.data = cache.data  # the same random context as the Llama-family runs
-        results.append((model.decode(batch, state, ops), cache.data))
+        results.append((model.forward(batch, state, ops), cache.data))
     (ref_logits, ref_cache), (logits, cache_data) = results
     assert_matches(logits, ref_logits, f"{architecture} logits through the triton ops")
     assert_matches(cache_data, ref_cache, f"{architecture} KV cache written by the triton ops")

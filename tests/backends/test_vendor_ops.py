@@ -19,8 +19,9 @@ from corelib_mlu.backend import MLUBackend
 from corelib_npu.backend import NPUBackend
 from vendorkit import FakeTmo, FakeTorchNpu, Op, close, install_mlu, install_npu
 
-from corelib.ops import COMPOSED_OPS, OP_NAMES, PagedAttention, VarlenAttention
+from corelib.ops import COMPOSED_OPS, OP_NAMES, PagedAttention
 from corelib.ops import reference as ref
+from corelib.testing.op_cases import BF16, ChunkCase, DecodeCase
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_providers_load_only_where_every_vendor_function_exists(monkeypatch: pyt
     assert (npu_ops.name, mlu_ops.name) == ("torch_npu", "torch_mlu_ops")
     composed = set(COMPOSED_OPS)
     assert set(npu_ops.op_names()) == set(OP_NAMES) - {"sample"} - composed
-    assert set(mlu_ops.op_names()) == set(OP_NAMES) - {"sample", "paged_decode_attention"} - composed | {
+    assert set(mlu_ops.op_names()) == set(OP_NAMES) - {"sample"} - composed | {
         "linear_residual"}
 
 
@@ -93,14 +94,6 @@ def decode_case(hd: int, block_size: int, lengths: list[int], nh: int = 8, nkv: 
     q = torch.randn(batch, nh, hd, generator=g).to(dtype)
     k_cache, v_cache = (torch.randn(num_blocks, block_size, nkv, hd, generator=g).to(dtype) for _ in "kv")
     return q, k_cache, v_cache, tables, torch.tensor(lengths)
-
-
-def varlen_case(lengths: list[int], hd: int, nh: int = 8, nkv: int = 2) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(sum(lengths) + hd)
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, heads, hd, generator=g).bfloat16() for heads in (nh, nkv, nkv))
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return q, k, v, cu_seqlens
 
 
 # -- torch_npu --------------------------------------------------------------------------------
@@ -151,13 +144,13 @@ def test_npu_rope_kv_write_rotates_with_npu_rotary_mul_and_scatters_into_the_slo
 
 
 @pytest.mark.parametrize(("hd", "block_size", "lengths"), [(64, 16, [1, 17, 40, 5]), (128, 128, [130, 3, 256])])
-def test_npu_decode_attention_reads_the_paged_cache_in_place_and_matches_the_reference(
+def test_npu_paged_attention_of_a_decode_step_reads_the_paged_cache_in_place_and_matches_the_reference(
     npu: tuple[FakeTorchNpu, dict[str, Op]], hd: int, block_size: int, lengths: list[int]
 ) -> None:
     fake, ops = npu
     q, k_cache, v_cache, tables, seq_lens = decode_case(hd, block_size, lengths)
     attn = PagedAttention(block_tables=tables, seq_lens=seq_lens, block_size=block_size)
-    out = ops["paged_decode_attention"](q, k_cache, v_cache, attn, 0.1)
+    out = ops["paged_attention"](q, k_cache, v_cache, attn, 0.1)
     (call,) = fake.named("npu_fused_infer_attention_score")
     batch, width = tables.shape
     assert call["input_layout"] == "BSH" and call["query"].shape == (batch, 1, 8 * hd)
@@ -166,7 +159,7 @@ def test_npu_decode_attention_reads_the_paged_cache_in_place_and_matches_the_ref
     assert (call["num_heads"], call["num_key_value_heads"], call["scale"]) == (8, 2, 0.1)
     assert call["actual_seq_lengths_kv"] == [width * block_size] * batch
     assert torch.equal(call["atten_mask"], ~attn.key_mask), "True marks the dead keys"
-    close(out, ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.1))
+    close(out, ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, 0.1))
 
 
 def test_npu_decode_host_arguments_do_not_depend_on_the_lengths(npu: tuple[FakeTorchNpu, dict[str, Op]]) -> None:
@@ -174,7 +167,7 @@ def test_npu_decode_host_arguments_do_not_depend_on_the_lengths(npu: tuple[FakeT
     fake, ops = npu
     q, k_cache, v_cache, tables, _ = decode_case(64, 16, [30, 9])
     for lengths in ([30, 9], [31, 1]):
-        ops["paged_decode_attention"](q, k_cache, v_cache, PagedAttention(tables, torch.tensor(lengths), 16), 0.1)
+        ops["paged_attention"](q, k_cache, v_cache, PagedAttention(tables, torch.tensor(lengths), 16), 0.1)
     first, second = ({k: v for k, v in call.items() if not isinstance(v, torch.Tensor)}
                      for call in fake.named("npu_fused_infer_attention_score"))
     assert first == second
@@ -186,29 +179,64 @@ def test_npu_decode_outside_the_documented_limits_takes_the_reference(
     fake, ops = npu
     q, k_cache, v_cache, tables, seq_lens = decode_case(64, 16, [20, 33], dtype=torch.float32)
     attn = PagedAttention(tables, seq_lens, 16)
-    close(ops["paged_decode_attention"](q, k_cache, v_cache, attn, 0.1),
-          ref.paged_decode_attention(q, k_cache, v_cache, attn, 0.1))
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, 0.1),
+          ref.paged_attention(q, k_cache, v_cache, attn, 0.1))
     q, k_cache, v_cache, tables, seq_lens = decode_case(64, 16, [20, 33], spare_blocks=-2)
     attn = PagedAttention(tables, seq_lens, 16)  # B * W > num_blocks: the full-width length is refused
-    close(ops["paged_decode_attention"](q, k_cache, v_cache, attn, 0.1),
-          ref.paged_decode_attention(q, k_cache, v_cache, attn, 0.1))
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, 0.1),
+          ref.paged_attention(q, k_cache, v_cache, attn, 0.1))
     assert fake.named("npu_fused_infer_attention_score") == []
 
 
-@pytest.mark.parametrize(("hd", "lengths"), [(64, [5, 1, 12]), (128, [9, 16])])
-def test_npu_prefill_attention_runs_the_padded_grid_and_matches_the_reference(
-    npu: tuple[FakeTorchNpu, dict[str, Op]], hd: int, lengths: list[int]
+def chunk_args(case: ChunkCase | DecodeCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttention, float]:
+    q, k_cache, v_cache, attn, scale, _ = case.build(0, torch.device("cpu"))
+    assert isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+    assert isinstance(attn, PagedAttention) and isinstance(scale, float)
+    return q, k_cache, v_cache, attn, scale
+
+
+def test_npu_paged_attention_runs_chunks_through_page_attention_and_matches_the_reference(
+    npu: tuple[FakeTorchNpu, dict[str, Op]]
 ) -> None:
     fake, ops = npu
-    q, k, v, cu_seqlens = varlen_case(lengths, hd)
-    attn = VarlenAttention(cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
-    out = ops["prefill_attention"](q, k, v, attn, 0.125)
+    q, k_cache, v_cache, attn, scale = chunk_args(ChunkCase(BF16, 4, 64, 128, ((0, 17), (130, 40), (50, 1))))
+    out = ops["paged_attention"](q, k_cache, v_cache, attn, scale)
     (call,) = fake.named("npu_fused_infer_attention_score")
-    n, length = len(lengths), max(lengths)
-    assert call["input_layout"] == "BSND" and call["query"].shape == (n, length, 8, hd)
-    assert call["key"].shape == (n, length, 2, hd) and call["atten_mask"].shape == (n, 1, length, length)
-    assert "actual_seq_lengths" not in call and "actual_seq_lengths_kv" not in call, "no host copy of the lengths"
-    close(out, ref.prefill_attention(q.float(), k.float(), v.float(), attn, 0.125))
+    batch, width = attn.block_tables.shape
+    assert call["input_layout"] == "BSND" and call["query"].shape == (batch, 40, 8, 64), "a padded query grid"
+    assert call["key"].data_ptr() == k_cache.data_ptr() and call["block_table"] is attn.block_tables
+    assert call["actual_seq_lengths_kv"] == [width * 128] * batch, "a length fixed by the shapes, not the lengths"
+    assert call["atten_mask"].shape == (batch, 1, 40, width * 128) and call["sparse_mode"] == 0
+    close(out, ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+
+
+def test_npu_paged_attention_of_decode_rows_is_the_decode_kernel_and_small_blocks_take_the_reference(
+    npu: tuple[FakeTorchNpu, dict[str, Op]]
+) -> None:
+    fake, ops = npu
+    q, k_cache, v_cache, attn, scale = chunk_args(DecodeCase(BF16, 3, 4, 64, 16, long=70))
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, scale),
+          ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+    (call,) = fake.named("npu_fused_infer_attention_score")
+    assert call["input_layout"] == "BSH", "one query per row: the IncreFlashAttention branch"
+    q, k_cache, v_cache, attn, scale = chunk_args(ChunkCase(BF16, 4, 64, 16, ((0, 17), (30, 5))))
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, scale),
+          ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+    assert len(fake.named("npu_fused_infer_attention_score")) == 1, "blocks of 16 with Q_S > 1: the reference"
+
+
+def test_npu_paged_attention_runs_named_decode_rows_as_a_decode_step_and_the_chunks_apart(
+    npu: tuple[FakeTorchNpu, dict[str, Op]]
+) -> None:
+    fake, ops = npu
+    q, k_cache, v_cache, attn, scale = chunk_args(ChunkCase(BF16, 4, 64, 128, ((90, 1), (300, 1), (0, 40)),
+                                                            split=True))
+    assert attn.decode_rows == 2
+    close(ops["paged_attention"](q, k_cache, v_cache, attn, scale),
+          ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
+    decode, chunk = fake.named("npu_fused_infer_attention_score")
+    assert decode["input_layout"] == "BSH" and decode["query"].shape == (2, 1, 8 * 64)
+    assert chunk["input_layout"] == "BSND" and chunk["query"].shape == (1, 40, 8, 64)
 
 
 def test_npu_silu_mul_maps_to_npu_swiglu(npu: tuple[FakeTorchNpu, dict[str, Op]]) -> None:
@@ -261,18 +289,21 @@ def test_mlu_rope_kv_write_rotates_a_private_copy_with_apply_rotary(
     assert torch.equal(case["v_cache"], expected["v_cache"])
 
 
-@pytest.mark.parametrize(("hd", "lengths"), [(64, [5, 1, 12]), (128, [9, 16])])
-def test_mlu_prefill_attention_maps_to_packed_flash_attention(
-    mlu: tuple[FakeTmo, dict[str, Op]], hd: int, lengths: list[int]
+@pytest.mark.parametrize("case", [ChunkCase(BF16, 2, 64, 16, ((0, 17), (30, 5), (40, 1), (16, 16))),
+                                  DecodeCase(BF16, 3, 4, 64, 16, long=70)], ids=["chunks", "decode"])
+def test_mlu_paged_attention_maps_to_flash_attention_over_packed_keys(
+    mlu: tuple[FakeTmo, dict[str, Op]], case: ChunkCase | DecodeCase
 ) -> None:
     fake, ops = mlu
-    q, k, v, cu_seqlens = varlen_case(lengths, hd)
-    attn = VarlenAttention(cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
-    out = ops["prefill_attention"](q, k, v, attn, 0.125)
+    q, k_cache, v_cache, attn, scale = chunk_args(case)
+    out = ops["paged_attention"](q, k_cache, v_cache, attn, scale)
     (call,) = fake.named("flash_attention")
-    assert call["is_causal"] and call["max_seq_len_q"] == call["max_seq_len_kv"] == max(lengths)
-    assert torch.equal(call["cu_seq_lens_q"], cu_seqlens.int()) and call["softmax_scale"] == 0.125
-    close(out, ref.prefill_attention(q.float(), k.float(), v.float(), attn, 0.125))
+    batch, width = attn.block_tables.shape
+    ends = torch.cumsum(attn.seq_lens, 0)
+    assert call["is_causal"] and call["max_seq_len_q"] == attn.max_query_len
+    assert call["max_seq_len_kv"] == width * 16 and call["k"].shape[0] == batch * width * 16, "static sizes"
+    assert torch.equal(call["cu_seq_lens_kv"], torch.cat([ends.new_zeros(1), ends]).int())
+    close(out, ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), attn, scale))
 
 
 def test_mlu_silu_mul_maps_to_gated_active(mlu: tuple[FakeTmo, dict[str, Op]]) -> None:

@@ -119,45 +119,46 @@ class FakeTorchNpu(Recording):
         require(heads % kv_heads == 0 and heads // kv_heads <= 64, "GQA ratio")
         mask = kw.get("atten_mask")
         require(mask is None or mask.dtype in (torch.bool, torch.int8, torch.uint8), "atten_mask bool/int8/uint8")
-        if kw.get("block_table") is not None:
-            out = self._paged(query, key, value, mask, heads, kv_heads, kw)
-        else:
-            out = self._dense(query, key, value, mask, heads, kv_heads, kw)
-        return out, torch.zeros(1)
+        require(kw.get("block_table") is not None, "modelled: page attention only (corelib passes its block tables)")
+        return self._paged(query, key, value, mask, heads, kv_heads, kw), torch.zeros(1)
 
     def _paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, heads: int,
                kv_heads: int, kw: dict[str, Any]) -> torch.Tensor:
-        # page attention, Q_S = 1, BSH query; KV (blocknum, blocksize, H) laid out by block_table
+        # page attention: KV (blocknum, blocksize, H) laid out by block_table. Q_S = 1 (IncreFlashAttention):
+        # BSH query; Q_S > 1 (PromptFlashAttention): BSND query, block size a multiple of 128 in [128, 512]
         table, block_size = kw["block_table"], kw["block_size"]
         lengths: list[int] = kw.get("actual_seq_lengths_kv") or []
-        batch, num_blocks, hd = query.shape[0], key.shape[0], query.shape[2] // heads
-        require(kw["input_layout"] == "BSH" and query.shape[1] == 1, "modelled: BSH with Q_S = 1")
+        batch, num_blocks = query.shape[0], key.shape[0]
+        if kw["input_layout"] == "BSH":
+            require(query.shape[1] == 1, "modelled: BSH with Q_S = 1")
+            hd, queries = query.shape[2] // heads, 1
+        else:
+            require(kw["input_layout"] == "BSND" and query.dim() == 4 and query.shape[2] == heads, "BSND query")
+            hd, queries = query.shape[3], query.shape[1]
+        if queries > 1:
+            require(block_size % 128 == 0 and 128 <= block_size <= 512, "Q_S > 1 page attention: block_size 128-512")
+            require(kw.get("sparse_mode", 0) == 0, "modelled: sparse_mode 0 with a full mask")
         require(table.dtype == torch.int32 and table.shape[0] == batch, "block_table int32 [B, W]")
         require(key.dim() == 3 and key.shape[1] == block_size and block_size % 16 == 0, "(blocknum, 16k, H)")
         require(len(lengths) >= batch and all(type(n) is int for n in lengths), "kv lengths: a list of host ints")
         require(sum(math.ceil(n / block_size) for n in lengths[:batch]) <= num_blocks, "blocknum too small")
         require(table.shape[1] * block_size >= max(lengths[:batch]), "block_table narrower than the lengths")
+        if mask is not None and queries > 1:
+            require(mask.dim() == 4 and mask.shape[:3] == (batch, 1, queries), "mask (B, 1, Q_S, KV_S)")
+            require(mask.shape[3] >= table.shape[1] * block_size, "KV_S >= maxBlockNumPerSeq * blockSize")
         cache_k, cache_v = (t.view(num_blocks, block_size, kv_heads, hd) for t in (key, value))
         out = []
         for b, length in enumerate(lengths[:batch]):
             pos = torch.arange(length)
             blocks = table[b, pos // block_size].long()
-            dead = torch.zeros(1, length, dtype=torch.bool) if mask is None else mask[b].reshape(1, -1)[:, :length]
-            row = attend(query[b].view(1, heads, hd), cache_k[blocks, pos % block_size],
-                         cache_v[blocks, pos % block_size], dead.bool(), kw["scale"])
-            out.append(row.reshape(1, heads * hd))
-        return torch.stack(out).to(query.dtype)  # [B, 1, H]
-
-    def _dense(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, heads: int,
-               kv_heads: int, kw: dict[str, Any]) -> torch.Tensor:
-        # BSND without lengths: every row of every batch entry is computed; mask (B, 1, S, S_kv)
-        require(kw["input_layout"] == "BSND" and kw.get("sparse_mode", 0) == 0, "modelled: BSND, sparse_mode 0")
-        require(query.dim() == 4 and query.shape[2] == heads and key.shape[2] == kv_heads, "BSND shapes")
-        batch, length, s_kv = query.shape[0], query.shape[1], key.shape[1]
-        require(mask is None or mask.shape == (batch, 1, length, s_kv), "full mask (B, 1, S, S_kv)")
-        out = [attend(query[b], key[b], value[b], torch.zeros(length, s_kv, dtype=torch.bool) if mask is None
-                      else mask[b, 0].bool(), kw["scale"]) for b in range(batch)]
-        return torch.stack(out).to(query.dtype)
+            if mask is None:
+                dead = torch.zeros(queries, length, dtype=torch.bool)
+            else:
+                dead = mask[b].reshape(queries, -1)[:, :length].bool()
+            row = attend(query[b].reshape(queries, heads, hd), cache_k[blocks, pos % block_size],
+                         cache_v[blocks, pos % block_size], dead, kw["scale"])
+            out.append(row if queries > 1 else row.reshape(1, heads * hd))
+        return torch.stack(out).to(query.dtype)  # BSH [B, 1, H] or BSND [B, Q_S, N, D]
 
 
 class FakeTmo(Recording):
@@ -208,17 +209,25 @@ class FakeTmo(Recording):
     def flash_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Any, cu_q: torch.Tensor,
                         cu_kv: torch.Tensor, alibi: Any, bias: Any, max_q: int, max_kv: int, scale: float,
                         causal: bool, left: int, right: int, compute_dtype: torch.dtype, lse: bool) -> Any:
+        # packed runs: sequence i's queries q[cu_q[i]:cu_q[i+1]], its keys k[cu_kv[i]:cu_kv[i+1]]; causal
+        # aligned to the bottom right (a sequence's queries are its last tokens)
         self.log("flash_attention", q=q, k=k, v=v, out=out, cu_seq_lens_q=cu_q, cu_seq_lens_kv=cu_kv,
                  max_seq_len_q=max_q, max_seq_len_kv=max_kv, softmax_scale=scale, is_causal=causal)
         require(q.dim() == 3 and k.dim() == 3 and q.dtype in HALF, "packed q/k/v, half precision")
-        require(cu_q.dtype == cu_kv.dtype == torch.int32, "cu_seq_lens int32")
+        require(cu_q.dtype == cu_kv.dtype == torch.int32 and cu_q.shape == cu_kv.shape, "cu_seq_lens int32 [n+1]")
         require(q.stride(-1) == 1 and q.stride(-2) == q.shape[-1], "q last two dims contiguous")
+        require(int(cu_kv[-1]) <= k.shape[0], "cu_seq_lens_kv past the packed keys")
         result = torch.empty_like(q) if out is None else out
-        for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-            require(end - start <= max_q, "max_seq_len_q below a sequence length")
-            dead = ~torch.ones(end - start, end - start, dtype=torch.bool).tril() if causal else \
-                torch.zeros(end - start, end - start, dtype=torch.bool)
-            result[start:end] = attend(q[start:end], k[start:end], v[start:end], dead, scale).to(q.dtype)
+        runs = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_kv[:-1].tolist(), cu_kv[1:].tolist(), strict=True)
+        for q_start, q_end, kv_start, kv_end in runs:
+            queries, keys = q_end - q_start, kv_end - kv_start
+            require(queries <= max_q and keys <= max_kv, "max_seq_len below a sequence length")
+            require(not causal or queries <= keys, "causal: no more queries than keys")
+            offset = keys - queries
+            dead = torch.ones(queries, keys, dtype=torch.bool).tril(offset).logical_not() if causal else \
+                torch.zeros(queries, keys, dtype=torch.bool)
+            result[q_start:q_end] = attend(q[q_start:q_end], k[kv_start:kv_end], v[kv_start:kv_end], dead,
+                                           scale).to(q.dtype)
         return result
 
 

@@ -21,6 +21,7 @@ from corelib.ops.spec import SAMPLING_COLUMNS
 from corelib.step.arena import RELAY
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepHandle, TokenHandoff
+from corelib.step.layout import EngineLayout
 from corelib.step.pipeline import StepPipeline
 from corelib.testing.executor import scripted_core, unit_config, unit_options
 
@@ -148,11 +149,16 @@ def test_a_pipeline_needs_room_for_one_step() -> None:
 
 # ----------------------------------------------------------------------------------- InputBuilder
 def _decode_step(seqs: list[Sequence], from_relay: list[bool]) -> ScheduledStep:
-    return ScheduledStep(StepKind.decode, seqs, [s.num_tokens - 1 for s in seqs], from_relay)
+    return ScheduledStep(seqs, [s.num_tokens - 1 for s in seqs], [1] * len(seqs), [True] * len(seqs), from_relay)
+
+
+def _builder(max_rows: int, max_blocks: int, block_size: int) -> InputBuilder:
+    return InputBuilder(EngineLayout.of(unit_config(max_num_seqs=max_rows, block_size=block_size,
+                                                    max_model_len=max_blocks * block_size)))
 
 
 def test_packing_a_decode_step_writes_each_row_and_pads_the_rest() -> None:
-    builder = InputBuilder(max_rows=4, max_blocks=8, block_size=4, pad_state_index=4)
+    builder = _builder(4, 8, 4)
     hot = SamplingParams(temperature=0.5, top_k=3, seed=11)
     a = Sequence(0, "a", [5, 6, 7, 8, 9], hot, block_table=[3, 7], state_index=2)
     b = Sequence(1, "b", [4], SamplingParams(), block_table=[5], state_index=0)
@@ -173,7 +179,7 @@ def test_packing_a_decode_step_writes_each_row_and_pads_the_rest() -> None:
 
 
 def test_a_slot_taken_by_another_request_gets_its_blocks_and_sampling_anew() -> None:
-    builder = InputBuilder(max_rows=2, max_blocks=4, block_size=4, pad_state_index=2)
+    builder = _builder(2, 4, 4)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
     first = Sequence(0, "a", [1, 2, 3], SamplingParams(temperature=0.7), block_table=[3], state_index=0)
     builder.fill(0, _decode_step([first], [False]), arena, bucket=1, kv_blocks=1)
@@ -185,7 +191,7 @@ def test_a_slot_taken_by_another_request_gets_its_blocks_and_sampling_anew() -> 
 
 
 def test_a_block_table_that_grows_or_is_dropped_is_packed_anew() -> None:
-    builder = InputBuilder(max_rows=1, max_blocks=4, block_size=2, pad_state_index=1)
+    builder = _builder(1, 4, 2)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
     seq = Sequence(0, "a", [1, 2], SamplingParams(), block_table=[3], state_index=0)
     builder.fill(0, _decode_step([seq], [False]), arena, bucket=1, kv_blocks=1)
@@ -198,7 +204,7 @@ def test_a_block_table_that_grows_or_is_dropped_is_packed_anew() -> None:
 
 
 def test_a_batch_samples_when_any_row_does_not_only_the_first() -> None:
-    builder = InputBuilder(max_rows=2, max_blocks=2, block_size=4, pad_state_index=2)
+    builder = _builder(2, 2, 4)
     arena = torch.zeros(builder.decode.nbytes, dtype=torch.uint8)
     greedy = Sequence(0, "g", [1, 2], SamplingParams(), block_table=[1], state_index=0)
     hot = Sequence(1, "h", [3, 4], SamplingParams(temperature=1.0), block_table=[2], state_index=1)
@@ -242,7 +248,7 @@ def test_the_handoff_gives_each_step_its_tokens_and_keeps_the_latest_per_slot(de
     handoff.compute.copy(inputs, host_inputs)
     handoff.compute.copy(slots, host_slots)
     resolved = device.empty((3,), torch.int64)
-    handoff.compute.launch(lambda: resolved.copy_(handoff.decode_inputs(inputs, slots)))
+    handoff.compute.launch(lambda: resolved.copy_(handoff.resolve_inputs(inputs, slots)))
     handoff.compute.synchronize()
     assert resolved.tolist() == [21, 7, 11], "relay rows read their slot's latest sample, the others their id"
 

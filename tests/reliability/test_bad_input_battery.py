@@ -50,8 +50,8 @@ class RequestCase:
 
 
 # Header fields by position in the packed header, for damage done after packing.
-_FIELDS = ("magic", "version", "kind", "seq", "step_id", "num_seqs", "bucket", "kv_blocks", "flags", "sent_at",
-           "payload_len", "checksum", "words")
+_FIELDS = ("magic", "version", "kind", "seq", "step_id", "num_seqs", "bucket", "kv_blocks", "num_tokens",
+           "max_query_len", "num_copies", "decode_rows", "flags", "sent_at", "payload_len", "checksum", "words")
 
 
 def _offset(name: str) -> tuple[int, str]:
@@ -204,7 +204,7 @@ TABLE: list[tuple[str, str, Case]] = [
     ("frame", "truncated", FrameCase("bad checksum .*corrupted or truncated", tamper=_cut_stale)),
     ("frame", "truncated-resealed", FrameCase(r"payload of \d+ bytes is shorter than its layout",
                                               tamper=_cut_resealed)),
-    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 5", poke=_poke("version", 9))),
+    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 6", poke=_poke("version", 9))),
     ("frame", "bad-magic", FrameCase("bad magic 0x0badf00d", poke=_poke("magic", 0x0BADF00D))),
     ("frame", "oversize", FrameCase(r"payload length 9999999 exceeds the slot's \d+",
                                     poke=_poke("payload_len", 9999999))),
@@ -271,7 +271,7 @@ def check_frame(case: FrameCase, monkeypatch: pytest.MonkeyPatch) -> None:
 
             def pack_then_poke(header: FrameHeader, buffer: memoryview) -> None:
                 pack(header, buffer)
-                if header.seq == TARGET_FRAME and header.kind in (FrameKind.prefill, FrameKind.decode):
+                if header.seq == TARGET_FRAME and header.kind is FrameKind.step:
                     poke(buffer[:HEADER_BYTES])
 
             monkeypatch.setattr(FrameHeader, "pack_into", pack_then_poke)

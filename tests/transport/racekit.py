@@ -23,8 +23,7 @@ from corelib.plugins import PluginRegistry
 from corelib.startup import start
 from corelib.step.layout import EngineLayout
 from corelib.step.staging import EarlyStager, Staged, build_stager
-from corelib.transport.wire import FrameHeader, FrameKind
-from corelib.transport.worker import input_of
+from corelib.transport.wire import FrameHeader, FrameKind, input_of
 
 PATTERN = 1_000_003
 
@@ -61,8 +60,8 @@ def race(
     def produce() -> None:
         try:
             for step in range(steps):
-                header = FrameHeader(FrameKind.decode, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
-                                     layout=decode.encode())
+                header = FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
+                                     layout=decode.encode(), num_tokens=1, max_query_len=1)
                 wired.producer.write(header, pattern(step, words).view(torch.uint8))
         except BaseException as error:  # noqa: BLE001 - re-raised by the test thread
             failure.append(error)
@@ -76,7 +75,8 @@ def race(
             frame = consumer.read()
             if widen is not None and isinstance(stager, EarlyStager):
                 widen(device, stager.stream)
-            staged = stager.receive(input_of(frame, "race frame"), functools.partial(consumer.release, frame))
+            fi = input_of(frame.header, frame.payload, "race frame")
+            staged = stager.receive(fi, functools.partial(consumer.release, frame))
             stager.to_device(staged, target)
 
             def check(step: int = step) -> None:

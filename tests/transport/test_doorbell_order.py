@@ -38,7 +38,7 @@ def ring() -> Iterator[Wired]:
 
 
 def header(step: int) -> FrameHeader:
-    return FrameHeader(FrameKind.decode, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1)
+    return FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1)
 
 
 def test_the_producer_rings_after_it_stores_committed(ring: Wired) -> None:

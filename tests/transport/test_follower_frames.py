@@ -54,7 +54,7 @@ class NodeZero:
 
 def frame(seq: int, payload: bytes) -> torch.Tensor:
     """Node 0's frame as it travels: the header it wrote into its own ring (seq, length, CRC-32C), then the payload."""
-    header = FrameHeader(FrameKind.decode, seq, step_id=seq, num_seqs=1, bucket=1, kv_blocks=1)
+    header = FrameHeader(FrameKind.step, seq, step_id=seq, num_seqs=1, bucket=1, kv_blocks=1)
     header.payload_len = len(payload)
     header.checksum = header.crc(payload)
     return _frame_bytes(header, payload)

@@ -37,7 +37,7 @@ def wired() -> Iterator[Make]:
 
 
 def header(step: int = 0) -> FrameHeader:
-    return FrameHeader(FrameKind.decode, 0, step_id=step, num_seqs=3, bucket=4, kv_blocks=2, flags=1,
+    return FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=3, bucket=4, kv_blocks=2, flags=1,
                        layout=[1, 0, 1, 5])
 
 

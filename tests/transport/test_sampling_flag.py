@@ -12,8 +12,9 @@ from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from corelib.engine.sequence import SamplingParams, Sequence
 from corelib.engine.stops import StopChecker
 from corelib.step.forward_input import ForwardInput, StepKind
-from corelib.transport.wire import input_header
-from corelib.transport.worker import input_of
+from corelib.step.layout import EngineLayout
+from corelib.testing.executor import unit_config
+from corelib.transport.wire import input_header, input_of
 
 ROWS, MAX_BLOCKS, BLOCK = 4, 4, 4
 GREEDY, SAMPLED = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=1)
@@ -33,7 +34,7 @@ def scheduled(*sampling: SamplingParams) -> tuple[ScheduledStep, ScheduledStep]:
 
 
 def packed(step: ScheduledStep) -> ForwardInput:
-    builder = InputBuilder(ROWS, MAX_BLOCKS, BLOCK, ROWS)
+    builder = InputBuilder(EngineLayout.of(unit_config(max_num_seqs=ROWS, block_size=BLOCK, max_model_len=16)))
     arena = torch.zeros(1 << 16, dtype=torch.uint8)
     return builder.fill(0, step, arena, ROWS if step.kind is StepKind.decode else len(step.seqs), 1)
 
@@ -57,7 +58,7 @@ def test_over_shm_the_worker_sees_the_batch_sample_from_its_second_row() -> None
             fi = packed(step)
             w.producer.write(input_header(fi, sent_at=0.0), fi.arena[: fi.layout.nbytes])
             frame = w.consumers[0].read()
-            received = input_of(frame, "test frame")
+            received = input_of(frame.header, frame.payload, "test frame")
             assert received.sample and received.kind is fi.kind and received.num_seqs == 2
             w.consumers[0].release(frame)
     finally:

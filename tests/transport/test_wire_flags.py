@@ -43,5 +43,5 @@ def test_each_flag_is_a_bit_of_its_own() -> None:
 @pytest.mark.parametrize("sample", [False, True])
 def test_an_input_frame_says_whether_some_row_samples(sample: bool) -> None:
     flags = InputFlags.SAMPLE if sample else InputFlags.NONE
-    got = through_the_wire(FrameHeader(FrameKind.decode, 0, 3, 2, 4, 2, int(flags)))
+    got = through_the_wire(FrameHeader(FrameKind.step, 0, 3, 2, 4, 2, int(flags)))
     assert bool(got.flags & InputFlags.SAMPLE) is sample

@@ -8,8 +8,7 @@ an MLU.
 |------------------------|------------------------------------|------------|---------------------------|
 | rms_norm               | fused_rms_norm                     | yes        | residual add fused        |
 | rope_kv_write          | apply_rotary (+ torch index_copy_) | yes        | KV write: cache layout    |
-| paged_decode_attention | (reference)                        | -          | needs another cache layout|
-| prefill_attention      | flash_attention (packed)           | yes        | host max_seqlen is given  |
+| paged_attention        | flash_attention (packed q and kv)  | yes        | keys gathered per row     |
 | silu_mul               | active(act_mode="silu", gated)     | yes        |                           |
 | linear                 | matmul (trans_b)                   | yes        | bias in the epilogue      |
 | linear_residual        | matmul (residual, beta = 1)        | yes        | residual in the epilogue  |
@@ -42,15 +41,22 @@ which wrap the same kernels in C++.
   rounding the product: within the dtype's tolerance.
 - ``flash_attention(q, k, v, out, cu_seq_lens_q, cu_seq_lens_kv, alibi_slope, attn_bias,
   max_seq_len_q, max_seq_len_kv, softmax_scale, is_causal, window_size_left, window_size_right,
-  compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [T, nkv, hd], cu_seq_lens [n+1] int32
+  compute_dtype, return_lse)``: packed q [T, nh, hd], k/v [K, nkv, hd], cu_seq_lens [n+1] int32
   on the device (vllm-mlu's query_start_loc), causal within each sequence.
+- paged attention (a step's queries over each row's cached keys, 1 or more per row) is the
+  same ``flash_attention`` with cu_seq_lens_q = the step's query starts and cu_seq_lens_kv = the
+  cumulative sequence lengths, causal: a row's queries are its last tokens, the mask aligned to
+  the bottom right, as vllm-mlu's prefix-cached prefill calls it. Its paged form (the block_tables
+  argument) wants caches of [num_blocks, num_kv_heads, block_size, head_dim]; vllm-mlu's int8 path
+  gathers the keys into packed [total, nkv, hd] runs and passes no block table, which is what this
+  does for corelib's layout, into a buffer of B * W * bs rows (a static size, so no host sync).
 
 Left on the reference, and why:
-- the KV write and decode attention: ``reshape_paged_cache`` and ``single_query_cached_kv_attn``
-  take caches of [num_blocks, num_kv_heads, block_size, head_dim] and check them contiguous
-  (xllm reshape_paged_cache.cpp, single_query_cached_kv_attn.cpp); corelib allocates
-  [num_blocks, block_size, num_kv_heads, head_dim], whose permuted view is not contiguous. They
-  become usable once a provider may choose the cache layout;
+- the KV write, and the paged kernels: ``reshape_paged_cache``, ``single_query_cached_kv_attn`` and
+  ``flash_attention``'s block_tables take caches of [num_blocks, num_kv_heads, block_size, head_dim]
+  and check them contiguous (xllm reshape_paged_cache.cpp, single_query_cached_kv_attn.cpp);
+  corelib allocates [num_blocks, block_size, num_kv_heads, head_dim], whose permuted view is not
+  contiguous. They become usable once a provider may choose the cache layout;
 - sampling.
 """
 
@@ -65,7 +71,7 @@ import torch
 
 from corelib.device import Device
 from corelib.errors import one_line
-from corelib.ops import VarlenAttention
+from corelib.ops import PagedAttention
 from corelib.ops import reference as ref
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -179,29 +185,42 @@ class MluKernels:
         v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
         return rotated
 
-    def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
-        if q.dtype not in _HALF or q.shape[1] % k.shape[1] != 0:
-            return ref.prefill_attention(q, k, v, attn, scale)
-        cu_seqlens = attn.cu_seqlens.to(torch.int32)
+        num_kv_heads, hd = k_cache.shape[2], k_cache.shape[3]
+        if q.dtype not in _HALF or q.shape[1] % num_kv_heads != 0 or k_cache.dtype != q.dtype:
+            return ref.paged_attention(q, k_cache, v_cache, attn, scale)
+        tables, seq_lens = attn.block_tables, attn.seq_lens
+        batch, width = tables.shape
+        block_size = k_cache.shape[1]
+        span = width * block_size
+        ends = torch.cumsum(seq_lens, 0)
+        cu_kv = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)  # [B+1]: row i's keys are cu_kv[i]:cu_kv[i+1]
+        packed = torch.arange(batch * span, device=q.device)  # past cu_kv[B]: spare rows, never attended
+        row = torch.searchsorted(ends, packed, right=True).clamp_(max=batch - 1)
+        pos = (packed - (ends[row] - seq_lens[row])).clamp_(0, span - 1)
+        slots = tables[row, pos // block_size].long() * block_size + pos % block_size
+        keys = k_cache.reshape(-1, num_kv_heads, hd)[slots]  # [B * W * bs, nkv, hd]
+        values = v_cache.reshape(-1, num_kv_heads, hd)[slots]
+        starts = attn.query_start if attn.query_start is not None else torch.arange(batch + 1, device=q.device)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.tmo.flash_attention(
             q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
+            keys,
+            values,
             out,
-            cu_seqlens,
-            cu_seqlens,  # keys are the same packed tokens
+            starts.to(torch.int32),
+            cu_kv,
             None,
             None,
-            attn.max_seqlen,
-            attn.max_seqlen,
+            attn.max_query_len,
+            span,  # the longest a row's keys can be: fixed by the shapes
             scale,
-            True,
+            True,  # causal, bottom-right: each row's queries are its last tokens
             -1,
             -1,
-            torch.float32,  # accumulate in float32, as vllm-mlu's default
+            torch.float32,
             False,
         )
         return out
@@ -230,7 +249,7 @@ def _import_torch_mlu_ops() -> ModuleType:
 
 
 class MluOps:
-    """The ``torch_mlu_ops`` op provider: norms, RoPE, prefill attention, SiLU-and-multiply, the projections."""
+    """The ``torch_mlu_ops`` op provider: norms, RoPE, paged attention, SiLU-and-multiply, the projections."""
 
     name = "torch_mlu_ops"
     live_blocks_only = False  # decode attention stays on the reference, which gathers the whole width
@@ -247,7 +266,7 @@ class MluOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "prefill_attention", "silu_mul", "linear", "linear_residual")
+        return ("rms_norm", "rope_kv_write", "paged_attention", "silu_mul", "linear", "linear_residual")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = MluKernels(cast(TorchMluOps, _import_torch_mlu_ops()))

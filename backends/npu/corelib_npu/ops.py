@@ -7,8 +7,8 @@ follows that documentation (tests/backends/test_vendor_ops.py); it has not run o
 |------------------------|-----------------------------------------|------------|----------------------------|
 | rms_norm               | npu_rms_norm / npu_add_rms_norm         | yes        | weight in x's dtype        |
 | rope_kv_write          | npu_rotary_mul + npu_scatter_nd_update_ | yes        | cos/sin gathered on device |
-| paged_decode_attention | npu_fused_infer_attention_score (BSH)   | yes        | static length + mask       |
-| prefill_attention      | npu_fused_infer_attention_score (BSND)  | yes        | padded grid + mask         |
+| paged_attention        | npu_fused_infer_attention_score         | decode     | decode: BSH, static length |
+|                        | (decode: BSH, Q_S = 1; chunks: BSND)    |            | + mask; chunks: block 128+ |
 | silu_mul               | npu_swiglu                              | yes        |                            |
 | linear                 | npu_linear (fp16, fp32)                 | yes        | bf16: torch's matmul       |
 | linear_residual        | composed: linear, then the add          | yes        | no fused vendor operator   |
@@ -62,9 +62,15 @@ masks the dead positions with a device mask derived from ``seq_lens``. The price
 blocks of each row, not only the live ones, and the blocknum rule above becomes
 B * W <= num_blocks; a batch that breaks it, or any other documented limit, takes the reference
 for that call. The TorchAir-only ``npu_fused_infer_attention_score_v2`` takes device lengths, but
-only in TorchAir's compiled graph mode, which corelib does not use. Prefill uses the same kernel
-on a padded [n, L] grid with a causal-and-valid device mask, so it needs no host copy of
-``cu_seqlens`` either.
+only in TorchAir's compiled graph mode, which corelib does not use.
+
+Paged attention with several queries per row (prefill chunks and decode rows in one step) takes
+the same kernel's PromptFlashAttention branch (Q_S > 1) over the paged cache: the queries as a
+padded BSND grid [B, L, nh, hd], key/value as (blocknum, blocksize, H) with the block table, the
+static length W * bs per row, and a device mask [B, 1, L, W * bs] that is causal within the
+chunk and hides the dead keys. The documentation bounds page attention with Q_S > 1 to block
+sizes that are multiples of 128, from 128 to 512, and asks KV_S >= maxBlockNumPerSeq * blockSize
+when a mask is passed (the mask spans W * bs, so it holds); other block sizes take the reference.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ import torch
 
 from corelib.device import Device
 from corelib.errors import one_line
-from corelib.ops import PagedAttention, VarlenAttention
+from corelib.ops import PagedAttention
 from corelib.ops import reference as ref
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -181,7 +187,7 @@ class NpuKernels:
         self.npu.npu_scatter_nd_update_(v_cache.view(-1, nkv, hd), slots, v)
         return rotated
 
-    def paged_decode_attention(
+    def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
         batch, num_heads, hd = q.shape
@@ -196,7 +202,7 @@ class NpuKernels:
             and v_cache.is_contiguous()
         )
         if not supported:
-            return ref.paged_decode_attention(q, k_cache, v_cache, attn, scale)
+            return ref.decode_attention(q, k_cache, v_cache, attn, scale)
         span = width * block_size
         out, _ = self.npu.npu_fused_infer_attention_score(
             q.contiguous().view(batch, 1, num_heads * hd),  # BSH, S = 1
@@ -213,35 +219,47 @@ class NpuKernels:
         )
         return out.view(batch, num_heads, hd)
 
-    def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: VarlenAttention, scale: float
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
-        total, num_heads, hd = q.shape
-        num_kv_heads = k.shape[1]
-        if q.dtype not in _HALF or not _gqa_supported(num_heads, num_kv_heads):
-            return ref.prefill_attention(q, k, v, attn, scale)
-        pad_index, valid = attn.padded()  # [n, L]
-        num_seqs, length = pad_index.shape
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        dead = ~(causal[None] & valid[:, None, :])[:, None]  # [n, 1, L, L], True: not attended
-        qp, kp, vp = (t[pad_index] for t in (q, k, v))  # [n, L, heads, hd], fresh and contiguous
+        if attn.is_decode:
+            return self._decode_attention(q, k_cache, v_cache, attn, scale)
+        if attn.decode_rows:  # the decode rows through the Q_S = 1 branch, the chunks through Q_S > 1
+            decode, chunks = attn.split()
+            d = attn.decode_rows
+            return torch.cat([self._decode_attention(q[:d], k_cache, v_cache, decode, scale),
+                              self.paged_attention(q[d:], k_cache, v_cache, chunks, scale)])
+        tokens, num_heads, hd = q.shape
+        num_blocks, block_size, num_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        batch, width = attn.block_tables.shape
+        supported = (
+            q.dtype in _HALF
+            and _gqa_supported(num_heads, num_kv_heads)
+            and block_size % 128 == 0 and block_size <= 512  # page attention with Q_S > 1
+            and hd % 16 == 0
+            and batch * width <= num_blocks  # the static length covers W blocks per row
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+        if not supported:
+            return ref.paged_attention(q, k_cache, v_cache, attn, scale)
+        span = width * block_size
+        grid = ref.QueryGrid.of(attn, tokens, span)
         out, _ = self.npu.npu_fused_infer_attention_score(
-            qp,
-            kp,
-            vp,
-            atten_mask=dead,
+            q[grid.index],  # [B, L, nh, hd] BSND, fresh and contiguous
+            k_cache.view(num_blocks, block_size, num_kv_heads * hd),  # (blocknum, blocksize, H): no copy
+            v_cache.view(num_blocks, block_size, num_kv_heads * hd),
+            atten_mask=grid.visible.logical_not()[:, None],  # [B, 1, L, W*bs], True where not attended
+            actual_seq_lengths_kv=[span] * batch,  # fixed by the shapes, as in decode
+            block_table=attn.block_tables,
             num_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             scale=scale,
             input_layout="BSND",
+            block_size=block_size,
             sparse_mode=0,  # the full mask as given
         )
-        # Each packed token's row in the padded grid: the inverse of the gather above (padding
-        # cells land in a spare slot `total`), so no boolean indexing and no host sync.
-        rows = torch.where(valid, pad_index, total).flatten()
-        cells = torch.arange(num_seqs * length, device=q.device)
-        row_of_token = torch.empty(total + 1, dtype=torch.long, device=q.device).scatter_(0, rows, cells)
-        return out.reshape(num_seqs * length, num_heads, hd)[row_of_token[:total]]
+        return grid.unpad(out)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _FLOAT:
@@ -279,7 +297,7 @@ class NpuOps:
         return None
 
     def op_names(self) -> tuple[str, ...]:
-        return ("rms_norm", "rope_kv_write", "paged_decode_attention", "prefill_attention", "silu_mul", "linear")
+        return ("rms_norm", "rope_kv_write", "paged_attention", "silu_mul", "linear")
 
     def load(self, device: Device) -> Mapping[str, object]:
         kernels = NpuKernels(cast(TorchNpuOps, _import_torch_npu()))

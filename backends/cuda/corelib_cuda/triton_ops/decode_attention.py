@@ -29,7 +29,7 @@ from corelib_cuda.triton_ops.common import (
     upcast_in_kernel,
 )
 
-_OP = "paged_decode_attention"
+_OP = "paged_attention"  # its decode steps: one query per row
 #: the most splits of one sequence's context; also the partial buffers' static size
 MAX_SPLITS = 32
 #: fewer keys than this per split cost more in merging than they gain in parallelism

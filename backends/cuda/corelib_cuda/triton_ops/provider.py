@@ -61,9 +61,8 @@ class TritonOps:
         """The ops for ``device``; with ``pdl`` the projection kernels are launched with PDL."""
         from corelib_cuda.triton_ops import layer_ops, linear
         from corelib_cuda.triton_ops.activation import silu_mul
-        from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
         from corelib_cuda.triton_ops.norm import rms_norm
-        from corelib_cuda.triton_ops.prefill_attention import prefill_attention
+        from corelib_cuda.triton_ops.paged_attention import paged_attention
         from corelib_cuda.triton_ops.rope import rope_kv_write
         from corelib_cuda.triton_ops.sampling import sample
 
@@ -76,8 +75,7 @@ class TritonOps:
         ops: dict[str, object] = {
             "rms_norm": rms_norm,
             "rope_kv_write": rope_kv_write,
-            "paged_decode_attention": functools.partial(paged_decode_attention, pdl=pdl),
-            "prefill_attention": prefill_attention,
+            "paged_attention": functools.partial(paged_attention, pdl=pdl),
             "silu_mul": silu_mul,
             "sample": functools.partial(sample, pdl=pdl),
         }

@@ -1,0 +1,141 @@
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
+# ruff: noqa: N803 - compile-time constants are upper case, as in every Triton kernel
+"""Paged attention for query lengths of 1 or more: a step's prefill chunks and decode rows together.
+
+A decode step (one query per row) is the flash-decoding kernel of ``decode_attention``, as it
+always was: graph-safe, split over the context. A step with longer rows runs eagerly, so its
+grid follows the host's longest query count: one program per (query tile, row, query head)
+reads that row's cached keys through its block table, up to the tile's last query position
+(causal: a query at position p sees keys 0..p, the chunk's own keys already written), with an
+online softmax. Tiles past a row's queries return at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from corelib.ops.spec import PagedAttention
+from corelib_cuda.triton_ops.common import (
+    check,
+    check_float,
+    dot_precision,
+    last_dim_contiguous,
+    next_power_of_2,
+    upcast_in_kernel,
+)
+from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
+
+_OP = "paged_attention"
+
+
+@triton.jit
+def _chunk_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, scale, block_size,
+    q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile, row, head = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    start = tl.load(qs_ptr + row)
+    queries = (tl.load(qs_ptr + row + 1) - start).to(tl.int32)
+    first = tile * BLOCK_M
+    if first >= queries:
+        return
+    seq_len = tl.load(sl_ptr + row).to(tl.int32)
+    j = first + tl.arange(0, BLOCK_M)
+    q_ok = j < queries
+    q_pos = seq_len - queries + j  # each query's position in its sequence
+    d = tl.arange(0, DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = start + j  # int64: the query's index among the step's tokens
+    q = tl.load(q_ptr + (token * q_s0 + head * q_s1)[:, None] + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    kv_head = head // GROUP
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741 - the flash-attention name
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table = bt_ptr + row * bt_s0
+    # Keys up to the tile's last live query: causal, so later keys are never read.
+    end = tl.minimum(seq_len, seq_len - queries + tl.minimum(first + BLOCK_M, queries))
+    for key_first in range(0, end, BLOCK_N):
+        pos = key_first + tl.arange(0, BLOCK_N)
+        live = pos < end
+        block = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
+        offset = pos % block_size
+        kv_mask = live[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + (block * kc_sb + offset * kc_st + kv_head * kc_sh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + (block * vc_sb + offset * vc_st + kv_head * vc_sh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        # Key 0 is visible to every query (q_pos >= 0), so no row is all -inf.
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    heads = tl.num_programs(2)
+    tl.store(out_ptr + (token * heads + head)[:, None] * HEAD_DIM + d[None, :], acc / l[:, None],
+             mask=q_ok[:, None] & d_ok[None, :])
+
+
+@functools.lru_cache(maxsize=16)
+def _config(head_dim: int) -> tuple[int, int, int, int]:
+    """(padded head dim, query tile, key tile, warps)."""
+    dim_pad = next_power_of_2(head_dim)
+    return (dim_pad, 64, 64, 4) if dim_pad <= 64 else (dim_pad, 64, 32, 4)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float, *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    # q [T, nh, hd], k_cache / v_cache [NB, bs, nkv, hd], block_tables [B, W], seq_lens [B], query_start [B+1]
+    if attn.is_decode:
+        return paged_decode_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)
+    if attn.decode_rows:  # the decode rows by flash-decoding, split over their context; the chunks here
+        decode, chunks = attn.split()
+        d = attn.decode_rows
+        return torch.cat([paged_decode_attention(q[:d], k_cache, v_cache, decode, scale),
+                          paged_attention(q[d:], k_cache, v_cache, chunks, scale)])
+    check_float(_OP, q=q, k_cache=k_cache)
+    check(q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, _OP,
+          f"expected q [T, nh, hd] and caches [NB, bs, nkv, hd]; got q {tuple(q.shape)}, "
+          f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    tokens, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    check(k_cache.shape[3] == head_dim and heads % kv_heads == 0, _OP,
+          f"q has {heads} heads of {head_dim}; the caches {kv_heads} of {k_cache.shape[3]} (nh % nkv == 0)")
+    check(q.dtype == k_cache.dtype == v_cache.dtype, _OP, "q and the caches need one dtype")
+    tables, seq_lens, starts = attn.block_tables, attn.seq_lens, attn.query_start
+    check(starts is not None and starts.shape == (tables.shape[0] + 1,), _OP,
+          "a step of several queries per row needs query_start [B+1]")
+    assert starts is not None
+    check(block_size == attn.block_size, _OP, f"the caches hold blocks of {block_size}, attn says {attn.block_size}")
+    check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and tables.stride(-1) == 1, _OP,
+          "the caches and block_tables need a contiguous last dim")
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    rows = tables.shape[0]
+    if tokens == 0 or rows == 0:
+        return out
+    q = last_dim_contiguous(q)
+    dim_pad, block_m, block_n, warps = _config(head_dim)
+    grid = (triton.cdiv(attn.max_query_len, block_m), rows, heads)
+    _chunk_kernel[grid](
+        q, k_cache, v_cache, tables, seq_lens, starts, out, scale, block_size,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), num_warps=warps,
+    )  # fmt: skip
+    return out

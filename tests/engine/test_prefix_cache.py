@@ -1,0 +1,108 @@
+"""The prefix cache's bookkeeping, pure Python: chained keys, reference counts, LRU eviction of free
+blocks only, and a prompt found whole still computing its last token."""
+
+from __future__ import annotations
+
+from corelib.engine.block_manager import BlockManager
+from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from corelib.engine.sequence import SamplingParams, Sequence
+from corelib.engine.stops import StopChecker
+
+BS = 4
+
+
+def seq(i: int, prompt: list[int]) -> Sequence:
+    return Sequence(i, f"r{i}", list(prompt), SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def cached(bm: BlockManager, owner: Sequence) -> None:
+    """``owner`` computed its prompt: its full blocks are keyed in the cache."""
+    bm.allocate(owner, owner.num_tokens)
+    bm.register(owner, owner.num_tokens)
+
+
+def test_a_block_is_found_only_after_the_same_tokens_behind_the_same_prefix() -> None:
+    bm = BlockManager(32, BS, prefix_caching=True)
+    owner = seq(0, list(range(10, 23)))  # 13 tokens: 3 full blocks and a part
+    cached(bm, owner)
+    assert bm.num_cached_blocks == 3, "only full blocks are keyed"
+    same = seq(1, [*range(10, 23), 99])
+    assert bm.cached_prefix_tokens(same) == 3 * BS
+    shifted = seq(2, [9, *range(10, 23)])  # the same blocks of tokens, one position later: another chain
+    assert bm.cached_prefix_tokens(shifted) == 0
+    middle = seq(3, [*range(10, 14), 77, 78, 79, 80, *range(18, 23)])  # its second block differs: the third misses
+    assert bm.cached_prefix_tokens(middle) == BS
+    moved = seq(4, [14, 15, 16, 17, 14, 15, 16, 17, 5])  # owner's second block, at the start: other positions
+    assert bm.cached_prefix_tokens(moved) == 0, "a block's key depends on every block before it"
+
+
+def test_another_model_finds_nothing() -> None:
+    first, other = BlockManager(32, BS, True, "model a"), BlockManager(32, BS, True, "model b")
+    owner = seq(0, list(range(10, 23)))
+    cached(first, owner)
+    probe = seq(1, list(range(10, 23)))
+    assert first.cached_prefix_tokens(probe) == 12
+    probe.block_keys.clear()
+    cached(other, seq(2, [5, 6, 7, 8, 9]))
+    assert other.cached_prefix_tokens(probe) == 0, "keys chain over the model's identity"
+
+
+def test_a_shared_block_is_counted_once_per_holder_and_freed_by_the_last() -> None:
+    bm = BlockManager(16, BS, prefix_caching=True)
+    owner = seq(0, list(range(10, 23)))
+    cached(bm, owner)
+    reader = seq(1, list(range(10, 23)))
+    assert bm.allocate_prefix(reader) == 12 and reader.block_table == owner.block_table[:3]
+    assert [bm.ref_counts[b] for b in reader.block_table] == [2, 2, 2]
+    bm.free(owner)
+    assert [bm.ref_counts[b] for b in reader.block_table] == [1, 1, 1]
+    bm.free(reader)
+    assert bm.num_free_blocks == 15 and bm.num_cached_blocks == 3, "free blocks stay cached"
+
+
+def test_only_free_blocks_are_evicted_and_the_least_recently_freed_go_first() -> None:
+    bm = BlockManager(9, BS, prefix_caching=True)  # 8 usable blocks
+    old, hot = seq(0, list(range(10, 19))), seq(1, list(range(50, 59)))  # 2 full blocks each
+    cached(bm, old)
+    cached(bm, hot)
+    bm.free(old)  # old's blocks are freed first: the least recent
+    holder = seq(2, list(range(50, 59)))
+    assert bm.allocate_prefix(holder) == 8  # hot's blocks, held again
+    bm.free(hot)
+    filler = seq(3, [1] * (2 * BS))
+    bm.allocate(filler, 2 * BS)  # two uncached blocks are free first; then the least recent cached ones
+    bm.allocate(seq(4, [2] * (4 * BS)), 4 * BS)
+    assert bm.stats.evicted_blocks == 2
+    assert bm.cached_prefix_tokens(seq(5, list(range(10, 19)))) == 0, "old's prefix was evicted first"
+    assert bm.cached_prefix_tokens(seq(6, list(range(50, 59)))) == 8, "a block someone holds is never evicted"
+
+
+def test_the_prefix_freed_longest_ago_is_evicted_before_a_later_one() -> None:
+    bm = BlockManager(7, BS, prefix_caching=True)  # 6 usable blocks
+    first, later = seq(0, list(range(10, 18))), seq(1, list(range(50, 58)))  # 2 full blocks each, nothing more
+    cached(bm, first)
+    cached(bm, later)
+    bm.allocate(seq(2, [1] * (2 * BS)), 2 * BS)  # the other two blocks: nothing free is uncached
+    bm.free(first)
+    bm.free(later)
+    bm.allocate(seq(3, [3]), 1)  # one block: the least recently freed, first's last block
+    assert bm.cached_prefix_tokens(seq(4, [*range(10, 18), 0])) == BS, "first keeps only its first block"
+    assert bm.cached_prefix_tokens(seq(5, [*range(50, 58), 0])) == 2 * BS, "the later prefix is intact"
+
+
+def test_a_prompt_found_whole_still_computes_its_last_token() -> None:
+    s = Scheduler(SchedulerLimits(4, 64, 64), BlockManager(32, BS, prefix_caching=True), 4,
+                  StopChecker(64, frozenset()))
+    prompt = list(range(10, 10 + 3 * BS))  # exactly 3 full blocks
+    first = seq(0, prompt)
+    s.add(first)
+    step = s.schedule(in_flight=False, sync_check=lambda seqs: [])
+    assert isinstance(step, ScheduledStep)
+    s.postprocess(step, [7])
+    again = seq(1, prompt)
+    s.add(again)
+    step = s.schedule(in_flight=False, sync_check=lambda seqs: [])
+    assert isinstance(step, ScheduledStep) and step.seqs == [again]
+    assert step.starts == [2 * BS] and step.query_lens == [BS], "the last block is computed, not shared"
+    assert step.samples == [True]
+    assert s.blocks.stats.hit_tokens == 2 * BS and s.blocks.stats.queried_tokens == 2 * len(prompt)
