@@ -176,18 +176,18 @@ def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: Sa
     import torch
 
     from corelib.models.reference import reference_logits
-    from corelib.ops import SamplingInputs
+    from corelib.ops import SAMPLING_COLUMNS, SamplingInputs, TokenHistory
     from corelib.ops.sampling import sample_rows
 
+    vocab = weights.embed.shape[0]
     tokens = list(prompt)
     with torch.inference_mode():
         for _ in range(sampling.max_tokens):
-            inputs = SamplingInputs(
-                temperature=torch.tensor([float(sampling.temperature)]),
-                top_k=torch.tensor([sampling.top_k], dtype=torch.int64),
-                top_p=torch.tensor([float(sampling.top_p)]),
-                seeds=torch.tensor([sampling.seed], dtype=torch.int64),
-                positions=torch.tensor([len(tokens)], dtype=torch.int64),
-            )
+            history = TokenHistory(torch.bincount(torch.tensor(tokens[len(prompt):], dtype=torch.int64),
+                                                  minlength=vocab)[None].int(),
+                                   torch.bincount(torch.tensor(prompt, dtype=torch.int64), minlength=vocab)[None].int(),
+                                   torch.zeros(1, dtype=torch.int64))
+            columns = {c.name: [getattr(sampling, c.param)] for c in SAMPLING_COLUMNS}
+            inputs = SamplingInputs.of(torch.tensor([len(tokens)], dtype=torch.int64), history, **columns)
             tokens.append(int(sample_rows(reference_logits(weights, tokens)[None], inputs)[0]))
     return tokens[len(prompt) :]

@@ -39,6 +39,7 @@ from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import ConcurrentUse, ConfigError, RequestError
 from corelib.features import Plan
 from corelib.observe.trace import NULL_TRACER, TimelineTracer, Tracer
+from corelib.sampling_params import choices
 from corelib.startup import Startup
 from corelib.step.build import ModelFactory, load_model
 from corelib.step.layout import EngineLayout
@@ -158,9 +159,11 @@ class Engine:
         if not isinstance(prompt, str):
             return token_ids(prompt)
         if self.tokenizer is None:
-            path = self.startup.config.model.path
-            where = f"model.path={path} has no tokenizer.json" if path else "model.path is not set"
-            raise ConfigError(f"a text prompt needs a tokenizer, but {where}; pass token ids instead")
+            model = self.startup.config.model
+            where = (f"model.path={model.path} has no tokenizer.json" if model.path else
+                     f"model={model.name} is a preset with random weights and no tokenizer")
+            raise ConfigError(f"a text prompt needs a tokenizer, but {where}: pass token ids, or use a checkpoint "
+                              "(a directory or a hub id such as Qwen/Qwen3-0.6B)")
         return self.tokenizer.encode(prompt)
 
     def add_request(
@@ -185,6 +188,9 @@ class Engine:
             problem: RequestError | None = None
             try:
                 prompt_token_ids = self.encode(prompt)
+                if sampling.n != 1:
+                    raise RequestError(f"n={sampling.n}: a request is one sample; Engine.generate and LLM.generate "
+                                       "run n of them")
             except RequestError as error:
                 prompt_token_ids, problem = [], error
             number = next(self._ids)
@@ -193,7 +199,7 @@ class Engine:
                 while request_id in self._live_ids:
                     request_id = f"{number}-{next(self._ids)}"
             seq = Seq(number, request_id, prompt_token_ids, sampling, multimodal=multimodal,
-                      arrival_time=time.perf_counter())
+                      arrival_time=time.perf_counter(), prompt=prompt if isinstance(prompt, str) else None)
             self._live_ids.add(request_id)
             try:
                 if problem is not None:
@@ -296,42 +302,51 @@ class Engine:
         multimodal: Sequence[bool] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order.
+        """Run every prompt to completion; outputs come back in prompt order, one per prompt.
 
-        Requests added by others (``add_request``, a callback re-entering ``generate``) that finish
-        meanwhile are kept for them, never returned here or dropped.
+        ``SamplingParams(n=...)`` runs that many samples of a prompt, gathered in its output's
+        ``outputs``. Requests added by others (``add_request``, a callback re-entering
+        ``generate``) that finish meanwhile are kept for them, never returned here or dropped.
         """
         with self._driving("generate"):
             params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
             if len(params) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings")
             flags = list(multimodal) if multimodal is not None else [False] * len(prompts)
-            ids = [self.add_request(prompt, p, multimodal=flag)
-                   for prompt, p, flag in zip(prompts, params, flags, strict=True)]
-            wanted, results = set(ids), dict[str, RequestOutput]()
-            while len(results) < len(wanted):
-                new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
-                if not new:
+            samples = [choices(p) for p in params]  # n single-sample requests per prompt
+            ids = [[self.add_request(prompt, choice, multimodal=flag) for choice in chosen]
+                   for prompt, chosen, flag in zip(prompts, samples, flags, strict=True)]
+            results = self._run_until_done([i for group in ids for i in group], on_finish)
+            return [results[group[0]] if len(group) == 1 else RequestOutput.grouped([results[i] for i in group])
+                    for group in ids]
+
+    def _run_until_done(
+        self, ids: list[str], on_finish: Callable[[RequestOutput], None] | None
+    ) -> dict[str, RequestOutput]:
+        wanted, results = set(ids), dict[str, RequestOutput]()
+        while len(results) < len(wanted):
+            new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
+            if not new:
+                taken = self._take_finished()
+                if not taken:
+                    if not self.has_unfinished:
+                        raise RuntimeError(f"the engine has nothing left to run, but requests "
+                                           f"{sorted(wanted - results.keys())} never finished")
+                    self._advance()
                     taken = self._take_finished()
-                    if not taken:
-                        if not self.has_unfinished:
-                            raise RuntimeError(f"the engine has nothing left to run, but requests "
-                                               f"{sorted(wanted - results.keys())} never finished")
-                        self._advance()
-                        taken = self._take_finished()
-                    for seq, output in taken:
-                        if output.request_id in wanted and output.request_id not in results:
-                            new.append(output)
-                        else:
-                            self._backlog[output.request_id] = (seq, output)
-                            self._live_ids.add(output.request_id)
+                for seq, output in taken:
+                    if output.request_id in wanted and output.request_id not in results:
+                        new.append(output)
+                    else:
+                        self._backlog[output.request_id] = (seq, output)
+                        self._live_ids.add(output.request_id)
+            for output in new:
+                results[output.request_id] = output
+                self._live_ids.discard(output.request_id)
+            if on_finish is not None:
                 for output in new:
-                    results[output.request_id] = output
-                    self._live_ids.discard(output.request_id)
-                if on_finish is not None:
-                    for output in new:
-                        on_finish(output)
-            return [results[i] for i in ids]
+                    on_finish(output)
+        return results
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the timeline of the steps so far as Chrome trace JSON (needs ``engine.trace=true``)."""

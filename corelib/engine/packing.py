@@ -85,7 +85,7 @@ class InputBuilder:
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
         if bucket > n:
             pad_decode_rows(v, n, bucket, kv_blocks, self.pad_state_index)
-        sample = any(s.sampling.temperature > 0 for s in step.seqs)
+        sample = any(s.sampling.needs_sampler for s in step.seqs)
         return ForwardInput(step_id, StepKind.decode, n, bucket, kv_blocks, sample, self.decode, arena)
 
     def _fill_prefill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor) -> ForwardInput:
@@ -113,10 +113,11 @@ class InputBuilder:
         v["valid"].copy_(valid)
         v["pad_index"].copy_(torch.where(valid, starts[:, None] + columns[None, :], 0))
         v["last_index"].copy_(ends - 1)
+        v["prompt_lens"].copy_(torch.tensor([len(s.prompt_token_ids) for s in step.seqs], dtype=torch.int64))
         pad = self.pad_state_index
         v["state_indices"].copy_(torch.tensor([pad if s.state_index is None else s.state_index for s in step.seqs]))
         for column in SAMPLING_COLUMNS:
             values = [getattr(s.sampling, column.param) for s in step.seqs]
             v[column.name].copy_(torch.tensor(values, dtype=column.dtype))
-        sample = any(s.sampling.temperature > 0 for s in step.seqs)
+        sample = any(s.sampling.needs_sampler for s in step.seqs)
         return ForwardInput(step_id, StepKind.prefill, len(lengths), len(lengths), 0, sample, layout, arena)

@@ -15,6 +15,7 @@ from corelib.ops.spec import (
     PagedAttention,
     SamplingColumn,
     SamplingInputs,
+    TokenHistory,
     VarlenAttention,
     load_provider,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "PagedAttention",
     "SamplingColumn",
     "SamplingInputs",
+    "TokenHistory",
     "VarlenAttention",
     "load_provider",
 ]

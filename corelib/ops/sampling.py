@@ -1,4 +1,4 @@
-"""Sampling on the device: greedy, temperature, top-k and top-p, seeded per request.
+"""Sampling on the device: penalties, greedy, temperature, top-k and top-p, seeded per request.
 
 No host sync: randomness is a counter-based hash of (request seed, position, token id),
 so a request samples the same tokens whatever batch it shares, on any device, and the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from corelib.ops.spec import SamplingInputs
+from corelib.ops.spec import SamplingInputs, TokenHistory
 
 
 def _int64(constant: int) -> int:
@@ -40,15 +40,33 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     return -torch.log(-torch.log(uniform))
 
 
+def apply_penalties(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties (vLLM's order); logits [B, V] float32 -> a new [B, V].
+
+    A token counts as seen when it is in the prompt or was sampled; frequency and presence count
+    sampled tokens only. Neutral values (1, 0, 0) leave a row's logits exactly as they were.
+    """
+    history: TokenHistory | None = sampling.history
+    if history is None:
+        return logits
+    sampled = history.output_counts[history.states].to(logits.dtype)  # [B, V]
+    seen = (sampled > 0) | (history.prompt_counts[history.states] > 0)
+    repetition = sampling.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - sampling.frequency_penalty[:, None] * sampled
+    return logits - sampling.presence_penalty[:, None] * (sampled > 0).to(logits.dtype)
+
+
 def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64."""
+    logits = apply_penalties(logits, sampling)
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, positions = sampling.seeds, sampling.positions
     vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    keep = ranks < torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep = ranks < torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
     keep = keep & (before < top_p[:, None])
@@ -56,3 +74,30 @@ def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     choice = noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
     sampled = order.gather(-1, choice)[:, 0]
     return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+
+
+def record_tokens(history: TokenHistory, tokens: torch.Tensor) -> None:
+    """Count each row's sampled token (tokens [B] int64) in its sequence's history, on the device."""
+    counts = history.output_counts  # [S, V], contiguous: a flat scatter-add is one kernel, graph-safe
+    flat = history.states * counts.shape[1] + tokens
+    counts.view(-1).scatter_add_(0, flat, torch.ones_like(tokens, dtype=counts.dtype))
+
+
+def reset_history(
+    history: TokenHistory, token_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+    prompt_lens: torch.Tensor,
+) -> None:
+    """Start the history of each sequence of a prefill from its tokens: before prompt_lens, prompt; after, outputs.
+
+    token_ids / positions [T] (packed flat), cu_seqlens [n+1], prompt_lens [n], history.states [n].
+    A sequence prefilled again after preemption brings its outputs so far, which count as sampled.
+    """
+    states = history.states
+    history.output_counts.index_fill_(0, states, 0)
+    history.prompt_counts.index_fill_(0, states, 0)
+    flat = torch.arange(token_ids.shape[0], device=token_ids.device)
+    owner = torch.searchsorted(cu_seqlens[1:], flat, right=True)  # [T]: the sequence of each token
+    is_prompt = (positions < prompt_lens[owner]).to(history.prompt_counts.dtype)
+    flat = states[owner] * history.prompt_counts.shape[1] + token_ids
+    history.prompt_counts.view(-1).scatter_add_(0, flat, is_prompt)
+    history.output_counts.view(-1).scatter_add_(0, flat, 1 - is_prompt)

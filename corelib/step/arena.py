@@ -123,6 +123,7 @@ DECODE_FIELD_NAMES = (*(name for name, _ in DECODE_FIELDS), "block_tables")
 PREFILL_TOKEN_FIELDS = ("token_ids", "positions", "slot_mapping")
 PREFILL_SEQ_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("last_index", torch.int64),  # index of each sequence's last token in the flat tokens
+    ("prompt_lens", torch.int64),  # tokens of the prompt; later ones are outputs (a recomputed sequence)
     ("state_indices", torch.int64),
     *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
 )

@@ -56,7 +56,8 @@ def build_device_steps(
     compute = device.stream("compute")
     handoff = TokenHandoff(device, compute, layout.rows, layout.rows, options.pipeline_depth, timing=True)
     runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,
-                         layout.buckets(options, device.capabilities.graph_param_update), handoff)
+                         layout.buckets(options, device.capabilities.graph_param_update), handoff,
+                         config.model.vocab_size)
     snapshots = options.pipeline_depth + SNAPSHOT_SPARE if options.transport is Transport.shm else 0
     stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s)
     steps = DeviceSteps(runner, stager, handoff)

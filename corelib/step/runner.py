@@ -15,7 +15,8 @@ from corelib.device import Device, Stream
 from corelib.faults import maybe_fail
 from corelib.graph import Graph
 from corelib.models.base import DecodeBatch, Model, PrefillBatch
-from corelib.ops import Ops, PagedAttention, SamplingInputs, VarlenAttention
+from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory, VarlenAttention
+from corelib.ops.sampling import record_tokens, reset_history
 from corelib.progress import current as current_progress
 from corelib.step.buckets import BucketPolicy
 from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
@@ -37,6 +38,7 @@ class ModelRunner:
         layout: EngineLayout,
         buckets: BucketPolicy,
         handoff: TokenHandoff,
+        vocab_size: int,
     ) -> None:
         self.device = device
         self.compute = compute
@@ -49,6 +51,11 @@ class ModelRunner:
         with current_progress().task("allocating the KV cache", total=1) as task:
             self.state = model.allocate_state(device, layout.num_blocks, layout.block_size, layout.rows)
             task.advance()
+        # What each sequence has seen, by state index (the last row absorbs padded rows): the
+        # penalties read it. Sampled steps keep it current; a sequence with a penalty is in only those.
+        states = layout.rows + 1
+        self.output_counts = device.zeros((states, vocab_size), torch.int32)
+        self.prompt_counts = device.zeros((states, vocab_size), torch.int32)
         self.decode_arena = None if device.capabilities.device_is_host else device.empty(
             (self.decode_layout.nbytes,), torch.uint8)
         self.graphs: dict[tuple[int, int, bool], Graph] = {}
@@ -144,12 +151,23 @@ class ModelRunner:
         batch = PrefillBatch(views["token_ids"], views["positions"], views["slot_mapping"], attention,
                              views["last_index"], states)
         logits = self.model.prefill(batch, self.state, self.ops)
+        if sampled:
+            reset_history(self._history(states), views["token_ids"], views["positions"], cu_seqlens,
+                          views["prompt_lens"])
         self._emit(logits, num_seqs, states, views, cu_seqlens[1:] - cu_seqlens[:-1], sampled)
+
+    def _history(self, states: torch.Tensor) -> TokenHistory:
+        return TokenHistory(self.output_counts, self.prompt_counts, states)
 
     def _emit(self, logits: torch.Tensor, rows: int, states: torch.Tensor, views: dict[str, torch.Tensor],
               sample_positions: torch.Tensor, sampled: bool) -> None:
-        sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
+        sampling = None
+        if sampled:
+            history = self._history(states[:rows])
+            sampling = SamplingInputs.from_views(views, rows, sample_positions, history)
         tokens = self.ops.sample(logits, sampling)
+        if sampling is not None and sampling.history is not None:
+            record_tokens(sampling.history, tokens)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         finite = torch.isfinite(logits.sum(dim=-1))

@@ -87,7 +87,7 @@ def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed(model_dir: 
         text = free.text or ""
         start = next(i for i in range(len(text) // 3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
         stop = text[start : start + 2]
-        engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop_strings=(stop,)))
+        engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=stop))
         deltas = list(engine.stream_tokens())
     output = deltas[-1].output
     assert output is not None and output.finish_reason == "stop"
