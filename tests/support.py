@@ -187,7 +187,9 @@ def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: Sa
                                                   minlength=vocab)[None].int(),
                                    torch.bincount(torch.tensor(prompt, dtype=torch.int64), minlength=vocab)[None].int(),
                                    torch.zeros(1, dtype=torch.int64))
-            columns = {c.name: [getattr(sampling, c.param)] for c in SAMPLING_COLUMNS}
+            values = {c.name: getattr(sampling, c.param) for c in SAMPLING_COLUMNS}
+            columns = {name: [c.neutral if v is None else v] for (name, v), c in zip(values.items(), SAMPLING_COLUMNS,
+                                                                                     strict=True)}
             inputs = SamplingInputs.of(torch.tensor([len(tokens)], dtype=torch.int64), history, **columns)
             tokens.append(int(sample_rows(reference_logits(weights, tokens)[None], inputs)[0]))
     return tokens[len(prompt) :]
