@@ -22,37 +22,27 @@ loop; use one LLM per thread, or a lock of your own, or the HTTP server for conc
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import random
-import re
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import TypeGuard, cast
 
 from rich.console import Console
 
+from corelib.cli_habits import model_override, model_presets, quoted
 from corelib.config import EngineConfig
 from corelib.engine.api import Engine
 from corelib.engine.outputs import CompletionOutput, RequestOutput
-from corelib.models.hub import is_hub_id
 from corelib.progress import Progress, reporting
 from corelib.sampling_params import SEED_LIMIT, SamplingParams
 from corelib.text import Tokenizer
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "model_presets"]
 
 Prompt = str | Sequence[int]
 PromptInput = Prompt | Mapping[str, object]  # also {"prompt": text} or {"prompt_token_ids": [...]}, as vLLM's
 Message = Mapping[str, object]
-_PLAIN = re.compile(r"[\w./:+\-]*")  # override values that need no quoting
-
-
-def model_presets() -> list[str]:
-    """The names of the shipped ``model`` options."""
-    folder = importlib.resources.files("corelib.conf") / "model"
-    return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
 def override_value(value: object) -> str:
@@ -65,10 +55,7 @@ def override_value(value: object) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ",".join(override_value(v) for v in value) + "]"
-    text = str(getattr(value, "value", value))  # an enum member: its value
-    if _PLAIN.fullmatch(text) and text not in ("null", "true", "false"):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return quoted(str(getattr(value, "value", value)))  # an enum member: its value
 
 
 def _engine_overrides(options: Mapping[str, object]) -> list[str]:
@@ -85,18 +72,6 @@ def _engine_overrides(options: Mapping[str, object]) -> list[str]:
         else:
             overrides.append(f"engine.{name}={override_value(value)}")
     return overrides
-
-
-def model_override(model: str) -> str:
-    """The override of ``LLM(model=...)``: a preset, a checkpoint directory or a hub id."""
-    if model in model_presets():
-        return f"model={model}"
-    if Path(model).expanduser().is_dir():
-        return f"model.path={override_value(str(Path(model).expanduser()))}"
-    if is_hub_id(model):
-        return f"model.path={override_value(model)}"  # found in the Hugging Face cache, or downloaded
-    raise ValueError(f"model={model!r} is neither a preset ({', '.join(model_presets())}), a checkpoint "
-                     "directory nor a hub id (org/name)")
 
 
 def llm_overrides(

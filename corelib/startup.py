@@ -5,6 +5,7 @@ This runs once at the entry point; everything below it receives typed objects.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ from corelib.plugins import PluginRegistry
 
 if TYPE_CHECKING:
     from corelib.options import EngineOptions
+
+log = logging.getLogger("corelib.startup")
 
 
 @dataclass(frozen=True)
@@ -103,20 +106,25 @@ def _check_allowed(raw: DictConfig, registry: PluginRegistry, name: str) -> None
 def _choose_auto(raw: DictConfig, registry: PluginRegistry) -> tuple[str, str]:
     auto: BackendConfig = raw.backend
     refusals: list[str] = []
+    names: list[str] = []
     for candidate in auto.candidates:
         if not registry.has(candidate):
             refusals.append(f"{candidate}: {_not_selectable(registry, candidate)}")
+            names.append(candidate)
             continue
         availability = registry.get(candidate).probe()
         if availability.native:
             return candidate, f"it runs natively ({availability.reason})"
         refusals.append(f"{candidate}: {availability.reason}")
+        names.append(candidate)
     if not auto.fallback:
         raise ConfigError(
             f"backend=auto found no native backend ({'; '.join(refusals)}) and backend.fallback is empty; "
             "choose a backend"
         )
-    return auto.fallback, f"no candidate runs natively here ({'; '.join(refusals)})"
+    log.info("backend=auto: %s", "; ".join(refusals))  # the long reasons go to run.log; the console gets one line
+    listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+    return auto.fallback, f"no {listed} device here (python -m corelib backends says why)"
 
 
 def _not_selectable(registry: PluginRegistry, name: str) -> str:

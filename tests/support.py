@@ -83,7 +83,9 @@ class CliResult:
 
     @property
     def error_lines(self) -> list[str]:
-        return self.stderr.splitlines()
+        """stderr without the status lines (``corelib: ...`` that are not errors): errors, and anything stray."""
+        return [line for line in self.stderr.splitlines()
+                if line.startswith("corelib: error:") or not line.startswith("corelib: ")]
 
 
 def run_python(

@@ -23,7 +23,7 @@ from corelib.errors import ConfigError
 from corelib.progress import say
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx")
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)  # status: stderr
 
 
 def check_serve_modules() -> None:
@@ -45,7 +45,7 @@ def without_api_key(cfg: DictConfig) -> tuple[DictConfig, str | None]:
 def serve_task(cfg: DictConfig, output_dir: Path) -> None:
     """Serve until a signal stops it; the engine, and its startup, run in the engine process."""
     check_serve_modules()
-    from corelib.server.serve import bind, build_state, check_server, serve
+    from corelib.server.serve import bind, build_state, check_server, early_template, serve
     from corelib.server.served import EngineRecipe
 
     shown, api_key = without_api_key(cfg)
@@ -54,9 +54,10 @@ def serve_task(cfg: DictConfig, output_dir: Path) -> None:
     if not isinstance(server, ServerConfig):
         raise ConfigError("server does not follow its schema; keep server: default in the defaults list")
     check_server(server)
-    sock = bind(server.host, server.port)  # a taken port fails before the engine is built
+    template = early_template(shown.model.path, server)  # a missing template file fails before the model loads
+    sock = bind(server.host, server.port)  # so does a taken port
     try:
-        state = build_state(EngineRecipe.of_config(shown, output_dir), server, api_key)
+        state = build_state(EngineRecipe.of_config(shown, output_dir), server, api_key, template=template)
     except BaseException:
         sock.close()
         raise

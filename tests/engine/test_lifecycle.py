@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from corelib import faults
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import DeviceError, DeviceTimeout
 from corelib.step.device_steps import DeviceSteps
@@ -73,18 +74,15 @@ def test_submission_error_reaches_caller_with_its_traceback(
             engine.step()
 
 
-def test_stalled_device_times_out_naming_the_event(monkeypatch: pytest.MonkeyPatch, no_new_threads: None) -> None:
-    original = ModelRunner._decode
-
-    def stalled(self: ModelRunner, *args: object) -> None:
-        time.sleep(1.5)
-        original(self, *args)  # type: ignore[arg-type]
-
-    engine = Engine.from_overrides(["backend=npu", "engine.graph=off", "engine.timeout_s=0.3"])
-    monkeypatch.setattr(ModelRunner, "_decode", stalled)
-    stalled_event = r"event 'step1\.(end|tokens)' on stream '\w+'.* did not complete"
-    with pytest.raises((DeviceError, DeviceTimeout), match=stalled_event):
-        engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
-    # The stalled closure cannot be interrupted; close says which stream it could not stop.
-    with pytest.raises(DeviceTimeout, match="could not stop streams 'compute'"):
-        engine.close()
+def test_stalled_device_times_out_naming_the_event(no_new_threads: None) -> None:
+    # The first forward (the prefill, step 0) is held on the compute stream until the gate opens, so
+    # the wait for its tokens times out whatever this machine's speed; nothing before it waits.
+    engine = Engine.from_overrides(["backend=npu", "engine.graph=off", "engine.timeout_s=2"])
+    stalled_event = r"event 'step0\.(end|tokens)' on stream '\w+'.* did not complete"
+    with faults.gate("forward", hit=1) as held:
+        with pytest.raises((DeviceError, DeviceTimeout), match=stalled_event):
+            engine.generate([[2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert held.reached.is_set()
+        # The stalled closure cannot be interrupted; close says which stream it could not stop.
+        with pytest.raises(DeviceTimeout, match="could not stop streams 'compute'"):
+            engine.close()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
-import time
+import threading
 
 import pytest
 import torch
@@ -46,9 +47,14 @@ def test_shm_tokens_equal_inproc(overrides: list[str]) -> None:
     assert our_segments() == before, "segments were left behind"
 
 
-def test_a_killed_worker_is_named_quickly_and_nothing_leaks() -> None:
+def test_a_killed_worker_is_named_quickly_and_nothing_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corelib.transport import doorbell
+
+    # Neither a periodic liveness check nor engine.timeout_s can end a wait within the hour: the
+    # death must be noticed through the worker's pipe (a generous join bounds the test if it is not).
+    monkeypatch.setattr(doorbell, "CHECK_S", 3600.0)
     before = our_segments()
-    engine = Engine.from_overrides(["backend=npu", "engine.transport=shm", "engine.timeout_s=30"])
+    engine = Engine.from_overrides(["backend=npu", "engine.transport=shm", "engine.timeout_s=3600"])
     executor = engine.core.executor
     assert isinstance(executor, ShmExecutor)
     pid = executor.ranks[0].process.pid
@@ -57,11 +63,21 @@ def test_a_killed_worker_is_named_quickly_and_nothing_leaks() -> None:
     for _ in range(5):
         engine.step()
     os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(WorkerDied, match=rf"worker rank 0 \(pid {pid}\) was killed by SIGKILL"):
-        while engine.has_unfinished:
-            engine.step()
-    assert time.monotonic() - started < 5.0, "the dead worker was noticed too late"
+    raised: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            while engine.has_unfinished:
+                engine.step()
+        except BaseException as error:  # noqa: BLE001 - checked below
+            raised.append(error)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    driver.join(60)
+    assert not driver.is_alive(), "the dead worker was not noticed"
+    assert len(raised) == 1 and isinstance(raised[0], WorkerDied), raised
+    assert re.search(rf"worker rank 0 \(pid {pid}\) was killed by SIGKILL", str(raised[0])), raised[0]
     engine.close()
     assert executor.ranks[0].process.poll() is not None
     assert our_segments() == before
