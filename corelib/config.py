@@ -51,6 +51,14 @@ class WeightInit(str, enum.Enum):
     device = "device"
 
 
+class GraphCapture(str, enum.Enum):
+    """When decode graphs are captured: at start (every bucket), or the first time a step needs one."""
+
+    auto = "auto"
+    upfront = "upfront"
+    lazy = "lazy"
+
+
 class Transport(str, enum.Enum):
     """How scheduled steps reach the model: in this process, or through a shared-memory ring."""
 
@@ -228,6 +236,11 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=2048, metadata=doc("prefill token budget per step"))
     graph_batch_sizes: list[int] = field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata=doc("decode batch buckets captured as graphs")
+    )
+    graph_capture: GraphCapture = field(
+        default=GraphCapture.auto,
+        metadata=doc("upfront: every bucket at start; lazy: each bucket the first time a step needs it; auto: lazy "
+                     "on the stream emulator (where a capture runs the model on the CPU), upfront on hardware"),
     )
     compile: bool = field(
         default=False, metadata=doc("torch.compile the decode step (inside the graph where graphs are on)")

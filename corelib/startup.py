@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from corelib.backend import Backend, DeviceSpec, resolve_runtime
 from corelib.compose import check_schema_keys, check_targets, load_group_option, translate_error
 from corelib.config import BackendConfig, CorelibConfig
+from corelib.device import Runtime
 from corelib.errors import ConfigError, PluginError
 from corelib.features import Plan, evaluate
 from corelib.limits import check_limits, check_memory
@@ -73,7 +74,8 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     from corelib.options import EngineOptions  # the engine package imports this module
 
     provider = backend.op_provider()
-    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider)
+    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider,
+                                         emulated=resolution.spec.runtime is Runtime.emulated)
     if options.fused_ops and provider is not None:
         rest = [op for op in OP_NAMES if op not in options.fused_ops]
         messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"

@@ -99,9 +99,9 @@ def _absent_hardware(registry: PluginRegistry) -> tuple[dict[str, str], set[str]
 def _hardware_needed(item: pytest.Item, registry: PluginRegistry, absent: dict[str, str],
                      present: set[str]) -> str | None:
     """The mark of the absent hardware ``item`` needs; "" when it runs natively elsewhere in this run."""
-    for mark in item.iter_markers():
-        if mark.name in absent:
-            return mark.name
+    for marker in item.iter_markers():
+        if marker.name in absent:
+            return marker.name
     callspec = getattr(item, "callspec", None)
     target = callspec.params.get("conformance_target") if callspec is not None else None
     if not isinstance(target, Target):
@@ -153,7 +153,8 @@ def hardware_summary(counts: Counter[str]) -> str | None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: tell the controller
     if workeroutput is not None:
-        workeroutput["corelib_hardware"] = dict(session.config.stash.get(_hardware_key, Counter()))
+        counts: Counter[str] = session.config.stash.get(_hardware_key, Counter())
+        workeroutput["corelib_hardware"] = dict(counts)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -165,7 +166,8 @@ def pytest_testnodedown(node: object, error: object) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    line = hardware_summary(config.stash.get(_hardware_key, Counter()))
+    counts: Counter[str] = config.stash.get(_hardware_key, Counter())
+    line = hardware_summary(counts)
     if line is not None:
         terminalreporter.write_line(f"corelib: {line}")
 
