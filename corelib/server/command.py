@@ -11,6 +11,7 @@ steps (:func:`corelib.commands.serve_follower_task`, which loads the engine ther
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from rich.console import Console
 
 from corelib.config import ServerConfig
 from corelib.errors import ConfigError
+from corelib.hub import is_hub_id
 from corelib.progress import say
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx")
@@ -54,6 +56,9 @@ def serve_task(cfg: DictConfig, output_dir: Path) -> None:
     if not isinstance(server, ServerConfig):
         raise ConfigError("server does not follow its schema; keep server: default in the defaults list")
     check_server(server)
+    path = shown.model.path
+    if not server.served_model_name and path and is_hub_id(str(path)) and not Path(str(path)).expanduser().is_dir():
+        server = dataclasses.replace(server, served_model_name=str(path))  # as vLLM names it: the hub id
     template = early_template(shown.model.path, server)  # a missing template file fails before the model loads
     sock = bind(server.host, server.port)  # so does a taken port
     try:
