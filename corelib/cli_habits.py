@@ -127,7 +127,10 @@ def habit_arguments(
 
 
 def check_quoted_prompts(value: str) -> None:
-    """Refuse ``workload.prompts=[Hello, world]``: Hydra reads two prompts where one was meant."""
+    """Refuse ``workload.prompts=[Hello, world]``: Hydra reads two prompts where one was meant.
+
+    A list of more than one element must quote each (``[hello]`` alone is unambiguous).
+    """
     text = value.strip()
     if not (text.startswith("[") and text.endswith("]")):
         return  # not a list: composing names the type error
@@ -142,7 +145,7 @@ def check_quoted_prompts(value: str) -> None:
             start = position + 1
     elements.append(text[start:-1].strip())
     bare = [e for e in elements if e and e[0] not in "'\""]
-    if bare:
+    if bare and len(elements) > 1:
         raise ConfigError(
             f"workload.prompts={value}: {bare[0]!r} is not quoted, so a comma would split a prompt in two; "
             """quote each prompt: 'workload.prompts=["Hello, world", "Another prompt"]'"""

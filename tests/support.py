@@ -83,9 +83,13 @@ class CliResult:
 
     @property
     def error_lines(self) -> list[str]:
-        """stderr without the status lines (``corelib: ...`` that are not errors): errors, and anything stray."""
-        return [line for line in self.stderr.splitlines()
-                if line.startswith("corelib: error:") or not line.startswith("corelib: ")]
+        return error_lines(self.stderr)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without its status lines (``corelib: ...`` that are not errors): the errors, and anything stray."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and (line.startswith("corelib: error:") or not line.startswith("corelib: "))]
 
 
 def run_python(

@@ -63,6 +63,7 @@ def test_what_cannot_be_mapped_is_one_line_naming_the_key(args: list[str], says:
 def test_quoted_prompts_with_commas_are_one_prompt_each() -> None:
     given = """workload.prompts=["Hello, world", 'a, b']"""
     assert habits(given) == [given]
+    assert habits("workload.prompts=[hello]") == ["workload.prompts=[hello]"], "one element cannot be split"
 
 
 def test_a_hint_names_the_closest_keys() -> None:

@@ -115,8 +115,9 @@ def test_run_streams_the_text_of_one_prompt_and_writes_it(
     assert main(["run", *overrides, "workload.prompts=[The quick brown fox]"]) == 0
     [record] = read_outputs(tmp_path / "run" / "outputs.jsonl")
     assert len(record["output_token_ids"]) == 10
-    shown = capsys.readouterr().out
-    assert "The quick brown fox" + record["text"] + "\n" in shown
+    shown = capsys.readouterr()
+    assert shown.out == "The quick brown fox" + record["text"] + "\n", "stdout holds the generated text only"
+    assert "corelib: cpu: native" in shown.err and "run summary" in shown.err, "status goes to stderr"
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["startup"][0].startswith(f"model.path={model_dir}")
 
 
