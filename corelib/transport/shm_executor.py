@@ -42,6 +42,7 @@ from corelib.transport.worker import WorkerArgs
 
 ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
+STARTUP_MIN_S = 60.0  # ... and at least this for local workers: an interpreter and torch start slowly when busy
 
 
 def _round_up(value: int, multiple: int = 64) -> int:
@@ -143,7 +144,7 @@ class ShmExecutor(Executor):
                 process.stdin.close()
                 os.close(control[1])  # so that a dead worker shows as EOF here
                 self.ranks.append(_Rank(process, Connection(control[0], writable=False), rank))
-            self._await_ready(self.timeout * STARTUP_TIMEOUT_FACTOR)
+            self._await_ready(max(self.timeout * STARTUP_TIMEOUT_FACTOR, STARTUP_MIN_S))
             if self.link is not None:
                 self.link.start()
             watch = [rank.control.fileno() for rank in self.ranks]
