@@ -177,7 +177,11 @@ def test_an_interrupted_close_drops_queued_work_and_leaves_a_running_closure(emu
     stream = device.stream("busy")
     started, release = threading.Event(), threading.Event()
     ran: list[str] = []
-    stream.launch(lambda: (started.set(), release.wait(60)))
+    def long_closure() -> None:
+        started.set()
+        release.wait(60)
+
+    stream.launch(long_closure)
     stream.launch(lambda: ran.append("queued"))
     behind = stream.record(device.event(name="behind"))
     assert started.wait(30), "the first closure never started"
