@@ -30,7 +30,7 @@ from typing import TypeGuard, cast
 
 from rich.console import Console
 
-from corelib.cli_habits import model_override, model_presets, quoted
+from corelib.cli_habits import NO_EQUIVALENT, model_override, model_presets, quoted
 from corelib.config import EngineConfig
 from corelib.engine.api import Engine
 from corelib.engine.outputs import CompletionOutput, RequestOutput
@@ -62,6 +62,9 @@ def _engine_overrides(options: Mapping[str, object]) -> list[str]:
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     overrides = []
     for name, value in options.items():
+        reason = NO_EQUIVALENT.get("--" + name.replace("_", "-"))
+        if name not in known and reason is not None:  # a vLLM keyword with no counterpart here
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}: {reason}")
         if name not in known:
             raise TypeError(
                 f"LLM() got an unexpected keyword argument {name!r}; engine options are: {', '.join(sorted(known))} "
