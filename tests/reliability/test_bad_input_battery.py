@@ -210,7 +210,7 @@ TABLE: list[tuple[str, str, Case]] = [
     ("frame", "truncated", FrameCase("bad checksum .*corrupted or truncated", tamper=_cut_stale)),
     ("frame", "truncated-resealed", FrameCase(r"payload of \d+ bytes is shorter than its layout",
                                               tamper=_cut_resealed)),
-    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 5", poke=_poke("version", 9))),
+    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 6", poke=_poke("version", 9))),
     ("frame", "bad-magic", FrameCase("bad magic 0x0badf00d", poke=_poke("magic", 0x0BADF00D))),
     ("frame", "oversize", FrameCase(r"payload length 9999999 exceeds the slot's \d+",
                                     poke=_poke("payload_len", 9999999))),
