@@ -57,7 +57,9 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 6  # 6: the penalties' columns, prefill prompt lengths; 5: no free float; 4: CRC-32C; 3: named input fields; 2: the checksum covers the header too
+# 6: the penalties' columns, prefill prompt lengths; 5: no free float; 4: CRC-32C; 3: named input fields;
+# 2: the checksum covers the header too
+VERSION = 6
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
 _FIXED = struct.Struct("<IHHQqiiiidQII")
