@@ -17,17 +17,27 @@ __version__ = "0.1.0"
 # import it here, before a Hydra job's env_set or anything else can change os.environ.
 from corelib import isolation as _isolation  # noqa: F401
 
-# ``corelib.LLM`` and ``corelib.SamplingParams`` load the engine (and torch) on first use only,
-# so ``python -m corelib --help`` and config checks stay quick.
+# ``corelib.LLM`` loads the engine (and torch) on first use only, so ``python -m corelib --help``
+# and config checks stay quick; ``corelib.SamplingParams`` never needs torch.
 if TYPE_CHECKING:
-    from corelib.llm import LLM, SamplingParams
+    from corelib.engine.outputs import CompletionOutput, RequestOutput
+    from corelib.llm import LLM
+    from corelib.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:
-    if name in ("LLM", "SamplingParams"):
-        from corelib import llm
+    if name == "LLM":
+        from corelib.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
+    if name == "SamplingParams":
+        from corelib.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("CompletionOutput", "RequestOutput"):
+        from corelib.engine import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(f"module 'corelib' has no attribute {name!r}")

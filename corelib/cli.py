@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
+from corelib import __version__
 from corelib.errors import ConfigError, CorelibError, one_line
-from corelib.hydra_app import Terminated, plugin_registry, run_command
+from corelib.hydra_app import HYDRA_FLAGS, Terminated, plugin_registry, run_command, takes_value
 
-USAGE = """usage: python -m corelib COMMAND [group=option ...] [key=value ...] [--help] [--cfg job] [-m]
+USAGE = """usage: python -m corelib COMMAND [MODEL] [group=option ...] [key=value ...] [--help] [--cfg job] [-m]
 
 commands:
   run       run the workload through the engine and write outputs into the run directory
@@ -33,8 +34,13 @@ commands:
 
 Every command but backends takes Hydra overrides: pick an option per group (backend=npu,
 model=small-0.6b) and set any key (engine.async_token_handoff=on). COMMAND --help lists them.
+MODEL (a preset, a checkpoint directory or a hub id) stands for model=... or model.path=...;
+vLLM's --port, --host, --model, --tensor-parallel-size, --api-key, --max-model-len, --dtype,
+--max-num-seqs and --enforce-eager set their keys.
 
 examples:
+  python -m corelib run Qwen/Qwen3-0.6B 'workload.prompts=["The capital of France is"]'
+  python -m corelib serve Qwen/Qwen3-0.6B --port 8001
   python -m corelib run backend=npu engine.async_token_handoff=on workload.num_requests=64
   python -m corelib plan backend=cuda backend.runtime=emulated
   python -m corelib plan -m backend=cpu,npu
@@ -60,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return 0
+    if args[0] in ("-V", "--version", "version") or "--version" in args[1:]:
+        print(f"corelib {__version__}")
         return 0
     command, rest = args[0], args[1:]
     try:
@@ -148,7 +157,9 @@ def _full_error() -> bool:
 
 
 def _hydra_command(command: str, rest: list[str]) -> int:
-    return run_command(command, rest)
+    from corelib.cli_habits import habit_arguments
+
+    return run_command(command, habit_arguments(rest, HYDRA_FLAGS, takes_value))
 
 
 def _trace_plot_command(rest: list[str]) -> int:

@@ -17,8 +17,11 @@ from corelib.progress import Progress, reporting, say, show
 from corelib.rundir import RunDir
 from corelib.startup import Startup, start
 
+# Status (what was chosen, progress, where files went) goes to stderr; what a command produces (the
+# generated text, the plan, the backends table) to stdout, so `run ... > answers.txt` keeps only text.
 # A pipe or a file gets a fixed width, so captured output does not depend on the terminal.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
+output = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def plan_table(plan: Plan, combinations: bool = False) -> Table:
@@ -56,7 +59,7 @@ def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tupl
 
 def plan_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
     startup, run_dir = prepare(cfg, registry, output_dir)
-    show(console, plan_table(startup.plan, combinations=True))
+    show(output, plan_table(startup.plan, combinations=True))
     say(console, f"wrote {run_dir.path}/{{config.yaml,plan.json}}")
 
 
@@ -67,7 +70,7 @@ def run_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> Non
     if followed(startup):
         return
     with reporting(Progress(console)):
-        run(startup, run_dir, console)
+        run(startup, run_dir, console, output)
 
 
 def followed(startup: Startup) -> bool:
@@ -147,14 +150,14 @@ def backends_table(registry: PluginRegistry) -> Table:
 
 def print_backends(registry: PluginRegistry) -> None:
     if not registry.records:
-        console.print(
+        output.print(
             f"no backend plugins are installed (entry-point group {ENTRY_POINT_GROUP}); "
             "install one, e.g. pip install -e backends/cpu",
             soft_wrap=True,
         )
         return
-    console.print(backends_table(registry))
-    console.print(
+    output.print(backends_table(registry))
+    output.print(
         "native: runs on its hardware; emulated: no hardware here, runs on the stream emulator with the "
         "backend's profile (the reason says why it is not native). Select one with backend=NAME; "
         f"restrict loading with {ENV_ALLOW} or {ENV_BLOCK}.",

@@ -59,6 +59,14 @@ class WeightInit(str, enum.Enum):
     device = "device"
 
 
+class GraphCapture(str, enum.Enum):
+    """When decode graphs are captured: at start (every bucket), or the first time a step needs one."""
+
+    auto = "auto"
+    upfront = "upfront"
+    lazy = "lazy"
+
+
 class Transport(str, enum.Enum):
     """How scheduled steps reach the model: in this process, or through a shared-memory ring."""
 
@@ -242,6 +250,11 @@ class EngineConfig:
     prefix_caching: Mode = field(default=Mode.auto, metadata=doc("share the KV blocks of prompts that begin alike"))
     graph_batch_sizes: list[int] = field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata=doc("decode batch buckets captured as graphs")
+    )
+    graph_capture: GraphCapture = field(
+        default=GraphCapture.auto,
+        metadata=doc("upfront: every bucket at start; lazy: each bucket the first time a step needs it; auto: lazy "
+                     "on the stream emulator (where a capture runs the model on the CPU), upfront on hardware"),
     )
     compile: bool = field(
         default=False, metadata=doc("torch.compile the decode step (inside the graph where graphs are on)")

@@ -1,16 +1,17 @@
-"""A familiar Python API beside :class:`corelib.engine.Engine`: keyword arguments in, outputs in order out.
+"""The Python API in vLLM's shape, beside :class:`corelib.engine.Engine`: keywords in, outputs in order out.
 
-    import corelib
+    from corelib import LLM, SamplingParams
 
-    llm = corelib.LLM(model="tiny", backend="npu", async_token_handoff="on", max_num_seqs=32)
-    outputs = llm.generate([[1, 2, 3], [4, 5]], corelib.SamplingParams(max_tokens=16))
-    print(outputs[0].output_token_ids, outputs[0].finish_reason)
+    llm = LLM(model="Qwen/Qwen3-0.6B")  # a hub id, a checkpoint directory, or a preset (tiny, small-0.6b, ...)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=16, n=2))
+    print(out[0].prompt, [o.text for o in out[0].outputs])
 
-Keywords become config overrides: ``model`` is a preset name (``tiny``, ``small-0.6b``, ...)
-or a checkpoint directory (``model.path``); ``backend`` picks the plugin;
+Keywords become config overrides: ``model`` is a preset name (random weights, no tokenizer: token
+ids only), a checkpoint directory or a hub id (``model.path``); ``backend`` picks the plugin;
 ``tensor_parallel_size=N`` sets ``engine.tp=N`` and, above 1, ``engine.transport=shm``;
-``dtype`` and ``max_model_len`` set the model's; any other keyword names a key of the
-``engine`` group (``async_token_handoff="on"``, ``max_num_seqs=32``, ``shm={"num_slots": 8}``).
+``dtype`` and ``max_model_len`` set the model's; ``enforce_eager=True`` turns graphs off;
+``seed`` makes the seeds of requests that have none repeatable; any other keyword names a key of
+the ``engine`` group (``async_token_handoff="on"``, ``max_num_seqs=32``, ``shm={"num_slots": 8}``).
 ``overrides=[...]`` passes anything else as Hydra overrides. An unknown keyword is a TypeError.
 
 Thread safety: an LLM, like an Engine, is driven by one thread at a time. A second thread
@@ -21,64 +22,28 @@ loop; use one LLM per thread, or a lock of your own, or the HTTP server for conc
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
-import re
+import random
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import TypeGuard, cast
 
+from rich.console import Console
+
+from corelib.cli_habits import NO_EQUIVALENT, model_override, model_presets, quoted
 from corelib.config import engine_schema
 from corelib.engine.api import Engine
-from corelib.engine.outputs import RequestOutput
-from corelib.engine.sequence import SamplingParams as EngineSamplingParams
-from corelib.errors import RequestError
+from corelib.engine.outputs import CompletionOutput, RequestOutput
 from corelib.gate_catalog import load_gates
+from corelib.progress import Progress, reporting
+from corelib.sampling_params import SEED_LIMIT, SamplingParams
+from corelib.text import Tokenizer
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "model_presets"]
 
 Prompt = str | Sequence[int]
-_PLAIN = re.compile(r"[\w./:+\-]*")  # override values that need no quoting
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and stops; a wrong value raises ValueError naming the field, here.
-
-    Greedy by default (``temperature=0``), like the engine. ``stop`` is a string or a list of
-    strings: the text ends before the first one found (needs a tokenizer to mean text).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0  # 0: no cut
-    top_p: float = 1.0
-    seed: int = 0
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # each output token's logprob and the k most likely (k <= 20); None: none
-
-    def __post_init__(self) -> None:
-        try:
-            # The vocabulary is not known here: token ids are range-checked by the engine.
-            self.to_engine().validate(vocab_size=2**62)
-        except RequestError as error:
-            raise ValueError(str(error).removeprefix("sampling.")) from None
-
-    def to_engine(self) -> EngineSamplingParams:
-        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        return EngineSamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            stop_strings=stop, logprobs=self.logprobs,
-        )
-
-
-def model_presets() -> list[str]:
-    """The names of the shipped ``model`` options."""
-    folder = importlib.resources.files("corelib.conf") / "model"
-    return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+PromptInput = Prompt | Mapping[str, object]  # also {"prompt": text} or {"prompt_token_ids": [...]}, as vLLM's
+Message = Mapping[str, object]
 
 
 def override_value(value: object) -> str:
@@ -91,10 +56,7 @@ def override_value(value: object) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ",".join(override_value(v) for v in value) + "]"
-    text = str(getattr(value, "value", value))  # an enum member: its value
-    if _PLAIN.fullmatch(text) and text not in ("null", "true", "false"):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return quoted(str(getattr(value, "value", value)))  # an enum member: its value
 
 
 def _engine_overrides(options: Mapping[str, object]) -> list[str]:
@@ -103,6 +65,9 @@ def _engine_overrides(options: Mapping[str, object]) -> list[str]:
     known = {f.name for f in dataclasses.fields(engine_schema())} | declared
     overrides = []
     for name, value in options.items():
+        reason = NO_EQUIVALENT.get("--" + name.replace("_", "-"))
+        if name not in known and reason is not None:  # a vLLM keyword with no counterpart here
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}: {reason}")
         if name not in known:
             raise TypeError(
                 f"LLM() got an unexpected keyword argument {name!r}; engine options are: {', '.join(sorted(known))} "
@@ -120,14 +85,7 @@ def llm_overrides(
     overrides: Sequence[str], engine_options: Mapping[str, object],
 ) -> list[str]:
     """The Hydra overrides an ``LLM(...)`` call stands for."""
-    result: list[str] = []
-    if model in model_presets():
-        result.append(f"model={model}")
-    elif Path(model).expanduser().is_dir():
-        result.append(f"model.path={override_value(str(Path(model).expanduser()))}")
-    else:
-        raise ValueError(f"model={model!r} is neither a preset ({', '.join(model_presets())}) "
-                         "nor a checkpoint directory")
+    result = [model_override(model)]
     if backend is not None:
         result.append(f"backend={backend}")
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -149,11 +107,23 @@ def _is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
     )
 
 
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (text, or token ids) or a list of them, as a list."""
-    if isinstance(prompts, str) or _is_token_ids(prompts):
-        return [prompts]
-    return list(cast("Sequence[Prompt]", prompts))  # the engine names any prompt of the wrong type
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+    """One prompt (text, token ids, or vLLM's prompt dict) or a list of them, as a list of text or token ids."""
+    if isinstance(prompts, str | Mapping) or _is_token_ids(prompts):
+        batch: list[object] = [prompts]
+    else:
+        batch = list(cast("Sequence[object]", prompts))
+    return [_plain_prompt(p) for p in batch]  # the engine names any prompt of the wrong type
+
+
+def _plain_prompt(prompt: object) -> Prompt:
+    if not isinstance(prompt, Mapping):
+        return cast(Prompt, prompt)
+    if "prompt_token_ids" in prompt:
+        return cast("Sequence[int]", prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return cast(str, prompt["prompt"])
+    raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
 
 
 class LLM:
@@ -167,37 +137,87 @@ class LLM:
         *,
         dtype: str | None = None,
         max_model_len: int | None = None,
+        seed: int | None = None,
+        enforce_eager: bool = False,
         overrides: Sequence[str] = (),
         **engine_options: object,
     ) -> None:
+        if enforce_eager:
+            engine_options.setdefault("graph", "off")
         self.overrides = llm_overrides(model, backend, tensor_parallel_size, dtype, max_model_len, overrides,
                                        engine_options)
+        self.model = model
+        self._seeds = random.Random(seed) if seed is not None else None
         self._lock = threading.Lock()
-        self.engine = Engine.from_overrides(self.overrides)
+        with reporting(Progress(Console(stderr=True))):  # weights, KV cache, graphs: a bar, or a line every 5 s
+            self.engine = Engine.from_overrides(self.overrides)
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | EngineSamplingParams | Sequence[SamplingParams | EngineSamplingParams]
-        | None = None,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run prompts (text, token ids, or a list of either) to the end; one output per prompt, in order."""
+        """Run prompts (text, token ids, or a list of either) to the end; one output per prompt, in order.
+
+        ``use_tqdm``: a progress bar of finished prompts on stderr (on a pipe, a line every 5 s).
+        """
         batch = _prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
-            sampling = [_engine_params(p) for p in sampling_params]
+            sampling = list(sampling_params)
         else:
-            sampling = [_engine_params(sampling_params or SamplingParams())] * len(batch)
+            sampling = [sampling_params or SamplingParams()] * len(batch)
         if len(sampling) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(sampling)} sampling_params; pass one, or one per prompt")
+        for params in sampling:
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params must be corelib.SamplingParams, not {type(params).__name__}")
+        if self.engine.tokenizer is None and any(isinstance(p, str) for p in batch):
+            self.engine.encode("")  # the engine's one line: which model has no tokenizer, and what to do
+        if self._seeds is not None:
+            sampling = [p if p.seed is not None else p.replace(seed=self._seeds.randrange(SEED_LIMIT))
+                        for p in sampling]
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "LLM.generate is already running in another thread; an LLM is driven by one thread at a time: "
                 "wait for that call, or give each thread its own LLM"
             )
         try:
-            return self.engine.generate(batch, sampling)
+            progress = Progress(Console(stderr=True) if use_tqdm else None)
+            with progress.task("generating", total=sum(p.n for p in sampling), unit="samples") as task:
+                return self.engine.generate(batch, sampling, on_finish=lambda _: task.advance())
         finally:
             self._lock.release()
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
+
+        Rendered with the checkpoint's chat template (``chat_template`` names a file to use
+        instead), as transformers' ``apply_chat_template`` with ``add_generation_prompt``.
+        """
+        from corelib.server.chat import ChatTemplate
+
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            self.engine.encode("")  # raises the one line: this model has no tokenizer
+            raise RuntimeError("unreachable: a model without a tokenizer cannot chat")
+        template = ChatTemplate.load(self.engine.startup.config.model.path, chat_template)
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        texts = [template.render(list(c)) for c in cast("Sequence[Sequence[Message]]", conversations)]
+        # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
+        prompts: list[PromptInput] = [tokenizer.encode(t, add_special_tokens=template.is_fallback) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        return [dataclasses.replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer (``encode``, ``decode``); None for a preset."""
+        return self.engine.tokenizer
 
     def close(self) -> None:
         """Release the engine's threads, device memory and workers. Safe to call twice."""
@@ -216,6 +236,6 @@ class LLM:
     ) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return f"LLM(model={self.model!r})"
 
-def _engine_params(params: SamplingParams | EngineSamplingParams) -> EngineSamplingParams:
-    return params.to_engine() if isinstance(params, SamplingParams) else params

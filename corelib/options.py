@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from corelib.config import CorelibConfig, Transport
+from corelib.config import CorelibConfig, GraphCapture, Transport
 from corelib.device import Capabilities
 from corelib.features import Plan, Requirement, failing_step_requirements
 from corelib.ops.spec import OpProvider
@@ -76,6 +76,7 @@ class EngineOptions:
     """What the gates decided, as the engine uses it."""
 
     graphs: bool  # decode steps replay captured graphs
+    lazy_capture: bool  # each graph is captured the first time a step needs it, not at start
     async_handoff: bool  # the scheduler runs ahead of the tokens it has read
     run_ahead: int  # steps the scheduler may submit beyond the one it reads next (0: synchronous)
     transport: Transport
@@ -99,8 +100,10 @@ class EngineOptions:
 
     @classmethod
     def from_startup(cls, config: CorelibConfig, plan: Plan, capabilities: Capabilities,
-                     provider: OpProvider | None = None, facts: Mapping[str, Any] | None = None) -> EngineOptions:
-        """``provider``: the backend's op provider (used when the fused_ops gate allows); ``facts``: the model's."""
+                     provider: OpProvider | None = None, facts: Mapping[str, Any] | None = None,
+                     emulated: bool = False) -> EngineOptions:
+        """``provider``: the backend's op provider (used when the fused_ops gate allows); ``facts``: the model's;
+        ``emulated``: the device is the stream emulator."""
         engine = config.engine
         async_handoff = plan.is_enabled("async_token_handoff")
         decision = plan.decisions.get("async_token_handoff")
@@ -108,6 +111,8 @@ class EngineOptions:
         fused = provider.op_names() if provider is not None and plan.is_enabled("fused_ops") else ()
         return cls(
             graphs=plan.is_enabled("graph"),
+            lazy_capture=engine.graph_capture is GraphCapture.lazy
+            or (engine.graph_capture is GraphCapture.auto and emulated),
             async_handoff=async_handoff,
             run_ahead=engine.run_ahead if async_handoff else 0,
             transport=engine.transport,

@@ -126,8 +126,9 @@ def drive(
 class _TextShow:
     """Prints the text of ``workload.prompts``: live for one prompt, each whole answer for several."""
 
-    def __init__(self, console: Console, count: int) -> None:
+    def __init__(self, console: Console, count: int, status: Console) -> None:
         self.console = console
+        self.status = status
         self.live = count == 1
         self.started: set[str] = set()
 
@@ -151,11 +152,14 @@ class _TextShow:
             self._write(request.prompt or "", "dim")
             self._write((output.text or "") + "\n")
         if output.error:
-            say(self.console, f"request {output.request_id} failed: {output.error}")
+            say(self.status, f"request {output.request_id} failed: {output.error}")
 
 
-def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
-    """Run the configured workload; returns the metrics it wrote."""
+def run(startup: Startup, run_dir: RunDir, console: Console, output: Console | None = None) -> dict[str, Any]:
+    """Run the configured workload; returns the metrics it wrote.
+
+    Status lines go to ``console``; the generated text of ``workload.prompts`` to ``output``.
+    """
     cfg = startup.config
     tokenizer = Tokenizer.from_directory(cfg.model.path)
     requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.model.eos_token_id, tokenizer)
@@ -174,7 +178,7 @@ def run(startup: Startup, run_dir: RunDir, console: Console) -> dict[str, Any]:
         start = time.perf_counter()
         try:
             if cfg.workload.prompts:
-                text = _TextShow(console, len(requests))
+                text = _TextShow(output or console, len(requests), console)
 
                 def finished(request: Request, output: RequestOutput) -> None:
                     text.finished(request, output)

@@ -5,6 +5,7 @@ This runs once at the entry point; everything below it receives typed objects.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from corelib.backend import Backend, DeviceSpec, resolve_runtime
 from corelib.compose import check_schema_keys, check_targets, load_group_option, translate_error
 from corelib.config import BackendConfig, CorelibConfig
+from corelib.device import Runtime
 from corelib.errors import ConfigError, PluginError
 from corelib.features import Plan, evaluate
 from corelib.limits import check_limits, check_memory
@@ -24,6 +26,8 @@ from corelib.plugins import PluginRegistry
 
 if TYPE_CHECKING:
     from corelib.options import EngineOptions
+
+log = logging.getLogger("corelib.startup")
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     from corelib.options import EngineOptions  # the engine package imports this module
 
     provider = backend.op_provider()
-    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider, facts)
+    options = EngineOptions.from_startup(config, plan, resolution.spec.capabilities, provider, facts,
+                                         emulated=resolution.spec.runtime is Runtime.emulated)
     if options.fused_ops and provider is not None:
         rest = [op for op in OP_NAMES if op not in options.fused_ops]
         messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"
@@ -104,20 +109,25 @@ def _check_allowed(raw: DictConfig, registry: PluginRegistry, name: str) -> None
 def _choose_auto(raw: DictConfig, registry: PluginRegistry) -> tuple[str, str]:
     auto: BackendConfig = raw.backend
     refusals: list[str] = []
+    names: list[str] = []
     for candidate in auto.candidates:
         if not registry.has(candidate):
             refusals.append(f"{candidate}: {_not_selectable(registry, candidate)}")
+            names.append(candidate)
             continue
         availability = registry.get(candidate).probe()
         if availability.native:
             return candidate, f"it runs natively ({availability.reason})"
         refusals.append(f"{candidate}: {availability.reason}")
+        names.append(candidate)
     if not auto.fallback:
         raise ConfigError(
             f"backend=auto found no native backend ({'; '.join(refusals)}) and backend.fallback is empty; "
             "choose a backend"
         )
-    return auto.fallback, f"no candidate runs natively here ({'; '.join(refusals)})"
+    log.info("backend=auto: %s", "; ".join(refusals))  # the long reasons go to run.log; the console gets one line
+    listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+    return auto.fallback, f"no {listed} device here (python -m corelib backends says why)"
 
 
 def _not_selectable(registry: PluginRegistry, name: str) -> str:

@@ -65,7 +65,7 @@ def build_workload(
         SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        stop_token_ids=tuple(cfg.stop_token_ids)).validate(vocab_size)
     except RequestError as error:
-        raise ConfigError(str(error).replace("sampling.", "workload.", 1)) from None
+        raise ConfigError(f"workload.{error}") from None
     rng = random.Random(cfg.seed)
     avoid = {eos_token_id} if eos_token_id is not None else set()
     if lines is None:
@@ -95,7 +95,7 @@ def build_workload(
             seed=cfg.seed * 1_000_003 + index,
             stop_token_ids=tuple(cfg.stop_token_ids),
             ignore_eos=cfg.ignore_eos,
-            stop_strings=stop_strings,
+            stop=stop_strings,
         )
         requests.append(Request(prompt, sampling, rng.random() < cfg.multimodal_fraction, line.text))
     return requests

@@ -85,7 +85,13 @@ class CliResult:
 
     @property
     def error_lines(self) -> list[str]:
-        return self.stderr.splitlines()
+        return error_lines(self.stderr)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without its status lines (``corelib: ...`` that are not errors): the errors, and anything stray."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and (line.startswith("corelib: error:") or not line.startswith("corelib: "))]
 
 
 def run_python(
@@ -178,18 +184,20 @@ def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: Sa
     import torch
 
     from corelib.models.reference import reference_logits
-    from corelib.ops import SamplingInputs
+    from corelib.ops import SAMPLING_COLUMNS, SamplingInputs, TokenHistory
     from corelib.ops.sampling import sample_rows
 
+    vocab = weights.embed.shape[0]
     tokens = list(prompt)
     with torch.inference_mode():
         for _ in range(sampling.max_tokens):
-            inputs = SamplingInputs(
-                temperature=torch.tensor([float(sampling.temperature)]),
-                top_k=torch.tensor([sampling.top_k], dtype=torch.int64),
-                top_p=torch.tensor([float(sampling.top_p)]),
-                seeds=torch.tensor([sampling.seed], dtype=torch.int64),
-                positions=torch.tensor([len(tokens)], dtype=torch.int64),
-            )
+            history = TokenHistory(torch.bincount(torch.tensor(tokens[len(prompt):], dtype=torch.int64),
+                                                  minlength=vocab)[None].int(),
+                                   torch.bincount(torch.tensor(prompt, dtype=torch.int64), minlength=vocab)[None].int(),
+                                   torch.zeros(1, dtype=torch.int64))
+            values = {c.name: getattr(sampling, c.param) for c in SAMPLING_COLUMNS}
+            columns = {name: [c.neutral if v is None else v] for (name, v), c in zip(values.items(), SAMPLING_COLUMNS,
+                                                                                     strict=True)}
+            inputs = SamplingInputs.of(torch.tensor([len(tokens)], dtype=torch.int64), history, **columns)
             tokens.append(int(sample_rows(reference_logits(weights, tokens)[None], inputs)[0]))
     return tokens[len(prompt) :]

@@ -49,7 +49,7 @@ def test_plan_on_npu_runs_emulated_and_says_why(
     result = cli("plan", "backend=npu", f"hydra.run.dir={tmp_path / 'run'}", pythonpath=broken_torch_npu)
     assert result.returncode == 0, result.stderr
     expected = "npu: running on the stream emulator with the npu profile because torch_npu cannot be imported"
-    assert f"{expected} (OSError: {CAUSE}" in result.stdout
+    assert f"{expected} (OSError: {CAUSE}" in result.stderr
 
 
 def test_importing_corelib_before_torch_protects_a_script(

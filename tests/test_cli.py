@@ -37,9 +37,10 @@ def test_plan_writes_the_resolved_config_and_the_plan_into_the_run_directory(
     result = cli("plan", "backend=npu", "engine.transport=shm", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     assert (
-        "corelib: npu: running on the stream emulator with the npu profile because torch_npu" in result.stdout
-    )
-    assert "feature plan" in result.stdout
+        "corelib: npu: running on the stream emulator with the npu profile because torch_npu" in result.stderr
+    ), "status goes to stderr"
+    assert "feature plan" in result.stdout, "the plan is what the command produces: stdout"
+    assert "corelib:" not in result.stdout
     config = OmegaConf.load(run_dir / "config.yaml")
     assert OmegaConf.select(config, "backend.name") == "npu"
     assert OmegaConf.select(config, "engine.transport") == "shm"
@@ -60,7 +61,7 @@ def test_multirun_plans_every_job_in_its_own_directory(cli: Cli, tmp_path: Path)
     sweep = tmp_path / "sweep"
     result = cli("plan", "-m", "backend=auto,npu", f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr
-    assert "backend=auto chose cpu" in result.stdout
+    assert "backend=auto chose cpu" in result.stderr
     chosen = [OmegaConf.load(sweep / str(job) / "config.yaml").backend.name for job in (0, 1)]
     assert chosen == ["cpu", "npu"]  # config.yaml holds the backend auto chose, not "auto"
     for job in (0, 1):

@@ -88,7 +88,7 @@ def test_a_piped_run_prints_periodic_progress_lines(
 ) -> None:
     monkeypatch.setenv(INTERVAL_ENV, "0")  # a line at every step of progress, so a quick run shows them
     run_in_process(tmp_path, monkeypatch)
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err  # status: stderr
     assert "corelib: placing weights on the device: 1/" in shown  # before the first request: the silent minute
     assert "corelib: decoding: 6/6 requests in " in shown
 
@@ -102,5 +102,7 @@ def test_run_log_keeps_what_the_console_showed(
     for fragment in ("cpu: native", "allocating the KV cache", "decoding: 6/6 requests",
                      "run summary", "tokens/s", f"wrote {run_dir}"):
         assert fragment in log, f"{fragment!r} is not in run.log:\n{log}"
-    assert "run summary" in shown.out
-    assert shown.err == ""  # the log's lines do not show twice: its handler on the console takes warnings only
+    assert "run summary" in shown.err
+    assert shown.out == "", "status goes to stderr; stdout holds generated text only (none: token-id prompts)"
+    # The log's lines do not show twice: its handler on the console takes warnings only.
+    assert shown.err.count("cpu: native") == 1 and shown.err.count("decoding: 6/6 requests") == 1

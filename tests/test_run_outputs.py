@@ -76,7 +76,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_whole_lines(
     code = main(["run", "backend=cpu", "engine.max_num_seqs=8", "workload.num_requests=80",
                  "workload.prompt_len_min=300", "workload.prompt_len_max=300", "workload.output_len_min=2",
                  "workload.output_len_max=2", f"hydra.run.dir={run_dir}"])
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("corelib: error:")]
     assert code == 1
     assert len(errors) == 1, errors
     assert errors[0].startswith(f"corelib: error: cannot write {run_dir / 'outputs.jsonl'}: No space left on device "
@@ -132,7 +132,7 @@ def test_the_summary_says_how_many_requests_ended_in_error(
     records = read_outputs(tmp_path / "run" / "outputs.jsonl")
     failed = [r for r in records if r["finish_reason"] == "error"]
     assert 0 < len(failed) < len(records) == 16
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err
     assert f"corelib: {len(failed)} of 16 requests ended in error" in shown
     assert "exceeds model.max_model_len=48" in shown
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -144,5 +144,5 @@ def test_plan_says_where_it_wrote(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "backend=cpu", f"hydra.run.dir={tmp_path / 'plan'}"]) == 0
-    assert f"corelib: wrote {tmp_path / 'plan'}/{{config.yaml,plan.json}}" in capsys.readouterr().out
+    assert f"corelib: wrote {tmp_path / 'plan'}/{{config.yaml,plan.json}}" in capsys.readouterr().err
     assert (tmp_path / "plan" / "plan.json").is_file()

@@ -26,7 +26,7 @@ def test_plan_runs_on_a_third_party_backend(cli: Cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = cli("plan", "backend=toy", f"hydra.run.dir={run_dir}", pythonpath=path)
     assert result.returncode == 0, result.stderr
-    assert "corelib: toy: native (toy device on torch" in result.stdout
+    assert "corelib: toy: native (toy device on torch" in result.stderr
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["backend"] == "toy"
     assert plan["capabilities"]["device_is_host"] is True  # from the plugin's own toy.yaml

@@ -190,7 +190,7 @@ def test_run_serves_a_dataset_at_a_rate_and_writes_latencies(
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in records)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (metrics["request_rate"], metrics["max_concurrency"]) == (100.0, 3)
-    assert "Poisson, 100 requests/s, at most 3 in flight" in capsys.readouterr().out
+    assert "Poisson, 100 requests/s, at most 3 in flight" in capsys.readouterr().err
 
 
 @pytest.mark.slow

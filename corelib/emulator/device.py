@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -16,6 +18,9 @@ from corelib.emulator.stream_thread import Marker, RecordOp, StreamThread
 from corelib.errors import ConfigError, DeviceTimeout
 from corelib.graph import Graph
 from corelib.memory import HostRegistration, MemoryKind, MemoryLedger
+
+log = logging.getLogger("corelib.emulator")
+INTERRUPT_GRACE_S = 0.2  # how long an interrupted close waits for a running closure
 
 if TYPE_CHECKING:
     from corelib.backend import DeviceSpec
@@ -120,6 +125,11 @@ class EmulatedDevice(Device):
             marker.raise_if_failed()
 
     def _quiesce(self) -> None:
+        if _interrupted():
+            # Ctrl-C (or SIGTERM) is unwinding: drop the queued work instead of draining it, and
+            # do not wait long for a closure that is running (a warm-up forward can take seconds).
+            self._cancel_and_join("the run was interrupted", INTERRUPT_GRACE_S)
+            return
         for worker in self._workers:
             worker.stop()
         deadline = time.perf_counter() + self.default_timeout_s
@@ -131,19 +141,29 @@ class EmulatedDevice(Device):
             raise
         self._cancel_and_join(f"queued work did not finish within {self.default_timeout_s:g} s of close")
 
-    def _cancel_and_join(self, why: str) -> None:
+    def _cancel_and_join(self, why: str, grace_s: float | None = None) -> None:
         for worker in self._workers:
             if worker.is_alive:
                 worker.cancel(f"{self.name}: cancelled because {why}")
-        grace = time.perf_counter() + min(self.default_timeout_s, 5.0)
+        grace = time.perf_counter() + (min(self.default_timeout_s, 5.0) if grace_s is None else grace_s)
         for worker in self._workers:
             worker.join(grace - time.perf_counter())
 
     def _close(self) -> None:
         _open_devices.discard(self)
         stuck = [f"{w.name!r} (running {w.running()})" for w in self._workers if w.is_alive]
+        if stuck and _interrupted():
+            # Its closure finishes on a daemon thread, which then exits (its queue was cancelled);
+            # raising here would hide the interrupt the user asked for.
+            log.info("%s: interrupted while streams %s still ran; they stop after it", self.name, ", ".join(stuck))
+            return
         if stuck:
             raise DeviceTimeout(f"{self.name}: close could not stop streams {', '.join(stuck)}")
+
+
+def _interrupted() -> bool:
+    """Whether a KeyboardInterrupt (Ctrl-C, or SIGTERM as corelib raises it) is unwinding through here."""
+    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
 
 
 @atexit.register

@@ -39,6 +39,7 @@ from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import ConcurrentUse, ConfigError, RequestError
 from corelib.features import Plan
 from corelib.observe.trace import NULL_TRACER, TimelineTracer, Tracer
+from corelib.sampling_params import choices
 from corelib.startup import Startup
 from corelib.step.build import ModelFactory, load_model
 from corelib.step.layout import EngineLayout
@@ -159,9 +160,11 @@ class Engine:
         if not isinstance(prompt, str):
             return token_ids(prompt)
         if self.tokenizer is None:
-            path = self.startup.config.model.path
-            where = f"model.path={path} has no tokenizer.json" if path else "model.path is not set"
-            raise ConfigError(f"a text prompt needs a tokenizer, but {where}; pass token ids instead")
+            model = self.startup.config.model
+            where = (f"model.path={model.path} has no tokenizer.json" if model.path else
+                     f"model={model.name} is a preset with random weights and no tokenizer")
+            raise ConfigError(f"a text prompt needs a tokenizer, but {where}: pass token ids, or use a checkpoint "
+                              "(a directory or a hub id such as Qwen/Qwen3-0.6B)")
         return self.tokenizer.encode(prompt)
 
     def add_request(
@@ -202,10 +205,11 @@ class Engine:
                 raise RequestError(f"{len(samplings)} sampling settings but {len(ids)} request ids")
             if len({i for i in ids if i is not None}) != sum(1 for i in ids if i is not None):
                 raise RequestError("request_ids: give each request its own id")
+            text = prompt if isinstance(prompt, str) else None
             encoded = self.encode(prompt) if isinstance(prompt, str) else prompt
             group, out = [], []
             for sampling, request_id in zip(samplings, ids, strict=True):
-                seq = self._sequence(encoded, sampling, request_id, False)
+                seq = self._sequence(encoded, sampling, request_id, False, text)
                 out.append(self._last_id)
                 if seq is not None:
                     group.append(seq)
@@ -214,7 +218,7 @@ class Engine:
             return out
 
     def _sequence(self, prompt: Prompt, sampling: SamplingParams, request_id: str | None,
-                  multimodal: bool) -> Seq | None:
+                  multimodal: bool, text: str | None = None) -> Seq | None:
         """A checked sequence for the scheduler, or None when it was finished at once with the error."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id={request_id!r}: must be a non-empty str")
@@ -224,6 +228,9 @@ class Engine:
         problem: RequestError | None = None
         try:
             prompt_token_ids = self.encode(prompt)
+            if sampling.n != 1:
+                raise RequestError(f"n={sampling.n}: a request is one sample; Engine.generate and LLM.generate "
+                                   "run n of them")
         except RequestError as error:
             prompt_token_ids, problem = [], error
         number = next(self._ids)
@@ -232,7 +239,7 @@ class Engine:
             while request_id in self._live_ids:
                 request_id = f"{number}-{next(self._ids)}"
         seq = Seq(number, request_id, prompt_token_ids, sampling, multimodal=multimodal,
-                  arrival_time=time.perf_counter())
+                  arrival_time=time.perf_counter(), prompt=prompt if isinstance(prompt, str) else text)
         self._live_ids.add(request_id)
         self._last_id = request_id
         try:
@@ -335,44 +342,54 @@ class Engine:
         multimodal: Sequence[bool] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order.
+        """Run every prompt to completion; outputs come back in prompt order, one per prompt.
 
-        Requests added by others (``add_request``, a callback re-entering ``generate``) that finish
-        meanwhile are kept for them, never returned here or dropped.
+        ``SamplingParams(n=...)`` runs that many samples of a prompt, gathered in its output's
+        ``outputs``. Requests added by others (``add_request``, a callback re-entering
+        ``generate``) that finish meanwhile are kept for them, never returned here or dropped.
         """
         with self._driving("generate"):
             params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
             if len(params) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings")
             flags = list(multimodal) if multimodal is not None else [False] * len(prompts)
-            ids = [self.add_request(prompt, p, multimodal=flag)
-                   for prompt, p, flag in zip(prompts, params, flags, strict=True)]
-            wanted, results = set(ids), dict[str, RequestOutput]()
-            while len(results) < len(wanted):
-                new: list[RequestOutput] = []
-                if self._backlog:  # outputs kept back for their caller; most steps have none to look through
-                    new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
-                if not new:
+            samples = [choices(p) for p in params]  # n single-sample requests per prompt
+            ids = [self.add_requests_sharing_prompt(prompt, chosen) if len(chosen) > 1 and not flag
+                   else [self.add_request(prompt, choice, multimodal=flag) for choice in chosen]
+                   for prompt, chosen, flag in zip(prompts, samples, flags, strict=True)]
+            results = self._run_until_done([i for group in ids for i in group], on_finish)
+            return [results[group[0]] if len(group) == 1 else RequestOutput.grouped([results[i] for i in group])
+                    for group in ids]
+
+    def _run_until_done(
+        self, ids: list[str], on_finish: Callable[[RequestOutput], None] | None
+    ) -> dict[str, RequestOutput]:
+        wanted, results = set(ids), dict[str, RequestOutput]()
+        while len(results) < len(wanted):
+            new: list[RequestOutput] = []
+            if self._backlog:  # outputs kept back for their caller; most steps have none to look through
+                new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
+            if not new:
+                taken = self._take_finished()
+                if not taken:
+                    if not self.has_unfinished:
+                        raise RuntimeError(f"the engine has nothing left to run, but requests "
+                                           f"{sorted(wanted - results.keys())} never finished")
+                    self._advance()
                     taken = self._take_finished()
-                    if not taken:
-                        if not self.has_unfinished:
-                            raise RuntimeError(f"the engine has nothing left to run, but requests "
-                                               f"{sorted(wanted - results.keys())} never finished")
-                        self._advance()
-                        taken = self._take_finished()
-                    for seq, output in taken:
-                        if output.request_id in wanted and output.request_id not in results:
-                            new.append(output)
-                        else:
-                            self._backlog[output.request_id] = (seq, output)
-                            self._live_ids.add(output.request_id)
+                for seq, output in taken:
+                    if output.request_id in wanted and output.request_id not in results:
+                        new.append(output)
+                    else:
+                        self._backlog[output.request_id] = (seq, output)
+                        self._live_ids.add(output.request_id)
+            for output in new:
+                results[output.request_id] = output
+                self._live_ids.discard(output.request_id)
+            if on_finish is not None:
                 for output in new:
-                    results[output.request_id] = output
-                    self._live_ids.discard(output.request_id)
-                if on_finish is not None:
-                    for output in new:
-                        on_finish(output)
-            return [results[i] for i in ids]
+                    on_finish(output)
+        return results
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the timeline of the steps so far as Chrome trace JSON (needs ``engine.trace=true``)."""

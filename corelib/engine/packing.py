@@ -38,6 +38,7 @@ class InputBuilder:
         self.state_block_tables = torch.zeros((states, self.max_blocks), dtype=torch.int32)
         # Sampling values by state index, one host table per column, refreshed when an index changes owner.
         self.state_sampling = {c.name: torch.full((states,), c.neutral, dtype=c.dtype) for c in SAMPLING_COLUMNS}
+        self.state_prompt_lens = torch.ones(states, dtype=torch.int64)
         self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * states  # seq_id, blocks_epoch, blocks written
 
     def _sync_state(self, seq: EngineSequence, index: int) -> None:
@@ -47,6 +48,7 @@ class InputBuilder:
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
             for column in SAMPLING_COLUMNS:
                 self.state_sampling[column.name][index] = getattr(seq.sampling, column.param)
+            self.state_prompt_lens[index] = seq.num_prompt_tokens
             written = 0
         if written < len(table):
             self.state_block_tables[index, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
@@ -93,6 +95,7 @@ class InputBuilder:
         v["seq_lens"][:n] = seq_lens
         v["state_indices"][:n] = index_t
         v["sample_slots"][:n] = torch.where(torch.tensor(step.samples), index_t, pad)
+        v["prompt_lens"][:n] = self.state_prompt_lens[index_t]
         for name, table in self.state_sampling.items():
             v[name][:n] = table[index_t]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
@@ -103,7 +106,7 @@ class InputBuilder:
         if decode and bucket > n:
             pad_rows(v, n, bucket, kv_blocks, pad)
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
-        sample = any(s.sampling.temperature > 0 for s in step.seqs)
+        sample = any(s.sampling.needs_sampler for s in step.seqs)
         logprobs = any(s.sampling.logprobs is not None for s in step.seqs)
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,

@@ -3,71 +3,12 @@
 from __future__ import annotations
 
 import enum
-import math
-import numbers
+import secrets
 from dataclasses import dataclass, field
 
-from corelib.errors import RequestError
+from corelib.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
 
-MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs bound)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and when it stops."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no cut
-    top_p: float = 1.0  # 1: no cut
-    seed: int = 0  # makes sampling reproducible whatever the batch
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    stop_strings: tuple[str, ...] = ()  # checked on the host; such steps run synchronously
-    logprobs: int | None = None  # None: none; k: each output token's log-probability and the k most likely
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise a RequestError naming the first invalid field."""
-        self._check_types()
-        if self.max_tokens < 1:
-            raise RequestError(f"sampling.max_tokens={self.max_tokens}: must be at least 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError(f"sampling.temperature={self.temperature}: must be a finite number >= 0")
-        if self.top_k < 0:
-            raise RequestError(f"sampling.top_k={self.top_k}: must be >= 0 (0 disables it)")
-        if not 0 < self.top_p <= 1 or not math.isfinite(self.top_p):
-            raise RequestError(f"sampling.top_p={self.top_p}: must be in (0, 1]")
-        if not 0 <= self.seed < 2**62:
-            raise RequestError(f"sampling.seed={self.seed}: must be in [0, 2**62)")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"sampling.stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if "" in self.stop_strings:
-            raise RequestError("sampling.stop_strings: an empty string would stop every request at its first token")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"sampling.logprobs={self.logprobs}: must be in [0, {MAX_LOGPROBS}] or None")
-
-    def _check_types(self) -> None:
-        # Python callers are not type-checked: a float max_tokens or a str temperature would
-        # otherwise fail deep inside, or quietly round.
-        if self.logprobs is not None and (not isinstance(self.logprobs, numbers.Integral)
-                                          or isinstance(self.logprobs, bool)):
-            raise RequestError(f"sampling.logprobs={self.logprobs!r}: must be an integer or None")
-        for name in ("max_tokens", "top_k", "seed"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-                raise RequestError(f"sampling.{name}={value!r}: must be an integer, not {type(value).__name__}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool):
-                raise RequestError(f"sampling.{name}={value!r}: must be a number, not {type(value).__name__}")
-        if isinstance(self.stop_strings, str):
-            raise RequestError(f"sampling.stop_strings={self.stop_strings!r}: pass a tuple of strings, not one string")
-        if not all(isinstance(s, str) for s in self.stop_strings):
-            raise RequestError(f"sampling.stop_strings={self.stop_strings!r}: every stop string must be a str")
-        ids = self.stop_token_ids
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-            raise RequestError(f"sampling.stop_token_ids={ids!r}: token ids must be integers")
+__all__ = ["MAX_LOGPROBS", "FinishReason", "SamplingParams", "Sequence", "Status", "TokenLogprobs"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +73,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # decoded output when the host checks stop strings or has a tokenizer
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when asked for
     # The per-step requirements of the async gate this request fails, one bit each, computed once
     # when it is added (corelib.options.StepCheck); None until then.
     sync_mask: int | None = None
@@ -140,7 +83,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)  # a prompt never changes
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when asked for
+        if self.sampling.seed is None:  # fresh randomness, fixed for the request's life (preemption included)
+            self.sampling = self.sampling.replace(seed=secrets.randbelow(SEED_LIMIT))
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
-from corelib.models.hub import checkpoint_directory
+from corelib.hub import checkpoint_directory
 from corelib.models.llama import ModelWeights, assemble_weights
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard

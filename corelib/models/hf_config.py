@@ -29,8 +29,8 @@ from omegaconf import DictConfig
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.hub import checkpoint_directory, resolve_model_path
 from corelib.models import registry
-from corelib.models.hub import checkpoint_directory, resolve_model_path
 from corelib.models.shape import DTYPES
 
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative

@@ -103,3 +103,37 @@ def write_toy_tokenizer(directory: Path, corpus: Sequence[str], vocab_size: int 
     path = directory / TOKENIZER_FILE
     tokenizer.save(str(path))
     return path
+
+
+DEMO_CORPUS = (
+    "Hello, my name is Ada. The capital of France is Paris. Three facts about the Moon: it is round, "
+    "it is far away, and it turns around the Earth. The quick brown fox jumps over the lazy dog."
+)
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_text_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 checkpoint with a toy tokenizer and a chat template: text in, (random) text out.
+
+    What a test or an example uses where a real checkpoint would take minutes to load.
+    """
+    write_random_checkpoint(directory, tiny_hf_config("Qwen3ForCausalLM"), seed=seed)
+    write_toy_tokenizer(directory, [DEMO_CORPUS] * 8)
+    (directory / "chat_template.jinja").write_text(DEMO_CHAT_TEMPLATE)
+    return directory
+
+
+def hub_snapshot(cache: Path, repo_id: str, revision: str = "0" * 40) -> Path:
+    """The snapshot directory of ``repo_id`` in a Hugging Face cache laid out as the hub client lays it out.
+
+    Write a checkpoint into it, and ``model.path=repo_id`` finds it offline (``HF_HUB_CACHE=cache``).
+    """
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

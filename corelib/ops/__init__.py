@@ -15,6 +15,7 @@ from corelib.ops.spec import (
     PagedAttention,
     SamplingColumn,
     SamplingInputs,
+    TokenHistory,
     load_provider,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "PagedAttention",
     "SamplingColumn",
     "SamplingInputs",
+    "TokenHistory",
     "load_provider",
 ]

@@ -1,4 +1,4 @@
-"""Sampling on the device: greedy, temperature, top-k and top-p, seeded per request.
+"""Sampling on the device: penalties, greedy, temperature, top-k and top-p, seeded per request.
 
 No host sync: randomness is a counter-based hash of (request seed, position, token id),
 so a request samples the same tokens whatever batch it shares, on any device, and the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from corelib.ops.spec import SamplingInputs
+from corelib.ops.spec import SamplingInputs, TokenHistory
 
 
 def _int64(constant: int) -> int:
@@ -40,15 +40,33 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     return -torch.log(-torch.log(uniform))
 
 
+def apply_penalties(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties (vLLM's order); logits [B, V] float32 -> a new [B, V].
+
+    A token counts as seen when it is in the prompt or was sampled; frequency and presence count
+    sampled tokens only. Neutral values (1, 0, 0) leave a row's logits exactly as they were.
+    """
+    history: TokenHistory | None = sampling.history
+    if history is None:
+        return logits
+    sampled = history.output_counts[history.states].to(logits.dtype)  # [B, V]
+    seen = (sampled > 0) | (history.prompt_counts[history.states] > 0)
+    repetition = sampling.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - sampling.frequency_penalty[:, None] * sampled
+    return logits - sampling.presence_penalty[:, None] * (sampled > 0).to(logits.dtype)
+
+
 def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64."""
+    logits = apply_penalties(logits, sampling)
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, positions = sampling.seeds, sampling.positions
     vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    keep = ranks < torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep = ranks < torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
     keep = keep & (before < top_p[:, None])
@@ -56,3 +74,30 @@ def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     choice = noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
     sampled = order.gather(-1, choice)[:, 0]
     return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+
+
+def count_history(
+    history: TokenHistory, slot_tokens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+    seq_lens: torch.Tensor, prompt_lens: torch.Tensor,
+) -> None:
+    """Count each row's tokens so far into ``history`` (its ``states`` are the rows, 0..B-1), on the device.
+
+    slot_tokens [S]: the token fed at each KV slot; block_tables [B, W]; seq_lens [B]: the row's tokens
+    (the one fed this step included); prompt_lens [B]: positions before it are the prompt's, later ones
+    outputs. A row reads its own blocks, so a prefix taken from the cache, blocks shared with another
+    sample of the prompt and a sequence recomputed after preemption all count what they hold. Graph-safe.
+    """
+    rows, width = block_tables.shape
+    slots = (block_tables.to(torch.int64)[:, :, None] * block_size
+             + torch.arange(block_size, device=block_tables.device)).reshape(rows, width * block_size)
+    tokens = slot_tokens[slots]  # [B, W * block_size]
+    position = torch.arange(width * block_size, device=block_tables.device)[None, :]
+    held = position < seq_lens[:, None]
+    is_prompt = position < prompt_lens[:, None]
+    vocab = history.output_counts.shape[1]
+    flat = (history.states[:, None] * vocab + tokens).reshape(-1)
+    counts_dtype = history.output_counts.dtype
+    history.output_counts.zero_()
+    history.prompt_counts.zero_()
+    history.prompt_counts.view(-1).scatter_add_(0, flat, (held & is_prompt).reshape(-1).to(counts_dtype))
+    history.output_counts.view(-1).scatter_add_(0, flat, (held & ~is_prompt).reshape(-1).to(counts_dtype))

@@ -8,7 +8,7 @@ Every op is graph-safe in the reference: no host sync, no data-dependent shapes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -16,6 +16,7 @@ import torch
 
 from corelib.device import Device
 from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_logits, norm_qkv_rope_kv_write
+from corelib.sampling_params import columns as sampler_columns
 
 OP_NAMES = (
     "rms_norm",
@@ -108,35 +109,73 @@ class SamplingColumn:
 
     name: str  # the field of SamplingInputs and of the step's input arena
     dtype: torch.dtype
-    param: str  # the attribute of corelib.engine.SamplingParams it comes from
+    param: str  # the attribute of corelib.SamplingParams it comes from
     neutral: float  # its value on padded rows (and on greedy ones): changes nothing
+    examples: tuple[float, ...] = ()  # what the op conformance case cycles through; empty: random ints
 
 
-# Every per-request sampling value. The input arenas, the packer and the runner iterate over
-# this list: a new sampling option is a column here, a field of SamplingInputs, its math in
-# corelib/ops/sampling.py and its SamplingParams field.
-SAMPLING_COLUMNS: tuple[SamplingColumn, ...] = (
-    SamplingColumn("temperature", torch.float32, "temperature", 0.0),
-    SamplingColumn("top_k", torch.int64, "top_k", 0),
-    SamplingColumn("top_p", torch.float32, "top_p", 1.0),
-    SamplingColumn("seeds", torch.int64, "seed", 0),
+_COLUMN_DTYPES = {"float32": torch.float32, "int64": torch.int64}
+
+# Every per-request sampling value, one per sampler column of corelib.SamplingParams (its field
+# metadata). The input arenas, the packer, the runner and the conformance case iterate over this
+# list: a new sampling option is its SamplingParams field, a field of SamplingInputs, and its math
+# in corelib/ops/sampling.py.
+SAMPLING_COLUMNS: tuple[SamplingColumn, ...] = tuple(
+    SamplingColumn(column.name or param, _COLUMN_DTYPES[column.dtype], param, column.neutral, column.examples)
+    for param, column in sampler_columns()
 )
 
 
 @dataclass(frozen=True)
-class SamplingInputs:
-    """Per-row sampling values on the device, all [B]: temperature 0 means greedy."""
+class TokenHistory:
+    """The tokens each sequence has seen so far, on the device, by state index: what penalties read.
 
+    output_counts [S, V] int32: how often each token was sampled; prompt_counts [S, V] int32: how
+    often it occurs in the prompt; states [B] int64: each row's state index (rows of padding
+    share the last one). The runner keeps both tables current inside the step, with no host sync.
+    """
+
+    output_counts: torch.Tensor
+    prompt_counts: torch.Tensor
+    states: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling values on the device, all [B]: temperature 0 means greedy.
+
+    ``history`` None: no penalties are applied (every penalty neutral).
+    """
+
+    presence_penalty: torch.Tensor  # float32, 0: none; minus this for each token already sampled
+    frequency_penalty: torch.Tensor  # float32, 0: none; minus this times how often it was sampled
+    repetition_penalty: torch.Tensor  # float32, 1: none; divides a seen token's positive logit, multiplies a negative
     temperature: torch.Tensor  # float32
-    top_k: torch.Tensor  # int64, 0: no cut
     top_p: torch.Tensor  # float32, 1: no cut
+    top_k: torch.Tensor  # int64, 0: no cut
     seeds: torch.Tensor  # int64
     positions: torch.Tensor  # int64: the position of the sampled token (the counter of the noise)
+    history: TokenHistory | None = None
 
     @classmethod
-    def from_views(cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor) -> SamplingInputs:
+    def from_views(
+        cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor, history: TokenHistory | None = None
+    ) -> SamplingInputs:
         """The first ``rows`` rows of a step's sampling columns."""
-        return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions)
+        return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions, history=history)
+
+    @classmethod
+    def of(
+        cls, positions: torch.Tensor, history: TokenHistory | None = None, **columns: torch.Tensor | Sequence[float]
+    ) -> SamplingInputs:
+        """Rows of the given columns (tensors or lists, by column name); the others hold their neutral value."""
+        device, rows = positions.device, positions.shape[0]
+        unknown = sorted(set(columns) - {c.name for c in SAMPLING_COLUMNS})
+        if unknown:
+            raise TypeError(f"SamplingInputs.of: unknown columns {unknown}")
+        values = {c.name: torch.as_tensor(columns[c.name], dtype=c.dtype, device=device) if c.name in columns
+                  else torch.full((rows,), c.neutral, dtype=c.dtype, device=device) for c in SAMPLING_COLUMNS}
+        return cls(**values, positions=positions, history=history)
 
 
 class RmsNorm(Protocol):
@@ -197,9 +236,11 @@ class Sample(Protocol):
     def __call__(self, logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tensor:
         """logits [B, V] float32 -> token ids [B] int64. None: every row greedy (argmax).
 
-        With sampling: rows with temperature > 0 sample from softmax(logits / temperature) cut
-        to the top_k tokens and then to the smallest set whose mass reaches top_p, with Gumbel
-        noise from a counter-based hash of (seed, position, token id); other rows are greedy.
+        With sampling: the penalties of ``sampling.history`` first (repetition, then frequency
+        and presence, as vLLM applies them); then rows with temperature > 0 sample from
+        softmax(logits / temperature) cut to the top_k tokens and then to the smallest set whose
+        mass reaches top_p, with Gumbel noise from a counter-based hash of (seed, position,
+        token id); other rows take the argmax of the penalized logits.
         """
         ...
 

@@ -11,6 +11,7 @@ steps (:func:`corelib.commands.serve_follower_task`, which loads the engine ther
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,10 +21,11 @@ from rich.console import Console
 
 from corelib.config import ServerConfig
 from corelib.errors import ConfigError
+from corelib.hub import is_hub_id
 from corelib.progress import say
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx")
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)  # status: stderr
 
 
 def check_serve_modules() -> None:
@@ -45,7 +47,7 @@ def without_api_key(cfg: DictConfig) -> tuple[DictConfig, str | None]:
 def serve_task(cfg: DictConfig, output_dir: Path) -> None:
     """Serve until a signal stops it; the engine, and its startup, run in the engine process."""
     check_serve_modules()
-    from corelib.server.serve import bind, build_state, check_server, serve
+    from corelib.server.serve import bind, build_state, check_server, early_template, serve
     from corelib.server.served import EngineRecipe
 
     shown, api_key = without_api_key(cfg)
@@ -54,9 +56,13 @@ def serve_task(cfg: DictConfig, output_dir: Path) -> None:
     if not isinstance(server, ServerConfig):
         raise ConfigError("server does not follow its schema; keep server: default in the defaults list")
     check_server(server)
-    sock = bind(server.host, server.port)  # a taken port fails before the engine is built
+    path = shown.model.path
+    if not server.served_model_name and path and is_hub_id(str(path)) and not Path(str(path)).expanduser().is_dir():
+        server = dataclasses.replace(server, served_model_name=str(path))  # as vLLM names it: the hub id
+    template = early_template(shown.model.path, server)  # a missing template file fails before the model loads
+    sock = bind(server.host, server.port)  # so does a taken port
     try:
-        state = build_state(EngineRecipe.of_config(shown, output_dir), server, api_key)
+        state = build_state(EngineRecipe.of_config(shown, output_dir), server, api_key, template=template)
     except BaseException:
         sock.close()
         raise

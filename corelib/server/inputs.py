@@ -3,27 +3,28 @@
 Everything a client can get wrong is found here and answered as a 400 naming the field, so
 the engine only sees requests it can run.
 
+The sampling parameters are the body's fields named as :class:`corelib.SamplingParams` names
+them, with the server's defaults (``api_default``: temperature 1, as OpenAI's); SamplingParams
+checks them and the error names the field.
+
 Choices: a completions ``prompt`` that is a list of strings or a list of token-id lists is
 several prompts; each gets ``n`` choices, numbered prompt by prompt (prompt 0's choices first,
 as OpenAI numbers them). Choice ``i`` samples with ``seed + i``, so ``n`` choices with one
 seed differ, and the same request with the same seed gives the same text. Without a seed
-each choice draws a random one.
+each choice draws a random one (:func:`corelib.sampling_params.choices`).
 """
 
 from __future__ import annotations
 
-import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from corelib.engine.sequence import SamplingParams
-from corelib.errors import RequestError
+from corelib.sampling_params import API_FIELDS, SamplingError, SamplingParams, api_default, choices
 from corelib.server.chat import ChatTemplate, ChatTemplateError
 from corelib.server.events import EngineInfo
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, bad_request
 
-SEED_LIMIT = 2**62  # the engine's counter-based sampler takes seeds in [0, 2**62)
+MAX_CHOICES = 128  # n per prompt
 NO_TOKENIZER = (
     "this model has no tokenizer (random weights, or a checkpoint without tokenizer.json), so it takes "
     "token ids only"
@@ -125,10 +126,15 @@ def _prepared(
     request: CompletionRequest | ChatRequest, prompts: list[list[int]], max_tokens: int | None, max_param: str,
     info: EngineInfo,
 ) -> Prepared:
-    if request.seed is not None and not 0 <= request.seed < SEED_LIMIT:
-        raise bad_request(f"seed={request.seed}: must be in [0, 2**62)", "seed")
     if isinstance(request, ChatRequest) and request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
+    values = {name: request.sampling.get(name, api_default(name)) for name in API_FIELDS}
+    try:
+        base = SamplingParams.from_mapping(values).replace(logprobs=request.num_logprobs)
+    except SamplingError as error:
+        raise ApiError(400, str(error), param=error.field) from None
+    if base.n > MAX_CHOICES:
+        raise bad_request(f"n={base.n}: at most {MAX_CHOICES} choices per prompt", "n")
     requests: list[tuple[list[int], SamplingParams]] = []
     for prompt in prompts:
         room = info.max_model_len - len(prompt)
@@ -138,37 +144,11 @@ def _prepared(
                 f"{max_param}={wanted}: the prompt has {len(prompt)} tokens and this model's context is "
                 f"{info.max_model_len}, so at most {room} tokens can be generated", max_param,
             )
-        for _ in range(request.n):
-            choice = len(requests)
-            seed = (request.seed + choice) % SEED_LIMIT if request.seed is not None else random.randrange(SEED_LIMIT)
-            sampling = SamplingParams(
-                max_tokens=wanted,
-                temperature=request.temperature,
-                top_k=0 if request.top_k == -1 else request.top_k,  # -1: vLLM's word for no cut
-                top_p=request.top_p,
-                seed=seed,
-                stop_token_ids=tuple(request.stop_token_ids or ()),
-                ignore_eos=request.ignore_eos,
-                stop_strings=request.stop_strings,
-                logprobs=request.num_logprobs,
-            )
-            _validate(sampling, info, max_param)
-            requests.append((prompt, sampling))
+        try:
+            sized = base.replace(max_tokens=wanted)
+            sized.validate(info.vocab_size)
+        except SamplingError as error:
+            param = max_param if error.field == "max_tokens" else error.field
+            raise ApiError(400, param + str(error).removeprefix(error.field), param=param) from None
+        requests += [(prompt, choice) for choice in choices(sized, first=len(requests))]
     return Prepared(prompts, requests)
-
-
-_FIELD = re.compile(r"^sampling\.(\w+)")
-_PARAM_OF_FIELD = {"stop_strings": "stop"}
-
-
-def _validate(sampling: SamplingParams, info: EngineInfo, max_param: str) -> None:
-    try:
-        sampling.validate(info.vocab_size)
-    except RequestError as error:
-        message = str(error)
-        match = _FIELD.match(message)
-        field = match.group(1) if match else None
-        param = max_param if field == "max_tokens" else _PARAM_OF_FIELD.get(field or "", field)
-        if match and param is not None:
-            message = param + message[match.end():]
-        raise ApiError(400, message, param=param) from None

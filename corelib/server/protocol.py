@@ -1,9 +1,14 @@
 """The OpenAI request bodies the server accepts, and its error shape.
 
 Bodies are validated here, before anything reaches the engine: a wrong type or value is a 400
-whose ``param`` names the field, never a 500. Parameters of the OpenAI API that this server
-does not implement are refused by name when they ask for something (``echo: true``) and
-accepted when they hold their neutral value (``echo: false``), so ordinary clients work.
+whose ``param`` names the field, never a 500. The sampling parameters are not named here: every
+field of :class:`corelib.SamplingParams` the server offers (``API_FIELDS``: temperature, top_p,
+top_k, the penalties, seed, stop, n, ...) is taken from the body by its own name and checked by
+``SamplingParams`` itself (:mod:`corelib.server.inputs`), so a new sampler option reaches the
+server without a line here (``logprobs`` is mapped by hand: completions take a count, chat a
+flag and ``top_logprobs``). Parameters of the OpenAI API that this server does not implement
+are refused by name when they ask for something (``echo: true``) and accepted when they hold
+their neutral value (``echo: false``), so ordinary clients work.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import json
 from collections.abc import Mapping
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from corelib.sampling_params import API_FIELDS, MAX_LOGPROBS
 
 JsonObject = dict[str, object]
 
@@ -46,28 +53,20 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields common to completions and chat."""
+    """Fields common to completions and chat; the sampling parameters travel in ``sampling``."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    temperature: float = 1.0  # OpenAI's default; 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0  # not in OpenAI's API (vLLM's extension); 0 or -1: no cut
-    seed: int | None = None  # None: a random seed per choice
-    stop: str | list[str] | None = None  # stop strings: the text ends before the first one
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False  # not in OpenAI's API (vLLM's extension): run to max_tokens
-    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    _sampling: dict[str, object] = PrivateAttr(default_factory=dict)
 
     @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    def sampling(self) -> dict[str, object]:
+        """The body's SamplingParams fields (API_FIELDS), as sent; null ones left out."""
+        return self._sampling
 
     @property
     def include_usage(self) -> bool:
@@ -77,7 +76,6 @@ class _Sampling(BaseModel):
 TokenIds = list[int]
 
 
-MAX_LOGPROBS = 20  # the engine's bound (corelib.engine.sequence.MAX_LOGPROBS), OpenAI's top_logprobs bound
 
 
 class CompletionRequest(_Sampling):
@@ -130,8 +128,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "echo": (False, None),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -155,6 +151,7 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
+    sampling = {key: data.pop(key) for key in API_FIELDS if key in data}
     for key, neutral in _NEUTRAL.items():
         if key not in data:
             continue
@@ -162,9 +159,11 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
         if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
             raise bad_request(f"{key}={json.dumps(value)} is not supported by this server; leave it out", key)
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except ValidationError as error:
         raise _explain(error) from None
+    request._sampling = {key: value for key, value in sampling.items() if value is not None}
+    return request
 
 
 _BASIC_TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})

@@ -41,8 +41,15 @@ def model_name(server: ServerConfig, name: str, path: str | None) -> str:
     return Path(path).expanduser().resolve().name if path else name
 
 
+def early_template(model_path: str | None, server: ServerConfig) -> ChatTemplate:
+    """The chat template, read before the engine loads the model: a bad ``server.chat_template`` fails at once."""
+    from corelib.hub import resolve_model_path
+
+    return ChatTemplate.load(resolve_model_path(model_path) if model_path else None, server.chat_template)
+
+
 def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
-                placement: Placement = "process") -> ServerState:
+                placement: Placement = "process", template: ChatTemplate | None = None) -> ServerState:
     """Start the engine (built in its own process, or on a thread of this one) and everything the routes need."""
     metrics = ServerMetrics()
     bridge = EngineBridge(recipe, server.max_waiting, metrics, placement)
@@ -50,7 +57,7 @@ def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
     if bridge.engine_pid is not None:
         metrics.watch_engine_process(bridge.engine_pid)
     try:
-        template = ChatTemplate.load(info.model_path, server.chat_template)
+        template = template or ChatTemplate.load(info.model_path, server.chat_template)
     except BaseException:
         bridge.close()
         raise

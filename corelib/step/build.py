@@ -51,17 +51,19 @@ def build_device_steps(
     model: Model,
     staging: Staging,
 ) -> DeviceSteps:
-    """Runner, stager and handoff on ``device``, with every decode graph captured (largest bucket first)."""
+    """Runner, stager and handoff on ``device``; every decode graph captured now (largest bucket first),
+    unless capture is lazy (then each the first time a step needs it)."""
     torch.manual_seed(0)
     compute = device.stream("compute")
     handoff = TokenHandoff(device, compute, layout.rows, layout.rows, options.pipeline_depth, timing=True)
     runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,
-                         layout.buckets(options, device.capabilities.graph_param_update), handoff)
+                         layout.buckets(options, device.capabilities.graph_param_update), handoff,
+                         config.model.vocab_size)
     snapshots = options.pipeline_depth + SNAPSHOT_SPARE if options.transport is Transport.shm else 0
     stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s)
     steps = DeviceSteps(runner, stager, handoff)
     try:
-        if options.graphs:
+        if options.graphs and not options.lazy_capture:
             runner.capture()
     except BaseException:
         steps.close()

@@ -18,7 +18,8 @@ from corelib.faults import maybe_fail
 from corelib.graph import Graph
 from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
-from corelib.ops import Ops, PagedAttention, SamplingInputs
+from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops.sampling import count_history
 from corelib.progress import current as current_progress
 from corelib.step.buckets import BucketPolicy
 from corelib.step.forward_input import ForwardInput
@@ -51,6 +52,7 @@ class ModelRunner:
         layout: EngineLayout,
         buckets: BucketPolicy,
         handoff: TokenHandoff,
+        vocab_size: int,
     ) -> None:
         self.device = device
         self.compute = compute
@@ -65,6 +67,13 @@ class ModelRunner:
             task.advance()
         # The one device arena every step's inputs land in; a decode step's views of it are the graphs' inputs.
         self.arena = None if device.capabilities.device_is_host else device.empty((layout.arena_bytes,), torch.uint8)
+        # The token fed at every KV slot, written by each step: the penalties count a row's tokens from
+        # its own blocks (so cached prefixes and shared blocks count too), in counts rebuilt each sampled step.
+        self.slot_tokens = device.zeros((layout.num_blocks * layout.block_size,), torch.int64)
+        self.output_counts = device.zeros((layout.rows, vocab_size), torch.int32)
+        self.prompt_counts = device.zeros((layout.rows, vocab_size), torch.int32)
+        self.row_index = device.empty((layout.rows,), torch.int64)
+        self.row_index.copy_(torch.arange(layout.rows, dtype=torch.int64))
         # Under tensor parallelism the model's logits may be one block of the vocabulary per rank.
         vocab = getattr(model, "vocab_shard", None)
         self.vocab_shard = vocab if isinstance(vocab, VocabShard) and vocab.world > 1 else None
@@ -156,15 +165,22 @@ class ModelRunner:
         attention = PagedAttention(views["block_tables"][:rows, :kv], seq_lens, self.layout.block_size, query_start,
                                    longest, decode_rows)
         token_states = states if decode else states[attention.token_rows(tokens)]
-        batch = StepBatch(self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states),
-                          views["positions"][:tokens], views["slot_mapping"][:tokens], attention, states,
+        input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
+        slot_mapping = views["slot_mapping"][:tokens]
+        self.slot_tokens.index_copy_(0, slot_mapping, input_ids)  # what the penalties count
+        batch = StepBatch(input_ids, views["positions"][:tokens], slot_mapping, attention, states,
                           None if query_start is None else query_start[1:] - 1)
         logits = self.model.forward(batch, self.state, self.ops)
-        self._emit(logits, rows, views, seq_lens, sampled, logprobs)
+        self._emit(logits, rows, views, attention, seq_lens, sampled, logprobs)
 
-    def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], sample_positions: torch.Tensor,
-              sampled: bool, logprobs: bool) -> None:
-        sampling = SamplingInputs.from_views(views, rows, sample_positions) if sampled else None
+    def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], attention: PagedAttention,
+              sample_positions: torch.Tensor, sampled: bool, logprobs: bool) -> None:
+        sampling = None
+        if sampled:
+            history = TokenHistory(self.output_counts[:rows], self.prompt_counts[:rows], self.row_index[:rows])
+            count_history(history, self.slot_tokens, attention.block_tables, self.layout.block_size,
+                          attention.seq_lens, views["prompt_lens"][:rows])
+            sampling = SamplingInputs.from_views(views, rows, sample_positions, history)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank

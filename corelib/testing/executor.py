@@ -148,8 +148,9 @@ def unit_config(max_num_seqs: int = 4, block_size: int = 4, max_model_len: int =
 
 def unit_options(run_ahead: int = 0, step_check: StepCheck | None = None, timeout_s: float = 10.0) -> EngineOptions:
     """Options as startup would decide them for an in-process engine without graphs (``run_ahead`` > 0: async)."""
-    return EngineOptions(graphs=False, async_handoff=run_ahead > 0, run_ahead=run_ahead, transport=Transport.inproc,
-                         tp=1, fast_allreduce=False, staging=Staging.inline, fused_ops=(), pdl=False,
+    return EngineOptions(graphs=False, lazy_capture=False, async_handoff=run_ahead > 0, run_ahead=run_ahead,
+                         transport=Transport.inproc, tp=1, fast_allreduce=False, staging=Staging.inline, fused_ops=(),
+                         pdl=False,
                          attention_reads_live_blocks_only=False, compile=False, timeout_s=timeout_s,
                          step_check=step_check or StepCheck())
 

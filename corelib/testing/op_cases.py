@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from corelib.ops import PagedAttention, SamplingInputs
+from corelib.ops import SAMPLING_COLUMNS, PagedAttention, SamplingInputs, TokenHistory
 
 LONG_CONTEXT = 1900
 VOCAB = 151936
@@ -188,7 +188,7 @@ class SampleCase:
     batch: int
     vocab: int = VOCAB
     ties: bool = False  # logits from bfloat16 values: many equal maxima
-    sampled: bool = False  # rows with temperature, top-k and top-p among greedy rows
+    sampled: bool = False  # every sampling column's example values cycled over the rows, a token history
 
     def build(self, seed: int, device: torch.device) -> Args:
         gen = torch.Generator().manual_seed(seed)
@@ -197,14 +197,24 @@ class SampleCase:
             logits = logits.round()  # small integers: the maximum repeats in every row
         sampling = None
         if self.sampled:
-            rows = torch.arange(self.batch) % 4
-            sampling = SamplingInputs(
-                temperature=torch.tensor([0.0, 0.7, 1.0, 1.5])[rows].to(device),
-                top_k=torch.tensor([0, 50, 0, 10])[rows].to(device),
-                top_p=torch.tensor([1.0, 0.9, 0.5, 1.0])[rows].to(device),
-                seeds=torch.randint(0, 2**40, (self.batch,), generator=gen).to(device),
-                positions=torch.randint(0, 4096, (self.batch,), generator=gen).to(device),
+            # Each column cycles through its examples (column i shifted by i rows, so rows mix them);
+            # a column without examples (the seeds) draws integers.
+            columns = {}
+            for shift, column in enumerate(SAMPLING_COLUMNS):
+                if column.examples:
+                    rows = (torch.arange(self.batch) + shift) % len(column.examples)
+                    columns[column.name] = torch.tensor(column.examples, dtype=column.dtype)[rows].to(device)
+                else:
+                    columns[column.name] = torch.randint(0, 2**40, (self.batch,), generator=gen).to(device)
+            # Sequence i's history sits at state index batch - 1 - i, past some unused states.
+            states = self.batch + 2
+            history = TokenHistory(
+                torch.randint(0, 3, (states, self.vocab), generator=gen, dtype=torch.int32).to(device),
+                torch.randint(0, 2, (states, self.vocab), generator=gen, dtype=torch.int32).to(device),
+                torch.arange(self.batch - 1, -1, -1).to(device),
             )
+            positions = torch.randint(0, 4096, (self.batch,), generator=gen).to(device)
+            sampling = SamplingInputs.of(positions, history, **columns)
         return logits.to(device), sampling
 
 

@@ -3,11 +3,17 @@
 Load it with ``-p corelib.testing.plugin`` (corelib's own pyproject does so in ``addopts``).
 Every test that asks for ``conformance_device`` runs once per target: each requested
 backend on each runtime it has here (see :func:`corelib.testing.targets.discover_targets`).
+
+Tests that need hardware this machine lacks are deselected at collection, not skipped one by
+one: those marked with a backend's hardware mark (``gpu``, ``npu``, ``mlu``), and the op
+conformance tests of a backend's kernels on its emulated runtime (they load only natively).
+The run ends with one line saying how many need which hardware.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -16,7 +22,7 @@ import pytest
 from corelib.backend import DeviceSpec
 from corelib.config import RuntimeMode
 from corelib.device import Device, Runtime
-from corelib.errors import BackendUnavailable
+from corelib.errors import BackendUnavailable, CorelibError
 from corelib.plugins import PluginRegistry
 from corelib.testing.helpers import Busy, default_busy
 from corelib.testing.targets import Target, discover_targets, resolve_spec
@@ -30,6 +36,9 @@ pytest.register_assert_rewrite("corelib.testing.conformance", "corelib.testing.o
 _registry_key = pytest.StashKey[PluginRegistry]()
 _targets_key = pytest.StashKey[list[Target]]()
 _specs_key = pytest.StashKey[dict[Target, DeviceSpec | str]]()
+_hardware_key = pytest.StashKey[Counter[str]]()  # deselected tests by the hardware mark they need
+HARDWARE_NAMES = {"gpu": "a GPU", "npu": "an NPU", "mlu": "an MLU"}
+NO_KERNELS = "-no-kernels"  # an op test of a backend without an op provider
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -66,6 +75,101 @@ def pytest_configure(config: pytest.Config) -> None:
         mark = registry.get(name).hardware_mark
         if mark is not None:
             config.addinivalue_line("markers", f"{mark}: needs real {name} hardware; skipped elsewhere")
+
+
+def _absent_hardware(registry: PluginRegistry) -> tuple[dict[str, str], set[str]]:
+    """(hardware mark -> backend) for the hardware missing here, and the marks of hardware present."""
+    absent: dict[str, str] = {}
+    present: set[str] = set()
+    for name in registry.backend_names:
+        try:
+            backend = registry.get(name)
+        except CorelibError:
+            continue  # a plugin that did not load: its tests report that themselves
+        mark = backend.hardware_mark
+        if mark is None:
+            continue
+        if backend.probe().native:
+            present.add(mark)
+        else:
+            absent.setdefault(mark, name)
+    return absent, present
+
+
+def _hardware_needed(item: pytest.Item, registry: PluginRegistry, absent: dict[str, str],
+                     present: set[str]) -> str | None:
+    """The mark of the absent hardware ``item`` needs; "" when it runs natively elsewhere in this run."""
+    for marker in item.iter_markers():
+        if marker.name in absent:
+            return marker.name
+    callspec = getattr(item, "callspec", None)
+    target = callspec.params.get("conformance_target") if callspec is not None else None
+    if not isinstance(target, Target):
+        return None
+    if target.hardware_mark in absent:
+        return target.hardware_mark
+    if "op_target" in getattr(item, "fixturenames", ()):
+        backend = registry.get(target.backend)
+        mark = backend.hardware_mark
+        if backend.op_provider() is None:
+            return NO_KERNELS  # it runs the reference ops: nothing of its own to check
+        if target.runtime is RuntimeMode.emulated and mark is not None:
+            return "" if mark in present else mark  # its kernels load only on the hardware
+    return None
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    registry = _registry(config)
+    absent, present = _absent_hardware(registry)
+    counts: Counter[str] = Counter()
+    kept, dropped = [], []
+    for item in items:
+        need = _hardware_needed(item, registry, absent, present)
+        if need is None:
+            kept.append(item)
+            continue
+        dropped.append(item)
+        if need:
+            counts[need] += 1
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    config.stash[_hardware_key] = counts
+
+
+def hardware_summary(counts: Counter[str]) -> str | None:
+    """``deselected 412 tests that need hardware absent here: 230 need a GPU, ...``, or None when none were."""
+    hardware = {mark: n for mark, n in sorted(counts.items()) if mark != NO_KERNELS}
+    lines = []
+    if hardware:
+        parts = [f"{n} need {HARDWARE_NAMES.get(mark, f'{mark} hardware')}" for mark, n in hardware.items()]
+        lines.append(f"deselected {sum(hardware.values())} tests that need hardware absent here: {', '.join(parts)}")
+    if counts[NO_KERNELS]:
+        lines.append(f"{'and ' if lines else 'deselected '}{counts[NO_KERNELS]} op tests of backends that run the "
+                     "reference ops (no kernels of their own)")
+    return "; ".join(lines) or None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: tell the controller
+    if workeroutput is not None:
+        counts: Counter[str] = session.config.stash.get(_hardware_key, Counter())
+        workeroutput["corelib_hardware"] = dict(counts)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    counts = getattr(node, "workeroutput", {}).get("corelib_hardware")
+    config = getattr(node, "config", None)
+    if counts is not None and config is not None:
+        config.stash[_hardware_key] = Counter(counts)  # every worker collects the same tests
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    counts: Counter[str] = config.stash.get(_hardware_key, Counter())
+    line = hardware_summary(counts)
+    if line is not None:
+        terminalreporter.write_line(f"corelib: {line}")
 
 
 def _registry(config: pytest.Config) -> PluginRegistry:

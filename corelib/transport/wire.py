@@ -37,6 +37,7 @@ ROW_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("seq_lens", torch.int64),  # keys each row attends to once this step's are written
     ("state_indices", torch.int64),  # per-sequence slot: token relay, recurrent state
     ("sample_slots", torch.int64),  # the relay slot of the row's sample: its state index, or the padding one
+    ("prompt_lens", torch.int64),  # tokens of the row's prompt: the penalties count later positions as outputs
     ("copy_from", torch.int64),  # copy on write: the first num_copies entries name KV blocks to copy ...
     ("copy_to", torch.int64),  # ... into these, before the forward
     *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
@@ -73,6 +74,7 @@ def pad_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: i
     views["seq_lens"][first:last] = 1
     views["state_indices"][first:last] = pad_state_index
     views["sample_slots"][first:last] = pad_state_index
+    views["prompt_lens"][first:last] = 1
     views["copy_from"][first:last] = 0
     views["copy_to"][first:last] = 0
     for column in SAMPLING_COLUMNS:
@@ -112,7 +114,8 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 6  # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
+VERSION = 7  # 7: the rows' prompt lengths (penalties), the penalties' columns; 6: one step kind, tokens, query
+# length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
 _FIXED = struct.Struct("<IHHQqiiiiiiiidQII")

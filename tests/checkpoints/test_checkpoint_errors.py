@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from support import error_lines
 
 from corelib.cli import main
 from corelib.engine.api import Engine
@@ -21,7 +22,7 @@ def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pyt
     monkeypatch.chdir(tmp_path)
     code = main(["run", "backend=cpu", "engine.max_num_seqs=2", "workload.num_requests=1", *args])
     assert code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1, f"expected one error line, got {lines}"
     assert lines[0].startswith("corelib: error: ")
     return lines[0]
@@ -121,5 +122,6 @@ def test_text_prompts_without_a_tokenizer_are_refused(
     line = run_cli(tmp_path, capsys, monkeypatch, f"model.path={tmp_path / 'model'}", "workload.prompts=[hello]")
     assert "workload.prompts are text and need a tokenizer" in line and "tokenizer.json" in line
     with Engine.from_overrides(["backend=cpu", "engine.max_num_seqs=2"]) as engine, \
-            pytest.raises(ConfigError, match=r"a text prompt needs a tokenizer, but model\.path is not set"):
+            pytest.raises(ConfigError, match=r"a text prompt needs a tokenizer, but model=tiny is a preset with random "
+                                             r"weights and no tokenizer: pass token ids"):
         engine.add_request("hello")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from support import run_python
+from support import error_lines, run_python
 
 from corelib.cli import main
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
@@ -34,7 +34,7 @@ def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pyt
     """``python -m corelib run ...`` in-process; the exit code and the lines on stderr."""
     monkeypatch.chdir(tmp_path)
     code = main([*QUICK, *args])
-    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return code, error_lines(capsys.readouterr().err)
 
 
 def one_error(result: tuple[int, list[str]], *fragments: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
-from corelib.models.hub import is_hub_id, resolve_model_path
+from corelib.hub import is_hub_id, resolve_model_path
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

@@ -87,7 +87,7 @@ def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed(model_dir: 
         text = free.text or ""
         start = next(i for i in range(len(text) // 3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
         stop = text[start : start + 2]
-        engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop_strings=(stop,)))
+        engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=stop))
         deltas = list(engine.stream_tokens())
     output = deltas[-1].output
     assert output is not None and output.finish_reason == "stop"
@@ -115,8 +115,9 @@ def test_run_streams_the_text_of_one_prompt_and_writes_it(
     assert main(["run", *overrides, "workload.prompts=[The quick brown fox]"]) == 0
     [record] = read_outputs(tmp_path / "run" / "outputs.jsonl")
     assert len(record["output_token_ids"]) == 10
-    shown = capsys.readouterr().out
-    assert "The quick brown fox" + record["text"] + "\n" in shown
+    shown = capsys.readouterr()
+    assert shown.out == "The quick brown fox" + record["text"] + "\n", "stdout holds the generated text only"
+    assert "corelib: cpu: native" in shown.err and "run summary" in shown.err, "status goes to stderr"
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["startup"][0].startswith(f"model.path={model_dir}")
 
 

@@ -202,3 +202,34 @@ def test_device_memory_is_tracked_apart_from_host_memory(emulated: OpenDevice) -
     del x, pinned, pageable
     registration.close()
     assert device.memory_stats() == baseline, "freed and unregistered memory leaves the books"
+
+
+def test_an_interrupted_close_drops_queued_work_and_leaves_a_running_closure(emulated: OpenDevice) -> None:
+    # Ctrl-C while a long closure runs (a warm-up forward of a graph capture): close must not drain
+    # the queue behind it nor wait the closure out, and the interrupt must stay what is raised.
+    device = emulated("npu", timeout_s=5.0)
+    stream = device.stream("busy")
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+    def long_closure() -> None:
+        started.set()
+        release.wait(60)
+
+    stream.launch(long_closure)
+    stream.launch(lambda: ran.append("queued"))
+    behind = stream.record(device.event(name="behind"))
+    assert started.wait(30), "the first closure never started"
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            device.close()  # while the interrupt unwinds, as a `with` block's exit does
+    still_running = not release.is_set() and device.threads_alive() != []
+    release.set()
+    assert still_running, "close waited for the running closure"
+    with pytest.raises(DeviceError, match="cancelled because the run was interrupted"):
+        behind.synchronize(timeout=5.0)
+    deadline = time.monotonic() + 30
+    while device.threads_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert device.threads_alive() == [] and ran == [], "the queued closure ran, or the worker outlived it"

@@ -89,7 +89,7 @@ def test_per_step_fallback_runs_flagged_batches_synchronously(make_engine: Engin
     engine = make_engine(["backend=npu", "engine.async_token_handoff=on"])
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
     plain = SamplingParams(max_tokens=12, ignore_eos=True)
-    stops = SamplingParams(max_tokens=12, ignore_eos=True, stop_strings=("<never>",))
+    stops = SamplingParams(max_tokens=12, ignore_eos=True, stop="<never>")
     outs = engine.generate(prompts, [plain, stops, plain], multimodal=[False, False, False])
     summary = engine.metrics(1.0)
     assert summary["steps_sync"] > 0 and summary["steps_sync"] == summary["steps"]

@@ -49,7 +49,7 @@ def _core(batch: int, stop_strings: tuple[str, ...] = ()) -> EngineCore:
     core, _ = instant_core(config, dataclasses.replace(unit_options(run_ahead=1), graphs=True))
     for number in range(batch):
         prompt = [(number * 131 + j * 17) % 900 + 2 for j in range(32)]
-        sampling = SamplingParams(max_tokens=64, ignore_eos=True, stop_strings=stop_strings)
+        sampling = SamplingParams(max_tokens=64, ignore_eos=True, stop=stop_strings)
         core.add(Sequence(number, f"r{number}", prompt, sampling))
     for _ in range(4):  # the prefill, then decode steps until the pipeline is full
         core.iterate()

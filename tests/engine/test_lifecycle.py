@@ -37,7 +37,21 @@ def test_failed_graph_capture_leaves_no_thread(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(ModelRunner, "_capture", broken)
     with pytest.raises(RuntimeError, match="capture exploded"):
-        Engine.from_overrides(ASYNC)
+        Engine.from_overrides([*ASYNC, "engine.graph_capture=upfront"])
+
+
+def test_a_failed_lazy_capture_stops_the_engine_and_leaves_no_thread(
+    monkeypatch: pytest.MonkeyPatch, no_new_threads: None
+) -> None:
+    def broken(self: ModelRunner, *args: object) -> None:
+        raise RuntimeError("capture exploded")
+
+    monkeypatch.setattr(ModelRunner, "_capture", broken)
+    with Engine.from_overrides([*ASYNC, "engine.graph_capture=lazy"]) as engine:
+        with pytest.raises(RuntimeError, match="capture exploded"):
+            engine.generate([[2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="stopped after an error"):
+            engine.step()
 
 
 def test_close_with_steps_in_flight(no_new_threads: None) -> None:

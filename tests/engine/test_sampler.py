@@ -15,7 +15,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return reference_sample(logits, SamplingInputs(temperature, top_k, top_p, seeds, positions))
+    sampling = SamplingInputs.of(positions, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
+    return reference_sample(logits, sampling)
 
 
 def test_greedy_is_argmax() -> None:

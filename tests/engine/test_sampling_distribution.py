@@ -14,7 +14,7 @@ ROWS = 8000  # one seed per row: the share of each token is within 0.005 of its 
 
 
 def shares(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    sampling = SamplingInputs(
+    sampling = SamplingInputs.of(
         temperature=torch.full((ROWS,), temperature),
         top_k=torch.zeros(ROWS, dtype=torch.int64),
         top_p=torch.ones(ROWS),

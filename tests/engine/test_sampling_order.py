@@ -22,7 +22,7 @@ LOGITS = torch.tensor([2.0, 1.0, 0.0, -12.0, -12.0, -12.0, -12.0, -12.0])
 
 def draws(sampler: str, temperature: float, top_p: float, top_k: int = 0, logits: torch.Tensor = LOGITS) -> set[int]:
     """The tokens drawn by ROWS rows of the same logits, each with its own seed."""
-    sampling = SamplingInputs(
+    sampling = SamplingInputs.of(
         temperature=torch.full((ROWS,), temperature),
         top_k=torch.full((ROWS,), top_k, dtype=torch.int64),
         top_p=torch.full((ROWS,), top_p),

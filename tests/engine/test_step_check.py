@@ -38,7 +38,7 @@ def battery(count: int, rng: random.Random) -> list[Sequence]:
     seqs = []
     for number in range(count):
         stops = ("\n\n",) if rng.random() < 0.2 else ()
-        sampling = SamplingParams(max_tokens=8, temperature=rng.choice([0.0, 0.7]), stop_strings=stops)
+        sampling = SamplingParams(max_tokens=8, temperature=rng.choice([0.0, 0.7]), stop=stops)
         seqs.append(Sequence(number, f"r{number}", [3, 4, 5], sampling, multimodal=rng.random() < 0.15))
     return seqs
 
@@ -61,7 +61,7 @@ def test_a_steps_reasons_are_the_interpreters_on_a_battery_of_mixed_batches() ->
 
 def test_a_request_added_without_its_facts_gets_them_on_first_use() -> None:
     check = yaml_check()
-    seq = Sequence(0, "r0", [3], SamplingParams(stop_strings=("x",)), multimodal=True)
+    seq = Sequence(0, "r0", [3], SamplingParams(stop=("x",)), multimodal=True)
     assert seq.sync_mask is None
     assert check.reasons([seq]) == interpreted(check, [seq])
     assert seq.sync_mask == check.facts_of(seq) != 0

@@ -14,7 +14,7 @@ def detokenize(ids: list[int]) -> str:
 
 def run(stop: str, tokens: list[int]) -> tuple[list[FinishReason | None], str]:
     checker = StopChecker(max_model_len=64, eos_token_ids=frozenset({1}), detokenize=detokenize)
-    seq = Sequence(0, "r0", [2, 3], SamplingParams(max_tokens=16, stop_strings=(stop,)))
+    seq = Sequence(0, "r0", [2, 3], SamplingParams(max_tokens=16, stop=stop))
     reasons = []
     for token in tokens:
         seq.output_token_ids.append(token)

@@ -88,7 +88,7 @@ def test_run_command_writes_trace_json(tmp_path: Path, capsys: pytest.CaptureFix
                  "engine.max_num_seqs=2", f"hydra.run.dir={run_dir}"]) == 0
     trace = json.loads((run_dir / "trace.json").read_text())
     assert [e for e in trace["traceEvents"] if e.get("cat") == "step"], "the cpu device times its steps too"
-    assert "trace.json" in capsys.readouterr().out
+    assert "trace.json" in capsys.readouterr().err
 
 
 def test_disabled_trace_records_nothing_and_times_no_copy(make_engine: EngineFactory) -> None:

@@ -95,10 +95,10 @@ def test_every_rank_picks_the_argmax_of_the_whole_vocabulary(vocab: int, world: 
 def test_a_sampled_step_samples_what_the_full_logits_sample() -> None:
     vocab, rows = 29, 5
     full = torch.randn((rows, vocab), generator=torch.Generator().manual_seed(1))
-    sampling = SamplingInputs(
+    sampling = SamplingInputs.of(
+        torch.arange(rows, dtype=torch.int64) + 11,
         temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9]), top_k=torch.tensor([0, 5, 0, 3, 0]),
         top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0]), seeds=torch.arange(rows, dtype=torch.int64) * 7,
-        positions=torch.arange(rows, dtype=torch.int64) + 11,
     )
     expected = sample_rows(full, sampling)
     for tokens, flags in picks(full, 3, sampling):

@@ -50,7 +50,7 @@ def request(index: int, eos: int) -> Request:
     prompt = [t for t in (rng.randrange(2, 512) for _ in range(rng.randint(1, 40))) if t != eos] or [2]
     max_tokens = 1 if index % 9 == 0 else rng.randint(2, 100)
     stops = ("<never>",) if index % 41 == 5 else ()
-    return Request(prompt, SamplingParams(max_tokens=max_tokens, stop_strings=stops), index % 59 == 3)
+    return Request(prompt, SamplingParams(max_tokens=max_tokens, stop=stops), index % 59 == 3)
 
 
 def frequent_token() -> int:

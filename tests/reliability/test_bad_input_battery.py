@@ -3,8 +3,10 @@
 Every case gives one clear line naming what was wrong:
 
 - configuration: ``python -m corelib run`` exits 2 with one ``corelib: error:`` line, no traceback;
-- a request or its sampling values: that request finishes with ``finish_reason='error'`` and a
-  one-line reason, while the requests around it complete with the tokens they get alone;
+- a request: that request finishes with ``finish_reason='error'`` and a one-line reason, while
+  the requests around it complete with the tokens they get alone;
+- a sampling value: ``SamplingParams`` refuses it when built, in one line naming the field (a
+  stop token outside the vocabulary, which only the model knows, fails its request alone);
 - an SHM frame damaged after the producer sealed it: the worker refuses it before computing
   on it, and the engine stops with a one-line error naming the rank, the ring, the frame and
   the damage, and leaves no worker or segment behind.
@@ -27,6 +29,7 @@ from support import Cli, assert_user_error
 
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import WorkerDied
+from corelib.sampling_params import SamplingError
 from corelib.transport.shm_executor import ShmExecutor
 from corelib.transport.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
 
@@ -40,6 +43,12 @@ class ConfigCase:
     overrides: tuple[str, ...]
     says: str  # a fragment of the (first) error line
     lines: int = 1  # one line per unmet condition where a feature is forced on
+
+
+@dataclass(frozen=True)
+class SamplingCase:
+    kwargs: dict[str, object]
+    says: str
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ class FrameCase:
 
 
 TARGET_FRAME = 4  # a decode frame, after the prefill and a few decode steps
-Case = ConfigCase | RequestCase | FrameCase
+Case = ConfigCase | RequestCase | SamplingCase | FrameCase
 TABLE: list[tuple[str, str, Case]] = [
     # -- configuration, through the CLI
     ("config", "override-typo", ConfigCase(("engine.asyn_token_handoff=on",),
@@ -176,26 +185,23 @@ TABLE: list[tuple[str, str, Case]] = [
     ("request", "prompt-dict", RequestCase({"a": 3}, GOOD, "the prompt is dict; pass token ids")),
     ("request", "prompt-set", RequestCase({3, 4}, GOOD, "the prompt is set; pass token ids")),
     # -- sampling values, through the API: the request fails alone
-    ("sampling", "max_tokens-0", RequestCase([3, 4], SamplingParams(max_tokens=0), "sampling.max_tokens=0")),
-    ("sampling", "max_tokens-negative", RequestCase([3, 4], SamplingParams(max_tokens=-3), "sampling.max_tokens=-3")),
-    ("sampling", "max_tokens-float", RequestCase([3, 4], SamplingParams(max_tokens=2.5),  # type: ignore[arg-type]
-                                                 "sampling.max_tokens=2.5: must be an integer")),
-    ("sampling", "temperature-negative", RequestCase([3, 4], SamplingParams(temperature=-1.0),
-                                                     "sampling.temperature=-1.0")),
-    ("sampling", "temperature-nan", RequestCase([3, 4], SamplingParams(temperature=math.nan),
-                                                "sampling.temperature=nan")),
-    ("sampling", "temperature-str", RequestCase([3, 4], SamplingParams(temperature="0.7"),  # type: ignore[arg-type]
-                                                "sampling.temperature='0.7': must be a number")),
-    ("sampling", "top_p-0", RequestCase([3, 4], SamplingParams(top_p=0.0), "sampling.top_p=0.0: must be in (0, 1]")),
-    ("sampling", "top_p-above-1", RequestCase([3, 4], SamplingParams(top_p=1.5), "sampling.top_p=1.5")),
-    ("sampling", "top_k-negative", RequestCase([3, 4], SamplingParams(top_k=-2), "sampling.top_k=-2")),
-    ("sampling", "seed-negative", RequestCase([3, 4], SamplingParams(seed=-1), "sampling.seed=-1")),
+    ("sampling", "max_tokens-0", SamplingCase({"max_tokens": 0}, "max_tokens=0: must be at least 1")),
+    ("sampling", "max_tokens-negative", SamplingCase({"max_tokens": -3}, "max_tokens=-3")),
+    ("sampling", "max_tokens-float", SamplingCase({"max_tokens": 2.5}, "max_tokens=2.5: must be an integer")),
+    ("sampling", "temperature-negative", SamplingCase({"temperature": -1.0}, "temperature=-1.0")),
+    ("sampling", "temperature-nan", SamplingCase({"temperature": math.nan}, "temperature=nan")),
+    ("sampling", "temperature-str", SamplingCase({"temperature": "0.7"}, "temperature='0.7': must be a number")),
+    ("sampling", "temperature-beyond-float32", SamplingCase({"temperature": 3.5e38}, "held as float32"
+                                                            if False else "the device holds it as float32")),
+    ("sampling", "top_p-0", SamplingCase({"top_p": 0.0}, "top_p=0.0: must be in (0, 1]")),
+    ("sampling", "top_p-above-1", SamplingCase({"top_p": 1.5}, "top_p=1.5")),
+    ("sampling", "top_k-negative", SamplingCase({"top_k": -2}, "top_k=-2")),
+    ("sampling", "top_k-beyond-int64", SamplingCase({"top_k": 2**63}, "the device holds it as int64")),
+    ("sampling", "seed-negative", SamplingCase({"seed": -1}, "seed=-1")),
     ("sampling", "stop-token-outside-vocab", RequestCase([3, 4], SamplingParams(stop_token_ids=(512,)),
-                                                         "sampling.stop_token_ids: 512 is outside the vocabulary")),
-    ("sampling", "stop-string-empty", RequestCase([3, 4], SamplingParams(stop_strings=("",)),
-                                                  "sampling.stop_strings: an empty string")),
-    ("sampling", "stop-strings-one-str", RequestCase([3, 4], SamplingParams(stop_strings="end"),  # type: ignore[arg-type]
-                                                     "sampling.stop_strings='end': pass a tuple of strings")),
+                                                         "stop_token_ids: 512 is outside the vocabulary")),
+    ("sampling", "stop-string-empty", SamplingCase({"stop": ("",)}, "stop: an empty string")),
+    ("sampling", "stop-strings-not-str", SamplingCase({"stop": [1]}, "stop=[1]: pass a string or a list of strings")),
     # -- SHM frames, end to end through a worker: damaged after the producer sealed them
     ("frame", "payload-bit-flipped", FrameCase("bad checksum", tamper=_flip_payload)),
     ("frame", "header-num_seqs-bit-flipped", FrameCase("bad checksum", tamper=_flip("num_seqs", 0x10))),
@@ -252,6 +258,14 @@ def check_request(case: RequestCase, engine: Engine, alone: list[list[int]]) -> 
     assert [outputs[0].output_token_ids, outputs[2].output_token_ids] == alone, "the other requests were disturbed"
 
 
+def check_sampling(case: SamplingCase, engine: Engine, alone: list[list[int]]) -> None:
+    with pytest.raises(SamplingError) as refused:
+        SamplingParams(**case.kwargs)  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert case.says in message and "\n" not in message, message
+    assert [o.output_token_ids for o in engine.generate(GOOD_PROMPTS, GOOD)] == alone
+
+
 def check_frame(case: FrameCase, monkeypatch: pytest.MonkeyPatch) -> None:
     before = Holdings.now()
     engine = Engine.from_overrides([*ENGINE, "engine.transport=shm", "engine.timeout_s=10"])
@@ -294,6 +308,8 @@ def test_bad_input(kind: str, case: Case, request: pytest.FixtureRequest, monkey
         check_config(case, request.getfixturevalue("cli"))
     elif isinstance(case, RequestCase):
         check_request(case, request.getfixturevalue("engine"), request.getfixturevalue("alone"))
+    elif isinstance(case, SamplingCase):
+        check_sampling(case, request.getfixturevalue("engine"), request.getfixturevalue("alone"))
     else:
         check_frame(case, monkeypatch)
 

@@ -32,9 +32,9 @@ from corelib.errors import DeviceError, DeviceTimeout, TransportError, WorkerDie
 from corelib.rundir import read_outputs
 from corelib.transport.shm_executor import ShmExecutor
 
-TIMEOUT_S = 1.0  # engine.timeout_s of every case: what a stalled wait may cost
-SMALL = ["backend=npu", "engine.async_token_handoff=on", f"engine.timeout_s={TIMEOUT_S:g}", "engine.max_num_seqs=4",
-         "model.max_model_len=256"]
+TIMEOUT_S = 1.0  # engine.timeout_s of the stall cases: what a stalled wait may cost
+CALM_TIMEOUT_S = 60.0  # the other cases': no wait of theirs may time out on a busy machine
+SMALL = ["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=4", "model.max_model_len=256"]
 SHM = ("engine.transport=shm",)
 KILL = "SIGKILL to worker rank 0"
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
@@ -51,12 +51,20 @@ class Fault:
     overrides: tuple[str, ...] = ()
     error: tuple[type[BaseException], ...] = ()  # the API's exception; () for CLI-only faults
     exit_code: int = 1
-    within_s: float = 8.0  # fault to exception, or to the CLI's exit (a worker's start is on top)
+    # Bounds that tell a hang from an answer, not speed requirements (a loaded machine takes its
+    # time; the figures printed are what docs/reliability.md reports): fault to exception, or to
+    # the CLI's exit (a worker's start is on top).
+    within_s: float = 60.0
     close_error: str | None = None  # API: close() also fails, naming this
-    close_s: float = TIMEOUT_S  # API: the longest close after the fault
+    close_s: float = 30.0  # API: the longest close after the fault (a bound on a hang, as within_s)
     surfaces: tuple[str, ...] = (API, CLI)
     settle_s: float = 5.0
     extra_lines: int = 0  # CLI: lines after the cause (close could not stop a stream)
+    timeout_s: float = CALM_TIMEOUT_S  # engine.timeout_s
+
+    @property
+    def run_overrides(self) -> tuple[str, ...]:
+        return (f"engine.timeout_s={self.timeout_s:g}", *self.overrides)
 
 
 STALLED = r"(waited 1 s for event 'step\d+\.end' on stream 'compute'|did not complete within 1 s)"
@@ -74,7 +82,7 @@ FAULTS = [
     Fault("polling-thread", "an exception in the polling thread", "poll@5",
           r"worker rank 0 \(pid \d+\) stopped: InjectedFault: injected fault at 'poll'", SHM, (WorkerDied,)),
     Fault("sigkill-worker", "a worker process killed with SIGKILL", KILL,
-          r"worker rank 0 \(pid \d+\) was killed by SIGKILL", SHM, (WorkerDied,), within_s=5.0),
+          r"worker rank 0 \(pid \d+\) was killed by SIGKILL", SHM, (WorkerDied,)),
     Fault("sigint-inproc", "SIGINT to the main process mid-run", "SIGINT", "^corelib: interrupted$",
           exit_code=130, surfaces=(CLI,)),
     Fault("sigint-shm", "SIGINT to the main process mid-run", "SIGINT", "^corelib: interrupted$", SHM,
@@ -86,16 +94,17 @@ FAULTS = [
     # The stalled closure cannot be interrupted: close says which stream it could not stop,
     # and the thread ends when the closure returns.
     Fault("stalled-stream-inproc", "a stalled device stream (emulator)", f"forward@30:stall={STALL_S:g}", STALLED,
-          error=(DeviceError, DeviceTimeout), close_error="could not stop streams 'compute'", close_s=3 * TIMEOUT_S,
+          error=(DeviceError, DeviceTimeout), close_error="could not stop streams 'compute'", timeout_s=TIMEOUT_S,
           settle_s=STALL_S + 5.0, extra_lines=1),
     Fault("stalled-stream-shm", "a stalled device stream (emulator)", "forward@30:stall",
-          rf"{STALLED}|waited 1 s for the tokens of step \d+ from worker rank 0", SHM, (TransportError, WorkerDied)),
+          rf"{STALLED}|waited 1 s for the tokens of step \d+ from worker rank 0", SHM, (TransportError, WorkerDied),
+          timeout_s=TIMEOUT_S),
     # The scheduler names the worker that stopped and how far it got: waiting for room in the
     # ring, or (the worker answers the tokens of a step in the same loop) for those tokens.
     Fault("full-ring", "a full SHM ring (a worker that stops consuming)", "poll@5:stall",
           r"waited 1 s for (worker rank 0 to release slot 0 of input ring \(frame \d+\)|the tokens of step \d+ from "
           r"worker rank 0 on result ring); frames released: worker rank 0: \d+ of \d+ sent",
-          (*SHM, "engine.shm.num_slots=1"), (TransportError,)),
+          (*SHM, "engine.shm.num_slots=1"), (TransportError,), timeout_s=TIMEOUT_S),
 ]
 CASES = [pytest.param(f, s, id=f"{f.name}-{s}") for f in FAULTS for s in f.surfaces]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14] * 20, [15, 16], [17, 18, 19]]
@@ -103,7 +112,9 @@ LONG_RUN_REQUESTS = 200
 
 
 def _error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("corelib: ")]
+    """The lines that say why the run stopped (status lines, also on stderr, left out)."""
+    stopped = ("corelib: error:", "corelib: interrupted", "corelib: terminated")
+    return [line for line in text.splitlines() if line.startswith(stopped)]
 
 
 # ---------------------------------------------------------------------------------- the API
@@ -114,7 +125,7 @@ def _fail_through_api(fault: Fault, finished: list[str]) -> tuple[BaseException,
     engine: Engine | None = None
     armed = time.monotonic()
     try:
-        engine = Engine.from_overrides([*SMALL, *fault.overrides])
+        engine = Engine.from_overrides([*SMALL, *fault.run_overrides])
         for prompt in PROMPTS:
             engine.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
         steps = 0
@@ -179,8 +190,9 @@ class Watcher:
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.workers: set[int] = set()
-        self._threads = [threading.Thread(target=self._read, args=(process.stdout, self.stdout, True)),
-                         threading.Thread(target=self._read, args=(process.stderr, self.stderr, False))]
+        # The progress bar is status: it draws on stderr.
+        self._threads = [threading.Thread(target=self._read, args=(process.stdout, self.stdout, False)),
+                         threading.Thread(target=self._read, args=(process.stderr, self.stderr, True))]
         for thread in self._threads:
             thread.start()
 
@@ -231,7 +243,7 @@ def check_cli(fault: Fault, tmp_path: Path) -> None:
     if fault.inject not in SIGNALS and fault.inject != KILL:
         env[faults.ENV] = fault.inject
     run_dir = tmp_path / "run"
-    process, watcher = start_long_run(fault.overrides, run_dir, env)
+    process, watcher = start_long_run(fault.run_overrides, run_dir, env)
     try:
         armed = time.monotonic()
         if fault.inject in SIGNALS or fault.inject == KILL:

@@ -82,13 +82,13 @@ def alive(pid: int) -> bool:
 
 
 def announced(process: subprocess.Popen[str]) -> tuple[str, int]:
-    """The URL and the engine process's pid from the line the server prints once it serves."""
-    assert process.stdout is not None
+    """The URL and the engine process's pid from the status line (stderr) the server prints once it serves."""
+    assert process.stderr is not None, "Popen was asked for a stderr pipe"
     deadline = time.monotonic() + 60
-    for line in process.stdout:
+    for line in process.stderr:
         if "serving" in line and "http://" in line:
             match = re.search(r"at (\S+) \(pid \d+, engine process pid (\d+)\)", line)
             assert match is not None, line
             return match[1], int(match[2])
         assert time.monotonic() < deadline, "the server did not start within 60 s"
-    raise AssertionError(f"the server exited before serving: {process.stderr.read() if process.stderr else ''}")
+    raise AssertionError("the server exited before serving")

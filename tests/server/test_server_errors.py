@@ -31,7 +31,12 @@ def error_of(response: httpx.Response, status: int) -> dict[str, object]:
     ("body", "param", "fragment"),
     [
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1"),
-        ({"prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+        ({"prompt": "x", "temperature": 3.5e38}, "temperature", "float32"),
+        ({"prompt": "x", "top_k": 2**63}, "top_k", "int64"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        ({"prompt": "x", "n": 0}, "n", "at least 1"),
         ({"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
         ({"prompt": "x", "max_tokens": 100_000}, "max_tokens", "at most"),

@@ -46,6 +46,17 @@ def test_completion_text_equals_the_engine_streamed_or_not(server: RunningServer
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_penalties_reach_the_engine_through_the_client(server: RunningServer, reference: Engine) -> None:
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.8}
+    want = expected(reference, "The quick brown", max_tokens=16, ignore_eos=True, **penalties)
+    assert want != expected(reference, "The quick brown", max_tokens=16, ignore_eos=True), "penalties changed nothing"
+    api = client(server)
+    got = api.completions.create(model="chat-model", prompt="The quick brown", max_tokens=16, temperature=0,
+                                 presence_penalty=1.5, frequency_penalty=0.5,
+                                 extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert got.choices[0].text == want
+
+
 def test_a_stop_string_ends_the_text_before_it(server: RunningServer, reference: Engine) -> None:
     free = expected(reference, "Hello world", max_tokens=24, ignore_eos=True)
     stop = next(free[i : i + 2] for i in range(len(free) // 3, len(free) - 2) if free[i : i + 2].strip())

@@ -194,7 +194,7 @@ def test_a_dead_peer_is_named_at_once_while_waiting(wired: Make, monkeypatch: py
     read_end, write_end = os.pipe()  # stands for a worker's control pipe: its end closes when it dies
     gone: list[str] = []
     w = wired(spin_us=0.0)
-    consumer = Consumer(w.ring, 0, w.fds[0], w.fds[-1], 30.0, alive=lambda: gone[0] if gone else None,
+    consumer = Consumer(w.ring, 0, w.fds[0], w.fds[-1], 3600.0, alive=lambda: gone[0] if gone else None,
                         name="test ring", watch=[read_end])
 
     def die() -> None:

@@ -61,7 +61,7 @@ def test_a_killed_worker_is_named_quickly_and_nothing_leaks(monkeypatch: pytest.
     plain_poll = select.poll
     monkeypatch.setattr(select, "poll", recording_poll)  # the module the waiters call
     before = our_segments()
-    engine = Engine.from_overrides(["backend=npu", "engine.transport=shm", "engine.timeout_s=30"])
+    engine = Engine.from_overrides(["backend=npu", "engine.transport=shm", "engine.timeout_s=3600"])
     executor = engine.core.executor
     assert isinstance(executor, ShmExecutor)
     pid = executor.ranks[0].process.pid

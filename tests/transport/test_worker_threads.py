@@ -19,16 +19,15 @@ import torch
 from ringkit import Wired, wire
 
 from corelib.device import Device, Event, MemoryStats, Stream
-from corelib.step.arena import decode_layout
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepHandle, StepResult, StepTiming
 from corelib.step.staging import Staged
-from corelib.transport.wire import FrameHeader, FrameKind, decode_result
+from corelib.transport.wire import FrameHeader, FrameKind, decode_result, step_layout
 from corelib.transport.worker import StepLoop
 
 WAIT_S = 20.0  # a bound for the test's own waits, never reached when the loop works
-LAYOUT = decode_layout(2, 2)
+LAYOUT = step_layout(2, 2, 2)  # a decode step of two rows, two blocks each
 
 
 class GateEvent(Event):
@@ -108,8 +107,8 @@ class Kit:
     errors: list[BaseException]
 
     def send(self, step: int) -> None:
-        header = FrameHeader(FrameKind.decode, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
-                             sent_at=time.perf_counter(), layout=LAYOUT.encode())
+        header = FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
+                             sent_at=time.perf_counter(), layout=LAYOUT.encode(), num_tokens=1, max_query_len=1)
         self.inputs.producer.write(header, torch.zeros(LAYOUT.nbytes, dtype=torch.uint8))
 
     def result(self, step: int) -> list[int]:

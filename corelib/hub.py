@@ -18,7 +18,7 @@ from corelib.errors import ConfigError
 
 # What the loader and the tokenizer read; pickled *.bin weights and other formats are skipped.
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "*.safetensors", "model.safetensors.index.json"]
+                  "special_tokens_map.json", "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TRUE = {"1", "on", "yes", "true"}
 

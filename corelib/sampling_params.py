@@ -1,0 +1,224 @@
+"""How a request samples and stops: the one ``SamplingParams`` of the engine, ``corelib.LLM`` and the server.
+
+Torch-free: the HTTP process builds these. Every per-request value the device reads is a
+*sampler column*: a field whose metadata (:class:`Column`) gives its device dtype, its neutral
+value (padded rows hold it; it changes nothing) and example values for the op conformance
+case. :data:`corelib.ops.spec.SAMPLING_COLUMNS` is derived from these fields, the OpenAI
+server accepts each field under its own name (:data:`API_FIELDS`), and every value is
+checked here against what its column can hold. So a new sampler option is a field here, a
+field of ``SamplingInputs`` and its math in ``corelib/ops/sampling.py``.
+
+Names and meanings follow vLLM's ``SamplingParams``; the one difference is the default
+temperature: 0 (greedy), where vLLM's is 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from corelib.errors import RequestError
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+INT64_LIMIT = 2**63
+SEED_LIMIT = 2**62  # the counter-based sampler takes seeds in [0, 2**62)
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs bound)
+
+
+class SamplingError(RequestError, ValueError):
+    """A sampling value that cannot be used; ``field`` names it (the server's ``param``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[type[SamplingError], tuple[str, str]]:
+        return SamplingError, (self.field, str(self))
+
+
+@dataclass(frozen=True)
+class Column:
+    """A field the device reads, one value per row of a step (``SAMPLING_COLUMNS`` is built from these)."""
+
+    dtype: str  # "float32" or "int64": the column's device dtype, which bounds the values accepted
+    neutral: float  # the value that changes nothing (padded rows hold it)
+    examples: tuple[float, ...] = ()  # values the op conformance case cycles through rows; empty: random ints
+    name: str = ""  # the column's name where it differs from the field's
+    selects: bool = True  # a value other than neutral needs the sampler (a seed only keys its noise)
+
+
+Rule = tuple[Callable[[Any], bool], str]  # a test of the value, and what to say when it fails
+
+
+def _meta(rule: Rule | None = None, column: Column | None = None, api: bool = True,
+          api_default: object = dataclasses.MISSING) -> dict[str, object]:
+    return {"rule": rule, "column": column, "api": api, "api_default": api_default}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request samples and when it stops; a bad value raises :class:`SamplingError` (a ValueError) here.
+
+    Greedy by default (``temperature=0``). ``seed=None`` draws a fresh seed for the request;
+    a seed given makes its samples repeatable whatever batch it shares. ``stop`` is a string
+    or a list of strings: the text ends before the first one found (needs a tokenizer). ``n``
+    asks ``LLM.generate`` (and the server) for that many samples of each prompt.
+    """
+
+    n: int = field(default=1, metadata=_meta((lambda v: v >= 1, "must be at least 1")))
+    presence_penalty: float = field(default=0.0, metadata=_meta(
+        (lambda v: -2 <= v <= 2, "must be in [-2, 2]"), Column("float32", 0.0, (0.0, 0.5, -0.5, 2.0))))
+    frequency_penalty: float = field(default=0.0, metadata=_meta(
+        (lambda v: -2 <= v <= 2, "must be in [-2, 2]"), Column("float32", 0.0, (0.0, 0.3, 1.0, -1.0))))
+    repetition_penalty: float = field(default=1.0, metadata=_meta(
+        (lambda v: v > 0, "must be > 0 (1: none)"), Column("float32", 1.0, (1.0, 1.3, 0.8, 2.0))))
+    temperature: float = field(default=0.0, metadata=_meta(
+        (lambda v: v >= 0, "must be a finite number >= 0 (0: greedy)"), Column("float32", 0.0, (0.0, 0.7, 1.0, 1.5)),
+        api_default=1.0))  # OpenAI's default
+    top_p: float = field(default=1.0, metadata=_meta(
+        (lambda v: 0 < v <= 1, "must be in (0, 1]"), Column("float32", 1.0, (1.0, 0.9, 0.5, 1.0))))
+    top_k: int = field(default=0, metadata=_meta(
+        (lambda v: v >= 0, "must be >= 0 (0 or -1: no cut)"), Column("int64", 0, (0, 50, 0, 10))))
+    seed: int | None = field(default=None, metadata=_meta(
+        (lambda v: v is None or 0 <= v < SEED_LIMIT, "must be in [0, 2**62)"),
+        Column("int64", 0, name="seeds", selects=False)))
+    stop: str | Sequence[str] | None = None  # stored as a tuple of strings
+    stop_token_ids: Sequence[int] = ()  # stored as a tuple
+    ignore_eos: bool = False
+    max_tokens: int = field(default=16, metadata=_meta((lambda v: v >= 1, "must be at least 1"), api=False))
+    # Each output token's log-probability and the ``logprobs`` most likely ones (OpenAI's completions
+    # ``logprobs``, chat's ``top_logprobs``: the server maps them itself); None: none.
+    logprobs: int | None = field(default=None, metadata=_meta(
+        (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None"), api=False))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _normalized(f, getattr(self, f.name)))
+        for f in dataclasses.fields(self):
+            value, rule, column = getattr(self, f.name), f.metadata.get("rule"), f.metadata.get("column")
+            if rule is not None and value is not None and not (_finite(value) and rule[0](value)):
+                raise SamplingError(f.name, f"{f.name}={value!r}: {rule[1]}")
+            if isinstance(column, Column) and value is not None:
+                _check_column(f.name, value, column)
+        if "" in self.stop_strings:
+            raise SamplingError("stop", "stop: an empty string would stop every request at its first token")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings, checked on the host (steps holding such a request run synchronously)."""
+        return tuple(self.stop or ())
+
+    @property
+    def needs_sampler(self) -> bool:
+        """Some column asks for more than the greedy argmax (temperature, a cut, a penalty)."""
+        return any(column.selects and getattr(self, param) != column.neutral for param, column in columns())
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise a SamplingError naming what the model's vocabulary refuses."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingError("stop_token_ids",
+                                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with ``changes``, checked like a new one."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object]) -> SamplingParams:
+        """Built from field names (a request body's), each value checked; an unknown name is a SamplingError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in values:
+            if name not in known:
+                raise SamplingError(name, f"{name}: not a sampling parameter")
+        return cls(**dict(values))  # type: ignore[arg-type]
+
+
+def columns() -> tuple[tuple[str, Column], ...]:
+    """(field name, Column) of every sampler column, in field order."""
+    return _COLUMNS
+
+
+def api_default(name: str) -> object:
+    """The value the OpenAI server uses when a request leaves field ``name`` out."""
+    f = _FIELDS[name]
+    given = f.metadata.get("api_default", dataclasses.MISSING)
+    return f.default if given is dataclasses.MISSING else given
+
+
+def choices(params: SamplingParams, first: int = 0) -> list[SamplingParams]:
+    """The ``n`` single-sample requests that stand for ``params``: choice ``i`` samples with ``seed + first + i``.
+
+    With ``seed=None`` each choice draws its own. The one place ``n`` becomes requests, so
+    samples that share the prompt's KV blocks can replace it.
+    """
+    if params.seed is None:
+        return [params.replace(n=1)] * params.n
+    return [params.replace(n=1, seed=(params.seed + first + i) % SEED_LIMIT) for i in range(params.n)]
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _check_column(name: str, value: float, column: Column) -> None:
+    if column.dtype == "float32" and abs(value) > FLOAT32_MAX:
+        raise SamplingError(name, f"{name}={value!r}: must be at most {FLOAT32_MAX:.6g} (the device holds it "
+                                  "as float32)")
+    if column.dtype == "int64" and not -INT64_LIMIT <= value < INT64_LIMIT:
+        raise SamplingError(name, f"{name}={value!r}: must be below 2**63 (the device holds it as int64)")
+
+
+def _normalized(f: dataclasses.Field[Any], value: object) -> object:
+    """``value`` as the plain Python type of field ``f`` (numpy and other number types included)."""
+    name, kind = f.name, f.type
+    if name == "stop":
+        if value is None or isinstance(value, str):
+            return () if value is None else (value,)
+        return _strings(name, value)
+    if name == "stop_token_ids":
+        if isinstance(value, str) or not isinstance(value, Sequence | tuple | list):
+            raise SamplingError(name, f"{name}={value!r}: pass a list of token ids")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+            raise SamplingError(name, f"{name}={list(value)!r}: token ids must be integers")
+        return tuple(operator.index(t) for t in value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise SamplingError(name, f"{name}={value!r}: must be true or false, not {type(value).__name__}")
+        return value
+    if value is None and "None" in str(kind):
+        return None
+    if "int" in str(kind):
+        number = _integer(name, value)
+        return 0 if name == "top_k" and number == -1 else number  # -1: vLLM's word for no cut
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise SamplingError(name, f"{name}={value!r}: must be a number, not {type(value).__name__}")
+    return float(value)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingError(name, f"{name}={value!r}: must be an integer, not {type(value).__name__}")
+    return operator.index(value)
+
+
+def _strings(name: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, Sequence) or not all(isinstance(s, str) for s in value):
+        raise SamplingError(name, f"{name}={value!r}: pass a string or a list of strings")
+    return tuple(value)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+_COLUMNS = tuple(
+    (f.name, f.metadata["column"]) for f in _FIELDS.values() if isinstance(f.metadata.get("column"), Column)
+)
+#: the fields the OpenAI server takes from a request body by their own names (``max_tokens`` is its own)
+API_FIELDS = tuple(f.name for f in _FIELDS.values() if f.metadata.get("api", True))

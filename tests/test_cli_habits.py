@@ -1,0 +1,86 @@
+"""vLLM's command-line habits: a positional model, --port and friends, --version, hints for other flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from corelib import __version__
+from corelib.cli import main
+from corelib.cli_habits import flag_hint, habit_arguments
+from corelib.errors import ConfigError
+from corelib.hydra_app import HYDRA_FLAGS, takes_value
+
+
+def habits(*args: str) -> list[str]:
+    return habit_arguments(list(args), HYDRA_FLAGS, takes_value)
+
+
+def test_vllm_flags_map_onto_their_keys() -> None:
+    assert habits("tiny", "--port", "8001", "--host=0.0.0.0", "--api-key", "k", "--max-model-len", "256",
+                  "--dtype", "bfloat16", "--max-num-seqs", "8", "--served-model-name", "my model",
+                  "--enforce-eager") == [
+        "model=tiny", "server.port=8001", "server.host=0.0.0.0", "server.api_key=k", "model.max_model_len=256",
+        "model.dtype=bfloat16", "engine.max_num_seqs=8", "server.served_model_name='my model'", "engine.graph=off",
+    ]
+
+
+def test_tensor_parallelism_runs_over_shared_memory_unless_the_transport_is_given() -> None:
+    assert habits("--tensor-parallel-size", "2") == ["engine.tp=2", "engine.transport=shm"]
+    assert habits("-tp", "2", "engine.transport=inproc") == ["engine.tp=2", "engine.transport=inproc"]
+    assert habits("--tensor-parallel-size=1") == ["engine.tp=1"]
+
+
+def test_the_model_is_a_preset_a_directory_or_a_hub_id(tmp_path: Path) -> None:
+    assert habits("small-0.6b") == ["model=small-0.6b"]
+    assert habits(str(tmp_path), "backend=cpu") == [f"model.path={tmp_path}", "backend=cpu"]
+    assert habits("--model", "Qwen/Qwen3-0.6B") == ["model.path=Qwen/Qwen3-0.6B"]
+
+
+def test_hydra_flags_and_their_values_pass_untouched() -> None:
+    assert habits("--cfg", "job", "tiny", "-m", "backend=cpu,npu") == ["--cfg", "job", "model=tiny", "-m",
+                                                                       "backend=cpu,npu"]
+    assert habits("--info", "config", "tiny") == ["--info", "config", "model=tiny"]
+    assert habits("~engine.shm") == ["~engine.shm"]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["/path/to/model"], "model '/path/to/model' is neither a preset"),
+    (["tiny", "small-0.6b"], "two models given ('tiny' and 'small-0.6b')"),
+    (["--port"], "--port needs a value: --port VALUE (or server.port=VALUE)"),
+    (["--temperature", "0.5"], "did you mean workload.temperature=VALUE?"),
+    (["--gpu-memory-utilization", "0.9"], "the KV cache is sized by engine.max_num_seqs"),
+    (["--frobnicate"], "corelib sets keys as key=value"),
+    (["workload.prompts=[Hello, world]"], "'Hello' is not quoted, so a comma would split a prompt in two"),
+])
+def test_what_cannot_be_mapped_is_one_line_naming_the_key(args: list[str], says: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        habits(*args)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_quoted_prompts_with_commas_are_one_prompt_each() -> None:
+    given = """workload.prompts=["Hello, world", 'a, b']"""
+    assert habits(given) == [given]
+    assert habits("workload.prompts=[hello]") == ["workload.prompts=[hello]"], "one element cannot be split"
+
+
+def test_a_hint_names_the_closest_keys() -> None:
+    assert flag_hint("--num-kv-blocks").endswith("did you mean engine.num_kv_blocks=VALUE?")
+    assert "engine.block_size=VALUE" in flag_hint("--block_size")
+
+
+@pytest.mark.parametrize("args", [["--version"], ["-V"], ["run", "--version"], ["serve", "tiny", "--version"]])
+def test_version(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 0
+    assert capsys.readouterr().out == f"corelib {__version__}\n"
+
+
+def test_serve_a_path_that_is_not_a_model_is_one_line_before_anything_loads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "/path/to/model", "--port", "8001"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("corelib: error: model '/path/to/model' is neither a preset")
+    assert "antlr" not in err.lower() and "Traceback" not in err
