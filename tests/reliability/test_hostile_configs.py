@@ -43,7 +43,7 @@ ATTACKS = {
                                        "hydra.job_logging.handlers.file.filename: refused: 'victim.txt': a log "
                                        "file must be directly inside the run directory"),
     "hydra-logging-file-handler": Attack(("workload=hydra_log_truncate",),
-                                         "hydra.hydra_logging.handlers.file.filename: refused"),
+                                         "hydra.hydra_logging.handlers.file.class: refused"),
     "logging-factory": Attack(("workload=log_factory",),
                               "hydra.job_logging.handlers.file.(): refused: logging factories and properties run code"),
     "logging-option-from-searchpath": Attack(("hydra/job_logging=truncate",),
@@ -60,6 +60,18 @@ ATTACKS = {
     "overrides-injected": Attack(("workload=overrides_injected", "engine.transport=shm"),
                                  "hydra.overrides: refused: overrides come from the command line only"),
     "output-subdir-escapes": Attack(("workload=output_subdir",), "hydra.output_subdir: refused"),
+    # hydra.runtime.output_dir pointed elsewhere, then a log file "inside the run directory" there
+    "runtime-output-dir-then-hydra-log": Attack(("workload=runtime_bashrc",),
+                                                "hydra.runtime.output_dir: refused: 'victim-dir': Hydra sets it"),
+    "runtime-output-dir-then-job-log": Attack(("workload=runtime_job_log",), "hydra.runtime.output_dir: refused"),
+    "runtime-output-dir-from-config-dir": Attack(("-cd", str(HOSTILE), "workload=runtime_bashrc"),
+                                                 "hydra.runtime.output_dir: refused"),
+    "runtime-output-dir-on-the-command-line": Attack(("hydra.runtime.output_dir=victim-dir",),
+                                                     "hydra.runtime.output_dir: refused"),
+    "hydra-logging-writes-a-file": Attack(("workload=hydra_log_in_run_dir",),
+                                          "hydra.hydra_logging.handlers.file.class: refused: Hydra's own logging "
+                                          "starts before the run directory exists"),
+    "log-file-not-a-log": Attack(("workload=log_not_a_log",), "hydra.job_logging.handlers.file.filename: refused"),
 }
 
 
@@ -85,6 +97,19 @@ def test_a_hostile_config_is_refused_before_hydra_acts_on_it(name: str, cli: Cli
     attack = ATTACKS[name]
     result = cli("run", *QUICK, SEARCHPATH, *attack.overrides)
     assert_user_error(result, attack.says)
+    assert_unharmed(victims)
+
+
+@pytest.mark.parametrize("planted", ["run.log", ".hydra", ".hydra/config.yaml"])
+def test_a_symlink_planted_in_an_existing_run_directory_is_not_followed(planted: str, cli: Cli, victims: Path) -> None:
+    run_dir = victims / "shared-run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    link = run_dir / planted
+    if link.is_dir():
+        link.rmdir()
+    link.symlink_to(victims / ("victim-dir" if planted == ".hydra" else "victim.txt"))
+    result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
+    assert_user_error(result, f"{link} is a symlink", "choose a new directory with hydra.run.dir=")
     assert_unharmed(victims)
 
 
