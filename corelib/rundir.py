@@ -34,6 +34,19 @@ if TYPE_CHECKING:
     from corelib.startup import Startup
 
 
+SECRET_KEYS = ("server.api_key", "server.bench.api_key")
+REDACTED = "<set>"
+
+
+def redacted(config: DictConfig) -> DictConfig:
+    """A copy of ``config`` whose secrets (``SECRET_KEYS``) that are set read ``<set>``."""
+    shown = config.copy()
+    for key in SECRET_KEYS:
+        if OmegaConf.select(shown, key, default=None, throw_on_resolution_failure=False) is not None:
+            OmegaConf.update(shown, key, REDACTED, force_add=True)
+    return shown
+
+
 class RunDirError(CorelibError):
     """A file of the run directory could not be written (a full disk, a read-only directory)."""
 
@@ -73,7 +86,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, config: DictConfig) -> Path:
-        return self._write("config.yaml", OmegaConf.to_yaml(config, resolve=True))
+        """The resolved config, with the API keys shown as ``<set>`` (the run directory is not a secret)."""
+        return self._write("config.yaml", OmegaConf.to_yaml(redacted(config), resolve=True))
 
     def write_plan(
         self, plan: Plan, messages: Iterable[str] = (), details: Mapping[str, Any] | None = None

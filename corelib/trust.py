@@ -23,7 +23,8 @@ so corelib allows only:
 
 The check wraps Hydra's config loader for the duration of a command (:func:`guarded_composition`):
 every composition Hydra makes, the first one and one per job of a multirun, is checked as it
-is returned, before logging, callbacks, the launcher or the job see it.
+is returned, before logging, callbacks, the launcher or the job see it; the task config's
+operator settings and environment reads are checked then too (:mod:`corelib.trust_task`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from corelib.errors import ConfigError
 from corelib.trust_logging import check_logging, checked_configure_log
+from corelib.trust_task import check_task_values
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -68,6 +70,7 @@ def guarded_composition() -> Iterator[None]:
         cfg = original(self, *args, **kwargs)
         overrides = kwargs["overrides"] if "overrides" in kwargs else args[1]
         check_hydra_node(cfg, list(overrides))
+        check_task_values(cfg, list(overrides))
         return cfg
 
     ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]

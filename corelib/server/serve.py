@@ -20,7 +20,7 @@ from types import FrameType
 
 import uvicorn
 
-from corelib.config import ServerConfig
+from corelib.config import ServerConfig, checked_api_key
 from corelib.errors import ConfigError, CorelibError
 from corelib.server.app import ServerState, build_app
 from corelib.server.bridge import EngineBridge, Placement
@@ -44,6 +44,7 @@ def model_name(server: ServerConfig, name: str, path: str | None) -> str:
 def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
                 placement: Placement = "process") -> ServerState:
     """Start the engine (built in its own process, or on a thread of this one) and everything the routes need."""
+    api_key = checked_api_key(api_key)
     metrics = ServerMetrics()
     bridge = EngineBridge(recipe, server.max_waiting, metrics, placement)
     info = bridge.start()

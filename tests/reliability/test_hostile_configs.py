@@ -136,3 +136,54 @@ def test_a_shared_config_may_still_set_the_task_keys(cli: Cli, tmp_path: Path) -
     result = cli("plan", "backend=cpu", f"hydra.searchpath=[file://{shared.parent}]", "workload=mine", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     assert "num_requests: 3" in result.stdout
+
+
+# The operator's settings: a shared config may not open the server, turn its key off, name it
+# after the environment or send the key elsewhere. Checked as composed, so `plan` shows it for
+# `serve` and `bench-serve` too (the same check guards every command).
+SECRET = "hostile-secret-value"
+GATES = "features=[graph,async_token_handoff,shm_ordered_materialization,fused_ops,fast_allreduce,pdl,no_key]"
+OPERATOR_ATTACKS = {
+    "server-option-drops-the-key": Attack(("server=no_key",), "server.api_key: refused: null: the server's address, "
+                                                              "API key and model name are the operator's"),
+    "gate-drops-the-key": Attack((GATES,), "server.api_key: refused: null"),
+    "server-option-listens-everywhere": Attack(("server=every_interface",), "server.host: refused: '0.0.0.0'"),
+    "bench-sends-the-key-elsewhere": Attack(("server=bench_elsewhere",), "server.bench.url: refused"),
+    "served-name-from-the-environment": Attack(("server=named_after_env",), "server.served_model_name: refused"),
+    "model-name-from-the-environment": Attack(("workload=env_model_name",),
+                                              "model.name: refused: '${oc.env:HOSTILE_SECRET,unset}': a config file "
+                                              "may not read the environment"),
+    "model-name-copies-the-key": Attack(("workload=key_in_model_name",),
+                                        "model.name: refused: '${server.api_key}': a config file may not copy the "
+                                        "API key"),
+    "sweep-drops-the-key": Attack(("-m", "workload=sweep_no_key"),
+                                  "hydra.sweeper.params.server.api_key: refused: 'null': a sweep"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPERATOR_ATTACKS))
+def test_a_shared_config_cannot_change_the_operators_server_settings(name: str, cli: Cli, tmp_path: Path) -> None:
+    attack = OPERATOR_ATTACKS[name]
+    env = {"CORELIB_API_KEY": SECRET, "HOSTILE_SECRET": SECRET}
+    result = cli("plan", *QUICK, SEARCHPATH, *attack.overrides, env=env)
+    assert_user_error(result, attack.says)
+    assert not (tmp_path / "outputs").exists(), "a run directory was written"
+
+
+@pytest.mark.parametrize("overrides", [
+    ("server.host=0.0.0.0", "server.port=8080", "server.served_model_name=mine"),
+    ("server=no_key", "server.api_key=null"),  # the command line may choose no key
+    ("model.name=${oc.env:HOSTILE_SECRET,unset}",),  # the shell could pass the value itself
+])
+def test_the_command_line_still_sets_them(overrides: tuple[str, ...], cli: Cli) -> None:
+    result = cli("plan", *QUICK, SEARCHPATH, *overrides, "--cfg", "job", env={"HOSTILE_SECRET": SECRET})
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_api_key_never_reaches_the_run_directory(cli: Cli, tmp_path: Path) -> None:
+    result = cli("plan", *QUICK, env={"CORELIB_API_KEY": SECRET})
+    assert result.returncode == 0, result.stderr
+    config = next((tmp_path / "outputs").rglob("config.yaml")).parent / "config.yaml"
+    written = [p for p in (tmp_path / "outputs").rglob("*") if p.is_file() and SECRET in p.read_text()]
+    assert not written, f"the key is in {written}"
+    assert config.read_text().count("api_key: <set>") == 2, config.read_text()
