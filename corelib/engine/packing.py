@@ -3,17 +3,54 @@
 Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
 tables, sampling settings, by state index) live in host tables updated only when they change, so packing a
 decode step is a few vector ops.
+
+A request whose values the step's columns cannot hold (a temperature beyond float32, a seed
+beyond int64) or whose packing fails for any other reason raises :class:`PackingError` naming
+it, so the engine fails that request alone and runs the others.
 """
 
 from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
 
 import torch
 
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
-from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.faults import maybe_fail
+from corelib.ops.spec import SAMPLING_COLUMNS, SamplingColumn
 from corelib.step.arena import RELAY, ArenaLayout, decode_layout, prefill_layout
 from corelib.step.forward_input import ForwardInput, StepKind, pad_decode_rows
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+INT64_RANGE = range(-(2**63), 2**63)
+
+
+class PackingError(Exception):
+    """Packing a step failed; ``seqs`` are the requests at fault (every request of the step when none alone is)."""
+
+    def __init__(self, seqs: Iterable[EngineSequence], message: str) -> None:
+        super().__init__(message)
+        self.seqs = list(seqs)
+
+
+def column_value(column: SamplingColumn, value: object) -> float | int:
+    """``value`` as the column's dtype holds it; ValueError when it cannot hold it (numpy scalars are fine)."""
+    if column.dtype.is_floating_point:
+        number = float(value)  # type: ignore[arg-type]
+        if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+            raise ValueError(f"sampling.{column.param}={value!r} does not fit the device's float32 column")
+        return number
+    integer = operator.index(value)  # type: ignore[arg-type]
+    if integer not in INT64_RANGE:
+        raise ValueError(f"sampling.{column.param}={value!r} does not fit the device's int64 column")
+    return integer
+
+
+def _failed(seq: EngineSequence, error: Exception) -> PackingError:
+    return PackingError([seq], f"request {seq.request_id!r} cannot be packed into a step: {error}")
 
 
 class InputBuilder:
@@ -47,18 +84,35 @@ class InputBuilder:
         owner, epoch, written = self._owners[index]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
-            for column in SAMPLING_COLUMNS:
-                self.state_sampling[column.name][index] = getattr(seq.sampling, column.param)
+            for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
+                self.state_sampling[column.name][index] = value
             written = 0
         if written < len(table):
             self.state_block_tables[index, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
             written = len(table)
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
 
+    @staticmethod
+    def sampling_row(seq: EngineSequence) -> list[float | int]:
+        """``seq``'s values of the sampling columns, in column order; PackingError naming it when one does not fit."""
+        try:
+            maybe_fail("pack")
+            return [column_value(c, getattr(seq.sampling, c.param)) for c in SAMPLING_COLUMNS]
+        except Exception as error:  # whatever it is, it is this request's
+            raise _failed(seq, error) from error
+
     def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int) -> ForwardInput:
-        if step.kind is StepKind.decode:
-            return self._fill_decode(step_id, step, arena, bucket, kv_blocks)
-        return self._fill_prefill(step_id, step, arena)
+        """The step in ``arena``; PackingError naming the requests at fault, the arena then holding nothing useful."""
+        try:
+            if step.kind is StepKind.decode:
+                return self._fill_decode(step_id, step, arena, bucket, kv_blocks)
+            return self._fill_prefill(step_id, step, arena)
+        except PackingError:
+            raise
+        except Exception as error:
+            # No request alone is at fault: the step's requests fail, not the engine.
+            message = f"a step of {len(step.seqs)} request(s) cannot be packed: {error}"
+            raise PackingError(step.seqs, message) from error
 
     def _fill_decode(
         self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int
@@ -69,9 +123,14 @@ class InputBuilder:
         ids: list[int] = []
         for seq, position, relay in zip(step.seqs, step.positions, step.from_relay, strict=True):
             index = seq.state_index if seq.state_index is not None else self.pad_state_index
-            self._sync_state(seq, index)
+            try:
+                self._sync_state(seq, index)
+                ids.append(RELAY if relay else seq.token_at(position))
+            except PackingError:
+                raise
+            except Exception as error:  # this request's values or tables
+                raise _failed(seq, error) from error
             indices.append(index)
-            ids.append(RELAY if relay else seq.token_at(position))
         index_t = torch.tensor(indices, dtype=torch.int64)
         positions = torch.tensor(step.positions, dtype=torch.int64)
         v["input_ids"][:n] = torch.tensor(ids, dtype=torch.int64)
@@ -94,10 +153,15 @@ class InputBuilder:
         tokens: list[int] = []
         kv_slots: list[int] = []
         lengths = []
+        rows: list[list[float | int]] = []
         for seq in step.seqs:
             ids = seq.all_token_ids()
+            try:
+                kv_slots += [self._kv_slot(seq.block_table, p) for p in range(len(ids))]
+            except Exception as error:  # this request's block table
+                raise _failed(seq, error) from error
+            rows.append(self.sampling_row(seq))
             tokens += ids
-            kv_slots += [self._kv_slot(seq.block_table, p) for p in range(len(ids))]
             lengths.append(len(ids))
         longest = max(lengths)
         v["token_ids"].copy_(torch.tensor(tokens, dtype=torch.int64))
@@ -115,8 +179,7 @@ class InputBuilder:
         v["last_index"].copy_(ends - 1)
         pad = self.pad_state_index
         v["state_indices"].copy_(torch.tensor([pad if s.state_index is None else s.state_index for s in step.seqs]))
-        for column in SAMPLING_COLUMNS:
-            values = [getattr(s.sampling, column.param) for s in step.seqs]
-            v[column.name].copy_(torch.tensor(values, dtype=column.dtype))
+        for position, column in enumerate(SAMPLING_COLUMNS):
+            v[column.name].copy_(torch.tensor([row[position] for row in rows], dtype=column.dtype))
         sample = any(s.sampling.temperature > 0 for s in step.seqs)
         return ForwardInput(step_id, StepKind.prefill, len(lengths), len(lengths), 0, sample, layout, arena)

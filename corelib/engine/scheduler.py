@@ -167,6 +167,26 @@ class Scheduler:
             seq.num_pending += 1
         return ScheduledStep(StepKind.decode, scheduled, positions, from_relay, num_preempted=preempted)
 
+    def unschedule(self, step: ScheduledStep) -> None:
+        """Take back a step that was never submitted: its sequences are as they were before it was scheduled.
+
+        A prefill's sequences wait again, first in line, their blocks and state indices back (they
+        had computed nothing); a decode's keep their blocks (the next step needs them) and feed the
+        same position again.
+        """
+        for seq in step.seqs:
+            seq.num_pending -= 1
+        if step.kind is StepKind.decode:
+            return
+        for seq in reversed(step.seqs):
+            if seq.is_finished:
+                continue
+            self.blocks.free(seq)
+            self._release_state_index(seq)
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks and put the sequence first in line."""
         if seq.num_pending:
