@@ -69,7 +69,8 @@ def guarded_composition() -> Iterator[None]:
     def load_configuration(self: ConfigLoaderImpl, *args: Any, **kwargs: Any) -> DictConfig:
         cfg = original(self, *args, **kwargs)
         overrides = kwargs["overrides"] if "overrides" in kwargs else args[1]
-        check_hydra_node(cfg, list(overrides))
+        config_name = kwargs["config_name"] if "config_name" in kwargs else args[0]
+        check_hydra_node(cfg, list(overrides), primary=config_name is not None)
         check_task_values(cfg, list(overrides))
         return cfg
 
@@ -81,8 +82,11 @@ def guarded_composition() -> Iterator[None]:
         ConfigLoaderImpl.load_configuration = original  # type: ignore[method-assign]
 
 
-def check_hydra_node(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Refuse a ``hydra`` node that would run code, set the environment or write outside the run directory."""
+def check_hydra_node(cfg: DictConfig, overrides: Sequence[str], primary: bool = True) -> None:
+    """Refuse a ``hydra`` node that would run code, set the environment or write outside the run directory.
+
+    ``primary=False``: Hydra composed its own config alone (``--hydra-help``), whose locations are Hydra's.
+    """
     if "hydra" not in cfg:
         return
     try:
@@ -99,7 +103,7 @@ def check_hydra_node(cfg: DictConfig, overrides: Sequence[str]) -> None:
     _check_runtime(hydra, overrides)
     for key in ("hydra_logging", "job_logging"):
         check_logging(f"hydra.{key}", hydra.get(key))
-    _check_locations(cfg, hydra, overrides)
+    _check_locations(cfg, hydra, overrides, _corelib_locations() if primary else _hydra_locations())
 
 
 def _refuse(key: str, why: str) -> ConfigError:
@@ -205,9 +209,18 @@ def _check_runtime(raw: Mapping[str, Any], overrides: Sequence[str]) -> None:
                                                   "add to it")
 
 
-def _check_locations(cfg: DictConfig, raw: Mapping[str, Any], overrides: Sequence[str]) -> None:
+@functools.lru_cache(maxsize=1)
+def _hydra_locations() -> dict[str, Any]:
+    """The same keys as Hydra's own config sets them, for a composition without corelib's config."""
+    text = (importlib.resources.files("hydra.conf") / "hydra" / "output" / "default.yaml").read_text()
+    hydra = OmegaConf.to_container(OmegaConf.create(text), resolve=False)  # its package is hydra
+    return {key: _lookup(hydra, key) if key != "output_subdir" else HYDRA_OUTPUT_SUBDIR for key in LOCATION_KEYS}
+
+
+def _check_locations(cfg: DictConfig, raw: Mapping[str, Any], overrides: Sequence[str],
+                     defaults: Mapping[str, Any]) -> None:
     given = _overridden(overrides)
-    for key, default in _corelib_locations().items():
+    for key, default in defaults.items():
         value = _lookup(raw, key)
         allowed = {default, None} if key == "output_subdir" else {default}
         if f"hydra.{key}" not in given and value not in allowed:
