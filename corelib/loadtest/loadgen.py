@@ -310,7 +310,6 @@ def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> di
         first, last = (s.get("process_resident_memory_bytes", math.nan) / 2**20 for s in (samples[0], samples[-1]))
         console.print(f"corelib: server resident memory during the load: {first:.1f} MiB at "
                       f"{samples[0]['t_s']:.0f} s, {last:.1f} MiB at {samples[-1]['t_s']:.0f} s")
-    path = run_dir.file("bench_serve.json")
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = run_dir.write_file("bench_serve.json", json.dumps(result, indent=2) + "\n")
     console.print(f"corelib: wrote {path}")
     return result

@@ -10,6 +10,7 @@ victims stay as they were and the marker never appears.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,30 @@ def test_a_symlink_planted_in_an_existing_run_directory_is_not_followed(planted:
     result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
     assert_user_error(result, f"{link} is a symlink", "choose a new directory with hydra.run.dir=")
     assert_unharmed(victims)
+
+
+@pytest.mark.parametrize("planted", ["outputs.jsonl", ".config.yaml.partial", ".plan.json.partial",
+                                     ".metrics.json.partial", "config.yaml", "metrics.json"])
+def test_corelibs_own_files_are_never_written_through_a_planted_symlink(planted: str, cli: Cli,
+                                                                        victims: Path) -> None:
+    run_dir = victims / "shared-run"
+    run_dir.mkdir()
+    (run_dir / planted).symlink_to(victims / "victim.txt")
+    result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
+    if planted == "outputs.jsonl":  # appended to as requests finish: refused
+        assert_user_error(result, f"cannot write {run_dir / planted}: it is a symlink", code=1)
+    else:  # written beside the name and renamed over it: the link is replaced, its target untouched
+        assert result.returncode == 0, result.stderr
+        assert not (run_dir / planted).is_symlink()
+    assert_unharmed(victims)
+
+
+def test_a_fifo_planted_for_the_outputs_is_refused_without_blocking(cli: Cli, victims: Path) -> None:
+    run_dir = victims / "shared-run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / "outputs.jsonl")
+    result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
+    assert_user_error(result, f"cannot write {run_dir / 'outputs.jsonl'}: it is a FIFO", code=1)
 
 
 @pytest.mark.parametrize(
