@@ -4,7 +4,8 @@
 
 - ``POINT``: ``forward`` (a step's device work), ``capture`` (graph capture), ``submit`` (the
   submission thread), ``poll`` (a worker's polling thread, after it read a frame), ``pack``
-  (one request's values written into a step's inputs: ``pack@N`` fails the N-th request packed);
+  (one request's values written into a step's inputs: ``pack@N`` fails the N-th request packed),
+  ``render`` (the server's chat template, sent to its renderer and not answered yet);
 - ``@N``: trigger on the N-th time this process reaches the point (default 1);
 - ``ACTION``: ``raise`` (default: :class:`InjectedFault`) or ``stall[=SECONDS]`` (sleep there,
   an hour by default: a hung kernel, or a consumer that stops consuming).
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 ENV = "CORELIB_FAULTS"
-POINTS = frozenset({"forward", "capture", "submit", "poll", "pack"})
+POINTS = frozenset({"forward", "capture", "submit", "poll", "pack", "render"})
 DEFAULT_STALL_S = 3600.0
 _SPEC = re.compile(r"^(?P<point>[a-z_]+)(?:@(?P<hit>\d+))?(?::(?P<action>raise|stall)(?:=(?P<seconds>[0-9.]+))?)?$")
 

@@ -44,7 +44,7 @@ def read_bytes(path: Path, what: str, limit: int) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(f"{what}: {path}: no such file") from None
+        raise ConfigError(f"{what}: {path} cannot be read: no such file") from None
     except OSError as error:
         raise ConfigError(f"{what}: {path} cannot be opened: {error.strerror or error}") from None
     try:
@@ -76,7 +76,8 @@ def parse_json(text: str | bytes, where: str) -> Any:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{where} is not JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+        at = f"line {error.lineno} column {error.colno}"
+        raise ValueError(f"{where} is not valid JSON ({error.msg} at {at})") from None
     except RecursionError:
         raise ValueError(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as error:  # an integer of more than 4300 digits, among others

@@ -23,7 +23,7 @@ from corelib.errors import ConfigError
 from corelib.progress import say
 from corelib.rundir import redacted
 
-SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx")
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx", "httptools")
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 

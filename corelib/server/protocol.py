@@ -1,7 +1,10 @@
 """The OpenAI request bodies the server accepts, and its error shape.
 
 Bodies are validated here, before anything reaches the engine: a wrong type or value is a 400
-whose ``param`` names the field, never a 500. Parameters of the OpenAI API that this server
+whose ``param`` names the field, never a 500. Types are strict, as JSON has them: ``"5"``, ``true``
+and ``5.0`` are not the integer 5. A body that is not JSON Python can hold (nested beyond
+:data:`corelib.files.MAX_JSON_DEPTH`, an integer of thousands of digits, a lone UTF-16 surrogate
+in a string) is a 400 too. Parameters of the OpenAI API that this server
 does not implement are refused by name when they ask for something (``logprobs: 5``) and
 accepted when they hold their neutral value (``logprobs: null``), so ordinary clients work.
 """
@@ -13,6 +16,8 @@ from collections.abc import Mapping
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from corelib.files import parse_json
 
 JsonObject = dict[str, object]
 
@@ -40,7 +45,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False  # a last chunk with the usage of the whole request
 
@@ -48,7 +53,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields common to completions and chat."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     temperature: float = 1.0  # OpenAI's default; 0 is greedy
@@ -85,14 +90,14 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, reasoning fields: passed to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, reasoning fields: passed to the template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -138,9 +143,13 @@ Request = TypeVar("Request", CompletionRequest, ChatRequest)
 def parse_body(raw: bytes, model: type[Request]) -> Request:
     """The body as ``model``, or an ApiError naming the first field at fault."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"the request body is not valid JSON: {error}") from None
+        data = parse_json(raw, "the request body")
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise bad_request(f"{where}: holds a lone UTF-16 surrogate, which is no character; send text as UTF-8 or "
+                          "as escaped pairs", where)
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
     for key, neutral in _NEUTRAL.items():
@@ -153,6 +162,25 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
         return model.model_validate(data)
     except ValidationError as error:
         raise _explain(error) from None
+
+
+def _lone_surrogate(data: object) -> str | None:
+    """Where a string of ``data`` holds a code point of U+D800..U+DFFF (JSON's ``\\ud800`` alone), if one does."""
+    stack: list[tuple[object, str]] = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(node, dict):
+            stack.extend((value, f"{path}.{key}" if path else str(key)) for key, value in node.items())
+            if any(isinstance(key, str) and _lone_surrogate(key) for key in node):
+                return path or "body"
+        elif isinstance(node, list):
+            stack.extend((value, f"{path}.{index}" if path else str(index)) for index, value in enumerate(node))
+    return None
 
 
 _BASIC_TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
