@@ -9,12 +9,15 @@ several byte-level tokens or a word-start marker depends on its neighbour.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from corelib.errors import ConfigError
+from corelib.files import read_text
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_LIMIT = 256 << 20  # the largest tokenizer.json files are a few tens of MB
 _INCOMPLETE = "\ufffd"  # what a decoder yields for a character whose bytes have not all arrived
 
 
@@ -28,8 +31,9 @@ class Tokenizer:
             raise ConfigError(
                 f"{path} needs the tokenizers package: pip install 'tokenizers>=0.15'"
             ) from None
+        text = read_text(path, "the tokenizer", TOKENIZER_LIMIT)  # a regular file, bounded: never a FIFO
         try:
-            self._tokenizer = HFTokenizer.from_file(str(path))
+            self._tokenizer = HFTokenizer.from_str(text)
         except Exception as error:  # noqa: BLE001 - the library raises plain Exception for a bad file
             raise ConfigError(f"{path} cannot be read as a tokenizer: {' '.join(str(error).split())}") from None
         self.path = path
@@ -40,7 +44,7 @@ class Tokenizer:
         if not directory:
             return None
         path = Path(directory).expanduser() / TOKENIZER_FILE
-        return cls(path) if path.is_file() else None
+        return cls(path) if os.path.lexists(path) else None  # anything there but a tokenizer is an error
 
     @property
     def vocab_size(self) -> int:
