@@ -36,8 +36,10 @@ from rich.table import Table
 
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
+from corelib.files import parse_json, read_text
 from corelib.loadtest.loadclient import ENGINE_RSS, TPOT_HISTOGRAM, Client, Outcome
 from corelib.rundir import RunDir
+from corelib.workload import DATASET_LIMIT
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")
@@ -116,17 +118,14 @@ class Load:
 
 
 def _read_dataset(path: Path) -> list[Prompt]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise ConfigError(f"server.bench.dataset={path}: cannot be read ({error.strerror})") from None
+    lines = read_text(path, "server.bench.dataset", DATASET_LIMIT).splitlines()  # a regular file, bounded
     prompts: list[Prompt] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            prompt = json.loads(line)["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            prompt = parse_json(line, f"{path}:{number}")["prompt"]
+        except (ValueError, KeyError, TypeError):
             raise ConfigError(f'{path}:{number}: expected a JSON object with "prompt" per line') from None
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
             raise ConfigError(f"{path}:{number}: a prompt is text or a list of token ids")
