@@ -35,7 +35,8 @@ class RunDirError(CorelibError):
 
 def kind_of(mode: int) -> str:
     kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")]
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"),
+             (stat.S_ISREG, "a file")]
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
@@ -153,3 +154,29 @@ def write_whole(path: Path, text: str) -> Path:
                 partial.unlink()
         raise write_failed(path, error) from None
     return path
+
+
+PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")  # the kernel's views: no place for a run's files
+
+
+def check_directory_for_writing(where: str, key: str) -> None:
+    """``where`` can be a run directory: a directory (or one that can be made) that is not a kernel view.
+
+    Hydra would otherwise fail on it with a raw error (FileExistsError on a file or /dev/null,
+    "Unable to configure handler" under /proc), after it had already made the directories above it.
+    """
+    path = Path(os.path.abspath(os.path.expanduser(where)))
+    real = Path(os.path.realpath(path))
+    for root in PSEUDO_FILESYSTEMS:
+        if real == Path(root) or Path(root) in real.parents:
+            raise ConfigError(f"{key}={where}: {real} is in {root}, the kernel's view, not a place for a run's files; "
+                              f"choose a directory of your own")
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        status = os.stat(existing) if existing.exists() else os.lstat(existing)
+        what = "" if existing == path else f" (its part {existing})"
+        raise ConfigError(f"{key}={where}{what} is {kind_of(status.st_mode)}, not a directory; choose a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={where}: {existing} is not writable by this user; choose a directory you can write")

@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from corelib.errors import ConfigError
+from corelib.files import check_directory_for_writing
 from corelib.trust_logging import check_logging, checked_configure_log
 from corelib.trust_task import check_task_values
 
@@ -62,6 +63,7 @@ def guarded_composition() -> Iterator[None]:
     and the tests with hostile configs fail if the method moves).
     """
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.types import RunMode
 
     original = ConfigLoaderImpl.load_configuration
 
@@ -72,6 +74,9 @@ def guarded_composition() -> Iterator[None]:
         config_name = kwargs["config_name"] if "config_name" in kwargs else args[0]
         check_hydra_node(cfg, list(overrides), primary=config_name is not None)
         check_task_values(cfg, list(overrides))
+        if config_name is not None:
+            run_mode = kwargs["run_mode"] if "run_mode" in kwargs else args[2]
+            _check_output_directory(cfg, "hydra.sweep.dir" if run_mode == RunMode.MULTIRUN else "hydra.run.dir")
         return cfg
 
     ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]
@@ -190,6 +195,16 @@ def _overridden(overrides: Sequence[str]) -> set[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     return {override.key_or_group for override in OverridesParser.create().parse_overrides(list(overrides))}
+
+
+def _check_output_directory(cfg: DictConfig, key: str) -> None:
+    """Where the job (or the sweep) will write, resolved as Hydra will resolve it, before Hydra makes it."""
+    try:
+        where = OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException:
+        return  # Hydra reports what it cannot resolve in its own words
+    if where is not None:
+        check_directory_for_writing(str(where), key)
 
 
 def _check_runtime(raw: Mapping[str, Any], overrides: Sequence[str]) -> None:

@@ -132,7 +132,7 @@ def check_resolved_files(log_config: DictConfig | None) -> None:
         if run_dir is None:
             raise _refuse(key, f"{filename!r}: a log file before the run directory is known")
         path = Path(os.path.abspath(filename))
-        if path.parent != run_dir:
+        if os.path.realpath(path.parent) != os.path.realpath(run_dir):
             raise _refuse(key, f"{filename!r} resolves outside the run directory {run_dir}")
         _refuse_symlink(path, key)
     subdir = _output_subdir()
