@@ -252,6 +252,9 @@ def test_an_index_naming_a_tensor_its_shard_lacks_is_one_line(
         names = list(handle.keys())
     (checkpoint / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
-    edit_tensor(checkpoint, lambda state: state.pop("lm_head.weight"))  # the index still says it is there
+    def drop_lm_head(state: dict[str, torch.Tensor]) -> None:
+        del state["lm_head.weight"]  # the index still says it is there
+
+    edit_tensor(checkpoint, drop_lm_head)
     one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"),
               "puts tensor 'lm_head.weight' in model.safetensors, which has no such tensor")

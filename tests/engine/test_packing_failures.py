@@ -73,7 +73,7 @@ def test_a_value_the_columns_cannot_hold_fails_its_request_alone(
         added.append(request_id)
         if len(added) == 2:
             seq = next(s for s in self.scheduler.waiting if s.request_id == request_id)
-            seq.sampling = dataclasses.replace(seq.sampling, **{field: value})
+            seq.sampling = dataclasses.replace(seq.sampling, **{field: value})  # type: ignore[arg-type]
         return request_id
 
     monkeypatch.setattr(Engine, "add_request", add_request)

@@ -152,8 +152,12 @@ def test_the_sweep_never_blocks_on_or_removes_what_is_not_a_segment(kind: str, t
     planted = shm.SHM_DIR / f"{PREFIX}-{NOT_A_PID}-0badf1f0-{kind}"
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
-    {"fifo": lambda: os.mkfifo(planted), "symlink": lambda: planted.symlink_to(victim),
-     "directory": planted.mkdir}[kind]()
+    if kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "symlink":
+        planted.symlink_to(victim)
+    else:
+        planted.mkdir()
     swept: list[list[str]] = []
     sweeper = threading.Thread(target=lambda: swept.append(sweep_stale()), daemon=True)
     try:
