@@ -465,7 +465,7 @@ class ServerConfig:
         default=None, metadata=doc("when set, every /v1 request needs Authorization: Bearer KEY")
     )
     max_waiting: int = field(default=256, metadata=doc("requests accepted beyond engine.max_num_seqs; more get 429"))
-    max_body_mib: float = field(default=4.0, metadata=doc("largest request body; a larger one gets 413 unread"))
+    max_body_mib: float = field(default=1.0, metadata=doc("largest request body; a larger one gets 413 unread"))
     header_timeout_s: float = field(
         default=10.0, metadata=doc("a client must send its request's headers, and each part of its body, this fast")
     )

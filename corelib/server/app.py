@@ -45,7 +45,7 @@ class ServerState:
     renderer: TemplateRenderer  # the chat template, rendered off the event loop
     model_name: str
     api_key: str | None = None
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 1 << 20
 
     @property
     def template(self) -> ChatTemplate:

@@ -115,7 +115,9 @@ def test_a_body_over_the_limit_is_a_413_and_not_read(attacked: RunningServer, de
 @pytest.mark.parametrize(("body", "param", "fragment"), [
     (b'{"prompt": "a\\ud800b"}', "prompt", "lone UTF-16 surrogate"),
     (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages.0.content", "lone UTF-16 surrogate"),
-    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested deeper than 64"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deeply"),
+    (b'{"messages": [' + b",".join([b'{"role": "user", "content": "a"}'] * 5000) + b"]}", "messages",
+     "at most 4096"),
     (b'{"prompt": [' + b"7" * 5000 + b"]}", None, "4300 digits"),
     (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens", "valid integer"),
     (b'{"prompt": "x", "max_tokens": true}', "max_tokens", "valid integer"),
