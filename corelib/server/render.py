@@ -174,6 +174,8 @@ class TemplateRenderer:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
+        if self._closed:
+            return worker  # the server is stopping: no new process
         fresh = _Worker(self.template, self.max_chars)
         self._workers[self._workers.index(worker)] = fresh
         return fresh
