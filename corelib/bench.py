@@ -266,7 +266,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
         "ratios": ratios(points),
         "served": [asdict(p) for p in served],
     }
-    (run_dir.path / "bench.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    run_dir.write_file("bench.json", json.dumps(payload, indent=2, default=str) + "\n")
     say(console, f"wrote {run_dir.path / 'bench.json'}")
     return points
 

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from corelib.config import register_schemas
 from corelib.errors import ConfigError, UnknownOption, one_line
 from corelib.gate_catalog import is_registered, register_gates
+from corelib.trust_task import check_task_values
 
 CONFIG_MODULE = "corelib.conf"
 CONFIG_NAME = "config"
@@ -87,6 +88,7 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             raise translate_error(error) from None
     check_schema_keys(cfg)
+    check_task_values(cfg, overrides)
     return cfg
 
 

@@ -26,6 +26,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from corelib.errors import ConfigError
+
 
 class Mode(str, enum.Enum):
     """A feature switch: decided by its gate, forced on (refuse if impossible), or off."""
@@ -575,6 +577,11 @@ class ServerConfig:
         default=None, metadata=doc("when set, every /v1 request needs Authorization: Bearer KEY")
     )
     max_waiting: int = field(default=256, metadata=doc("requests accepted beyond engine.max_num_seqs; more get 429"))
+    max_body_mib: float = field(default=1.0, metadata=doc("largest request body; a larger one gets 413 unread"))
+    header_timeout_s: float = field(
+        default=10.0, metadata=doc("a client must send its request's headers, and each part of its body, this fast")
+    )
+    max_connections: int = field(default=1024, metadata=doc("open connections at most; more are closed at once"))
     served_model_name: str | None = field(
         default=None, metadata=doc("name in /v1/models and responses; null: the model's name")
     )
@@ -589,3 +596,21 @@ class ServerConfig:
     bench: ServeBenchConfig = field(
         default_factory=ServeBenchConfig, metadata=doc("the load bench-serve puts on a running server")
     )
+
+
+def checked_api_key(value: object) -> str | None:
+    """The server's API key, or None for none; an empty one is a mistake, never "no authentication".
+
+    ``CORELIB_API_KEY=$(cat key.txt)`` with the file missing sets the variable to an empty
+    string: serving without a key then would be the opposite of what was asked.
+    """
+    if value is None:
+        return None
+    key = str(value)
+    if not key.strip():
+        raise ConfigError("server.api_key is set but empty (is CORELIB_API_KEY=''? a $(cat FILE) whose file is "
+                          "missing gives that): set a key, or unset CORELIB_API_KEY to serve without one")
+    if key != key.strip() or any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        raise ConfigError("server.api_key has spaces around it or control characters in it, which a client's "
+                          "Authorization header cannot carry: set the key alone")
+    return key

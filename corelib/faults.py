@@ -3,7 +3,9 @@
 ``CORELIB_FAULTS`` lists the points to trigger, comma-separated, each ``POINT[@N][:ACTION]``:
 
 - ``POINT``: ``forward`` (a step's device work), ``capture`` (graph capture), ``submit`` (the
-  submission thread), ``poll`` (a worker's polling thread, after it read a frame);
+  submission thread), ``poll`` (a worker's polling thread, after it read a frame), ``pack``
+  (one request's values written into a step's inputs: ``pack@N`` fails the N-th request packed),
+  ``render`` (the server's chat template, sent to its renderer and not answered yet);
 - ``@N``: trigger on the N-th time this process reaches the point (default 1);
 - ``ACTION``: ``raise`` (default: :class:`InjectedFault`), ``stall[=SECONDS]`` (sleep there,
   an hour by default: a hung kernel, or a consumer that stops consuming) or ``hold`` (the
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 ENV = "CORELIB_FAULTS"
 RELEASE_ENV = "CORELIB_FAULTS_RELEASE"  # hold: the file whose existence releases the held point
-POINTS = frozenset({"forward", "capture", "submit", "poll"})
+POINTS = frozenset({"forward", "capture", "submit", "poll", "pack", "render"})
 DEFAULT_STALL_S = 3600.0
 _SPEC = re.compile(
     r"^(?P<point>[a-z_]+)(?:@(?P<hit>\d+))?(?::(?P<action>raise|stall|hold)(?:=(?P<seconds>[0-9.]+))?)?$"

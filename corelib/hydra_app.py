@@ -27,8 +27,14 @@ if TYPE_CHECKING:
 # Hydra's own flags and whether each takes a value; ``--info`` takes one of a few words.
 _FLAGS_WITH_VALUE = frozenset(
     {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-     "--config-dir", "-cd", "--experimental-rerun"}
+     "--config-dir", "-cd"}
 )
+# Hydra's flags corelib does not take, and why.
+_REFUSED_FLAGS = {
+    "--experimental-rerun": "Hydra would unpickle the file (running any code in it) and skip every check of the "
+                            "config; to run a job again, pass the overrides in its run directory's "
+                            ".hydra/overrides.yaml",
+}
 _INFO_FLAGS = frozenset({"--info", "-i"})
 _PLAIN_FLAGS = frozenset(
     {"-h", "--help", "--hydra-help", "--version", "--resolve", "-m", "--multirun", "--run",
@@ -81,6 +87,8 @@ def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
             overrides.append(arg)
             continue
         name = arg.split("=", 1)[0]
+        if name in _REFUSED_FLAGS:
+            raise ConfigError(f"{name}: refused: {_REFUSED_FLAGS[name]}")
         if name not in _FLAGS_WITH_VALUE | _INFO_FLAGS | _PLAIN_FLAGS:
             raise ConfigError(f"unknown flag {name}; Hydra's flags are listed by --hydra-help")
         flags.append(arg)
@@ -94,7 +102,18 @@ def split_arguments(args: Sequence[str]) -> tuple[list[str], list[str]]:
         elif arg in _INFO_FLAGS and index < len(args) and args[index] in _INFO_VALUES:
             flags.append(args[index])
             index += 1
+    _check_completion(overrides, flags)
     return overrides, flags
+
+
+def _check_completion(overrides: Sequence[str], flags: Sequence[str]) -> None:
+    """``-sc query=SHELL`` is what the shell's completion runs, with COMP_LINE set; by hand there is no line."""
+    if not {"-sc", "--shell-completion"} & set(flags):
+        return
+    queries = [o for o in overrides if o.startswith("query=")]
+    if queries and "COMP_LINE" not in os.environ:
+        raise ConfigError(f"-sc {queries[0]}: the shell's completion runs this with COMP_LINE set; to set up "
+                          f"completion run -sc install={queries[0].split('=', 1)[1] or 'bash'} and eval its output")
 
 
 def plugin_restrictions(overrides: Sequence[str]) -> tuple[list[str] | None, list[str]]:

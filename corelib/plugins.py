@@ -34,6 +34,7 @@ PROJECT = "corelib"
 ENTRY_POINT_GROUP = "corelib.backends"
 ENV_ALLOW = "CORELIB_PLUGINS"
 ENV_BLOCK = "CORELIB_BLOCK_PLUGINS"
+HOOK_TIMEOUT_S = 60.0  # one plugin's hook: returning a few objects takes microseconds
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -323,13 +324,32 @@ class PluginRegistry:
         return configs
 
     def _call(self, plugin_name: str, hook_name: str) -> list[Any]:
+        """One plugin's results of a hook, within :data:`HOOK_TIMEOUT_S`: a hook that never returns fails the plugin.
+
+        The hook runs on a thread of its own, which is left behind if it never returns (Python cannot
+        stop a thread); the wait for it is a plain join, so Ctrl-C and SIGTERM still stop corelib.
+        """
         others = [p for p in self.manager.get_plugins() if self.manager.get_name(p) != plugin_name]
         caller = self.manager.subset_hook_caller(hook_name, remove_plugins=others)
-        try:
-            return list(caller())
-        except BaseException as error:  # SystemExit from a hook: the plugin's failure too
-            self._unless_signalled(error)
-            raise RuntimeError(f"hook {hook_name} raised {one_line(error)}") from error
+        outcome: list[tuple[bool, Any]] = []
+
+        def call() -> None:
+            try:
+                outcome.append((True, list(caller())))
+            except BaseException as error:  # noqa: BLE001 - SystemExit from a hook: the plugin's failure too
+                outcome.append((False, error))
+
+        worker = threading.Thread(target=call, name=f"corelib-plugin-{plugin_name}-{hook_name}", daemon=True)
+        worker.start()
+        worker.join(HOOK_TIMEOUT_S)
+        if not outcome:
+            raise RuntimeError(f"hook {hook_name} did not return within {HOOK_TIMEOUT_S:g} s; a hook returns its "
+                               "backends at once (a backend's probe() is where to look for devices)")
+        returned, value = outcome[0]
+        if not returned:
+            self._unless_signalled(value)
+            raise RuntimeError(f"hook {hook_name} raised {one_line(value)}") from value
+        return list(value)
 
     def _claim(self, backend: Backend, plugin_name: str) -> None:
         if backend.name in self._conflicts:

@@ -21,9 +21,10 @@ from rich.table import Table
 from corelib.engine.api import Engine
 from corelib.engine.outputs import RequestOutput
 from corelib.engine.streaming import DeltaTracker, TokenDelta
+from corelib.files import RunDirError
 from corelib.progress import console_log, say, show
 from corelib.progress import current as current_progress
-from corelib.rundir import OutputsWriter, RunDir, RunDirError
+from corelib.rundir import OutputsWriter, RunDir
 from corelib.startup import Startup
 from corelib.text import Tokenizer
 from corelib.workload import Request, arrival_offsets, build_workload

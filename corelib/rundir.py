@@ -9,14 +9,14 @@
 Every file is written so that a failure leaves nothing half-written: ``outputs.jsonl`` gets each
 line with one write of the whole line, flushed to the file at once (a run stopped by Ctrl-C
 keeps every request that finished), and a line the disk could only take in part is cut back
-off; the other files are written beside their name and renamed into place. A failed write
-is a :class:`RunDirError` naming the file and the errno.
+off; the other files are written beside their name and renamed into place. None is written
+through a symlink or into a FIFO someone planted in an existing directory. A failed write is a
+:class:`RunDirError` naming the file and the errno.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -27,20 +27,24 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from corelib.errors import CorelibError
 from corelib.features import Plan
+from corelib.files import open_for_append, write_failed, write_whole
 
 if TYPE_CHECKING:
     from corelib.startup import Startup
 
 
-class RunDirError(CorelibError):
-    """A file of the run directory could not be written (a full disk, a read-only directory)."""
+SECRET_KEYS = ("server.api_key", "server.bench.api_key")
+REDACTED = "<set>"
 
 
-def _write_failed(path: Path, error: OSError, kept: str = "") -> RunDirError:
-    code = errno.errorcode.get(error.errno or 0, str(error.errno))
-    return RunDirError(f"cannot write {path}: {error.strerror or error} ({code}){kept}")
+def redacted(config: DictConfig) -> DictConfig:
+    """A copy of ``config`` whose secrets (``SECRET_KEYS``) that are set read ``<set>``."""
+    shown = config.copy()
+    for key in SECRET_KEYS:
+        if OmegaConf.select(shown, key, default=None, throw_on_resolution_failure=False) is not None:
+            OmegaConf.update(shown, key, REDACTED, force_add=True)
+    return shown
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, config: DictConfig) -> Path:
-        return self._write("config.yaml", OmegaConf.to_yaml(config, resolve=True))
+        """The resolved config, with the API keys shown as ``<set>`` (the run directory is not a secret)."""
+        return self._write("config.yaml", OmegaConf.to_yaml(redacted(config), resolve=True))
 
     def write_plan(
         self, plan: Plan, messages: Iterable[str] = (), details: Mapping[str, Any] | None = None
@@ -99,17 +104,12 @@ class RunDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
+    def write_file(self, name: str, text: str) -> Path:
+        """Another file of the run (``bench.json``), written whole (see :func:`corelib.files.write_whole`)."""
+        return write_whole(self.path / name, text)
+
     def _write(self, name: str, text: str) -> Path:
-        """Write beside the name, then rename: the file is whole or absent, never cut."""
-        target = self.path / name
-        partial = target.with_name(f".{name}.partial")
-        try:
-            partial.write_text(text)
-            partial.replace(target)
-        except OSError as error:
-            partial.unlink(missing_ok=True)
-            raise _write_failed(target, error) from None
-        return target
+        return write_whole(self.path / name, text)
 
 
 class OutputsWriter:
@@ -118,10 +118,7 @@ class OutputsWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lines = 0
-        try:
-            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as error:
-            raise _write_failed(path, error) from None
+        self._fd: int | None = open_for_append(path)  # never through a symlink or into a FIFO planted there
         self._size = 0
 
     def write(self, record: RequestRecord) -> None:
@@ -136,7 +133,7 @@ class OutputsWriter:
                 written += os.write(self._fd, line[written:])
         except OSError as error:
             self._cut_back()
-            raise _write_failed(self.path, error, f"; it keeps the {self.lines} complete line(s) written before"
+            raise write_failed(self.path, error, f"; it keeps the {self.lines} complete line(s) written before"
                                 ) from None
         self._size += len(line)
         self.lines += 1

@@ -8,12 +8,16 @@ several byte-level tokens or a word-start marker depends on its neighbour.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from corelib.errors import ConfigError
+from corelib.files import read_text
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_LIMIT = 256 << 20  # the largest tokenizer.json files are a few tens of MB
 _INCOMPLETE = "\ufffd"  # what a decoder yields for a character whose bytes have not all arrived
 
 
@@ -27,8 +31,9 @@ class Tokenizer:
             raise ConfigError(
                 f"{path} needs the tokenizers package: pip install 'tokenizers>=0.15'"
             ) from None
+        text = read_text(path, "the tokenizer", TOKENIZER_LIMIT)  # a regular file, bounded: never a FIFO
         try:
-            self._tokenizer = HFTokenizer.from_file(str(path))
+            self._tokenizer = HFTokenizer.from_str(text)
         except Exception as error:  # noqa: BLE001 - the library raises plain Exception for a bad file
             raise ConfigError(f"{path} cannot be read as a tokenizer: {' '.join(str(error).split())}") from None
         self.path = path
@@ -39,18 +44,28 @@ class Tokenizer:
         if not directory:
             return None
         path = Path(directory).expanduser() / TOKENIZER_FILE
-        return cls(path) if path.is_file() else None
+        return cls(path) if os.path.lexists(path) else None  # anything there but a tokenizer is an error
 
     @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the vocabulary's longest entry: no token covers more text, so a text of more than
+        ``n * longest_token_chars`` characters has more than ``n`` tokens (byte-level vocabularies write one
+        character per byte)."""
+        return max((len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens the tokenizer adds (a BOS, for Llama) unless told not to.
 
         A rendered chat template already holds its special tokens as text, so it is encoded without.
+        Through the batch call, which lets go of the GIL while it works (the single call holds it
+        throughout: a long prompt would stop every other thread, an HTTP server's event loop among them).
         """
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return list(encoding.ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))

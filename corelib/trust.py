@@ -12,11 +12,10 @@ so corelib allows only:
 - ``hydra.job.env_set``: nothing that changes the environment (set variables in the shell);
 - ``hydra.launcher`` and ``hydra.sweeper``: Hydra's basic ones; a sweep may vary task keys,
   never ``hydra.*``; no other ``_target_`` anywhere under ``hydra``;
-- ``hydra.hydra_logging`` and ``hydra.job_logging``: Hydra's forms (``default``, ``stdout``,
-  ``disabled``, ``none``) or any change of levels and formats that only uses
-  ``logging.StreamHandler`` to stdout or stderr, ``logging.NullHandler`` and
-  ``logging.FileHandler`` on a file directly inside the run directory; no factories
-  (``()``), no ``ext://`` objects, no filters but by logger name;
+- ``hydra.hydra_logging`` and ``hydra.job_logging``: see :mod:`corelib.trust_logging` (plain
+  handlers to stdout, stderr, or a ``.log`` file directly inside the run directory, checked
+  again once resolved);
+- ``hydra.runtime``: nothing (Hydra fills it; its ``output_dir`` is what a log file is named by);
 - where files go (``hydra.run.dir``, ``hydra.sweep.dir``, ``hydra.sweep.subdir``,
   ``hydra.output_subdir``): corelib's own values unless the command line sets them, and
   ``hydra.job.name`` a plain name;
@@ -24,7 +23,8 @@ so corelib allows only:
 
 The check wraps Hydra's config loader for the duration of a command (:func:`guarded_composition`):
 every composition Hydra makes, the first one and one per job of a multirun, is checked as it
-is returned, before logging, callbacks, the launcher or the job see it.
+is returned, before logging, callbacks, the launcher or the job see it; the task config's
+operator settings and environment reads are checked then too (:mod:`corelib.trust_task`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -41,24 +40,17 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from corelib.errors import ConfigError
+from corelib.files import check_directory_for_writing
+from corelib.trust_logging import check_logging, checked_configure_log
+from corelib.trust_task import check_task_values
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 TARGET_KEY = "_target_"
 
-LOGGING_KEYS = frozenset({"version", "formatters", "filters", "handlers", "loggers", "root",
-                          "disable_existing_loggers", "incremental"})
-SAFE_HANDLERS = frozenset({"logging.StreamHandler", "logging.NullHandler", "logging.FileHandler"})
-HANDLER_KEYS = frozenset({"class", "level", "formatter", "filters", "stream", "filename", "mode", "encoding",
-                          "delay", "errors"})
-SAFE_STREAMS = frozenset({"ext://sys.stdout", "ext://sys.stderr"})
-FORMATTER_KEYS = frozenset({"format", "datefmt", "style", "validate", "defaults", "class"})
-LOGGER_KEYS = frozenset({"level", "handlers", "propagate", "filters"})
-# A log file's name: the run directory, then one plain file name (the job's name may be in it).
-_RUN_DIR_FILE = re.compile(
-    r"\$\{hydra[.:]runtime\.output_dir\}/(?:[\w.-]|\$\{hydra[.:]job\.name\})+"
-)
 LOCATION_KEYS = ("run.dir", "sweep.dir", "sweep.subdir", "output_subdir")
+RUNTIME_KEYS = frozenset({"version", "version_base", "cwd", "config_sources", "output_dir", "choices"})
+MISSING_VALUE = "???"  # OmegaConf's mark for a value not set yet
 HYDRA_OUTPUT_SUBDIR = ".hydra"  # Hydra's own default, which corelib's config keeps
 
 
@@ -71,6 +63,7 @@ def guarded_composition() -> Iterator[None]:
     and the tests with hostile configs fail if the method moves).
     """
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.types import RunMode
 
     original = ConfigLoaderImpl.load_configuration
 
@@ -78,18 +71,27 @@ def guarded_composition() -> Iterator[None]:
     def load_configuration(self: ConfigLoaderImpl, *args: Any, **kwargs: Any) -> DictConfig:
         cfg = original(self, *args, **kwargs)
         overrides = kwargs["overrides"] if "overrides" in kwargs else args[1]
-        check_hydra_node(cfg, list(overrides))
+        config_name = kwargs["config_name"] if "config_name" in kwargs else args[0]
+        check_hydra_node(cfg, list(overrides), primary=config_name is not None)
+        check_task_values(cfg, list(overrides))
+        if config_name is not None:
+            run_mode = kwargs["run_mode"] if "run_mode" in kwargs else args[2]
+            _check_output_directory(cfg, "hydra.sweep.dir" if run_mode == RunMode.MULTIRUN else "hydra.run.dir")
         return cfg
 
     ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]
     try:
-        yield
+        with checked_configure_log():
+            yield
     finally:
         ConfigLoaderImpl.load_configuration = original  # type: ignore[method-assign]
 
 
-def check_hydra_node(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Refuse a ``hydra`` node that would run code, set the environment or write outside the run directory."""
+def check_hydra_node(cfg: DictConfig, overrides: Sequence[str], primary: bool = True) -> None:
+    """Refuse a ``hydra`` node that would run code, set the environment or write outside the run directory.
+
+    ``primary=False``: Hydra composed its own config alone (``--hydra-help``), whose locations are Hydra's.
+    """
     if "hydra" not in cfg:
         return
     try:
@@ -103,9 +105,10 @@ def check_hydra_node(cfg: DictConfig, overrides: Sequence[str]) -> None:
     _check_callbacks(hydra)
     _check_environment(cfg, hydra)
     _check_launch(hydra)
+    _check_runtime(hydra, overrides)
     for key in ("hydra_logging", "job_logging"):
-        _check_logging(f"hydra.{key}", hydra.get(key))
-    _check_locations(cfg, hydra, overrides)
+        check_logging(f"hydra.{key}", hydra.get(key))
+    _check_locations(cfg, hydra, overrides, _corelib_locations() if primary else _hydra_locations())
 
 
 def _refuse(key: str, why: str) -> ConfigError:
@@ -171,71 +174,6 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield from _targets(value, f"{path}[{index}]")
 
 
-def _check_logging(key: str, conf: Any) -> None:
-    if conf is None:
-        return
-    if not isinstance(conf, dict):
-        raise _refuse(key, "a logging configuration must be a mapping")
-    if conf.get("root", {}) is None:
-        return  # Hydra configures nothing from a config whose root is null (hydra/job_logging=none)
-    for name in conf:
-        if name not in LOGGING_KEYS:
-            raise _refuse(f"{key}.{name}", f"not a key of a logging configuration ({', '.join(sorted(LOGGING_KEYS))})")
-    _check_no_factories(key, conf)
-    for name, handler in (conf.get("handlers") or {}).items():
-        _check_handler(f"{key}.handlers.{name}", handler)
-    for name, formatter in (conf.get("formatters") or {}).items():
-        _check_keys(f"{key}.formatters.{name}", formatter, FORMATTER_KEYS)
-        if formatter.get("class", "logging.Formatter") != "logging.Formatter":
-            raise _refuse(f"{key}.formatters.{name}.class", "only logging.Formatter formats corelib's log lines")
-    for name, log_filter in (conf.get("filters") or {}).items():
-        _check_keys(f"{key}.filters.{name}", log_filter, frozenset({"name"}))
-    for name, logger in (conf.get("loggers") or {}).items():
-        _check_keys(f"{key}.loggers.{name}", logger, LOGGER_KEYS)
-    if conf.get("root") is not None:
-        _check_keys(f"{key}.root", conf["root"], LOGGER_KEYS - {"propagate"})
-
-
-def _check_no_factories(key: str, node: Any) -> None:
-    """No ``()`` factory or ``.`` property anywhere, no ``ext://`` object but a standard stream."""
-    if isinstance(node, dict):
-        for name, value in node.items():
-            where = f"{key}.{name}"
-            if name in ("()", "."):
-                raise _refuse(where, "logging factories and properties run code; use a plain handler and formatter")
-            if name == "stream" and value in SAFE_STREAMS:
-                continue
-            _check_no_factories(where, value)
-    elif isinstance(node, list):
-        for index, value in enumerate(node):
-            _check_no_factories(f"{key}[{index}]", value)
-    elif isinstance(node, str) and node.startswith("ext://"):
-        raise _refuse(key, f"{node!r}: a logging configuration may name no Python object but sys.stdout or sys.stderr")
-
-
-def _check_keys(key: str, node: Any, allowed: frozenset[str]) -> None:
-    if not isinstance(node, dict):
-        raise _refuse(key, "expected a mapping")
-    for name in node:
-        if name not in allowed:
-            raise _refuse(f"{key}.{name}", f"not allowed here; allowed: {', '.join(sorted(allowed))}")
-
-
-def _check_handler(key: str, handler: Any) -> None:
-    _check_keys(key, handler, HANDLER_KEYS)
-    kind = handler.get("class")
-    if kind not in SAFE_HANDLERS:
-        raise _refuse(f"{key}.class", f"{kind!r}: a log handler may only be one of {', '.join(sorted(SAFE_HANDLERS))}")
-    if "stream" in handler and handler["stream"] not in SAFE_STREAMS:
-        raise _refuse(f"{key}.stream", f"{handler['stream']!r}: a stream handler writes to ext://sys.stdout or "
-                                       "ext://sys.stderr")
-    if kind == "logging.FileHandler":
-        filename = handler.get("filename")
-        if not isinstance(filename, str) or not _RUN_DIR_FILE.fullmatch(filename) or ".." in filename:
-            raise _refuse(f"{key}.filename", f"{filename!r}: a log file must be directly inside the run directory "
-                                             "(${hydra.runtime.output_dir}/NAME.log)")
-
-
 @functools.lru_cache(maxsize=1)
 def _corelib_locations() -> dict[str, Any]:
     """``hydra.run.dir`` and the others as corelib's ``config.yaml`` sets them (unresolved)."""
@@ -259,9 +197,45 @@ def _overridden(overrides: Sequence[str]) -> set[str]:
     return {override.key_or_group for override in OverridesParser.create().parse_overrides(list(overrides))}
 
 
-def _check_locations(cfg: DictConfig, raw: Mapping[str, Any], overrides: Sequence[str]) -> None:
+def _check_output_directory(cfg: DictConfig, key: str) -> None:
+    """Where the job (or the sweep) will write, resolved as Hydra will resolve it, before Hydra makes it."""
+    try:
+        where = OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException:
+        return  # Hydra reports what it cannot resolve in its own words
+    if where is not None:
+        check_directory_for_writing(str(where), key)
+
+
+def _check_runtime(raw: Mapping[str, Any], overrides: Sequence[str]) -> None:
+    # Hydra fills hydra.runtime itself: the loader sets its version, cwd and sources, and the job sets
+    # output_dir only after Hydra's own logging started, so a value from a config would be used first.
+    for override in _overridden(overrides):
+        if override == "hydra.runtime" or override.startswith("hydra.runtime."):
+            raise _refuse(override, "hydra.runtime is Hydra's record of the run; set hydra.run.dir instead")
+    runtime = raw.get("runtime") or {}
+    output_dir = runtime.get("output_dir", MISSING_VALUE)
+    if output_dir != MISSING_VALUE:
+        raise _refuse("hydra.runtime.output_dir", f"{str(output_dir)[:80]!r}: Hydra sets it from hydra.run.dir once "
+                                                  "the job starts; a config file may not")
+    for key in runtime:
+        if key not in RUNTIME_KEYS:
+            raise _refuse(f"hydra.runtime.{key}", "hydra.runtime is Hydra's record of the run; a config may not "
+                                                  "add to it")
+
+
+@functools.lru_cache(maxsize=1)
+def _hydra_locations() -> dict[str, Any]:
+    """The same keys as Hydra's own config sets them, for a composition without corelib's config."""
+    text = (importlib.resources.files("hydra.conf") / "hydra" / "output" / "default.yaml").read_text()
+    hydra = OmegaConf.to_container(OmegaConf.create(text), resolve=False)  # its package is hydra
+    return {key: _lookup(hydra, key) if key != "output_subdir" else HYDRA_OUTPUT_SUBDIR for key in LOCATION_KEYS}
+
+
+def _check_locations(cfg: DictConfig, raw: Mapping[str, Any], overrides: Sequence[str],
+                     defaults: Mapping[str, Any]) -> None:
     given = _overridden(overrides)
-    for key, default in _corelib_locations().items():
+    for key, default in defaults.items():
         value = _lookup(raw, key)
         allowed = {default, None} if key == "output_subdir" else {default}
         if f"hydra.{key}" not in given and value not in allowed:

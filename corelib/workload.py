@@ -18,8 +18,8 @@ clients would. The same seed gives the same requests at the same offsets.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,10 @@ from typing import Any
 from corelib.config import WorkloadConfig
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError, RequestError
+from corelib.files import parse_json, read_text
 from corelib.text import Tokenizer
+
+DATASET_LIMIT = 1 << 30  # bytes of a dataset file, read whole
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,9 @@ def _check(cfg: WorkloadConfig) -> None:
 def read_dataset(path: Path) -> list[_Line]:
     """The requests of a JSONL file; a ConfigError names the file, the line and what is wrong."""
     where = f"workload.dataset={path}"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file; give a JSONL file with one request a line") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{where} cannot be read: {' '.join(str(error).split())}") from None
+    if not os.path.lexists(path):
+        raise ConfigError(f"{where}: no such file; give a JSONL file with one request a line")
+    text = read_text(path, "workload.dataset", DATASET_LIMIT)  # a regular file: /dev/zero or a FIFO never ends
     lines = []
     for number, raw in enumerate(text.splitlines(), 1):
         if raw.strip():
@@ -157,9 +157,9 @@ def read_dataset(path: Path) -> list[_Line]:
 def _parse_line(raw: str, where: str) -> _Line:
     expected = 'expected {"prompt": "text"} or {"prompt_token_ids": [ids]}, and optionally "max_tokens"'
     try:
-        entry: Any = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where} is not JSON ({error.msg}); {expected}") from None
+        entry: Any = parse_json(raw, where)  # nested 50 000 deep, or a 5 000-digit integer: one line too
+    except ValueError as error:
+        raise ConfigError(f"{error}; {expected}") from None
     if not isinstance(entry, dict):
         raise ConfigError(f"{where} is a JSON {type(entry).__name__}; {expected}")
     text, ids, max_tokens = entry.get("prompt"), entry.get("prompt_token_ids"), entry.get("max_tokens")

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import threading
 from pathlib import Path
 
 import pytest
 from support import builtin_entry_points, fixture_entry_points
 
 import corelib
+from corelib import plugins
 from corelib.compose import compose_config, prepare_config_store
 from corelib.errors import PluginError
-from corelib.plugins import PluginRegistry
+from corelib.plugins import PluginRegistry, hookimpl
 from corelib.startup import start
 
 BUILTINS = {"cpu", "cuda", "npu", "mlu"}
@@ -185,3 +187,29 @@ def test_an_unknown_backend_names_the_installed_ones_and_those_that_did_not_load
     assert "installed backends: cpu, cuda, mlu, npu; plugins not loaded: broken (failed)" in str(
         refused.value
     )
+
+
+class _HookThatNeverReturns:
+    """A plugin whose corelib_backends waits for an event nobody sets (until the test lets it go)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    @hookimpl
+    def corelib_backends(self) -> list[object]:
+        self.release.wait(600)
+        return []
+
+
+def test_a_registered_plugin_whose_hook_never_returns_fails_naming_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugins, "HOOK_TIMEOUT_S", 0.5)  # the hook never returns: any bound shows the refusal
+    registry = PluginRegistry(entry_points=builtin_entry_points())
+    plugin = _HookThatNeverReturns()
+    try:
+        refused = r"plugin 'stuck' failed to register: RuntimeError: hook corelib_backends did not return within 0\.5 s"
+        with pytest.raises(PluginError, match=refused):
+            registry.register(plugin, "stuck")
+        assert registry.records["stuck"].status == "failed"
+        assert "cpu" in registry.backend_names, "the other plugins are unharmed"
+    finally:
+        plugin.release.set()

@@ -17,7 +17,8 @@ from support import HERMETIC_VARIABLES
 
 from corelib import faults
 from corelib.cli import main
-from corelib.rundir import RequestRecord, RunDir, RunDirError, read_outputs
+from corelib.files import RunDirError
+from corelib.rundir import RequestRecord, RunDir, read_outputs
 
 
 def record(index: int) -> RequestRecord:

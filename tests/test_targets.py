@@ -79,7 +79,10 @@ def test_start_refuses_a_target_in_a_plugin_yaml_and_runs_nothing(
     monkeypatch.setenv("CORELIB_TEST_MARKER", str(marker))
     registry = PluginRegistry(entry_points=fixture_entry_points("evil"))
     prepare_config_store(registry)
-    cfg = compose_config(["backend=evil"])
+    # The plugin's YAML reads the environment: refused as composed, like any config file's.
+    with pytest.raises(ConfigError, match=r"comm_backend\.command: refused: .*may not read the environment"):
+        compose_config(["backend=evil"])
+    cfg = compose_config(["backend=evil", f"backend.capabilities.comm_backend.command=touch {marker}"])
     with pytest.raises(
         ConfigError, match=r"backend\.capabilities\.comm_backend\._target_: .*'os.system' is refused"
     ):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from corelib import run as run_module
+from corelib import workload as workload_module
 from corelib.cli import main
 from corelib.config import WorkloadConfig
 from corelib.engine.api import Engine
@@ -75,13 +77,15 @@ def test_a_dataset_gives_one_request_a_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("{not json", "line 2 is not JSON"),
+    ("{not json", "line 2 is not valid JSON"),
     ('["a list"]', "line 2 is a JSON list"),
     ('{"prompt": "a", "prompt_token_ids": [1]}', "line 2 has both prompt and prompt_token_ids"),
     ('{"max_tokens": 3}', "line 2 has neither prompt and prompt_token_ids"),
     ('{"prompt_token_ids": [1, -2]}', "line 2: prompt_token_ids must be a list of token ids"),
     ('{"prompt_token_ids": [1], "max_tokens": 0}', "line 2: max_tokens=0 must be an integer >= 1"),
     ('{"prompt": "text"}', "has prompts in text and need a tokenizer"),
+    ('{"prompt_token_ids": [' + "9" * 5000 + "]}", "line 2 cannot be read as JSON: Exceeds the limit (4300 digits)"),
+    ('{"prompt_token_ids": ' + "[" * 50_000 + "]" * 50_000 + "}", "line 2 is nested deeper than 64 levels"),
 ])
 def test_a_bad_dataset_line_is_named(tmp_path: Path, line: str, message: str) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", {"prompt_token_ids": [5]}, line)
@@ -94,6 +98,21 @@ def test_a_bad_dataset_line_is_named(tmp_path: Path, line: str, message: str) ->
 def test_a_missing_dataset_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         build_workload(workload(dataset=str(tmp_path / "absent.jsonl")), 512, 1)
+
+
+def test_a_dataset_that_never_ends_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fifo = tmp_path / "requests.jsonl"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer for ever
+    with pytest.raises(ConfigError, match=r"requests\.jsonl is a FIFO, not a regular file"):
+        build_workload(workload(dataset=str(fifo)), 512, 1)
+    with pytest.raises(ConfigError, match="/dev/zero is a character device, not a regular file"):
+        build_workload(workload(dataset="/dev/zero"), 512, 1)  # read until memory runs out
+    monkeypatch.setattr(workload_module, "DATASET_LIMIT", 64)
+    big = write_jsonl(tmp_path / "big.jsonl", *[{"prompt_token_ids": [5, 6]}] * 10)
+    with pytest.raises(ConfigError, match="more than the 64 this file may have"):
+        build_workload(workload(dataset=str(big)), 512, 1)
 
 
 # ---------------------------------------------------------------------------------- the driver

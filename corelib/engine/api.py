@@ -291,10 +291,16 @@ class Engine:
         return [output for _, output in self._take_finished()]
 
     def _take_finished(self) -> list[tuple[Seq, RequestOutput]]:
+        """Every output not returned yet: those kept for their caller, then those the core finished since."""
         taken = list(self._backlog.values())
         self._backlog.clear()
-        for seq in self.core.take_finished():
-            taken.append((seq, output_of(seq, self._final_text(seq))))
+        for _, output in taken:
+            self._live_ids.discard(output.request_id)
+        return taken + self._take_new()
+
+    def _take_new(self) -> list[tuple[Seq, RequestOutput]]:
+        """The outputs the core finished since the last look (not those kept for their caller)."""
+        taken = [(seq, output_of(seq, self._final_text(seq))) for seq in self.core.take_finished()]
         for _, output in taken:
             self._live_ids.discard(output.request_id)
         return taken
@@ -370,13 +376,15 @@ class Engine:
             if self._backlog:  # outputs kept back for their caller; most steps have none to look through
                 new = [self._backlog.pop(i)[1] for i in wanted - results.keys() if i in self._backlog]
             if not new:
-                taken = self._take_finished()
+                # Only what finished since: the backlog holds others' outputs, which would be found again
+                # on every look, and the loop would never step.
+                taken = self._take_new()
                 if not taken:
                     if not self.has_unfinished:
                         raise RuntimeError(f"the engine has nothing left to run, but requests "
                                            f"{sorted(wanted - results.keys())} never finished")
                     self._advance()
-                    taken = self._take_finished()
+                    taken = self._take_new()
                 for seq, output in taken:
                     if output.request_id in wanted and output.request_id not in results:
                         new.append(output)

@@ -135,6 +135,19 @@ class BlockManager:
                 self._key_of[block] = key
         seq.num_registered_blocks = full
 
+    def unregister(self, seq: Sequence, num_computed: int) -> None:
+        """Forget the keys of ``seq``'s blocks past the full blocks of its first ``num_computed`` tokens: a step
+        that was never run keyed them, and their KV was never computed."""
+        if not self.prefix_caching:
+            return
+        full = num_computed // self.block_size
+        for block in seq.block_table[full : seq.num_registered_blocks]:
+            key = self._key_of[block]
+            if key is not None and self._cached.get(key) == block:
+                del self._cached[key]
+                self._key_of[block] = None
+        seq.num_registered_blocks = min(seq.num_registered_blocks, full)
+
     # ------------------------------------------------------------------ blocks
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Give a sequence without blocks enough for ``num_tokens`` tokens."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from corelib.device import MemoryStats
 from corelib.engine.block_manager import blocks_for
-from corelib.engine.packing import InputBuilder
+from corelib.engine.packing import InputBuilder, PackingError
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepRecord
@@ -188,7 +188,15 @@ class EngineCore:
         try:
             with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
                 fi = self.builder.fill(step_id, step, arena, rows, kv)
-            packed = time.perf_counter() - started
+        except PackingError as error:
+            arenas.release(arena)
+            self._refuse_packing(step, error)
+            return
+        except BaseException:
+            arenas.release(arena)
+            raise
+        packed = time.perf_counter() - started
+        try:
             with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
                 future = self.executor.submit(fi, lambda: arenas.release(arena))
         except BaseException:
@@ -196,6 +204,13 @@ class EngineCore:
             raise
         path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
         self.pipeline.push(InFlight(step, future, path, schedule_s, packed))
+
+    def _refuse_packing(self, step: ScheduledStep, error: PackingError) -> None:
+        """A step that could not be packed: its requests at fault fail, the others run in a later step."""
+        self.scheduler.unschedule(step)
+        for seq in error.seqs:
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.error, str(error))
 
     def _complete_oldest(self) -> None:
         item = self.pipeline.pop()

@@ -3,21 +3,57 @@
 Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
 tables, sampling settings, by state index) live in host tables updated only when they change, so
 packing a decode step is a few vector ops; a step with prompt chunks adds each row's tokens.
+
+A request whose values the step's columns cannot hold (a temperature beyond float32, a seed
+beyond int64) or whose packing fails for any other reason raises :class:`PackingError` naming
+it, so the engine fails that request alone and runs the others.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import operator
+from collections.abc import Iterable
 
 import torch
 
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
-from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.faults import maybe_fail
+from corelib.ops.spec import SAMPLING_COLUMNS, SamplingColumn
+from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
 from corelib.transport.wire import pad_rows
+
+INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
+
+
+class PackingError(Exception):
+    """Packing a step failed; ``seqs`` are the requests at fault (every request of the step when none alone is)."""
+
+    def __init__(self, seqs: Iterable[EngineSequence], message: str) -> None:
+        super().__init__(message)
+        self.seqs = list(seqs)
+
+
+def column_value(column: SamplingColumn, value: object) -> float | int:
+    """``value`` as the column's dtype holds it; ValueError when it cannot hold it (numpy scalars are fine)."""
+    if column.dtype.is_floating_point:
+        number = float(value)  # type: ignore[arg-type]
+        if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+            raise ValueError(f"sampling.{column.param}={value!r} does not fit the device's float32 column")
+        return number
+    integer = operator.index(value)  # type: ignore[arg-type]
+    if integer not in INT64_RANGE:
+        raise ValueError(f"sampling.{column.param}={value!r} does not fit the device's int64 column")
+    return integer
+
+
+def _failed(seq: EngineSequence, error: Exception) -> PackingError:
+    return PackingError([seq], f"request {seq.request_id!r} cannot be packed into a step: {error}")
 
 
 class InputBuilder:
@@ -46,8 +82,8 @@ class InputBuilder:
         owner, epoch, written = self._owners[index]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
-            for column in SAMPLING_COLUMNS:
-                self.state_sampling[column.name][index] = getattr(seq.sampling, column.param)
+            for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
+                self.state_sampling[column.name][index] = value
             self.state_prompt_lens[index] = seq.num_prompt_tokens
             written = 0
         if written < len(table):
@@ -55,7 +91,29 @@ class InputBuilder:
             written = len(table)
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
 
+    @staticmethod
+    def sampling_row(seq: EngineSequence) -> list[float | int]:
+        """``seq``'s values of the sampling columns, in column order; PackingError naming it when one does not fit."""
+        try:
+            maybe_fail("pack")
+            return [column_value(c, getattr(seq.sampling, c.param)) for c in SAMPLING_COLUMNS]
+        except Exception as error:  # whatever it is, it is this request's
+            raise _failed(seq, error) from error
+
     def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int) -> ForwardInput:
+        """The step in ``arena``; PackingError naming the requests at fault, the arena then holding nothing useful."""
+        try:
+            return self._fill(step_id, step, arena, bucket, kv_blocks)
+        except PackingError:
+            raise
+        except Exception as error:
+            # No request alone is at fault: the step's requests fail, not the engine.
+            message = f"a step of {len(step.seqs)} request(s) cannot be packed: {error}"
+            raise PackingError(step.seqs, message) from error
+
+    def _fill(
+        self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int
+    ) -> ForwardInput:
         """Pack ``step`` into ``arena``: ``bucket`` rows computed (a decode step pads to its graph's), ``kv_blocks``
         block-table columns."""
         n = len(step.seqs)
@@ -67,7 +125,12 @@ class InputBuilder:
         indices: list[int] = []
         for seq in step.seqs:
             index = seq.state_index if seq.state_index is not None else pad
-            self._sync_state(seq, index)
+            try:
+                self._sync_state(seq, index)
+            except PackingError:
+                raise
+            except Exception as error:  # this request's values or tables
+                raise _failed(seq, error) from error
             indices.append(index)
         index_t = torch.tensor(indices, dtype=torch.int64)
         seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)

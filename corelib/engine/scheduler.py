@@ -44,6 +44,7 @@ class ScheduledStep:
     samples: list[bool]  # the row samples a token: its tokens reach the last one it has
     from_relay: list[bool]  # the row's last input token is still on the device
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks copied before the forward
+    forked: list[Sequence] = field(default_factory=list)  # requests this step handed a prompt's blocks (n)
     synchronous: bool = False  # the host waits for this step's tokens before the next one
     sync_reasons: list[str] = field(default_factory=list)
     num_preempted: int = 0
@@ -315,14 +316,16 @@ class Scheduler:
             self.blocks.register(seq, seq.num_computed_tokens)
             if samples:
                 if seq.seq_id in self._forks and not seq.output_token_ids and not seq.num_pending:
-                    self._fork(seq, self._forks.pop(seq.seq_id))
+                    step.forked += self._fork(seq, self._forks.pop(seq.seq_id))
                 seq.num_pending += 1
         return step
 
-    def _fork(self, first: Sequence, others: list[Sequence]) -> None:
+    def _fork(self, first: Sequence, others: list[Sequence]) -> list[Sequence]:
         """``first`` has its prompt's KV (this step writes its last): the others take its blocks and recompute
-        only the prompt's last token; one that finds no room waits and prefills on its own."""
+        only the prompt's last token; one that finds no room waits and prefills on its own. Returns those
+        that took the blocks."""
         shared = len(first.prompt_token_ids) - 1
+        forked: list[Sequence] = []
         for seq in others:
             if len(self.running) >= self.limits.max_num_seqs or not self._free_state_indices:
                 self.add(seq)
@@ -333,6 +336,28 @@ class Scheduler:
             seq.num_computed_tokens = shared
             self.running.append(seq)
             self.num_forked += 1
+            forked.append(seq)
+        return forked
+
+    def unschedule(self, step: ScheduledStep) -> None:
+        """Take back a step that was never submitted: each row feeds the same tokens again in a later step.
+
+        Rows keep their blocks (the next step needs them), but the blocks this step keyed for the
+        prefix cache hold nothing yet and lose their keys, and a row that sampled makes no token
+        pending. Requests handed a prompt's blocks by this step (``n``) wait and prefill on their own.
+        """
+        for seq, start, samples in zip(step.seqs, step.starts, step.samples, strict=True):
+            if samples:
+                seq.num_pending -= 1
+            seq.num_computed_tokens = start
+            self.blocks.unregister(seq, start)
+        again = list(step.forked)
+        if not self.limits.chunked_prefill:  # a prompt is fed whole: one taken back waits to be admitted again
+            again += [seq for seq in step.seqs if seq.num_uncomputed_tokens > 1]
+        for seq in reversed(again):
+            if seq.status is Status.RUNNING and not seq.num_pending:
+                self._preempt(seq)
+                self.num_preemptions -= 1  # not for want of blocks
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks and put the sequence first in line."""

@@ -42,8 +42,10 @@ from rich.table import Table
 
 from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
+from corelib.files import parse_json, read_text
 from corelib.loadtest.loadclient import ENGINE_RSS, PREFIX_HITS, PREFIX_QUERIED, TPOT_HISTOGRAM, Client, Outcome
 from corelib.rundir import RunDir
+from corelib.workload import DATASET_LIMIT
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")
@@ -149,17 +151,14 @@ class Load:
 
 
 def _read_dataset(path: Path) -> list[Prompt]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise ConfigError(f"server.bench.dataset={path}: cannot be read ({error.strerror})") from None
+    lines = read_text(path, "server.bench.dataset", DATASET_LIMIT).splitlines()  # a regular file, bounded
     prompts: list[Prompt] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            prompt = json.loads(line)["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            prompt = parse_json(line, f"{path}:{number}")["prompt"]
+        except (ValueError, KeyError, TypeError):
             raise ConfigError(f'{path}:{number}: expected a JSON object with "prompt" per line') from None
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
             raise ConfigError(f"{path}:{number}: a prompt is text or a list of token ids")
@@ -400,7 +399,6 @@ def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> di
         first, last = (s.get("process_resident_memory_bytes", math.nan) / 2**20 for s in (samples[0], samples[-1]))
         console.print(f"corelib: server resident memory during the load: {first:.1f} MiB at "
                       f"{samples[0]['t_s']:.0f} s, {last:.1f} MiB at {samples[-1]['t_s']:.0f} s")
-    path = run_dir.file("bench_serve.json")
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = run_dir.write_file("bench_serve.json", json.dumps(result, indent=2) + "\n")
     console.print(f"corelib: wrote {path}")
     return result

@@ -8,7 +8,6 @@ before any tensor is read.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import torch
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.files import read_json
 from corelib.hub import checkpoint_directory
 from corelib.models.llama import ModelWeights, assemble_weights
 from corelib.models.shape import ModelShape
@@ -65,7 +65,11 @@ def load_checkpoint(cfg: ModelConfig, shape: ModelShape, device: torch.device,
         )
     reading = current_progress().task(f"loading weights from {directory.name}", total=len(expected), unit="tensors")
     with _open_all(directory, sorted({files[name] for name in expected}), device) as handles, reading as task:
+        held = {shard: set(handle.keys()) for shard, handle in handles.items()}
         for name, dims in expected.items():
+            if name not in held[files[name]]:
+                raise ConfigError(f"{directory / INDEX_FILE} puts tensor {name!r} in {files[name]}, which has no such "
+                                  "tensor; the index and its shards do not belong together")
             _check_tensor(handles[files[name]], name, dims, files[name])
 
         def get(name: str) -> torch.Tensor:
@@ -105,10 +109,8 @@ def tensor_files(directory: Path) -> dict[str, str]:
 
 
 def _index_map(index: Path, directory: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, json.JSONDecodeError, AttributeError) as error:
-        raise ConfigError(f"{index} cannot be read: {' '.join(str(error).split())}") from None
+    document = read_json(index, "the checkpoint's index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index} has no weight_map; expected {{\"weight_map\": {{tensor name: shard file}}}}")
     for name, shard in weight_map.items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,11 +30,16 @@ from omegaconf import DictConfig
 
 from corelib.config import ModelConfig
 from corelib.errors import ConfigError
+from corelib.files import read_json
 from corelib.hub import checkpoint_directory, resolve_model_path
 from corelib.models import registry
 from corelib.models.shape import DTYPES
 
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative
+MAX_EOS_IDS = 1024  # end-of-sequence ids a checkpoint may name (real ones name one to a dozen)
+# config.json's booleans that corelib reads: each must be a JSON true or false (or absent)
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_qk_norm")
+_NONE = object()
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -79,10 +85,7 @@ class CheckpointConfig:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path} cannot be read as JSON: {' '.join(str(error).split())}") from None
+    data = read_json(path, "the checkpoint's settings")  # a regular file, bounded in size and depth
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -117,12 +120,14 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     """Parse and check ``config.json``; a ConfigError names what is missing or unsupported."""
     directory = checkpoint_directory(path)
     config_file = directory / "config.json"
-    if not config_file.is_file():
+    if not os.path.lexists(config_file):  # anything else there (a FIFO) is read, and refused, as it is
         raise ConfigError(
             f"model.path={path} has no config.json; expected a Hugging Face checkpoint directory "
             "with config.json and *.safetensors"
         )
     hf = _read_json(config_file)
+    for key in BOOL_KEYS:
+        _flag(hf, key, config_file)
     architecture = _architecture(hf, config_file)
     _refuse_unsupported(hf, architecture, config_file)
 
@@ -134,8 +139,9 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
 
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
+    vocab = need("vocab_size")
     rope = _rope_parameters(hf)
-    eos = _eos_ids(hf, directory / "generation_config.json")
+    eos = _eos_ids(hf, directory / "generation_config.json", vocab)
     max_positions = need("max_position_embeddings")
     if rope.get("rope_type") in ("llama3", "yarn", "dynamic"):
         rope.setdefault("original_max_position_embeddings", max_positions)
@@ -157,7 +163,7 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     variant = _llama_variant(arch)
     fields: dict[str, Any] = {
         "architecture": arch,
-        "vocab_size": need("vocab_size"),
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "num_layers": need("num_hidden_layers"),
         "num_heads": heads,
@@ -166,7 +172,7 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
         "intermediate_size": need("intermediate_size"),
         "rope_theta": _DEFAULT_ROPE_THETA if theta is None else positive(theta_key, theta),
         "rms_norm_eps": positive("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": _flag(hf, "tie_word_embeddings", config_file),
         "attention_bias": variant is not None and variant.attention_bias,
         "qk_norm": variant is not None and variant.qk_norm,
         "eos_token_id": eos[0] if eos else NO_EOS,
@@ -178,6 +184,14 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     if dtype not in DTYPES:
         raise ConfigError(f"{config_file}: torch_dtype={dtype} is not a dtype corelib loads ({', '.join(DTYPES)})")
     return CheckpointConfig(directory, architecture, fields, max_positions, dtype, sliding_window(hf))
+
+
+def _flag(hf: Mapping[str, Any], key: str, config_file: Path) -> bool:
+    # JSON has true and false; the string "false" would otherwise count as true.
+    value = hf.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{config_file}: {key} must be true or false (got {json.dumps(value)[:40]})")
+    return bool(value)
 
 
 def _llama_variant(name: str) -> registry.LlamaVariant | None:
@@ -264,17 +278,28 @@ def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def _eos_ids(hf: Mapping[str, Any], generation_file: Path) -> list[int]:
-    """config.json's EOS ids, then generation_config.json's (chat models list their end-of-turn there)."""
-    ids: list[int] = []
-    sources = [hf.get("eos_token_id")]
-    if generation_file.is_file():
-        sources.append(_read_json(generation_file).get("eos_token_id"))
-    for value in sources:
-        for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and not isinstance(token, bool) and token >= 0 and token not in ids:
-                ids.append(token)
-    return ids
+def _eos_ids(hf: Mapping[str, Any], generation_file: Path, vocab_size: int) -> list[int]:
+    """config.json's EOS ids, then generation_config.json's (chat models list their end-of-turn there).
+
+    Each must be a token id of the vocabulary (checked before anything else is done with the list), and
+    there are at most :data:`MAX_EOS_IDS` of them once repeats are dropped.
+    """
+    sources = [("config.json", hf.get("eos_token_id"))]
+    if generation_file.exists():
+        sources.append((generation_file.name, _read_json(generation_file).get("eos_token_id")))
+    ids: dict[int, None] = {}  # ordered, and a repeat costs nothing
+    for name, value in sources:
+        tokens = value if isinstance(value, list) else [value]
+        bad = next((t for t in tokens if t is not None and not (isinstance(t, int) and not isinstance(t, bool)
+                                                                 and 0 <= t < vocab_size)), _NONE)
+        if bad is not _NONE:
+            raise ConfigError(f"{generation_file.parent / name}: eos_token_id {json.dumps(bad)[:40]} is not a token id "
+                              f"of the vocabulary [0, {vocab_size})")
+        ids.update(dict.fromkeys(t for t in tokens if t is not None))
+        if len(ids) > MAX_EOS_IDS:
+            raise ConfigError(f"{generation_file.parent / name}: eos_token_id lists more than {MAX_EOS_IDS} distinct "
+                              "token ids; a model ends its answers with a few")
+    return list(ids)
 
 
 def resolved_model_config(cfg: ModelConfig) -> ModelConfig:

@@ -47,14 +47,17 @@ class RopeScaling:
             )
         if rope_type == "default":
             return None
-        original = int(entry.get("original_max_position_embeddings") or 0)
+        original = entry.get("original_max_position_embeddings") or 0
+        if not isinstance(original, int) or isinstance(original, bool):
+            raise ConfigError(f"model.rope_scaling original_max_position_embeddings={original!r}: expected an integer")
         if original <= 0 and rope_type != "linear":
             raise ConfigError(
                 f"model.rope_scaling rope_type={rope_type} needs original_max_position_embeddings (a positive int)"
             )
         factor = entry.get("factor")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1:
-            raise ConfigError(f"model.rope_scaling rope_type={rope_type} needs factor >= 1 (got {factor!r})")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 1 <= factor <= MAX_FACTOR:
+            raise ConfigError(f"model.rope_scaling rope_type={rope_type} needs a factor in [1, {MAX_FACTOR:g}] "
+                              f"(got {factor!r})")
         if rope_type == "dynamic" and max_model_len > original:
             # Dynamic NTK re-derives the frequencies from the longest sequence in the batch once it
             # passes the original length; a fixed table cannot do that, and below it RoPE is plain.
@@ -67,12 +70,16 @@ class RopeScaling:
             value = entry.get(key)
             if value is None:
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ConfigError(f"model.rope_scaling {key}={value!r}: expected a number")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ConfigError(f"model.rope_scaling {key}={value!r}: expected a finite number")
             optional[key] = float(value)
-        return cls(rope_type, float(factor), original, truncate=bool(entry.get("truncate", True)), **optional)
+        truncate = entry.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ConfigError(f"model.rope_scaling truncate={truncate!r}: expected true or false")
+        return cls(rope_type, float(factor), original, truncate=truncate, **optional)
 
 
+MAX_FACTOR = 1e4  # a context stretched ten thousand times; 1e308 would leave RoPE no rotation at all
 _OPTIONAL_FLOATS = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
                     "mscale_all_dim")
 

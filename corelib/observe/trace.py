@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from corelib.device import Device, Event, Stream
+from corelib.files import write_whole
 from corelib.step.handoff import StepHandle, TokenHandoff
 
 MAX_EVENTS = 200_000
@@ -260,6 +261,4 @@ class TimelineTracer(Tracer):
             "otherData": {"corelib": {**(metadata or {}), "max_events": self.max_events,
                                       "dropped_events": dropped, "notes": notes}},
         }
-        target = Path(path)
-        target.write_text(json.dumps(payload) + "\n")
-        return target
+        return write_whole(Path(path), json.dumps(payload) + "\n")  # never through a link planted at the name

@@ -25,10 +25,11 @@ from corelib.errors import one_line
 from corelib.server.bridge import Call, EngineBridge
 from corelib.server.chat import ChatTemplate
 from corelib.server.events import EngineInfo, Overloaded, TooLarge, Unavailable
-from corelib.server.inputs import Prepared, prepare_chat, prepare_completion, token_text
+from corelib.server.inputs import Prepared, chat_messages, prepare_chat, prepare_completion, render_chat, token_text
 from corelib.server.messages import Final
 from corelib.server.metrics import ServerMetrics
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
+from corelib.server.render import TemplateRenderer
 from corelib.server.responses import DONE, Formatter, event, failure
 
 log = logging.getLogger("corelib.server")
@@ -42,9 +43,14 @@ class ServerState:
 
     bridge: EngineBridge
     metrics: ServerMetrics
-    template: ChatTemplate
+    renderer: TemplateRenderer  # the chat template, rendered off the event loop
     model_name: str
     api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+    @property
+    def template(self) -> ChatTemplate:
+        return self.renderer.template
 
 
 RAW_SEND = "corelib.send"  # the scope key of the server's own send (see build_app)
@@ -107,6 +113,26 @@ async def _watch(receive: Receive, call: Call) -> None:
     call.hang_up()
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to be over ``limit`` bytes (before, by its length)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has more than {limit} bytes ({size} so far), the most this server takes "
+                         "(server.max_body_mib)", code="request_too_large")
+
+
 async def finals(call: Call, receive: Receive) -> list[Final] | None:
     """Every choice's last update, in choice order; None if the client hangs up first."""
     got: dict[str, Final] = {}
@@ -125,8 +151,9 @@ async def finals(call: Call, receive: Receive) -> list[Final] | None:
 
 def build_app(state: ServerState) -> ASGIApp:
     """The routes, and the server's own send handed to streams in the scope (see :class:`EventStream`)."""
-    app = FastAPI(title="corelib", docs_url=None, redoc_url=None, openapi_url=None)
-    bridge, metrics = state.bridge, state.metrics
+    # No redirect of /v1/models/ to /v1/models: Starlette builds its Location from the client's Host header.
+    app = FastAPI(title="corelib", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    bridge, metrics, renderer = state.bridge, state.metrics, state.renderer
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -159,7 +186,7 @@ def build_app(state: ServerState) -> ASGIApp:
 
     async def body(request: Request, model: type[Body]) -> Body:
         authorize(request)
-        parsed = parse_body(await request.body(), model)
+        parsed = parse_body(await read_body(request, state.max_body_bytes), model)
         if parsed.model is not None and parsed.model != state.model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves {state.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")
@@ -187,10 +214,11 @@ def build_app(state: ServerState) -> ASGIApp:
                 raise problem
         return JSONResponse(formatter.response(whole))
 
+    # Tokenizing and rendering run off the event loop, so a long prompt or a slow template holds no one else.
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = await body(request, CompletionRequest)
-        prepared = prepare_completion(parsed, bridge.info)
+        prepared = await asyncio.to_thread(prepare_completion, parsed, bridge.info)
         formatter = Formatter(False, state.model_name, prepared, bridge.info.tokenizer is not None,
                               parsed.include_usage, token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)
@@ -198,7 +226,8 @@ def build_app(state: ServerState) -> ASGIApp:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = await body(request, ChatRequest)
-        prepared = prepare_chat(parsed, bridge.info, state.template)
+        text = await render_chat(chat_messages(parsed, bridge.info), renderer)
+        prepared = await asyncio.to_thread(prepare_chat, parsed, bridge.info, text, state.template)
         formatter = Formatter(True, state.model_name, prepared, True, parsed.include_usage,
                               token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)

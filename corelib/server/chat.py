@@ -26,6 +26,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from corelib.errors import ConfigError
+from corelib.files import read_json, read_text
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
@@ -36,16 +37,23 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class ChatTemplateError(Exception):
-    """The template refused the conversation (its ``raise_exception``) or failed while rendering it."""
+    """The template refused the conversation (its ``raise_exception``), failed while rendering it, or went over
+    its budget (time, memory, the length of its text)."""
 
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+MAX_INDENT = 64  # tojson's indent: enough for any template, and no gigabyte of spaces per line
+
+
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | str | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    width = len(indent) if isinstance(indent, str) else indent
+    if width is not None and not 0 <= width <= MAX_INDENT:
+        raise jinja2.exceptions.TemplateError(f"tojson(indent={indent!r}): the indent must be 0 to {MAX_INDENT}")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -54,7 +62,10 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    # Not optimized: Jinja's optimizer evaluates constant expressions while it compiles; the compiler
+    # itself still joins constant output, which is why only the renderer processes compile.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                                        optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -78,28 +89,45 @@ class ChatTemplate:
         self.origin = origin  # where it came from, said once at start
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._environment = _environment()
+        self._template: jinja2.Template | None = None
         try:
-            self._template = _environment().from_string(source)
+            self._environment.parse(source)  # the syntax only: nothing is evaluated
         except jinja2.TemplateSyntaxError as error:
             raise ConfigError(f"the chat template from {origin} does not compile: {error.message} "
                               f"(line {error.lineno}); fix it or pass another with server.chat_template=FILE") from None
+
+    def compiled(self) -> jinja2.Template:
+        """The template, compiled on first use.
+
+        Compiling evaluates constant output ('x'|center(10**9) becomes a gigabyte of text), so the
+        server never compiles a checkpoint's template in its own process: its renderer processes do, under
+        their memory and time limits (:mod:`corelib.server.render`).
+        """
+        if self._template is None:
+            try:
+                self._template = self._environment.from_string(self.source)
+            except jinja2.TemplateSyntaxError as error:
+                raise ChatTemplateError(f"the chat template does not compile: {error.message}") from None
+            except Exception as error:  # noqa: BLE001 - MemoryError, RecursionError: the template's own
+                raise ChatTemplateError(f"the chat template cannot be compiled: {type(error).__name__}: "
+                                        f"{' '.join(str(error).split())[:300]}") from None
+        return self._template
 
     @classmethod
     def load(cls, model_path: str | None, override: str | None = None) -> ChatTemplate:
         """The template of ``override``, else of the checkpoint at ``model_path``, else the fallback."""
         settings: Mapping[str, object] = {}
         directory = Path(model_path).expanduser() if model_path else None
-        if directory is not None and (directory / TOKENIZER_CONFIG).is_file():
+        if directory is not None and (directory / TOKENIZER_CONFIG).exists():
             settings = _read_json(directory / TOKENIZER_CONFIG)
         tokens = {name: _token_text(settings.get(name)) for name in ("bos_token", "eos_token")}
         if override:
             path = Path(override).expanduser()
-            try:
-                return cls(path.read_text(), f"server.chat_template={override}", **tokens)
-            except OSError as error:
-                raise ConfigError(f"server.chat_template={override} cannot be read: {error.strerror}") from None
-        if directory is not None and (directory / TEMPLATE_FILE).is_file():
-            return cls((directory / TEMPLATE_FILE).read_text(), str(directory / TEMPLATE_FILE), **tokens)
+            return cls(read_text(path, "server.chat_template"), f"server.chat_template={override}", **tokens)
+        if directory is not None and (directory / TEMPLATE_FILE).exists():
+            return cls(read_text(directory / TEMPLATE_FILE, "the chat template"), str(directory / TEMPLATE_FILE),
+                       **tokens)
         found = _named_template(settings.get("chat_template"))
         if found is not None and directory is not None:
             return cls(found, str(directory / TOKENIZER_CONFIG), **tokens)
@@ -109,24 +137,38 @@ class ChatTemplate:
     def is_fallback(self) -> bool:
         return self.source == FALLBACK_TEMPLATE
 
-    def render(self, messages: Sequence[Mapping[str, object]]) -> str:
-        """The prompt text of a conversation, ending where the assistant's answer starts."""
+    def render(self, messages: Sequence[Mapping[str, object]], max_chars: int | None = None) -> str:
+        """The prompt text of a conversation, ending where the assistant's answer starts.
+
+        Any failure of the template (its own ``raise_exception``, a recursion, a range or a string
+        too large for memory) is a ChatTemplateError; so is text beyond ``max_chars``, found as it is
+        produced. A checkpoint's template can still loop for as long as it likes: the server renders it
+        in a process of its own, with a time and memory budget (:mod:`corelib.server.render`).
+        """
+        pieces: list[str] = []
+        length = 0
         try:
-            return self._template.render(
+            for piece in self.compiled().generate(
                 messages=list(messages), add_generation_prompt=True, bos_token=self.bos_token,
                 eos_token=self.eos_token,
-            )
+            ):
+                length += len(piece)
+                if max_chars is not None and length > max_chars:
+                    raise ChatTemplateError(f"the chat template wrote more than {max_chars} characters for these "
+                                            "messages, more than the model's context can hold")
+                pieces.append(piece)
+        except ChatTemplateError:
+            raise
         except jinja2.TemplateError as error:
             raise ChatTemplateError(str(error)) from None
-        except (TypeError, ValueError, KeyError, AttributeError) as error:
-            raise ChatTemplateError(f"the chat template failed on these messages: {error}") from None
+        except Exception as error:  # noqa: BLE001 - whatever a template raises (RecursionError, MemoryError) is its own
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(error).__name__}: "
+                                    f"{' '.join(str(error).split())[:300]}") from None
+        return "".join(pieces)
 
 
 def _read_json(path: Path) -> Mapping[str, object]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path} cannot be read as JSON: {error}") from None
+    data = read_json(path, "the tokenizer's settings")  # a regular file, bounded, never a FIFO
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return data

@@ -19,12 +19,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from corelib.config import ServerConfig
+from corelib.config import ServerConfig, checked_api_key
 from corelib.errors import ConfigError
 from corelib.hub import is_hub_id
 from corelib.progress import say
+from corelib.rundir import redacted
 
-SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx")
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx", "httptools")
 console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)  # status: stderr
 
 
@@ -37,11 +38,8 @@ def check_serve_modules() -> None:
 
 def without_api_key(cfg: DictConfig) -> tuple[DictConfig, str | None]:
     """The config as the run directory and the engine get it (the key replaced), and the key."""
-    api_key = cfg.server.api_key or None
-    shown = cfg.copy()
-    if api_key is not None:
-        shown.server.api_key = "<set>"
-    return shown, api_key
+    api_key = checked_api_key(cfg.server.api_key)
+    return redacted(cfg), api_key
 
 
 def serve_task(cfg: DictConfig, output_dir: Path) -> None:

@@ -21,6 +21,11 @@ class EngineInfo:
     model_path: str | None
     notices: tuple[str, ...] = ()  # what the engine had to say at start
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this cannot fit the context whatever its tokens: refused before it is tokenized."""
+        return self.max_model_len * (self.tokenizer.longest_token_chars if self.tokenizer is not None else 1)
+
 
 @dataclass(frozen=True)
 class EngineFacts:

@@ -23,6 +23,7 @@ from corelib.sampling_params import API_FIELDS, SamplingError, SamplingParams, a
 from corelib.server.chat import ChatTemplate, ChatTemplateError
 from corelib.server.events import EngineInfo
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, bad_request
+from corelib.server.render import TemplateRenderer
 
 MAX_CHOICES = 128  # n per prompt
 NO_TOKENIZER = (
@@ -63,7 +64,8 @@ def prepare_completion(request: CompletionRequest, info: EngineInfo) -> Prepared
     return _prepared(request, prompts, request.max_tokens, "max_tokens", info)
 
 
-def prepare_chat(request: ChatRequest, info: EngineInfo, template: ChatTemplate) -> Prepared:
+def chat_messages(request: ChatRequest, info: EngineInfo) -> list[JsonObject]:
+    """The conversation as the chat template gets it; a 400 when this model cannot chat or a part is not text."""
     if info.tokenizer is None:
         raise bad_request(f"messages: chat needs text, but {NO_TOKENIZER}; use /v1/completions with token ids, "
                           "or serve a checkpoint with tokenizer.json (model.path=...)", "messages")
@@ -72,10 +74,21 @@ def prepare_chat(request: ChatRequest, info: EngineInfo, template: ChatTemplate)
         record: JsonObject = message.model_dump(exclude_none=True)
         record["content"] = _text_content(message.content, position)
         messages.append(record)
+    return messages
+
+
+async def render_chat(messages: list[JsonObject], renderer: TemplateRenderer) -> str:
+    """The prompt text of a conversation, rendered off the event loop; any failure of the template is a 400."""
     try:
-        text = template.render(messages)
+        return await renderer.render(messages)
     except ChatTemplateError as error:
         raise bad_request(f"messages: the chat template refused them: {error}", "messages") from None
+
+
+def prepare_chat(request: ChatRequest, info: EngineInfo, text: str, template: ChatTemplate) -> Prepared:
+    """The engine requests of a rendered conversation (tokenizing: run it off the event loop)."""
+    assert info.tokenizer is not None, "chat_messages refuses a model without a tokenizer"
+    _check_length(text, info, "messages")
     # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
     prompt = info.tokenizer.encode(text, add_special_tokens=template.is_fallback)
     _check_prompt(prompt, info, "messages")
@@ -102,11 +115,20 @@ def _encode(prompt: str | list[int], info: EngineInfo) -> list[int]:
     if isinstance(prompt, str):
         if info.tokenizer is None:
             raise bad_request(f"prompt: {NO_TOKENIZER}; send a list of token ids", "prompt")
+        _check_length(prompt, info, "prompt")
         ids = info.tokenizer.encode(prompt)
     else:
         ids = prompt
     _check_prompt(ids, info, "prompt")
     return ids
+
+
+def _check_length(text: str, info: EngineInfo, param: str) -> None:
+    """Before tokenizing: a text no tokenization could fit into the context is refused at the cost of len()."""
+    if len(text) > info.max_prompt_chars:
+        raise bad_request(f"{param}: the prompt has {len(text)} characters; this model's context of "
+                          f"{info.max_model_len} tokens holds at most {info.max_prompt_chars} characters of it "
+                          "(prompt and output)", param)
 
 
 def _check_prompt(ids: list[int], info: EngineInfo, param: str) -> None:

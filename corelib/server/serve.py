@@ -20,12 +20,14 @@ from types import FrameType
 
 import uvicorn
 
-from corelib.config import ServerConfig
+from corelib.config import ServerConfig, checked_api_key
 from corelib.errors import ConfigError, CorelibError
 from corelib.server.app import ServerState, build_app
 from corelib.server.bridge import EngineBridge, Placement
 from corelib.server.chat import ChatTemplate
+from corelib.server.connections import guarded_protocol
 from corelib.server.metrics import ServerMetrics
+from corelib.server.render import TemplateRenderer
 from corelib.server.served import EngineRecipe
 
 log = logging.getLogger("corelib.server")
@@ -51,6 +53,7 @@ def early_template(model_path: str | None, server: ServerConfig) -> ChatTemplate
 def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
                 placement: Placement = "process", template: ChatTemplate | None = None) -> ServerState:
     """Start the engine (built in its own process, or on a thread of this one) and everything the routes need."""
+    api_key = checked_api_key(api_key)
     metrics = ServerMetrics()
     bridge = EngineBridge(recipe, server.max_waiting, metrics, placement)
     info = bridge.start()
@@ -58,10 +61,14 @@ def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
         metrics.watch_engine_process(bridge.engine_pid)
     try:
         template = template or ChatTemplate.load(info.model_path, server.chat_template)
+        renderer = TemplateRenderer(template, info.max_prompt_chars)
+        if info.tokenizer is not None:  # without one, chat is refused before any template is rendered
+            renderer.start()
     except BaseException:
         bridge.close()
         raise
-    return ServerState(bridge, metrics, template, model_name(server, info.model_name, info.model_path), api_key)
+    return ServerState(bridge, metrics, renderer, model_name(server, info.model_name, info.model_path), api_key,
+                       max_body_bytes=int(server.max_body_mib * 2**20))
 
 
 def check_server(server: ServerConfig) -> None:
@@ -72,6 +79,12 @@ def check_server(server: ServerConfig) -> None:
         raise ConfigError(f"server.max_waiting={server.max_waiting}: must be >= 0")
     if not 0 <= server.shutdown_grace_s < float("inf"):
         raise ConfigError(f"server.shutdown_grace_s={server.shutdown_grace_s}: must be a number of seconds >= 0")
+    if not 0 < server.max_body_mib < 2**20:
+        raise ConfigError(f"server.max_body_mib={server.max_body_mib}: must be a number of MiB > 0")
+    if not 0 < server.header_timeout_s < float("inf"):
+        raise ConfigError(f"server.header_timeout_s={server.header_timeout_s}: must be a number of seconds > 0")
+    if server.max_connections < 1:
+        raise ConfigError(f"server.max_connections={server.max_connections}: must be at least 1")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -110,6 +123,7 @@ def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
     config = uvicorn.Config(
         build_app(state), log_level=server.log_level.value, access_log=server.access_log, lifespan="off",
         timeout_graceful_shutdown=int(server.shutdown_grace_s + SHUTDOWN_SLACK_S) + 1,
+        http=guarded_protocol(server.header_timeout_s, server.max_connections),
     )
     return _Uvicorn(config, on_exit=lambda: state.bridge.drain(server.shutdown_grace_s))
 
@@ -128,6 +142,7 @@ def serve(state: ServerState, server: ServerConfig, sock: socket.socket,
         announce(f"serving {state.model_name!r} at http://{host}:{port}/v1 ({pids}); {chat}")
         _uvicorn(state, server).run(sockets=[sock])
     finally:
+        state.renderer.close()
         state.bridge.close()
 
 
@@ -146,6 +161,7 @@ class RunningServer:
             self.state.bridge.drain(grace_s)
         self._server.handle_exit(0, None)
         self._thread.join(HTTP_STOP_TIMEOUT_S)
+        self.state.renderer.close()
         self.state.bridge.close()
         if self._thread.is_alive():
             raise CorelibError(f"the HTTP server thread did not stop within {HTTP_STOP_TIMEOUT_S:g} s")
@@ -178,6 +194,7 @@ def start_in_thread(engine: Sequence[str] | EngineRecipe, server: ServerConfig |
         threading.Event().wait(0.01)
     if not uv.started:
         uv.should_exit = True
+        state.renderer.close()
         state.bridge.close()
         raise CorelibError(f"the HTTP server on {host}:{port} did not start within {HTTP_START_TIMEOUT_S:g} s; "
                            "its log says why")

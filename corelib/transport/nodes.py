@@ -15,12 +15,14 @@ ranks and exits, naming node 0. Either way both nodes stop.
 
 No configuration travels between nodes (nothing is unpickled from the network): each node
 composes its own from the same command line, and node 0 refuses to start when a follower's
-engine, model or backend digest differs from its own.
+engine, model or backend digest differs from its own, or its checkpoint's identity does
+(:mod:`corelib.models.identity`). Joining waits ``engine.timeout_s`` and names who did not come.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import hashlib
 import os
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from corelib.errors import ConfigError, TransportError, one_line
+from corelib.models.identity import checkpoint_identity
 from corelib.transport.launch import launched_node, launched_nodes
 from corelib.transport.shm import as_bytes
 from corelib.transport.wire import FrameHeader, FrameKind
@@ -105,11 +108,30 @@ class Topology:
         return cls(node, nodes, tp)
 
 
-def engine_digest(startup: Startup, slot_bytes: int) -> int:
-    """What every node must agree on: the engine, the model, the backend, the plan, the slot size."""
-    cfg, spec = startup.config, startup.spec
-    text = repr((cfg.engine, cfg.model, spec.backend, spec.runtime.value, startup.options, slot_bytes))
+@dataclass(frozen=True)
+class EngineDigest:
+    """What every node must agree on: the engine, the model's config, the backend, the plan and the slot size;
+    and, apart, the checkpoint's identity (the same ``model.path`` need not hold the same weights everywhere)."""
+
+    config: int
+    weights: int
+
+    @classmethod
+    def of(cls, startup: Startup, slot_bytes: int) -> EngineDigest:
+        cfg, spec = startup.config, startup.spec
+        # Where the checkpoint lies may differ between machines; what it holds may not.
+        model = dataclasses.replace(cfg.model, path=None)
+        text = repr((cfg.engine, model, spec.backend, spec.runtime.value, startup.options, slot_bytes))
+        weights = checkpoint_identity(cfg.model.path) if cfg.model.path else "random:" + repr(model)
+        return cls(_short(text), _short(weights))
+
+
+def _short(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def engine_digest(startup: Startup, slot_bytes: int) -> EngineDigest:
+    return EngineDigest.of(startup, slot_bytes)
 
 
 def _free_port() -> int:
@@ -130,25 +152,45 @@ class NodeGroup:
         if dist.is_initialized():
             raise ConfigError("a torch.distributed process group is already set up in this process; corelib "
                               "joins the nodes' group itself")
-        # torchrun exported MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE for exactly this.
-        dist.init_process_group("gloo", init_method="env://", rank=topology.node, world_size=topology.nodes,
-                                timeout=timedelta(seconds=startup_timeout_s))
-        self.frames = dist.group.WORLD
-        self.status = dist.new_group(backend="gloo", timeout=timedelta(seconds=startup_timeout_s))
+        # torchrun exported MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE for exactly this. Every node gets here
+        # seconds after it starts (weights load later), so joining waits engine.timeout_s, not the start's time.
+        try:
+            dist.init_process_group("gloo", init_method="env://", rank=topology.node, world_size=topology.nodes,
+                                    timeout=self.timeout)
+            self.frames = dist.group.WORLD
+            self.status = dist.new_group(backend="gloo", timeout=self.timeout)
+        except Exception as error:  # noqa: BLE001 - DistStoreError and friends: which node, and why
+            raise TransportError(self._not_joined(error)) from None
 
-    def agree(self, digest: int, port: int) -> tuple[str, int]:
+    def _not_joined(self, error: BaseException) -> str:
+        topology, waited = self.topology, f"{self.timeout.total_seconds():g} s (engine.timeout_s)"
+        cause = " ".join(str(error).split())[:200] or type(error).__name__  # the library's words, not its class
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if topology.follower:
+            return (f"{topology.name(topology.node)} could not join node 0 at {address} within {waited}: node 0 "
+                    f"did not start, or failed before it could take the others ({cause})")
+        others = ", ".join(topology.name(node) for node in range(1, topology.nodes))
+        return (f"{others} did not join node 0 within {waited}: a node that fails at start (a bad override, a "
+                f"missing checkpoint) never joins; its own log says why ({cause})")
+
+    def agree(self, digest: EngineDigest, port: int) -> tuple[str, int]:
         """Node 0's choice of the ranks' rendezvous port; raises on every node if any node's digest differs."""
         import torch.distributed as dist
 
-        mine = torch.tensor([port, digest], dtype=torch.int64)
+        mine = torch.tensor([port, digest.config, digest.weights], dtype=torch.int64)
         chosen = mine.clone()
         dist.broadcast(chosen, src=0)
-        same = torch.tensor([1 if int(chosen[1]) == digest else 0], dtype=torch.int64)
+        same = torch.tensor([int(chosen[1]) == digest.config, int(chosen[2]) == digest.weights], dtype=torch.int64)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        if int(same.item()) != 1:
+        if int(same[0]) != 1:
             raise ConfigError(
                 "the nodes composed different engines (engine, model, backend or plan differ from node 0's): "
                 "start every node with the same command and the same backend"
+            )
+        if int(same[1]) != 1:
+            raise ConfigError(
+                "the nodes hold different weights: the checkpoint at model.path is not the same on every node "
+                "(its files, their headers or their data differ from node 0's); copy the same checkpoint to each"
             )
         return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(chosen[0])
 
@@ -228,7 +270,7 @@ class NodeLink:
         self._threads += [threading.Thread(target=self._status_loop, args=(node,), name=f"corelib-node-{node}",
                                            daemon=True) for node in range(1, topology.nodes)]
 
-    def agree(self, digest: int) -> tuple[str, int]:
+    def agree(self, digest: EngineDigest) -> tuple[str, int]:
         """Check that every node built the same engine; the ranks' rendezvous address and port."""
         return self.group.agree(digest, _free_port())
 

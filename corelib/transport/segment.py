@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import weakref
 from pathlib import Path
 
@@ -48,6 +49,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _is_own_file(status: os.stat_result) -> bool:
+    return stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid()
+
+
 def sweep_stale() -> list[str]:
     """Unlink this user's corelib segments that no process holds any more; returns their names.
 
@@ -62,13 +67,22 @@ def sweep_stale() -> list[str]:
         match = _NAME.match(path.name)
         if not match or _pid_alive(int(match.group(1))):
             continue
+        # Type and owner before opening, and never a blocking open: a FIFO planted under a segment's
+        # name would otherwise hold every engine start on the host in open().
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            seen = path.lstat()
+        except OSError:
+            continue
+        if not _is_own_file(seen):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
         try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
+            opened = os.fstat(fd)
+            if not _is_own_file(opened) or (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+                continue  # replaced between the look and the open
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             path.unlink()
             removed.append(path.name)
@@ -101,12 +115,15 @@ class Segment:
         self.size = size
         self.owner = create
         self.path = SHM_DIR / name
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as error:
             raise TransportError(f"shared memory segment {name}: {error.strerror}") from error
         try:
+            if not _is_own_file(os.fstat(fd)):
+                raise TransportError(f"shared memory segment {name} is not a file of this user's; something else "
+                                     f"took its name in {SHM_DIR}")
             self._lease(fd)
             if create:
                 os.ftruncate(fd, size)

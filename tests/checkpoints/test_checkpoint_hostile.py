@@ -1,10 +1,13 @@
 """Checkpoint directories built to hang corelib, read files outside them, or make it compute garbage.
 
 Each is refused at start with exit 2 and one line naming the file (and the tensor or key):
-a FIFO or other non-regular file where weights should be, index entries that leave the
-directory, a file corelib may not read, NaN or infinite weights, and a ``config.json`` whose
-norm epsilon or RoPE base is not a finite positive number. A Hugging Face cache snapshot,
-whose files are symlinks into ``../../blobs``, still loads.
+a FIFO or other non-regular file where weights, a JSON file or the tokenizer should be, index
+entries that leave the directory or name a tensor their shard lacks, a file corelib may not
+read, NaN or infinite weights, a ``config.json`` whose norm epsilon or RoPE base is not a finite
+positive number, whose booleans are strings, whose RoPE scaling is beyond any use or which is
+nested beyond what Python parses, and end-of-sequence lists that are not token ids or are long
+enough to make start-up quadratic. A Hugging Face cache snapshot, whose files are symlinks
+into ``../../blobs``, still loads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from safetensors.torch import save_file
 from support import error_lines, run_python
 
 from corelib.cli import main
+from corelib.models import hf_config
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
@@ -165,3 +169,92 @@ def test_config_json_values_that_would_compute_garbage_are_refused(
     config[key] = value
     (checkpoint / "config.json").write_text(json.dumps(config))
     one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), f"{checkpoint}/config.json: {says}")
+
+
+# The tiny checkpoint's vocabulary has 320 ids.
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("tie_word_embeddings", "false"), ("attention_bias", "false"), ("mlp_bias", "no"),
+    ("use_sliding_window", "true"), ("tie_word_embeddings", 0),
+])
+def test_a_boolean_written_as_anything_but_true_or_false_is_refused(
+    key: str, value: object, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    edit_json(checkpoint / "config.json", **{key: value})
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"),
+              f"{checkpoint}/config.json: {key} must be true or false (got {json.dumps(value)})")
+
+
+@pytest.mark.parametrize(("scaling", "says"), [
+    ({"rope_type": "linear", "factor": 1e308}, "needs a factor in [1, 10000] (got 1e+308)"),
+    ({"rope_type": "linear", "factor": float("inf")}, "factor=inf: must be a finite number"),
+    ({"rope_type": "linear", "factor": float("nan")}, "factor=nan: must be a finite number"),
+    ({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": "4096"},
+     "original_max_position_embeddings='4096': expected an integer"),
+    ({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32, "beta_fast": float("nan")},
+     "beta_fast=nan: must be a finite number"),
+    ({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32, "truncate": "false"},
+     "truncate='false': expected true or false"),
+])
+def test_rope_scaling_beyond_any_use_is_refused(
+    scaling: dict[str, object], says: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    edit_json(checkpoint / "config.json", rope_scaling=scaling)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), "model.rope_scaling", says)
+
+
+@pytest.mark.parametrize(("where", "value", "says"), [
+    ("generation_config.json", list(range(1_000_000)), "eos_token_id 320 is not a token id of the vocabulary [0, 320)"),
+    ("generation_config.json", [2, "3"], 'eos_token_id "3" is not a token id'),
+    ("config.json", -5, "eos_token_id -5 is not a token id"),
+    ("generation_config.json", list(range(10)) * 1000, "eos_token_id lists more than 8 distinct token ids"),
+])
+def test_end_of_sequence_ids_are_checked_before_anything_is_done_with_them(
+    where: str, value: object, says: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(hf_config, "MAX_EOS_IDS", 8)
+    edit_json(checkpoint / where, eos_token_id=value)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), f"{checkpoint}/{where}: {says}")
+
+
+def test_config_json_nested_beyond_reason_is_refused(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = (checkpoint / "config.json").read_text()
+    (checkpoint / "config.json").write_text(config.rstrip()[:-1] + ', "deep": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"),
+              f"{checkpoint}/config.json is nested deeper than 64 levels")
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer.json"])
+def test_a_fifo_in_place_of_a_json_file_is_refused_not_waited_on(name: str, checkpoint: Path, tmp_path: Path) -> None:
+    (checkpoint / name).unlink(missing_ok=True)
+    os.mkfifo(checkpoint / name)
+    result = run_python(["-m", "corelib", *QUICK, f"model.path={checkpoint}"], cwd=tmp_path, timeout=90)
+    assert result.returncode == 2, result.stderr
+    assert f"{checkpoint}/{name} is a FIFO, not a regular file" in result.stderr
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_one_line(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+        names = list(handle.keys())
+    (checkpoint / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    def drop_lm_head(state: dict[str, torch.Tensor]) -> None:
+        del state["lm_head.weight"]  # the index still says it is there
+
+    edit_tensor(checkpoint, drop_lm_head)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"),
+              "puts tensor 'lm_head.weight' in model.safetensors, which has no such tensor")

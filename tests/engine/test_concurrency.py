@@ -10,6 +10,7 @@ import torch
 from support import EngineFactory, local_weights
 
 from corelib.engine import Engine, RequestOutput, SamplingParams
+from corelib.engine.sequence import Sequence
 from corelib.errors import ConcurrentUse
 
 PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10]]
@@ -102,3 +103,36 @@ def test_an_engines_weights_are_its_own(make_engine: EngineFactory) -> None:
     second = make_engine(["backend=cpu"])
     out = second.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.finish_reason == "length" and torch.isfinite(local_weights(second).embed).all()
+
+
+@pytest.mark.parametrize("early", ["shorter", "aborted", "invalid"])
+def test_generate_returns_when_an_added_request_finishes_before_its_own(
+    engine: Engine, early: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # generate must advance the engine each time it finds nothing of its own: count the looks per step,
+    # so a loop that keeps finding the other caller's output again fails here instead of spinning forever.
+    looks = {"finished": 0, "steps": 0}
+    core = engine.core
+    take, iterate = core.take_finished, core.iterate
+
+    def counted_take() -> list[Sequence]:
+        looks["finished"] += 1
+        assert looks["finished"] <= 3 * (looks["steps"] + 1), "generate looks for outputs without stepping"
+        return take()
+
+    def counted_iterate() -> bool:
+        looks["steps"] += 1
+        return iterate()
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    other = engine.add_request([30, 31] if early != "invalid" else [], SamplingParams(max_tokens=1, ignore_eos=True))
+    if early == "aborted":
+        assert engine.abort(other)
+    monkeypatch.setattr(core, "take_finished", counted_take)
+    monkeypatch.setattr(core, "iterate", counted_iterate)
+    outputs = engine.generate(PROMPTS, params)
+    monkeypatch.undo()
+    assert [len(o.output_token_ids) for o in outputs] == [8, 8, 8]
+    kept = engine.take_finished()
+    assert [o.request_id for o in kept] == [other], "the added request's output must wait for its caller"
+    assert kept[0].finish_reason == {"shorter": "length", "aborted": "abort", "invalid": "error"}[early]

@@ -171,6 +171,16 @@ TABLE: list[tuple[str, str, Case]] = [
                                                          "the KV cache needs")),
     ("config", "weights-beyond-memory", ConfigCase(("model.vocab_size=1000000000",),
                                                    "model=tiny: the weights need")),
+    # where the run writes, and what it reads: once raw errors (FileExistsError, "Unable to configure handler")
+    ("config", "run-dir-a-file", ConfigCase(("hydra.run.dir=/etc/passwd",),
+                                            "hydra.run.dir=/etc/passwd is a file, not a directory")),
+    ("config", "run-dir-dev-null", ConfigCase(("hydra.run.dir=/dev/null",), "/dev/null is in /dev, the kernel's view")),
+    ("config", "run-dir-proc", ConfigCase(("hydra.run.dir=/proc/run",), "/proc/run is in /proc, the kernel's view")),
+    ("config", "run-dir-sys", ConfigCase(("hydra.run.dir=/sys/run",), "/sys/run is in /sys, the kernel's view")),
+    ("config", "sweep-dir-dev-null", ConfigCase(("-m", "hydra.sweep.dir=/dev/null", "workload.seed=1,2"),
+                                                "hydra.sweep.dir=/dev/null: /dev/null is in /dev")),
+    ("config", "dataset-dev-zero", ConfigCase(("workload.dataset=/dev/zero",),
+                                              "workload.dataset: /dev/zero is a character device, not a regular file")),
     # -- requests, through the API: the request fails alone
     ("request", "empty-prompt", RequestCase([], GOOD, "the prompt is empty")),
     ("request", "prompt-too-long", RequestCase(list(range(2, 66)), GOOD,

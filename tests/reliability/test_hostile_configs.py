@@ -10,6 +10,7 @@ victims stay as they were and the marker never appears.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ ATTACKS = {
                                        "hydra.job_logging.handlers.file.filename: refused: 'victim.txt': a log "
                                        "file must be directly inside the run directory"),
     "hydra-logging-file-handler": Attack(("workload=hydra_log_truncate",),
-                                         "hydra.hydra_logging.handlers.file.filename: refused"),
+                                         "hydra.hydra_logging.handlers.file.class: refused"),
     "logging-factory": Attack(("workload=log_factory",),
                               "hydra.job_logging.handlers.file.(): refused: logging factories and properties run code"),
     "logging-option-from-searchpath": Attack(("hydra/job_logging=truncate",),
@@ -60,6 +61,18 @@ ATTACKS = {
     "overrides-injected": Attack(("workload=overrides_injected", "engine.transport=shm"),
                                  "hydra.overrides: refused: overrides come from the command line only"),
     "output-subdir-escapes": Attack(("workload=output_subdir",), "hydra.output_subdir: refused"),
+    # hydra.runtime.output_dir pointed elsewhere, then a log file "inside the run directory" there
+    "runtime-output-dir-then-hydra-log": Attack(("workload=runtime_bashrc",),
+                                                "hydra.runtime.output_dir: refused: 'victim-dir': Hydra sets it"),
+    "runtime-output-dir-then-job-log": Attack(("workload=runtime_job_log",), "hydra.runtime.output_dir: refused"),
+    "runtime-output-dir-from-config-dir": Attack(("-cd", str(HOSTILE), "workload=runtime_bashrc"),
+                                                 "hydra.runtime.output_dir: refused"),
+    "runtime-output-dir-on-the-command-line": Attack(("hydra.runtime.output_dir=victim-dir",),
+                                                     "hydra.runtime.output_dir: refused"),
+    "hydra-logging-writes-a-file": Attack(("workload=hydra_log_in_run_dir",),
+                                          "hydra.hydra_logging.handlers.file.class: refused: Hydra's own logging "
+                                          "starts before the run directory exists"),
+    "log-file-not-a-log": Attack(("workload=log_not_a_log",), "hydra.job_logging.handlers.file.filename: refused"),
 }
 
 
@@ -88,6 +101,43 @@ def test_a_hostile_config_is_refused_before_hydra_acts_on_it(name: str, cli: Cli
     assert_unharmed(victims)
 
 
+@pytest.mark.parametrize("planted", ["run.log", ".hydra", ".hydra/config.yaml"])
+def test_a_symlink_planted_in_an_existing_run_directory_is_not_followed(planted: str, cli: Cli, victims: Path) -> None:
+    run_dir = victims / "shared-run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    link = run_dir / planted
+    if link.is_dir():
+        link.rmdir()
+    link.symlink_to(victims / ("victim-dir" if planted == ".hydra" else "victim.txt"))
+    result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
+    assert_user_error(result, f"{link} is a symlink", "choose a new directory with hydra.run.dir=")
+    assert_unharmed(victims)
+
+
+@pytest.mark.parametrize("planted", ["outputs.jsonl", ".config.yaml.partial", ".plan.json.partial",
+                                     ".metrics.json.partial", "config.yaml", "metrics.json"])
+def test_corelibs_own_files_are_never_written_through_a_planted_symlink(planted: str, cli: Cli,
+                                                                        victims: Path) -> None:
+    run_dir = victims / "shared-run"
+    run_dir.mkdir()
+    (run_dir / planted).symlink_to(victims / "victim.txt")
+    result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
+    if planted == "outputs.jsonl":  # appended to as requests finish: refused
+        assert_user_error(result, f"cannot write {run_dir / planted}: it is a symlink", code=1)
+    else:  # written beside the name and renamed over it: the link is replaced, its target untouched
+        assert result.returncode == 0, result.stderr
+        assert not (run_dir / planted).is_symlink()
+    assert_unharmed(victims)
+
+
+def test_a_fifo_planted_for_the_outputs_is_refused_without_blocking(cli: Cli, victims: Path) -> None:
+    run_dir = victims / "shared-run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / "outputs.jsonl")
+    result = cli("run", *QUICK, f"hydra.run.dir={run_dir}")
+    assert_user_error(result, f"cannot write {run_dir / 'outputs.jsonl'}: it is a FIFO", code=1)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -111,3 +161,54 @@ def test_a_shared_config_may_still_set_the_task_keys(cli: Cli, tmp_path: Path) -
     result = cli("plan", "backend=cpu", f"hydra.searchpath=[file://{shared.parent}]", "workload=mine", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     assert "num_requests: 3" in result.stdout
+
+
+# The operator's settings: a shared config may not open the server, turn its key off, name it
+# after the environment or send the key elsewhere. Checked as composed, so `plan` shows it for
+# `serve` and `bench-serve` too (the same check guards every command).
+SECRET = "hostile-secret-value"
+GATES = "features=[graph,async_token_handoff,shm_ordered_materialization,fused_ops,fast_allreduce,pdl,no_key]"
+OPERATOR_ATTACKS = {
+    "server-option-drops-the-key": Attack(("server=no_key",), "server.api_key: refused: null: the server's address, "
+                                                              "API key and model name are the operator's"),
+    "gate-drops-the-key": Attack((GATES,), "server.api_key: refused: null"),
+    "server-option-listens-everywhere": Attack(("server=every_interface",), "server.host: refused: '0.0.0.0'"),
+    "bench-sends-the-key-elsewhere": Attack(("server=bench_elsewhere",), "server.bench.url: refused"),
+    "served-name-from-the-environment": Attack(("server=named_after_env",), "server.served_model_name: refused"),
+    "model-name-from-the-environment": Attack(("workload=env_model_name",),
+                                              "model.name: refused: '${oc.env:HOSTILE_SECRET,unset}': a config file "
+                                              "may not read the environment"),
+    "model-name-copies-the-key": Attack(("workload=key_in_model_name",),
+                                        "model.name: refused: '${server.api_key}': a config file may not copy the "
+                                        "API key"),
+    "sweep-drops-the-key": Attack(("-m", "workload=sweep_no_key"),
+                                  "hydra.sweeper.params.server.api_key: refused: 'null': a sweep"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPERATOR_ATTACKS))
+def test_a_shared_config_cannot_change_the_operators_server_settings(name: str, cli: Cli, tmp_path: Path) -> None:
+    attack = OPERATOR_ATTACKS[name]
+    env = {"CORELIB_API_KEY": SECRET, "HOSTILE_SECRET": SECRET}
+    result = cli("plan", *QUICK, SEARCHPATH, *attack.overrides, env=env)
+    assert_user_error(result, attack.says)
+    assert not (tmp_path / "outputs").exists(), "a run directory was written"
+
+
+@pytest.mark.parametrize("overrides", [
+    ("server.host=0.0.0.0", "server.port=8080", "server.served_model_name=mine"),
+    ("server=no_key", "server.api_key=null"),  # the command line may choose no key
+    ("model.name=${oc.env:HOSTILE_SECRET,unset}",),  # the shell could pass the value itself
+])
+def test_the_command_line_still_sets_them(overrides: tuple[str, ...], cli: Cli) -> None:
+    result = cli("plan", *QUICK, SEARCHPATH, *overrides, "--cfg", "job", env={"HOSTILE_SECRET": SECRET})
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_api_key_never_reaches_the_run_directory(cli: Cli, tmp_path: Path) -> None:
+    result = cli("plan", *QUICK, env={"CORELIB_API_KEY": SECRET})
+    assert result.returncode == 0, result.stderr
+    config = next((tmp_path / "outputs").rglob("config.yaml")).parent / "config.yaml"
+    written = [p for p in (tmp_path / "outputs").rglob("*") if p.is_file() and SECRET in p.read_text()]
+    assert not written, f"the key is in {written}"
+    assert config.read_text().count("api_key: <set>") == 2, config.read_text()

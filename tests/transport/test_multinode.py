@@ -22,6 +22,8 @@ import pytest
 from support import HERMETIC_VARIABLES
 
 from corelib.errors import ConfigError
+from corelib.models.identity import checkpoint_identity
+from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 from corelib.transport.nodes import Topology
 
 WORKLOAD = ["workload.num_requests=6", "workload.output_len_min=4", "workload.output_len_max=24",
@@ -225,3 +227,46 @@ def test_topology_from_torchruns_variables(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"torchrun --nproc-per-node=1"):
         Topology.from_environment(4)
+
+
+def test_the_identity_of_a_checkpoint_sees_its_weights(tmp_path: Path) -> None:
+    hf = tiny_hf_config()
+    for name, seed in (("a", 0), ("b", 1), ("c", 0)):
+        write_random_checkpoint(tmp_path / name, hf, seed=seed)
+    same_config = checkpoint_identity(tmp_path / "a") != checkpoint_identity(tmp_path / "b")
+    assert same_config, "two checkpoints of one config with different weights have the same identity"
+    assert checkpoint_identity(tmp_path / "a") == checkpoint_identity(tmp_path / "c")
+    sharded = tmp_path / "d"
+    write_random_checkpoint(sharded, hf, shards=2)
+    assert checkpoint_identity(sharded) != checkpoint_identity(tmp_path / "a"), "a resharded copy is another layout"
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_nodes_whose_checkpoints_differ_refuse_to_start(tmp_path: Path) -> None:
+    hf = tiny_hf_config()
+    for node in (0, 1):  # the same path on both "machines", different weights behind it
+        write_random_checkpoint(tmp_path / f"node{node}" / "model", hf, seed=node)
+    port = _free_port()
+    overrides = ["backend=cpu", "engine.transport=shm", "engine.tp=2", "engine.timeout_s=20", "model.path=model"]
+    nodes = [_launch(node, port, tmp_path / f"node{node}", overrides) for node in (0, 1)]
+    for node, (code, out, err) in enumerate(_finish(process, 180) for process in nodes):
+        errors = _corelib_errors(err)
+        assert code != 0 and errors, f"node {node} exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+        assert "the nodes hold different weights: the checkpoint at model.path is not the same" in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_a_node_that_fails_before_it_joins_is_named_within_the_engine_timeout(tmp_path: Path) -> None:
+    port = _free_port()
+    overrides = ["backend=cpu", "engine.transport=shm", "engine.tp=2", "engine.timeout_s=3"]
+    nodes = [_launch(0, port, tmp_path / "node0", overrides),
+             _launch(1, port, tmp_path / "node1", [*overrides, "engine.max_num_seqs=0"])]  # node 1 never joins
+    code, out, err = _finish(nodes[1], 120)
+    assert code != 0 and "engine.max_num_seqs=0" in err, err[-2000:]
+    code, out, err = _finish(nodes[0], 120)
+    errors = _corelib_errors(err)
+    assert code != 0 and errors, f"node 0 exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+    assert errors[0].startswith("corelib: error: node 1 (worker rank 1) did not join node 0 within 3 s"), errors
+    assert "DistStoreError" not in errors[0]

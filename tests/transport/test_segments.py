@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,3 +143,45 @@ def test_exiting_without_close_removes_the_segments() -> None:
     for name in left:
         (shm.SHM_DIR / name).unlink()
     assert not left, f"a normal exit left {left} in {shm.SHM_DIR}"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_the_sweep_never_blocks_on_or_removes_what_is_not_a_segment(kind: str, tmp_path: Path) -> None:
+    # Anyone may plant a FIFO under a segment's name in /dev/shm; opening it to read would wait for a
+    # writer that never comes, and every engine start on the host sweeps first.
+    planted = shm.SHM_DIR / f"{PREFIX}-{NOT_A_PID}-0badf1f0-{kind}"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    if kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "symlink":
+        planted.symlink_to(victim)
+    else:
+        planted.mkdir()
+    swept: list[list[str]] = []
+    sweeper = threading.Thread(target=lambda: swept.append(sweep_stale()), daemon=True)
+    try:
+        sweeper.start()
+        sweeper.join(60)  # returns at once; the bound only keeps a regression from hanging the suite
+        blocked = sweeper.is_alive()
+        if blocked and kind == "fifo":
+            os.close(os.open(planted, os.O_WRONLY | os.O_NONBLOCK))  # let the blocked open go
+        assert not blocked and swept, "the sweep blocked on the planted name"
+        assert planted.name not in swept[0] and os.path.lexists(planted), "the sweep removed what it did not make"
+        assert victim.read_bytes() == b"keep"
+    finally:
+        sweeper.join(60)
+        if planted.is_dir() and not planted.is_symlink():
+            planted.rmdir()
+        else:
+            planted.unlink()
+
+
+def test_a_segment_name_taken_by_a_fifo_is_refused_without_blocking() -> None:
+    name = shm.segment_name("in")
+    os.mkfifo(shm.SHM_DIR / name)
+    try:
+        with pytest.raises(TransportError, match="is not a file of this user's"):
+            Segment(name, 4096, create=False)
+    finally:
+        (shm.SHM_DIR / name).unlink()
