@@ -13,6 +13,7 @@ from support import EngineFactory, local_weights
 from corelib.engine import Engine, SamplingParams
 from corelib.engine.sequence import Sequence
 from corelib.models.reference import reference_logits
+from corelib.sampling_params import SamplingError
 from corelib.testing.executor import scripted_core, unit_config, unit_options
 
 PROMPT = [(7 * i) % 300 + 2 for i in range(37)]  # 37 tokens: the 36 shared end inside a block of 16
@@ -71,10 +72,11 @@ def test_logprobs_reach_the_host_the_same_through_graphs_async_handoff_and_shm(
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_logprobs_outside_0_to_20_are_refused_naming_the_field(make_engine: EngineFactory) -> None:
-    engine = make_engine(["backend=cpu"])
-    [out] = engine.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=21))
-    assert out.finish_reason == "error" and "sampling.logprobs=21" in (out.error or "")
+@pytest.mark.parametrize("value", [21, -1])
+def test_logprobs_outside_0_to_20_are_refused_naming_the_field(value: int) -> None:
+    with pytest.raises(SamplingError, match=rf"^logprobs={value}: must be in \[0, 20\] or None$") as refused:
+        SamplingParams(max_tokens=2, logprobs=value)
+    assert refused.value.field == "logprobs"
 
 
 # ------------------------------------------------------------------------------- n

@@ -2,7 +2,8 @@
 get alone, and the engine keeps serving.
 
 Packing is forced to fail for one request with the ``pack`` fault point (``pack@N`` fails the N-th request
-packed: in a prefill, or at a request's first decode, while another step is in flight), or with a sampling
+packed: in the step of the prompts, or in a step of prompt chunks beside decode rows while another step is in
+flight), or with a sampling
 value the device's columns cannot hold, put on a request after it was checked (a value validation let through).
 """
 
@@ -45,16 +46,26 @@ def assert_only_the_second_failed(engine: Engine, alone: list[list[int]], says: 
     assert [o.output_token_ids for o in engine.generate(PROMPTS, GOOD)] == alone
 
 
-@pytest.mark.parametrize(("spec", "where"), [
-    ("pack@2", "in the prefill"),
-    ("pack@5", "at its first decode, the prefill's step in flight"),  # 3 prefill rows, then the decodes
-])
-def test_a_packing_failure_fails_its_own_request_never_the_engine(
-    engine: Engine, alone: list[list[int]], spec: str, where: str
+def test_a_packing_failure_in_the_prefill_fails_its_own_request_never_the_engine(
+    engine: Engine, alone: list[list[int]]
 ) -> None:
-    with faults.injected(spec):
+    with faults.injected("pack@2"):  # the second request packed, in the step of all three prompts
         assert_only_the_second_failed(engine, alone, "request '")
     assert engine.stats().num_running == engine.stats().num_waiting == 0
+
+
+def test_a_packing_failure_beside_decode_rows_with_a_step_in_flight_fails_its_own_request() -> None:
+    # Chunks of at most 3 tokens: the first prompt fills step 0, and the second is first packed into
+    # step 1 beside the first's decode row, scheduled ahead while step 0 is in flight. Taking step 1
+    # back must leave the first request exactly as it was.
+    overrides = [*ENGINE, "engine.chunked_prefill=on", "engine.max_num_batched_tokens=3"]
+    with Engine.from_overrides(overrides) as chunked:
+        alone = [o.output_token_ids for o in chunked.generate(PROMPTS, GOOD)]
+        with faults.injected("pack@2"):
+            assert_only_the_second_failed(chunked, alone, "request '")
+        stats = chunked.stats()
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.kv_blocks_free == stats.kv_blocks_total, "a block of the step taken back was not returned"
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -26,7 +26,7 @@ def test_a_missing_chat_template_is_refused_before_the_engine_starts(
     code = main(["serve", "tiny", "--port", "0", f"server.chat_template={tmp_path / 'nope.jinja'}"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert f"corelib: error: server.chat_template={tmp_path / 'nope.jinja'} cannot be read" in err
+    assert f"corelib: error: server.chat_template: {tmp_path / 'nope.jinja'} cannot be read" in err
 
 
 def test_a_taken_port_is_refused_before_the_engine_starts(
