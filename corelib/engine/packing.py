@@ -15,7 +15,10 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from corelib.engine.scheduler import ScheduledStep
@@ -23,12 +26,16 @@ from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.faults import maybe_fail
 from corelib.ops.spec import SAMPLING_COLUMNS, SamplingColumn
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
-from corelib.step.arena import RELAY
+from corelib.step.arena import RELAY, ArenaLayout
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
 from corelib.transport.wire import pad_rows
 
 INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_,
+          torch.uint8: np.uint8}
 
 
 class PackingError(Exception):
@@ -71,11 +78,35 @@ class InputBuilder:
         self.pad_state_index = layout.pad_state_index
         self.decode = layout.decode_layout
         states = self.pad_state_index + 1
-        self.state_block_tables = torch.zeros((states, self.max_blocks), dtype=torch.int32)
+        # Host tables by state index, written through numpy: a small numpy op costs a fraction of a torch
+        # one, and a decode step is a few dozen of them.
+        self.state_block_tables = np.zeros((states, self.max_blocks), dtype=np.int32)
         # Sampling values by state index, one host table per column, refreshed when an index changes owner.
-        self.state_sampling = {c.name: torch.full((states,), c.neutral, dtype=c.dtype) for c in SAMPLING_COLUMNS}
-        self.state_prompt_lens = torch.ones(states, dtype=torch.int64)
+        self.state_sampling: dict[str, npt.NDArray[Any]] = {
+            c.name: np.full((states,), c.neutral, dtype=_NUMPY[c.dtype]) for c in SAMPLING_COLUMNS}
+        self.state_prompt_lens = np.ones(states, dtype=np.int64)
+        self.state_sampler = np.zeros(states, dtype=np.bool_)  # the row needs more than greedy argmax
+        self.state_logprobs = np.zeros(states, dtype=np.bool_)  # the row asks for logprobs
         self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * states  # seq_id, blocks_epoch, blocks written
+        # Numpy views of each (layout, arena) packed so far; the layout is kept so that its id stays its own.
+        self._views: dict[tuple[int, int], tuple[ArenaLayout, dict[str, npt.NDArray[Any]]]] = {}
+
+    def _numpy_views(self, layout: ArenaLayout, arena: torch.Tensor) -> dict[str, npt.NDArray[Any]]:
+        """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena."""
+        key = (id(layout), arena.data_ptr())
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached[1]
+        if arena.dtype != torch.uint8 or arena.numel() < layout.nbytes:
+            raise ValueError(f"arena must be uint8 with at least {layout.nbytes} bytes")
+        if len(self._views) >= 512:  # arenas are a small pool; step layouts, one per token count in use
+            self._views.clear()
+        raw = arena.numpy()
+        views: dict[str, npt.NDArray[Any]] = {
+            f.name: raw[offset : offset + f.nbytes].view(_NUMPY[f.dtype]).reshape(f.shape)
+            for f, offset in zip(layout.fields, layout.offsets, strict=True)}
+        self._views[key] = (layout, views)
+        return views
 
     def _sync_state(self, seq: EngineSequence, index: int) -> None:
         """Bring the cached block table and sampling values of state ``index`` up to date with ``seq``."""
@@ -85,9 +116,11 @@ class InputBuilder:
             for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
                 self.state_sampling[column.name][index] = value
             self.state_prompt_lens[index] = seq.num_prompt_tokens
+            self.state_sampler[index] = seq.sampling.needs_sampler
+            self.state_logprobs[index] = seq.sampling.logprobs is not None
             written = 0
         if written < len(table):
-            self.state_block_tables[index, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
+            self.state_block_tables[index, written : len(table)] = table[written:]
             written = len(table)
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
 
@@ -120,7 +153,7 @@ class InputBuilder:
         num_tokens, longest = step.num_tokens, max(step.query_lens)
         decode = longest == 1
         layout = self.decode if decode else self.layout.step_layout(num_tokens)
-        v = layout.views(arena)
+        v = self._numpy_views(layout, arena)
         pad = self.pad_state_index
         indices: list[int] = []
         for seq in step.seqs:
@@ -132,8 +165,8 @@ class InputBuilder:
             except Exception as error:  # this request's values or tables
                 raise _failed(seq, error) from error
             indices.append(index)
-        index_t = torch.tensor(indices, dtype=torch.int64)
-        seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)
+        index_t = np.array(indices, dtype=np.int64)
+        seq_lens = np.array(step.seq_lens, dtype=np.int64)
         if decode:
             ids = [RELAY if relay else seq.token_at(p)
                    for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)]
@@ -143,34 +176,35 @@ class InputBuilder:
             ids = list(itertools.chain.from_iterable(
                 _row_tokens(seq, start, q, relay)
                 for seq, start, q, relay in zip(step.seqs, step.starts, step.query_lens, step.from_relay, strict=True)))
-            lengths = torch.tensor(step.query_lens, dtype=torch.int64)
-            token_states = index_t.repeat_interleave(lengths)
+            lengths = np.array(step.query_lens, dtype=np.int64)
+            ends = np.cumsum(lengths)
+            token_states = np.repeat(index_t, lengths)
             # Each token's position: its row's start plus its place in the row.
-            row_first = torch.cumsum(lengths, 0) - lengths
-            positions = torch.arange(num_tokens) - row_first.repeat_interleave(lengths) + \
-                torch.tensor(step.starts, dtype=torch.int64).repeat_interleave(lengths)
+            positions = (np.arange(num_tokens, dtype=np.int64) - np.repeat(ends - lengths, lengths)
+                         + np.repeat(np.array(step.starts, dtype=np.int64), lengths))
             v["query_start"][0] = 0
-            v["query_start"][1 : n + 1] = torch.cumsum(lengths, 0)
-        v["input_ids"][:num_tokens] = torch.tensor(ids, dtype=torch.int64)
+            v["query_start"][1 : n + 1] = ends
+        size = self.block_size
+        v["input_ids"][:num_tokens] = ids
         v["positions"][:num_tokens] = positions
-        block = self.state_block_tables[token_states, positions // self.block_size].to(torch.int64)
-        v["slot_mapping"][:num_tokens] = block * self.block_size + positions % self.block_size
+        block = self.state_block_tables[token_states, positions // size].astype(np.int64)
+        v["slot_mapping"][:num_tokens] = block * size + positions % size
         v["seq_lens"][:n] = seq_lens
         v["state_indices"][:n] = index_t
-        v["sample_slots"][:n] = torch.where(torch.tensor(step.samples), index_t, pad)
+        v["sample_slots"][:n] = np.where(step.samples, index_t, pad)
         v["prompt_lens"][:n] = self.state_prompt_lens[index_t]
         for name, table in self.state_sampling.items():
             v[name][:n] = table[index_t]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
         copies = len(step.copies)
         if copies:
-            v["copy_from"][:copies] = torch.tensor([source for source, _ in step.copies], dtype=torch.int64)
-            v["copy_to"][:copies] = torch.tensor([copy for _, copy in step.copies], dtype=torch.int64)
+            v["copy_from"][:copies] = [source for source, _ in step.copies]
+            v["copy_to"][:copies] = [copy for _, copy in step.copies]
         if decode and bucket > n:
             pad_rows(v, n, bucket, kv_blocks, pad)
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
-        sample = any(s.sampling.needs_sampler for s in step.seqs)
-        logprobs = any(s.sampling.logprobs is not None for s in step.seqs)
+        sample = bool(self.state_sampler[index_t].any())
+        logprobs = bool(self.state_logprobs[index_t].any())
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                             leading)

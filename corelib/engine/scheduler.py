@@ -51,7 +51,7 @@ class ScheduledStep:
 
     @property
     def kind(self) -> StepKind:
-        return StepKind.decode if all(q == 1 for q in self.query_lens) else StepKind.prefill
+        return StepKind.decode if not self.query_lens or max(self.query_lens) == 1 else StepKind.prefill
 
     @property
     def num_tokens(self) -> int:
@@ -218,9 +218,10 @@ class Scheduler:
 
     def _build(self, decode: list[Sequence], prompts: list[Sequence],
                admitted: list[tuple[Sequence, int]]) -> ScheduledStep:
-        copies: list[tuple[int, int]] = []
-        rows, preempted = self._grow_decode_rows(decode, copies)
-        budget = self.limits.max_num_batched_tokens - len(rows)
+        step = ScheduledStep([], [], [], [], [])
+        self._add_decode_rows(step, decode)
+        rows: list[_Row] = []
+        budget = self.limits.max_num_batched_tokens - len(step.seqs)
         for seq in prompts:  # prompts in progress, in the order they were admitted
             if seq.status is not Status.RUNNING:
                 continue  # preempted above to make room for a decode row
@@ -235,31 +236,50 @@ class Scheduler:
             if not tokens:
                 break
             rows.append(_Row(seq, tokens))
-        return self._step(rows, preempted, copies)
+        self._add_rows(step, rows)
+        return step
 
-    def _grow_decode_rows(self, decode: list[Sequence], copies: list[tuple[int, int]]) -> tuple[list[_Row], int]:
-        rows: list[_Row] = []
-        preempted = 0
-        blocks, size = self.blocks, self.blocks.block_size
+    def _add_decode_rows(self, step: ScheduledStep, decode: list[Sequence]) -> None:
+        """The decode rows, first: each feeds the one token it sampled last (its KV slot grown when the
+        row reaches a new block, a shared block copied first), and samples the next.
+
+        The loop every decode step runs for every row, so it reads the fields itself: most rows of
+        most steps have their slot already and share no block.
+        """
+        blocks = self.blocks
+        size, caching, refs, forks = blocks.block_size, blocks.prefix_caching, blocks.ref_counts, self._forks
+        seqs, starts, lens, samples, relay = step.seqs, step.starts, step.query_lens, step.samples, step.from_relay
         queue = deque(decode)
         while queue:
             seq = queue.popleft()
-            need = seq.num_scheduled_tokens  # the token fed this step needs its KV slot
-            shared = blocks.writes_shared_block(seq, seq.num_computed_tokens)
-            if shared or need > len(seq.block_table) * size:  # most rows of most steps have their slot
+            start = seq.num_computed_tokens  # the position fed: its token needs its KV slot
+            table = seq.block_table
+            index = start // size
+            shared = index < len(table) and refs[table[index]] > 1
+            if shared or index >= len(table):
                 while self._blocks_wanted(seq) > blocks.num_free_blocks:
                     victim = queue.pop() if queue else self._latest_other(seq)
                     self._preempt(victim)
-                    preempted += 1
+                    step.num_preempted += 1
                     if victim is seq:
                         break
                 if seq.status is not Status.RUNNING:
                     continue
                 if shared:
-                    copies.append(blocks.copy_on_write(seq, seq.num_computed_tokens))
-                blocks.append(seq, need)
-            rows.append(_Row(seq, 1))
-        return rows, preempted
+                    step.copies.append(blocks.copy_on_write(seq, start))
+                blocks.append(seq, start + 1)
+            pending = seq.num_pending
+            seqs.append(seq)
+            starts.append(start)
+            lens.append(1)
+            samples.append(True)
+            relay.append(pending > 0)
+            seq.num_computed_tokens = start + 1
+            if caching:
+                blocks.register(seq, start + 1)
+            if forks and not pending and seq.seq_id in forks and not seq.output_token_ids:
+                step.forked += self._fork(seq, forks.pop(seq.seq_id))
+            seq.num_pending = pending + 1
 
     def _latest_other(self, seq: Sequence) -> Sequence:
         """The victim once no later decode row is left: the latest prompt in progress, else ``seq`` itself."""
@@ -301,8 +321,8 @@ class Scheduler:
         self.running.append(seq)
         return tokens
 
-    def _step(self, rows: list[_Row], preempted: int, copies: list[tuple[int, int]]) -> ScheduledStep:
-        step = ScheduledStep([], [], [], [], [], copies, num_preempted=preempted)
+    def _add_rows(self, step: ScheduledStep, rows: list[_Row]) -> None:
+        """Prompt rows, after the decode rows: a row samples when its chunk reaches its last token."""
         for row in rows:
             seq = row.seq
             start = seq.num_computed_tokens
@@ -318,7 +338,6 @@ class Scheduler:
                 if seq.seq_id in self._forks and not seq.output_token_ids and not seq.num_pending:
                     step.forked += self._fork(seq, self._forks.pop(seq.seq_id))
                 seq.num_pending += 1
-        return step
 
     def _fork(self, first: Sequence, others: list[Sequence]) -> list[Sequence]:
         """``first`` has its prompt's KV (this step writes its last): the others take its blocks and recompute

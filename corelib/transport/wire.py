@@ -17,7 +17,9 @@ from __future__ import annotations
 import enum
 import functools
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import crc32c
 import torch
@@ -66,9 +68,10 @@ def step_layout(tokens: int, rows: int, width: int) -> ArenaLayout:
     ])
 
 
-def pad_rows(views: dict[str, torch.Tensor], first: int, last: int, kv_blocks: int, pad_state_index: int) -> None:
+def pad_rows(views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pad_state_index: int) -> None:
     """Rows (and their tokens) ``[first, last)`` of a decode step: token 0 at position 0 of the padding
-    state index, on the null block, greedy, sampling into the padding slot."""
+    state index, on the null block, greedy, sampling into the padding slot. ``views``: the step layout's
+    views as torch tensors or numpy arrays (the packer writes through numpy)."""
     for name in ("input_ids", "positions", "slot_mapping"):
         views[name][first:last] = 0
     views["seq_lens"][first:last] = 1
