@@ -6,6 +6,9 @@ hooks below with ``@hookimpl``. A plugin that fails to load, whatever it raises 
 KeyboardInterrupt included, unless a real signal caused them), or whose name another installed
 distribution also registers, is recorded and skipped: it only becomes an error when its
 backend is selected.
+
+Long: it is one contract, the hook specification, with the discovery that enforces it (loading,
+duplicate names, timeouts, the errors recorded per plugin).
 """
 
 from __future__ import annotations

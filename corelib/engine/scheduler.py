@@ -18,6 +18,9 @@ the host has not seen (``num_pending``). Such a sequence's next input comes from
 and a sequence that stops while a step is in flight has that step's token dropped and its blocks
 returned. Only a row that samples makes a token pending, so the relay never feeds a row from a
 step that sampled nothing for it.
+
+Long: it is one policy, the ragged step's: admission, chunks, decode rows, copies on write, forks
+and preemption decide each other's room in the same step, so they live together.
 """
 
 from __future__ import annotations
@@ -146,9 +149,7 @@ class Scheduler:
     def schedule(self, in_flight: bool, sync_check: SyncCheck) -> ScheduledStep | NoStep:
         """The next step, or why there is none."""
         if self.limits.chunked_prefill:
-            running = [seq for seq in self.running if self._can_continue(seq)]
-            decode = [seq for seq in running if seq.num_uncomputed_tokens == 1]
-            prompts = [seq for seq in running if seq.num_uncomputed_tokens > 1]
+            decode, prompts = self._running_rows()
             budget = self.limits.max_num_batched_tokens - len(decode)
             admitted = self._choose_prompts(budget - sum(s.num_uncomputed_tokens for s in prompts), chunked=True)
         else:
@@ -193,6 +194,28 @@ class Scheduler:
             budget -= tokens
             blocks += need
         return chosen
+
+    def _running_rows(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that go on: (those that decode, those within their prompt), in order.
+
+        :meth:`_can_continue` and ``num_uncomputed_tokens`` read inline: this runs for every row of every step.
+        """
+        decode: list[Sequence] = []
+        prompts: list[Sequence] = []
+        max_len, running = self.limits.max_model_len, Status.RUNNING
+        for seq in self.running:
+            scheduled = len(seq.output_token_ids) + seq.num_pending  # outputs once every step in flight is read
+            if seq.status is not running or scheduled >= seq.sampling.max_tokens:
+                continue
+            known = seq.num_prompt_tokens + scheduled
+            if known >= max_len:
+                continue
+            uncomputed = known - seq.num_computed_tokens
+            if uncomputed == 1:
+                decode.append(seq)
+            elif uncomputed > 1:
+                prompts.append(seq)
+        return decode, prompts
 
     def _can_continue(self, seq: Sequence) -> bool:
         scheduled = len(seq.output_token_ids) + seq.num_pending  # outputs once every step in flight is read

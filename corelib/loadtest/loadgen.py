@@ -18,6 +18,9 @@ starts with the same ``shared_prefix_len`` tokens, a system prompt, so prefix ca
 its KV blocks; the point reports the server's prefix-cache hit rate), and mixed traffic
 (``decoders`` requests keep decoding while the point's prompts arrive; their inter-token times
 are reported apart, so a prompt that stalls the decoders shows as a long p99).
+
+Long: one measurement from arguments to report: the load shapes (rate, concurrency, decoders),
+the checks of every answer, and the server's own figures before and after.
 """
 
 from __future__ import annotations

@@ -90,9 +90,10 @@ def count_history(
     rows, width = block_tables.shape
     slots = (block_tables.to(torch.int64)[:, :, None] * block_size
              + torch.arange(block_size, device=block_tables.device)).reshape(rows, width * block_size)
-    tokens = slot_tokens[slots]  # [B, W * block_size]
     position = torch.arange(width * block_size, device=block_tables.device)[None, :]
     held = position < seq_lens[:, None]
+    # Columns past a row's blocks may hold anything (a graph reads the bucket's whole width): never index by them.
+    tokens = slot_tokens[torch.where(held, slots, 0)]  # [B, W * block_size]
     is_prompt = position < prompt_lens[:, None]
     vocab = history.output_counts.shape[1]
     flat = (history.states[:, None] * vocab + tokens).reshape(-1)
