@@ -10,7 +10,10 @@ mixed steps gives the device kernels by total time (and by count), so a slow op 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 
@@ -29,6 +32,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cprofile", action="store_true", help="also a cProfile of the host over 6 more mixed steps")
     args = parser.parse_args()
     overrides = [*args.overrides, "engine.chunked_prefill=on", f"engine.max_num_batched_tokens={args.budget}",
                  f"engine.max_num_seqs={args.decoders + args.prompts}", "model.max_model_len=4096"]
@@ -40,7 +44,7 @@ def main() -> None:
         for _ in range(24):  # the decoders' prompts done: decode steps alone
             engine.step()
         decode_ms = timed(engine, 32)
-        for i in range(args.prompts):
+        for i in range(args.prompts * (2 if args.cprofile else 1)):
             engine.add_request([(i * 131 + j * 17) % (vocab - 2) + 2 for j in range(args.prompt)],
                                SamplingParams(max_tokens=4, ignore_eos=True))
         engine.step()
@@ -48,13 +52,23 @@ def main() -> None:
                                                 torch.profiler.ProfilerActivity.CUDA]) as profile:
             mixed_ms = timed(engine, 6)
         table = profile.key_averages().table(sort_by="cuda_time_total", row_limit=args.top)
+        host = ""
+        if args.cprofile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            host_ms = timed(engine, 6)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+            host = f"mixed steps under cProfile: {', '.join(f'{t:.2f}' for t in host_ms)} ms\n{text.getvalue()}"
         print(f"decode steps alone: median {statistics.median(decode_ms):.3f} ms per step")
         print(f"mixed steps ({args.budget}-token budget, {args.decoders} decode rows): "
               f"{', '.join(f'{t:.2f}' for t in mixed_ms)} ms")
         print(table)
+        print(host)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"decode_ms": decode_ms, "mixed_ms": mixed_ms, "table": table}, f, indent=1)
+                json.dump({"decode_ms": decode_ms, "mixed_ms": mixed_ms, "table": table, "host": host}, f, indent=1)
 
 
 def timed(engine: Engine, steps: int) -> list[float]:
