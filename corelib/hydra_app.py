@@ -41,12 +41,12 @@ _PLAIN_FLAGS = frozenset(
      "-sc", "--shell-completion"}
 )
 _INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-HYDRA_FLAGS = _FLAGS_WITH_VALUE | _INFO_FLAGS | _PLAIN_FLAGS
+HYDRA_FLAGS = _FLAGS_WITH_VALUE | _INFO_FLAGS | _PLAIN_FLAGS | frozenset(_REFUSED_FLAGS)  # refused by split_arguments
 
 
 def takes_value(flag: str, following: str) -> bool:
     """Whether ``following`` is the value of Hydra's ``flag`` (``--cfg job``, ``--info config``)."""
-    return flag in _FLAGS_WITH_VALUE or (flag in _INFO_FLAGS and following in _INFO_VALUES)
+    return flag in _FLAGS_WITH_VALUE or flag in _REFUSED_FLAGS or (flag in _INFO_FLAGS and following in _INFO_VALUES)
 # Flags that leave the config tree as it is, so composing without them gives the same result.
 _PRECHECK_FLAGS = frozenset({"--cfg", "-c", "--resolve", "--package", "-p", "-m", "--multirun"})
 _job_log = logging.getLogger("corelib.console")  # Hydra's job logging writes it to the run directory's log

@@ -118,7 +118,8 @@ def test_ctrl_c_keeps_the_outputs_of_finished_requests(tmp_path: Path) -> None:
     assert process.returncode == 130, stderr
     kept = read_outputs(outputs)
     assert 3 <= len(kept) < 400
-    assert all(r["finish_reason"] == "length" and r["ttft_ms"] is not None for r in kept)
+    # Finished requests only: at their length, or at an EOS the random weights sampled.
+    assert all(r["finish_reason"] in ("length", "stop") and r["ttft_ms"] is not None for r in kept), kept[:3]
     assert (run_dir / "run.log").read_text().rstrip().endswith("- interrupted")  # the log says why it stopped
 
 

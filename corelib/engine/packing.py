@@ -11,6 +11,7 @@ it, so the engine fails that request alone and runs the others.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import operator
@@ -89,19 +90,25 @@ class InputBuilder:
         self.state_logprobs = np.zeros(states, dtype=np.bool_)  # the row asks for logprobs
         self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * states  # seq_id, blocks_epoch, blocks written
         # Numpy views of each (layout, arena) packed so far; the layout is kept so that its id stays its own.
-        self._views: dict[tuple[int, int], tuple[ArenaLayout, dict[str, npt.NDArray[Any]]]] = {}
+        self._views: dict[tuple[int, int, int], tuple[ArenaLayout, dict[str, npt.NDArray[Any]]]] = {}
 
     def _numpy_views(self, layout: ArenaLayout, arena: torch.Tensor) -> dict[str, npt.NDArray[Any]]:
-        """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena."""
-        key = (id(layout), arena.data_ptr())
+        """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena.
+
+        The views hold the arena's address, not the arena: they never keep it alive (whoever owns
+        the step's inputs does), and they are used only for an arena found at that address with that
+        size, whose bytes they then are.
+        """
+        key = (id(layout), arena.data_ptr(), arena.numel())
         cached = self._views.get(key)
         if cached is not None:
             return cached[1]
-        if arena.dtype != torch.uint8 or arena.numel() < layout.nbytes:
-            raise ValueError(f"arena must be uint8 with at least {layout.nbytes} bytes")
+        if arena.dtype != torch.uint8 or arena.numel() < layout.nbytes or arena.device.type != "cpu" \
+                or not arena.is_contiguous():
+            raise ValueError(f"arena must be a contiguous host uint8 tensor of at least {layout.nbytes} bytes")
         if len(self._views) >= 512:  # arenas are a small pool; step layouts, one per token count in use
             self._views.clear()
-        raw = arena.numpy()
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * arena.numel()).from_address(arena.data_ptr()))
         views: dict[str, npt.NDArray[Any]] = {
             f.name: raw[offset : offset + f.nbytes].view(_NUMPY[f.dtype]).reshape(f.shape)
             for f, offset in zip(layout.fields, layout.offsets, strict=True)}

@@ -273,13 +273,14 @@ class Scheduler:
         size, caching, refs, forks = blocks.block_size, blocks.prefix_caching, blocks.ref_counts, self._forks
         seqs, starts, lens, samples, relay = step.seqs, step.starts, step.query_lens, step.samples, step.from_relay
         queue = deque(decode)
+        first = len(seqs)
         while queue:
             seq = queue.popleft()
             start = seq.num_computed_tokens  # the position fed: its token needs its KV slot
             table = seq.block_table
-            index = start // size
-            shared = index < len(table) and refs[table[index]] > 1
-            if shared or index >= len(table):
+            index, have = start // size, len(table)
+            shared = index < have and refs[table[index]] > 1
+            if shared or index >= have:
                 while self._blocks_wanted(seq) > blocks.num_free_blocks:
                     victim = queue.pop() if queue else self._latest_other(seq)
                     self._preempt(victim)
@@ -294,8 +295,6 @@ class Scheduler:
             pending = seq.num_pending
             seqs.append(seq)
             starts.append(start)
-            lens.append(1)
-            samples.append(True)
             relay.append(pending > 0)
             seq.num_computed_tokens = start + 1
             if caching:
@@ -303,6 +302,9 @@ class Scheduler:
             if forks and not pending and seq.seq_id in forks and not seq.output_token_ids:
                 step.forked += self._fork(seq, forks.pop(seq.seq_id))
             seq.num_pending = pending + 1
+        added = len(seqs) - first  # each feeds one token and samples
+        lens += [1] * added
+        samples += [True] * added
 
     def _latest_other(self, seq: Sequence) -> Sequence:
         """The victim once no later decode row is left: the latest prompt in progress, else ``seq`` itself."""

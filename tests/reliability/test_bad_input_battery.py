@@ -31,7 +31,7 @@ from corelib.engine import Engine, SamplingParams
 from corelib.errors import WorkerDied
 from corelib.sampling_params import SamplingError
 from corelib.transport.shm_executor import ShmExecutor
-from corelib.transport.wire import _FIXED, HEADER_BYTES, FrameHeader, FrameKind
+from corelib.transport.wire import _FIXED, HEADER_BYTES, VERSION, FrameHeader, FrameKind
 
 ENGINE = ["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=4", "model.max_model_len=64"]
 GOOD_PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -220,7 +220,8 @@ TABLE: list[tuple[str, str, Case]] = [
     ("frame", "truncated", FrameCase("bad checksum .*corrupted or truncated", tamper=_cut_stale)),
     ("frame", "truncated-resealed", FrameCase(r"payload of \d+ bytes is shorter than its layout",
                                               tamper=_cut_resealed)),
-    ("frame", "wrong-version", FrameCase("frame version 9, this corelib speaks version 6", poke=_poke("version", 9))),
+    ("frame", "wrong-version", FrameCase(f"frame version 9, this corelib speaks version {VERSION}",
+                                         poke=_poke("version", 9))),
     ("frame", "bad-magic", FrameCase("bad magic 0x0badf00d", poke=_poke("magic", 0x0BADF00D))),
     ("frame", "oversize", FrameCase(r"payload length 9999999 exceeds the slot's \d+",
                                     poke=_poke("payload_len", 9999999))),
