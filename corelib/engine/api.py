@@ -17,6 +17,7 @@ one driving thread); its parts live beside it (:mod:`corelib.step.build` assembl
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -206,7 +207,10 @@ class Engine:
             if len({i for i in ids if i is not None}) != sum(1 for i in ids if i is not None):
                 raise RequestError("request_ids: give each request its own id")
             text = prompt if isinstance(prompt, str) else None
-            encoded = self.encode(prompt) if isinstance(prompt, str) else prompt
+            encoded: Prompt = prompt
+            if isinstance(prompt, str):
+                with contextlib.suppress(RequestError):  # else each request finishes with the error at once
+                    encoded = self.encode(prompt)
             group, out = [], []
             for sampling, request_id in zip(samplings, ids, strict=True):
                 seq = self._sequence(encoded, sampling, request_id, False, text)

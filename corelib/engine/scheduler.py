@@ -117,6 +117,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._forks: dict[int, list[Sequence]] = {}  # a prompt's first request -> the others, until it samples
         self.num_forked = 0
+        self._carried: list[tuple[int, int]] = []  # copies on write of a step taken back: the next step makes them
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -241,7 +242,8 @@ class Scheduler:
 
     def _build(self, decode: list[Sequence], prompts: list[Sequence],
                admitted: list[tuple[Sequence, int]]) -> ScheduledStep:
-        step = ScheduledStep([], [], [], [], [])
+        step = ScheduledStep([], [], [], [], [], self._carried)
+        self._carried = []
         self._add_decode_rows(step, decode)
         rows: list[_Row] = []
         budget = self.limits.max_num_batched_tokens - len(step.seqs)
@@ -388,13 +390,18 @@ class Scheduler:
 
         Rows keep their blocks (the next step needs them), but the blocks this step keyed for the
         prefix cache hold nothing yet and lose their keys, and a row that sampled makes no token
-        pending. Requests handed a prompt's blocks by this step (``n``) wait and prefill on their own.
+        pending; its copies on write are made by the next step. Requests handed a prompt's blocks by
+        this step (``n``) wait and prefill on their own.
         """
         for seq, start, samples in zip(step.seqs, step.starts, step.samples, strict=True):
             if samples:
                 seq.num_pending -= 1
             seq.num_computed_tokens = start
             self.blocks.unregister(seq, start)
+        # A row that was given its own copy of a shared block already writes there: the next step
+        # makes the copy before its forward (a copy whose row finishes meanwhile copies into a
+        # block that is free again, which nothing reads).
+        self._carried = step.copies + self._carried
         again = list(step.forked)
         if not self.limits.chunked_prefill:  # a prompt is fed whole: one taken back waits to be admitted again
             again += [seq for seq in step.seqs if seq.num_uncomputed_tokens > 1]

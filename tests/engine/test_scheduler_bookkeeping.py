@@ -266,3 +266,19 @@ def test_running_ahead_waits_for_the_tokens_rather_than_preempt_a_sequence_in_fl
     assert s.schedule(in_flight=True, sync_check=lambda seqs: []) is NoStep.drain
     assert s.running == [a, b] and s.num_preemptions == 0 and s.blocks.num_free_blocks == free
     assert a.num_pending == b.num_pending == 1, "nothing was scheduled"
+
+
+def test_a_step_taken_back_leaves_its_copies_on_write_to_the_next_step() -> None:
+    s = Scheduler(SchedulerLimits(4, 256, 64, share_prompt_blocks=True), BlockManager(32, BLOCK), 4,
+                  StopChecker(64, frozenset({1})))
+    first, second = seq(0, prompt_len=6), seq(1, prompt_len=6)
+    s.add_group([first, second])
+    advance(s)  # the first prefills the prompt; the second takes its blocks
+    taken = step(s)  # both rows write into the shared second block: the first gets a copy of it first
+    assert len(taken.copies) == 1, taken.copies
+    computed = [q.num_computed_tokens for q in taken.seqs]
+    s.unschedule(taken)  # never submitted (its packing failed)
+    assert [q.num_computed_tokens for q in taken.seqs] == [c - 1 for c in computed]
+    again = step(s)
+    assert again.copies == taken.copies, "the rows already write into their copies: the next step must make them"
+    assert again.seqs == taken.seqs and again.starts == taken.starts
