@@ -117,7 +117,7 @@ def test_two_nodes_give_the_tokens_of_one_rank(tmp_path: Path, backend: str) -> 
     for node, (code, out, err) in enumerate(results):
         assert code == 0, f"node {node} exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
     assert _tokens(tmp_path / "node0" / "run") == _tokens(tmp_path / "tp1")
-    assert "node 1 (worker rank 1) of 2: following node 0" in results[1][1]
+    assert "node 1 (worker rank 1) of 2: following node 0" in results[1][2]  # status: stderr
     assert not (tmp_path / "node1" / "run" / "outputs.jsonl").exists(), "only node 0 writes the outputs"
 
 
@@ -165,7 +165,7 @@ def test_serve_across_two_nodes_answers_and_stops_both(tmp_path: Path, ending: s
     assert [int(t) for t in re.findall(r"<(\d+)>", text)] == expected, answer
     if ending == "SIGTERM to node 0":
         code, out, err = results[1]
-        assert code == 0 and "node 0 finished" in out, f"node 1 exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
+        assert code == 0 and "node 0 finished" in err, f"node 1 exited {code}:\n{out[-2000:]}\n{err[-4000:]}"
     else:
         # The engine stops at once; the HTTP server stays up to say why (503) until it is stopped.
         assert "node 1 (worker rank 1) is gone" in reason, reason
