@@ -157,7 +157,7 @@ class Scheduler:
             decode, prompts = [], []
             admitted = self._choose_prompts(self.limits.max_num_batched_tokens, chunked=False)
             if not admitted:
-                decode = [seq for seq in self.running if self._can_continue(seq)]
+                decode, _ = self._running_rows()  # without chunks a running sequence has its prompt computed
         candidates = [*decode, *prompts, *(seq for seq, _ in admitted)]
         if not candidates:
             return NoStep.drain if in_flight else NoStep.idle
@@ -199,7 +199,8 @@ class Scheduler:
     def _running_rows(self) -> tuple[list[Sequence], list[Sequence]]:
         """The running sequences that go on: (those that decode, those within their prompt), in order.
 
-        :meth:`_can_continue` and ``num_uncomputed_tokens`` read inline: this runs for every row of every step.
+        A sequence goes on until it has ``max_tokens`` outputs or the model's length, counting the
+        tokens still in flight; ``num_uncomputed_tokens`` is read inline: this runs for every row of every step.
         """
         decode: list[Sequence] = []
         prompts: list[Sequence] = []
@@ -217,14 +218,6 @@ class Scheduler:
             elif uncomputed > 1:
                 prompts.append(seq)
         return decode, prompts
-
-    def _can_continue(self, seq: Sequence) -> bool:
-        scheduled = len(seq.output_token_ids) + seq.num_pending  # outputs once every step in flight is read
-        return (
-            seq.status is Status.RUNNING
-            and scheduled < seq.sampling.max_tokens
-            and seq.num_prompt_tokens + scheduled < self.limits.max_model_len
-        )
 
     def _needs_preemption(self, decode: list[Sequence]) -> bool:
         free = self.blocks.num_free_blocks

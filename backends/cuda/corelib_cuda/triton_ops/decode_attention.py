@@ -37,6 +37,23 @@ MIN_SPLIT_KEYS = 64
 
 
 @triton.jit
+def load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
+                 kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST: tl.constexpr):
+    """The keys and values [BLOCK_N, DIM_PAD] of positions ``pos`` of one sequence, read through its block
+    table (``live``: the positions that exist; others read as 0)."""
+    block = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
+    offset = pos % block_size
+    kv_mask = live[:, None] & d_ok[None, :]
+    k = tl.load(kc_ptr + (block * kc_sb + offset * kc_st + kv_head * kc_sh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(vc_ptr + (block * vc_sb + offset * vc_st + kv_head * vc_sh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale, block_size,
@@ -71,15 +88,8 @@ def _decode_kernel(
     for first in range(start, end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         live = pos < end
-        block = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
-        offset = pos % block_size
-        kv_mask = live[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + (block * kc_sb + offset * kc_st + kv_head * kc_sh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + (block * vc_sb + offset * vc_st + kv_head * vc_sh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
+                            kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -27,7 +27,7 @@ from corelib_cuda.triton_ops.common import (
     next_power_of_2,
     upcast_in_kernel,
 )
-from corelib_cuda.triton_ops.decode_attention import paged_decode_attention
+from corelib_cuda.triton_ops.decode_attention import load_kv_tile, paged_decode_attention
 
 _OP = "paged_attention"
 
@@ -66,15 +66,8 @@ def _chunk_kernel(
     for key_first in range(0, end, BLOCK_N):
         pos = key_first + tl.arange(0, BLOCK_N)
         live = pos < end
-        block = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
-        offset = pos % block_size
-        kv_mask = live[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + (block * kc_sb + offset * kc_st + kv_head * kc_sh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + (block * vc_sb + offset * vc_st + kv_head * vc_sh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
+                            kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         # Key 0 is visible to every query (q_pos >= 0), so no row is all -inf.
         s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
