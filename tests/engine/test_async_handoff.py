@@ -66,6 +66,7 @@ TARGETS = [
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize(("backend", "runtime"), TARGETS)
 def test_async_matches_sync_under_chaos(make_engine: EngineFactory, backend: str, runtime: str) -> None:
     requests = mixed_requests(330, seed=7)  # 2000+ steps of decode rows alone, with chunked prefill

@@ -291,6 +291,7 @@ def _disarmed() -> Iterator[None]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a fresh interpreter and a worker per CLI fault, stalls that must time out
 @pytest.mark.parametrize(("fault", "surface"), CASES)
 def test_fault(fault: Fault, surface: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     if surface == API:
@@ -367,6 +368,7 @@ def test_a_hold_says_it_holds_and_waits_for_its_release_file(tmp_path: Path, mon
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_to_the_main_process_ends_its_workers_and_the_next_start_removes_its_segments(tmp_path: Path) -> None:
     """The one signal nothing can catch: the workers notice their scheduler is gone and exit, and
     the segments it could not unlink are removed (and reported) by the next run that uses SHM."""

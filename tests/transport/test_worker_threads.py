@@ -215,6 +215,13 @@ def test_nothing_in_the_hop_sleeps_a_fixed_time(kits: Callable[..., Kit], monkey
             wait_for(k.steps.waiting.setdefault(step, threading.Event()), f"nobody waited for step {step}")
             k.steps.gate(step).set()
         assert k.result(step) == [step * 10]
+    # With nothing left to read and no spin, the receiving thread must sleep on its doorbell; how
+    # often it did between the frames depends on how the threads were scheduled, so wait for it.
+    idle = threading.Event()
+    for _ in range(int(WAIT_S / 0.01)):
+        if k.loop.consumer.sleeps > 0:
+            break
+        idle.wait(0.01)  # not time.sleep: that is the function this test records
     k.stop()
     assert slept == [], f"the hop slept fixed times: {slept[:5]}"
     assert k.loop.consumer.sleeps > 0, "the receiving thread never slept on its doorbell"
