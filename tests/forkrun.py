@@ -131,7 +131,7 @@ class _Server:
         self.outputs = Path(tempfile.mkdtemp(prefix="corelib-forkrun-"))
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVER], env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
+            cwd=self.outputs,  # an empty directory: nothing there can shadow what torch imports
         )
         self.receive(START_TIMEOUT_S, "to import torch")
 
