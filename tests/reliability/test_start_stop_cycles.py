@@ -94,8 +94,7 @@ def test_start_stop_cycles_leave_nothing_behind(transport: str) -> None:
     start, run, close = (statistics.median(getattr(c, f) for c in cycles) for f in ("start_s", "run_s", "close_s"))
     print(
         f"\n{transport}: {CYCLES[transport]} cycles in {total:.1f} s; median start {start:.3f} s, run {run:.3f} s,"
-        f" close"
-        f" {close:.3f} s (max {max(c.close_s for c in cycles):.3f}); device bytes"
+        f" close {close:.3f} s (max {max(c.close_s for c in cycles):.3f}); device bytes"
         f" {[m.device_bytes for m in warm.memory]}, pinned {[m.pinned_bytes for m in warm.memory]} each cycle,"
         f" 0 after; RSS {rss_start / 2**20:.1f} -> {(rss_start + growth) / 2**20:.1f} MiB"
     )
