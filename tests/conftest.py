@@ -79,12 +79,18 @@ def make_engine() -> Iterator[EngineFactory]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The op conformance sweep in Triton's CPU interpreter runs on request only (``-m interpreter_sweep``).
+    """Marks that follow from what a test does.
 
-    The interpreter runs each kernel element by element in Python: the sweep over every geometry
-    takes about 20 minutes on two cores, while a GPU runs it natively in seconds (the backend
-    conformance suite, ``-m gpu``). The default cases of every op still run by default.
+    - The op conformance sweep in Triton's CPU interpreter runs on request only
+      (``-m interpreter_sweep``): the interpreter runs each kernel element by element in Python,
+      so the sweep over every geometry takes about 20 minutes on two cores, while a GPU runs it
+      natively in seconds (the backend conformance suite, ``-m gpu``). The default cases of
+      every op still run by default.
+    - A test that runs the CLI (the ``cli`` fixture: ``python -m corelib`` in a process of its
+      own) is slow, so the quick check (``-m "not slow and not soak"``) leaves it to the default run.
     """
     for item in items:
-        if item.path.name == "test_triton_ops.py" and item.get_closest_marker("slow") is not None:
+        if item.path.name == "test_triton_ops.py" and item.get_closest_marker("sweep") is not None:
             item.add_marker(pytest.mark.interpreter_sweep)
+        if "cli" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from support import BROKEN_VENDOR, Cli, assert_user_error, run_python, write_dist_info
 
+pytestmark = pytest.mark.slow
+
 CAUSE = "libhccl.so: cannot open shared object file"
 
 

@@ -71,6 +71,7 @@ def baseline() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("gate", "other", "rule"), combinations(), ids=lambda v: v if len(v) < 40 else "")
+@pytest.mark.slow
 def test_a_stated_combination_runs_and_gives_the_tokens_of_neither(
         make_engine: EngineFactory, baseline: list[list[int]], gate: str, other: str, rule: str) -> None:
     overrides = [*BASE, *SWITCH[gate], *SWITCH[other]]
@@ -83,6 +84,7 @@ def test_a_stated_combination_runs_and_gives_the_tokens_of_neither(
     assert tokens(engine) == baseline
 
 
+@pytest.mark.slow
 def test_on_refuses_naming_each_unmet_requirement(make_engine: EngineFactory) -> None:
     with pytest.raises(PlanRefused, match="recurrent state per sequence"):
         make_engine(["backend=cpu", "model=hybrid-tiny", "engine.prefix_caching=on"])

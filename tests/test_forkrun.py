@@ -8,6 +8,8 @@ import forkrun
 import pytest
 from support import run_python
 
+pytestmark = pytest.mark.slow
+
 PROBE = '''
 import atexit, os, sys, threading, time
 what = sys.argv[1]

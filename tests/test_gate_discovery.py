@@ -53,6 +53,7 @@ def test_one_gate_is_still_an_option_of_its_own() -> None:
     assert list(compose_config(["features=[pdl,graph]"]).features) == ["pdl", "graph"]
 
 
+@pytest.mark.slow
 def test_a_plugin_gate_joins_the_plan_switched_at_the_engine_key_it_declares(
     with_gate_plugin: PluginRegistry,
 ) -> None:

@@ -25,6 +25,7 @@ def test_anywhere():
 """
 
 
+@pytest.mark.slow
 def test_absent_hardware_is_deselected_and_counted(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     from corelib.testing import plugin
 

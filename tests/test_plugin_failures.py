@@ -83,6 +83,7 @@ def test_blocking_the_shared_name_blocks_both(cli: Cli, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("signum", "code", "says"), [(signal.SIGINT, 130, "corelib: interrupted"),
                                                       (signal.SIGTERM, 143, "corelib: terminated (SIGTERM)")])
+@pytest.mark.slow
 def test_a_real_signal_during_a_slow_plugin_import_still_stops_corelib(signum: int, code: int, says: str,
                                                                         tmp_path: Path) -> None:
     marker = tmp_path / "importing"

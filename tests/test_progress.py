@@ -83,6 +83,7 @@ def run_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: 
     return run_dir
 
 
+@pytest.mark.slow
 def test_a_piped_run_prints_periodic_progress_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -93,6 +94,7 @@ def test_a_piped_run_prints_periodic_progress_lines(
     assert "corelib: decoding: 6/6 requests in " in shown
 
 
+@pytest.mark.slow
 def test_run_log_keeps_what_the_console_showed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

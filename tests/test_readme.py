@@ -25,6 +25,8 @@ import pytest
 
 from corelib.models.synthetic import hub_snapshot, write_text_checkpoint
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}

@@ -20,6 +20,8 @@ from corelib.cli import main
 from corelib.files import RunDirError
 from corelib.rundir import RequestRecord, RunDir, read_outputs
 
+pytestmark = pytest.mark.slow
+
 
 def record(index: int) -> RequestRecord:
     return RequestRecord(str(index), [1, 2, 3], [4] * 50, "length", ttft_ms=1.5, tpot_ms=0.5)

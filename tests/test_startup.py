@@ -73,6 +73,7 @@ def test_auto_picks_the_first_candidate_that_runs_natively() -> None:
     assert startup.messages[0] == "backend=auto chose npu: it runs natively (fake Ascend 910B)"
 
 
+@pytest.mark.slow
 def test_auto_keeps_what_the_user_set_on_the_backend() -> None:
     registry = _builtin_registry(without="npu")
     registry.register(FakeNpuPlugin(), "fake_npu")

@@ -182,6 +182,7 @@ class ScriptedClock:
         self.now += seconds
 
 
+@pytest.mark.slow
 def test_requests_join_at_their_arrival_times(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     # 20 tokens each: later requests arrive while earlier ones run, and must join at the next step.
     requests = build_workload(workload(num_requests=4, output_len_min=20, output_len_max=20), engine.vocab_size, 1)

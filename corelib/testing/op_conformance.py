@@ -95,7 +95,7 @@ def _paged_call(ops: Ops, args: Args, poison: bool, op: str) -> tuple[torch.Tens
 
 
 def _params(default: Sequence[Case], sweep: Sequence[Case]) -> Sequence[object]:
-    slow = [pytest.param(c, id=case_id(c), marks=pytest.mark.slow) for c in sweep]
+    slow = [pytest.param(c, id=case_id(c), marks=[pytest.mark.slow, pytest.mark.sweep]) for c in sweep]
     return [pytest.param(c, id=case_id(c)) for c in default] + slow
 
 

@@ -70,6 +70,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (the op conformance sweep)")
+    config.addinivalue_line("markers", "sweep: a case of the op conformance sweep (every geometry); also marked slow")
     registry = _registry(config)
     for name in registry.backend_names:
         mark = registry.get(name).hardware_mark

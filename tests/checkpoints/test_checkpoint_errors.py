@@ -16,6 +16,8 @@ from corelib.engine.api import Engine
 from corelib.errors import ConfigError
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 
+pytestmark = pytest.mark.slow
+
 
 def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
     """Run `python -m corelib run ...` in-process; returns its one error line (and checks exit code 2)."""

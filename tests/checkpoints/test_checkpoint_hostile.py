@@ -28,6 +28,8 @@ from corelib.cli import main
 from corelib.models import hf_config
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 
+pytestmark = pytest.mark.slow
+
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 QUICK = ("run", "backend=cpu", "engine.max_num_seqs=2", "workload.num_requests=1", "workload.output_len_min=2",
          "workload.output_len_max=2", "model.max_model_len=64")

@@ -41,6 +41,7 @@ def greedy(path: str) -> list[list[int]]:
         return [o.output_token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_a_hub_id_runs_the_cached_checkpoint(offline_cache: Path) -> None:
     snapshot = cache_with(offline_cache, "tiny-org/tiny-qwen3")
     assert resolve_model_path("tiny-org/tiny-qwen3") == str(snapshot)

@@ -16,6 +16,8 @@ from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint, wr
 from corelib.rundir import read_outputs
 from corelib.text import Tokenizer
 
+pytestmark = pytest.mark.slow
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "A naïve café in the city sells crème brûlée.",

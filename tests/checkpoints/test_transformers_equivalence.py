@@ -79,6 +79,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_generate(tmp_path: Path, case: str) -> None:
     architecture, config = CASES[case]
     model = save_random_model(tmp_path, architecture, **config)

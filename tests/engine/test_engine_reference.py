@@ -70,6 +70,7 @@ def test_eos_stops_the_request(make_engine: EngineFactory) -> None:
     ],
 )
 @pytest.mark.parametrize("handoff", ["off", "on"])
+@pytest.mark.slow
 def test_graphs_and_handoff_match_reference(make_engine: EngineFactory, overrides: list[str], handoff: str) -> None:
     engine = check_against_reference(make_engine, [*overrides, f"engine.async_token_handoff={handoff}"])
     assert engine.metrics(1.0)["graph_steps"] > 0, "decode steps were meant to replay graphs"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from support import EngineFactory
 
 from corelib.engine import SamplingParams
@@ -10,6 +11,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_the_emulator_captures_only_the_graphs_the_work_uses(make_engine: EngineFactory) -> None:
     lazy = make_engine(["backend=cuda", "backend.runtime=emulated", "engine.async_token_handoff=on"])
     runner = lazy.local_runner

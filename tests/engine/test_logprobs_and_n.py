@@ -55,6 +55,7 @@ def test_logprobs_are_those_of_the_models_logits_for_each_sampled_token(make_eng
     pytest.param(["backend=npu", "backend.emulator.chaos=0.2", "engine.async_token_handoff=on"], id="npu-async-chaos"),
     pytest.param(["backend=npu", "engine.transport=shm", "engine.async_token_handoff=on"], id="npu-shm"),
 ])
+@pytest.mark.slow
 def test_logprobs_reach_the_host_the_same_through_graphs_async_handoff_and_shm(
         make_engine: EngineFactory, overrides: list[str]) -> None:
     params = [SamplingParams(max_tokens=6, ignore_eos=True, logprobs=k) for k in (None, 0, 20)]
@@ -89,6 +90,7 @@ SHARING = [
 
 @pytest.mark.parametrize("overrides", SHARING)
 @pytest.mark.parametrize("length", [1, 17, 37], ids=lambda n: f"prompt{n}")
+@pytest.mark.slow
 def test_n_requests_of_one_prompt_give_the_tokens_of_separate_ones(make_engine: EngineFactory,
                                                                   overrides: list[str], length: int) -> None:
     prompt = PROMPT[:length]

@@ -25,6 +25,7 @@ NPU = ["backend=npu", "backend.runtime=emulated", "backend.emulator.chaos=0.2", 
 
 
 @pytest.mark.parametrize("handoff", ["off", "on"])
+@pytest.mark.slow
 def test_requests_stop_at_the_models_length(make_engine: EngineFactory, handoff: str) -> None:
     engine = make_engine([*NPU, f"model.max_model_len={MAX_LEN}", f"engine.async_token_handoff={handoff}"])
     outputs = engine.generate(PROMPTS, UNBOUNDED)

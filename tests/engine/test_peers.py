@@ -9,6 +9,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"

@@ -17,6 +17,8 @@ from corelib.engine import Engine, SamplingParams
 from corelib.ops import SamplingInputs, TokenHistory
 from corelib.ops.sampling import apply_penalties, count_history
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 6, 7, 5, 5], [100] * 6, list(range(30, 42)), [9, 8], [200, 201, 200], [3, 4, 5, 6]]
 PENALIZED = [
     SamplingParams(max_tokens=20, repetition_penalty=1.6, ignore_eos=True),

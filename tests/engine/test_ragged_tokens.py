@@ -12,6 +12,8 @@ from support import EngineFactory
 
 from corelib.engine import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 SYSTEM = [(i * 37) % 400 + 3 for i in range(70)]  # a shared system prompt: 4 full blocks and a part
 BASE = ["model.max_model_len=384", "engine.max_num_seqs=6"]
 

@@ -96,6 +96,7 @@ def test_shards_put_together_equal_the_full_tensors() -> None:
         assert tuple(layer.o.shape) == (h, nq)
 
 
+@pytest.mark.slow
 def test_auto_draws_models_above_a_billion_parameters_on_the_device() -> None:
     for preset, on_device in (("tiny", False), ("small-0.6b", False), ("llama-1b", True), ("llama-8b", True)):
         cfg = _model(f"model={preset}")

@@ -17,6 +17,8 @@ from support import EngineFactory, reference_sampled, seeded_weights
 from corelib.engine import SamplingParams
 from corelib.models.reference import reference_generate
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [17, 4, 250, 31, 9, 77]
 OTHER_PROMPT = [3, 141, 59, 26]
 LONG_PROMPT = [5, 6, 7]

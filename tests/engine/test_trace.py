@@ -44,6 +44,7 @@ def traced_run(make_engine: EngineFactory, tmp_path: Path, handoff: str,
 
 
 @pytest.mark.parametrize("handoff", ["off", "on"])
+@pytest.mark.slow
 def test_trace_has_each_lane_and_one_device_span_per_step(make_engine: EngineFactory, tmp_path: Path,
                                                          handoff: str) -> None:
     trace, num_steps = traced_run(make_engine, tmp_path, handoff)
@@ -81,6 +82,7 @@ def test_device_spans_on_the_compute_lane_never_overlap(make_engine: EngineFacto
         assert copy["ts"] >= step["ts"] + step["dur"] - 1e-3, "a step's tokens are copied after its compute"
 
 
+@pytest.mark.slow
 def test_run_command_writes_trace_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     assert main(["run", "backend=cpu", "engine.trace=true", "workload.num_requests=3", "workload.output_len_min=4",

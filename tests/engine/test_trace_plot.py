@@ -28,6 +28,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+@pytest.mark.slow
 def test_window_holds_the_requested_consecutive_decode_steps(traces: dict[str, Path]) -> None:
     timeline = load_trace(traces["on"])
     window = select_window(timeline, 6)

@@ -229,7 +229,10 @@ TABLE: list[tuple[str, str, Case]] = [
     ("frame", "sequence-number-replayed", FrameCase(r"the header says frame 3 \(overwritten before it was read\)",
                                                     poke=_poke("seq", TARGET_FRAME - 1))),
 ]
-PARAMS = [pytest.param(kind, case, id=f"{n:02d}-{kind}-{name}") for n, (kind, name, case) in enumerate(TABLE, 1)]
+# A config case runs the CLI and a frame case starts an SHM worker: a second or more each.
+PARAMS = [pytest.param(kind, case, id=f"{n:02d}-{kind}-{name}",
+                       marks=[pytest.mark.slow] if kind in ("config", "frame") else [])
+          for n, (kind, name, case) in enumerate(TABLE, 1)]
 
 
 def test_the_battery_has_at_least_30_cases_of_every_kind() -> None:

@@ -404,6 +404,7 @@ def test_sigkill_to_the_main_process_ends_its_workers_and_the_next_start_removes
     print(f"\nsigkill-main: workers gone {orphaned_s:.2f} s after the kill; the next run removed {sorted(left)}")
 
 
+@pytest.mark.slow
 def test_the_segments_a_crashed_run_left_are_reported_at_the_next_start(monkeypatch: pytest.MonkeyPatch) -> None:
     from corelib.transport import shm_executor as transport
 

@@ -10,6 +10,8 @@ import pytest
 from corelib.cli import main
 from corelib.server.bridge import EngineBridge
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,8 @@ from corelib.errors import ConfigError
 from corelib.server.serve import RunningServer, start_in_thread
 from server.test_server_errors import error_of
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("key", ["", "  ", "key\n", " key"])
 def test_an_empty_or_broken_api_key_never_means_no_authentication(cli: Cli, key: str) -> None:

@@ -26,6 +26,8 @@ from corelib.server.serve import RunningServer, start_in_thread
 from corelib.server.served import EngineRecipe
 from server.servekit import data_lines, metrics
 
+pytestmark = pytest.mark.slow
+
 CONFIG = ServerConfig(port=0, log_level=LogLevel.warning, max_waiting=64)
 
 

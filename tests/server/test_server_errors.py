@@ -147,6 +147,7 @@ def test_beyond_running_and_waiting_a_request_is_429_and_served_once_there_is_ro
      ("server.log_level=loud", "server.log_level"),
      ("server.bench.endpoint=chatty", "server.bench.endpoint")],
 )
+@pytest.mark.slow
 def test_a_bad_server_setting_is_one_line_naming_the_key(
     override: str, fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,6 +20,8 @@ from corelib.config import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import alive, announced, data_lines, finished, metrics, wait_idle
 
+pytestmark = pytest.mark.slow
+
 LONG = {"prompt": [0, 5, 6, 7], "max_tokens": 240, "ignore_eos": True}
 
 

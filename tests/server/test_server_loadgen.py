@@ -14,6 +14,8 @@ from corelib.errors import ConfigError
 from corelib.loadtest.loadgen import run_bench
 from corelib.server.serve import RunningServer, start_in_thread
 
+pytestmark = pytest.mark.slow
+
 
 def spec(server: RunningServer, **changes: object) -> ServeBenchConfig:
     base = ServeBenchConfig(url=server.url, concurrency=[4], num_requests=12, prompt_len=6, output_len=12,

@@ -13,6 +13,8 @@ from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.server.serve import RunningServer
 
+pytestmark = pytest.mark.slow
+
 
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

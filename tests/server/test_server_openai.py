@@ -16,6 +16,8 @@ from corelib.server.chat import ChatTemplate
 from corelib.server.serve import RunningServer
 from server.servekit import wait_idle
 
+pytestmark = pytest.mark.slow
+
 
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

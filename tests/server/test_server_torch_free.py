@@ -19,7 +19,7 @@ import pytest
 
 from server.servekit import announced
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/PID/maps")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/PID/maps")]
 
 
 def loaded_torch(pid: int) -> bool:

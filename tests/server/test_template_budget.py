@@ -19,6 +19,8 @@ from corelib.server.chat import ChatTemplate, ChatTemplateError
 from corelib.server.render import TemplateRenderer
 from server.servekit import alive
 
+pytestmark = pytest.mark.slow
+
 MESSAGES = [{"role": "user", "content": "Hi"}]
 TIMEOUT_S = 3.0  # the hostile renders never end; a benign one takes about a millisecond
 # Benign on the one-message probe at start, hostile once a conversation has a second message.

@@ -48,6 +48,7 @@ def tiny_shm(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_shm_is_a_one_line_error_not_sigbus(tiny_shm: Path) -> None:
     # In a child: without the reservation the first touch of a page tmpfs cannot supply is SIGBUS.
     child = run_python("""
@@ -130,6 +131,7 @@ def test_a_segment_holds_its_lease_while_mapped() -> None:
     assert not segment.path.exists()
 
 
+@pytest.mark.slow
 def test_exiting_without_close_removes_the_segments() -> None:
     child = run_python("""
         from corelib.transport.shm import Ring

@@ -16,6 +16,8 @@ from corelib.transport import doorbell
 from corelib.transport.shm import PREFIX, SHM_DIR
 from corelib.transport.shm_executor import ShmExecutor
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100] * 5, list(range(200, 217)), [3, 4], [9] * 12]
 PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 33, 5, 1, 40, 9)]
 
