@@ -11,6 +11,7 @@ from hydra.core.config_store import ConfigStore
 from support import HERMETIC_VARIABLES, PLUGIN_FIXTURES, Cli, CliResult, EngineFactory, run_python
 
 from corelib.engine import Engine
+from corelib.transport import segment
 
 # A test run started in the background of a script (`pytest &`) inherits SIGINT ignored, and so
 # would every process the tests start: the Ctrl-C tests need it delivered. (A handler, unlike
@@ -39,6 +40,20 @@ def _hermetic_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in HERMETIC_VARIABLES:
         if name != "TORCH_DEVICE_BACKEND_AUTOLOAD":
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def private_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory of this test's own in place of /dev/shm, for a test that plants segments by name.
+
+    Every engine start sweeps /dev/shm, and so do the other test processes and any other run of
+    the suite on the host: a stale segment planted there under a fixed name may be swept (or
+    planted again) by one of them while the test looks at it.
+    """
+    where = tmp_path / "shm"
+    where.mkdir()
+    monkeypatch.setattr(segment, "SHM_DIR", where)
+    return where
 
 
 @pytest.fixture

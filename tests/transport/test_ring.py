@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_segments_are_owner_only_and_unlinked(wired: Make) -> None:
     assert not path.exists()
 
 
-def test_stale_segments_of_dead_processes_are_swept() -> None:
+def test_stale_segments_of_dead_processes_are_swept(private_shm: Path) -> None:
     dead = 2**22 + 12345  # above the default pid_max: no such process
     stale = Segment(f"{shm.PREFIX}-{dead}-deadbeef-in", 4096, create=True)
     stale.owner = False  # leave it behind, like a crashed run
@@ -120,7 +121,7 @@ def test_stale_segments_of_dead_processes_are_swept() -> None:
     try:
         removed = sweep_stale()
         assert stale.name in removed and live.name not in removed
-        assert not (SHM_DIR / stale.name).exists() and (SHM_DIR / live.name).exists()
+        assert not (private_shm / stale.name).exists() and (private_shm / live.name).exists()
     finally:
         live.close()
 
@@ -233,12 +234,12 @@ def test_without_membarrier_every_publication_rings(monkeypatch: pytest.MonkeyPa
         w.close()
 
 
-def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pytest.MonkeyPatch,
+                                                               private_shm: Path) -> None:
     from corelib.transport import doorbell
 
     monkeypatch.setattr(doorbell.membarrier, "register", lambda: False)
     monkeypatch.setattr(doorbell, "STORES_IN_ORDER", False)
-    before = {p.name for p in SHM_DIR.iterdir()}
     with pytest.raises(TransportError, match=r"needs membarrier\(2\).*use engine\.transport=inproc"):
         wire()
-    assert {p.name for p in SHM_DIR.iterdir()} <= before, "the segment of a ring that refused to start was left"
+    assert not list(private_shm.iterdir()), "the segment of a ring that refused to start was left"

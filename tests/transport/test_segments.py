@@ -95,10 +95,10 @@ def test_a_segment_whose_map_fails_is_removed(monkeypatch: pytest.MonkeyPatch) -
     assert ours(shm.SHM_DIR) == before, "a segment created before the failed map was left behind"
 
 
-def test_the_sweep_keeps_segments_leased_from_another_pid_namespace() -> None:
+def test_the_sweep_keeps_segments_leased_from_another_pid_namespace(private_shm: Path) -> None:
     # A live engine elsewhere: its pid means nothing here, but it holds the segment's lease.
-    leased = shm.SHM_DIR / f"{PREFIX}-{NOT_A_PID}-0a0b0c0d-in"
-    orphan = shm.SHM_DIR / f"{PREFIX}-{NOT_A_PID}-0e0f0a0b-out"
+    leased = private_shm / f"{PREFIX}-{NOT_A_PID}-0a0b0c0d-in"
+    orphan = private_shm / f"{PREFIX}-{NOT_A_PID}-0e0f0a0b-out"
     for path in (leased, orphan):
         path.write_bytes(bytes(4096))
     holder = subprocess.Popen(
@@ -148,10 +148,11 @@ def test_exiting_without_close_removes_the_segments() -> None:
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
-def test_the_sweep_never_blocks_on_or_removes_what_is_not_a_segment(kind: str, tmp_path: Path) -> None:
+def test_the_sweep_never_blocks_on_or_removes_what_is_not_a_segment(kind: str, tmp_path: Path,
+                                                                    private_shm: Path) -> None:
     # Anyone may plant a FIFO under a segment's name in /dev/shm; opening it to read would wait for a
     # writer that never comes, and every engine start on the host sweeps first.
-    planted = shm.SHM_DIR / f"{PREFIX}-{NOT_A_PID}-0badf1f0-{kind}"
+    planted = private_shm / f"{PREFIX}-{NOT_A_PID}-0badf1f0-{kind}"
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
     if kind == "fifo":
