@@ -284,7 +284,8 @@ class Scheduler:
                         break
                 if seq.status is not Status.RUNNING:
                     continue
-                if shared:
+                # Asked again: the victim may have been the sequence that shared the block, which is then ours alone.
+                if index < len(table) and refs[table[index]] > 1:
                     step.copies.append(blocks.copy_on_write(seq, start))
                 blocks.append(seq, start + 1)
             pending = seq.num_pending

@@ -135,8 +135,7 @@ class ModelRunner:
         if fi.num_copies:  # copy on write, before the forward (and outside any graph)
             copies = fi.layout.views(arena)
             count = fi.num_copies
-            self.compute.launch(lambda: self.model.copy_blocks(self.state, copies["copy_from"][:count],
-                                                               copies["copy_to"][:count]))
+            self.compute.launch(lambda: self._copy_blocks(copies["copy_from"][:count], copies["copy_to"][:count]))
         graph = None
         if fi.is_decode and arena is self.arena:
             graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
@@ -154,6 +153,13 @@ class ModelRunner:
         return True
 
     # ------------------------------------------------------------------ device work
+    def _copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy on write: each shared block's keys and values, and the tokens its slots hold (the penalties
+        count a row's tokens from its blocks: a copy must count the sharer's tokens, not the last user's)."""
+        self.model.copy_blocks(self.state, source, target)
+        tokens = self.slot_tokens.view(-1, self.layout.block_size)  # [NB, bs]
+        tokens.index_copy_(0, target.to(torch.int64), tokens.index_select(0, source.to(torch.int64)))
+
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
                  sampled: bool, logprobs: bool = False, decode_rows: int = 0) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row."""
