@@ -186,26 +186,19 @@ def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
 def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
     """What a request samples, computed one full forward per token by the plain reference.
 
-    The engine's sampler draws its noise from (seed, position of the new token, token id),
-    so the same draws follow from the reference logits: ``max_tokens`` tokens, no stops.
+    ``max_tokens`` tokens, no stops. The tokens are drawn by ``samplerkit``, which shares no code
+    with the engine's sampler: its penalties, cuts and noise (a function of the seed, the position
+    of the new token and the token id, so the same draws follow from the reference logits) are
+    written from their definitions, and a mistake in the engine's shows as a difference.
     """
     import torch
+    from samplerkit import Sampling, sample
 
     from corelib.models.reference import reference_logits
-    from corelib.ops import SAMPLING_COLUMNS, SamplingInputs, TokenHistory
-    from corelib.ops.sampling import sample_rows
 
-    vocab = weights.embed.shape[0]
-    tokens = list(prompt)
+    settings = Sampling.of(sampling)
+    output: list[int] = []
     with torch.inference_mode():
         for _ in range(sampling.max_tokens):
-            history = TokenHistory(torch.bincount(torch.tensor(tokens[len(prompt):], dtype=torch.int64),
-                                                  minlength=vocab)[None].int(),
-                                   torch.bincount(torch.tensor(prompt, dtype=torch.int64), minlength=vocab)[None].int(),
-                                   torch.zeros(1, dtype=torch.int64))
-            values = {c.name: getattr(sampling, c.param) for c in SAMPLING_COLUMNS}
-            columns = {name: [c.neutral if v is None else v] for (name, v), c in zip(values.items(), SAMPLING_COLUMNS,
-                                                                                     strict=True)}
-            inputs = SamplingInputs.of(torch.tensor([len(tokens)], dtype=torch.int64), history, **columns)
-            tokens.append(int(sample_rows(reference_logits(weights, tokens)[None], inputs)[0]))
-    return tokens[len(prompt) :]
+            output.append(sample(reference_logits(weights, [*prompt, *output]), prompt, output, settings))
+    return output
