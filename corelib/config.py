@@ -253,6 +253,15 @@ class EngineConfig:
     graph_batch_sizes: list[int] = field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata=doc("decode batch buckets captured as graphs")
     )
+    mixed_graphs: Mode = field(
+        default=Mode.auto,
+        metadata=doc("steps that carry prompt tokens replay a graph captured per token bucket (graph_token_sizes)"),
+    )
+    graph_token_sizes: list[int] = field(
+        default_factory=list,
+        metadata=doc("token buckets captured for steps with prompt tokens; []: 16 to 256 by 16, by 32 to 512, by 64 "
+                     "to 1024, by 256 to 4096, then by 512, up to max_num_batched_tokens"),
+    )
     graph_capture: GraphCapture = field(
         default=GraphCapture.auto,
         metadata=doc("upfront: every bucket at start; lazy: each bucket the first time a step needs it; auto: lazy "

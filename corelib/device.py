@@ -111,6 +111,9 @@ class MemoryStats:
     device_bytes: int
     pinned_bytes: int
     registered_bytes: int
+    # What the device's allocator holds, freed blocks of its pools included (a captured graph keeps its pool's):
+    # the device bytes, where there is no such allocator.
+    reserved_bytes: int = 0
 
 
 def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

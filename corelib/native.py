@@ -255,6 +255,7 @@ class TorchDevice(Device):
             device_bytes=int(self.module.memory_allocated(self.index)),
             pinned_bytes=self.memory.nbytes(MemoryKind.pinned),
             registered_bytes=self.memory.nbytes(MemoryKind.registered),
+            reserved_bytes=int(self.module.memory_reserved(self.index)),
         )
 
     def _stream(self, name: str) -> Stream:

@@ -90,6 +90,7 @@ class EngineOptions:
     timeout_s: float
     step_check: StepCheck
     chunked_prefill: bool = False  # prompts fed in chunks under the token budget, in steps with decode rows
+    mixed_graphs: bool = False  # steps with prompt tokens replay a graph per token bucket
     prefix_caching: bool = False  # full KV blocks shared by prompts that start alike
     share_prompt_blocks: bool = False  # requests of one prompt (n > 1) share its KV blocks: no recurrent state
 
@@ -127,6 +128,7 @@ class EngineOptions:
             timeout_s=engine.timeout_s,
             step_check=step_check,
             chunked_prefill=plan.is_enabled("chunked_prefill"),
+            mixed_graphs=plan.is_enabled("mixed_graphs"),
             prefix_caching=plan.is_enabled("prefix_caching"),
             share_prompt_blocks=facts is not None and bool(facts.get("paged_kv"))
             and not facts.get("recurrent_state"),

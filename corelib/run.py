@@ -57,7 +57,8 @@ def summary_table(metrics: dict[str, Any]) -> Table:
         ("median idle gap between decode steps", _fmt(metrics["idle_gap_median_us"], " µs", digits=1)),
         ("steps: prefill / decode", f"{metrics['steps_prefill']} / {metrics['steps_decode']}"),
         ("steps: sync / async path", f"{metrics['steps_sync']} / {metrics['steps_async']}"),
-        ("decode steps: graph / eager", f"{metrics['graph_steps']} / {metrics['eager_steps']}"),
+        ("steps: graph / eager", f"{metrics['graph_steps']} / {metrics['eager_steps']}"),
+        ("startup", _startup(metrics)),
         ("preemptions", str(metrics["preemptions"])),
         ("prefix cache: hit / looked-up prompt tokens", _prefix_cache(metrics)),
     ]
@@ -66,6 +67,17 @@ def summary_table(metrics: dict[str, Any]) -> Table:
     for reason, count in metrics["sync_step_reasons"].items():
         table.add_row(f"  synchronous steps: {reason}", str(count))
     return table
+
+
+def _startup(metrics: dict[str, Any]) -> str:
+    startup = metrics.get("startup_s")
+    if startup is None:
+        return "-"
+    if "graph_capture_s" not in metrics:
+        return f"{startup:.1f} s"
+    graphs = metrics["graphs_decode"] + metrics["graphs_prompt"] + metrics["graphs_sampling"]
+    return (f"{startup:.1f} s ({graphs} graphs captured in {metrics['graph_capture_s']:.1f} s, "
+            f"{metrics['graph_memory_bytes'] / 2**20:.0f} MiB)")
 
 
 def _prefix_cache(metrics: dict[str, Any]) -> str:
@@ -217,7 +229,12 @@ def _metrics(engine: Engine, startup: Startup, wall: float) -> dict[str, Any]:
         shm_materialization=engine.materialization,
         request_rate=cfg.workload.request_rate,
         max_concurrency=cfg.workload.max_concurrency,
+        startup_s=engine.startup_s,
     )
+    if engine.graphs is not None:
+        metrics.update(graphs_decode=engine.graphs.decode, graphs_prompt=engine.graphs.prompt,
+                       graphs_sampling=engine.graphs.sampling, graph_capture_s=engine.graphs.capture_s,
+                       graph_memory_bytes=engine.graphs.memory_bytes)
     return metrics
 
 

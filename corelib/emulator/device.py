@@ -64,10 +64,12 @@ class EmulatedDevice(Device):
         self.memory.add(tensor, MemoryKind.claims_pinned)
 
     def memory_stats(self) -> MemoryStats:
+        device = self.memory.nbytes(MemoryKind.device)
         return MemoryStats(
-            device_bytes=self.memory.nbytes(MemoryKind.device),
+            device_bytes=device,
             pinned_bytes=self.memory.nbytes(MemoryKind.pinned),
             registered_bytes=self.memory.nbytes(MemoryKind.registered),
+            reserved_bytes=device,
         )
 
     def threads_alive(self) -> list[str]:

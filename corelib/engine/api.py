@@ -44,7 +44,7 @@ from corelib.sampling_params import choices
 from corelib.startup import Startup
 from corelib.step.build import ModelFactory, load_model
 from corelib.step.layout import EngineLayout
-from corelib.step.runner import ModelRunner
+from corelib.step.runner import GraphSummary, ModelRunner
 from corelib.text import Tokenizer
 from corelib.transport.executor import InprocExecutor
 from corelib.transport.factory import EXECUTORS
@@ -59,6 +59,7 @@ class Engine:
     """
 
     def __init__(self, startup: Startup, model_factory: ModelFactory = load_model) -> None:
+        started = time.perf_counter()
         self.startup = startup
         self.plan: Plan = startup.plan
         cfg = startup.config
@@ -84,6 +85,13 @@ class Engine:
             executor.close(engine_cfg.timeout_s)
             raise
         self.scheduler = self.core.scheduler
+        #: how long building the engine took (weights, KV cache, graphs), and the graphs captured in process
+        self.startup_s = time.perf_counter() - started
+        self.graphs: GraphSummary | None = (executor.steps.runner.graph_summary()
+                                            if isinstance(executor, InprocExecutor) else None)
+        self.notices.append(f"engine ready in {self.startup_s:.1f} s"
+                            + (f": {self.graphs.describe()}" if self.graphs is not None and self.graphs.capture_s
+                               else ""))
         self.tracer: Tracer = NULL_TRACER
         if engine_cfg.trace:
             # Device spans come from the events of an in-process runner; over SHM only host spans.

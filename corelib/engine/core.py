@@ -179,15 +179,19 @@ class EngineCore:
         step_id = self._next_step_id
         self._next_step_id += 1
         kv_needed = blocks_for(max(step.seq_lens), self.builder.block_size)
+        padded = 0
         if step.kind is StepKind.decode:
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
             rows, kv = len(step.seqs), kv_needed
+            padded = self.buckets.token_bucket(step.num_tokens) or 0
+            if padded:  # its token bucket's graph: every row of the layout, the full width
+                rows, kv = self.builder.max_rows, self.buckets.max_blocks
         arenas = self.executor.arenas
         arena = arenas.acquire()
         try:
             with self.tracer.span("pack", SCHEDULER_LANE, step=step_id):
-                fi = self.builder.fill(step_id, step, arena, rows, kv)
+                fi = self.builder.fill(step_id, step, arena, rows, kv, padded)
         except PackingError as error:
             arenas.release(arena)
             self._refuse_packing(step, error)

@@ -30,7 +30,7 @@ from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY, ArenaLayout
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
-from corelib.transport.wire import pad_rows
+from corelib.transport.wire import TOKEN_NAMES, pad_row_fields, pad_rows
 
 INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 
@@ -140,10 +140,14 @@ class InputBuilder:
         except Exception as error:  # whatever it is, it is this request's
             raise _failed(seq, error) from error
 
-    def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int) -> ForwardInput:
-        """The step in ``arena``; PackingError naming the requests at fault, the arena then holding nothing useful."""
+    def fill(self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int,
+             padded: int = 0) -> ForwardInput:
+        """The step in ``arena``; PackingError naming the requests at fault, the arena then holding nothing useful.
+
+        ``padded``: a step with prompt tokens padded to that token bucket, over ``bucket`` rows (the layout's).
+        """
         try:
-            return self._fill(step_id, step, arena, bucket, kv_blocks)
+            return self._fill(step_id, step, arena, bucket, kv_blocks, padded)
         except PackingError:
             raise
         except Exception as error:
@@ -152,14 +156,17 @@ class InputBuilder:
             raise PackingError(step.seqs, message) from error
 
     def _fill(
-        self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int
+        self, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int, kv_blocks: int, padded: int
     ) -> ForwardInput:
         """Pack ``step`` into ``arena``: ``bucket`` rows computed (a decode step pads to its graph's), ``kv_blocks``
         block-table columns."""
         n = len(step.seqs)
         num_tokens, longest = step.num_tokens, max(step.query_lens)
         decode = longest == 1
-        layout = self.decode if decode else self.layout.step_layout(num_tokens)
+        if padded:
+            layout = self.layout.padded_layout(padded)
+        else:
+            layout = self.decode if decode else self.layout.step_layout(num_tokens)
         v = self._numpy_views(layout, arena)
         pad = self.pad_state_index
         indices: list[int] = []
@@ -207,14 +214,21 @@ class InputBuilder:
         if copies:
             v["copy_from"][:copies] = [source for source, _ in step.copies]
             v["copy_to"][:copies] = [copy for _, copy in step.copies]
-        if decode and bucket > n:
+        if padded:  # rows past the step's are empty, and its tokens past num_tokens belong to none
+            pad_row_fields(v, n, bucket, kv_blocks, pad)
+            v["query_start"][n + 1 : bucket + 1] = num_tokens
+            for name in TOKEN_NAMES:
+                v[name][num_tokens:padded] = 0
+        elif decode and bucket > n:
             pad_rows(v, n, bucket, kv_blocks, pad)
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
+        if padded:
+            rows, tokens = bucket, padded
         sample = bool(self.state_sampler[index_t].any())
         logprobs = bool(self.state_logprobs[index_t].any())
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
-                            leading)
+                            leading, bool(padded))
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:

@@ -26,6 +26,9 @@ class ModelFacts:
     device_decode_inputs: bool = True  # decode input ids may come from a device relay
     recurrent_state: bool = False  # a per-sequence state a rolled-back step would corrupt
     multimodal: bool = False
+    # forward() over a step with prompt tokens is graph-safe once the step is padded to its token bucket
+    # (StepBatch.captured): no host sync, nothing sized from the values
+    ragged_graphs: bool = False
 
     def as_dict(self) -> dict[str, bool | str]:
         return {
@@ -34,6 +37,7 @@ class ModelFacts:
             "device_decode_inputs": self.device_decode_inputs,
             "recurrent_state": self.recurrent_state,
             "multimodal": self.multimodal,
+            "ragged_graphs": self.ragged_graphs,
         }
 
 

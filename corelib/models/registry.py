@@ -68,7 +68,9 @@ class LlamaVariant:
     fused_gate_up: bool = False  # checkpoints hold gate/up as one gate_up_proj tensor (Phi-3)
 
     def facts(self, cfg: ModelConfig) -> ModelFacts:
-        return ModelFacts(self.name, recurrent_state=self.conv_state, multimodal=bool(cfg.multimodal))
+        # The hybrid's convolution state is not checked under a padded step: its prompt steps run eagerly.
+        return ModelFacts(self.name, recurrent_state=self.conv_state, multimodal=bool(cfg.multimodal),
+                          ragged_graphs=not self.conv_state)
 
     def shape(self, cfg: ModelConfig) -> ModelShape:
         """The shape of ``cfg`` (resolved: a checkpoint's values in it) as this variant runs it."""

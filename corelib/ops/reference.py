@@ -60,9 +60,49 @@ def decode_attention(
     return out[:, :, 0, :]
 
 
+#: the keys (and as many values) a captured step's attention gathers at once, at most: bounds its memory
+CAPTURED_GATHER_ELEMENTS = 1 << 24
+
+
+def captured_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
+) -> torch.Tensor:
+    """paged_attention of a captured step (``attn.captured``): each token over its own row's keys, in chunks
+    of tokens sized from the shapes alone, so every step of the token bucket runs the same work; [T, nh, hd].
+
+    A token past ``query_start[B]`` belongs to no row: it is counted in the last row (so it sees a
+    key, and nothing is empty) and its output is set to 0.
+    """
+    if attn.query_start is None:
+        raise ValueError("a captured step of prompt tokens needs query_start [B+1]")
+    tokens, batch = q.shape[0], attn.block_tables.shape[0]
+    nkv, hd = k_cache.shape[2], k_cache.shape[3]
+    span = attn.block_tables.shape[1] * k_cache.shape[1]
+    index = torch.arange(tokens, device=q.device)
+    rows = attn.token_rows(tokens)  # [T]
+    positions = attn.seq_lens[rows] - attn.query_start[rows + 1] + index  # each token's place in its sequence
+    owned = index < attn.query_start[batch]
+    key_pos = torch.arange(span, device=q.device)
+    chunk = max(1, CAPTURED_GATHER_ELEMENTS // (span * nkv * hd))
+    parts = []
+    for first in range(0, tokens, chunk):
+        r = rows[first : first + chunk]
+        count = r.shape[0]
+        keys = k_cache[attn.block_tables[r]].view(count, span, nkv, hd).transpose(1, 2)  # [C, nkv, S, hd]
+        values = v_cache[attn.block_tables[r]].view(count, span, nkv, hd).transpose(1, 2)
+        visible = (key_pos[None, :] <= positions[first : first + chunk, None]) & (key_pos < attn.seq_lens[r, None])
+        out = F.scaled_dot_product_attention(q[first : first + chunk, :, None, :], keys, values,
+                                             attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+        parts.append(out[:, :, 0, :])  # [C, nh, hd]
+    out = torch.cat(parts)
+    return torch.where(owned[:, None, None], out, out.new_zeros(()))
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
 ) -> torch.Tensor:
+    if attn.captured:
+        return captured_attention(q, k_cache, v_cache, attn, scale)
     if attn.is_decode:
         return decode_attention(q, k_cache, v_cache, attn, scale)
     if attn.decode_rows:  # the decode rows as a decode step: no row padded to the longest chunk

@@ -55,7 +55,10 @@ class PagedAttention:
     so its query j sits at position seq_lens[i] - q_len_i + j and attends to the keys up to it;
     max_query_len: a host int, the most queries of one row (1: a decode step, graph-safe);
     decode_rows: a host int, rows [0, decode_rows) have one query each (a step lists its decode
-    rows first), so a provider may run them as a decode step and only the rest as chunks.
+    rows first), so a provider may run them as a decode step and only the rest as chunks;
+    captured: one graph serves every step of a token bucket, so only T (the bucket) and B are known
+    (max_query_len T, decode_rows 0); rows past the step's are empty, tokens past query_start[B] are
+    no row's (their output: 0). The launch may depend on T and B alone.
     """
 
     block_tables: torch.Tensor
@@ -64,6 +67,7 @@ class PagedAttention:
     query_start: torch.Tensor | None = None
     max_query_len: int = 1
     decode_rows: int = 0
+    captured: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -221,7 +225,7 @@ class PagedAttentionOp(Protocol):
         chunk attends to the blocks cached before it and to itself, up to each query's position;
         a decode row (one query) to its whole context. Grouped-query: query head j reads KV head
         j // (nh // nkv). With ``attn.is_decode`` (T = B, one query per row, a captured graph's step)
-        it must be graph-safe: no host sync, a launch fixed by the shapes.
+        it must be graph-safe: no host sync, a launch fixed by the shapes; so with ``attn.captured``.
         """
         ...
 

@@ -1,4 +1,5 @@
-"""Which captured graph serves a decode batch: batch-size and KV-width buckets.
+"""Which captured graph serves a step: batch-size and KV-width buckets of decode steps, token
+buckets of steps that carry prompt tokens.
 
 A pure function of the config and the device's capabilities, so the scheduler side (which
 packs the inputs) and the device side (which replays the graph) agree without talking.
@@ -21,25 +22,52 @@ def powers_of_two_upto(limit: int) -> list[int]:
     return values
 
 
+#: the token ladder of steps with prompt tokens: (up to, step) pairs; past the last, steps of its step
+TOKEN_LADDER = ((256, 16), (512, 32), (1024, 64), (4096, 256))
+TOKEN_LADDER_STEP = 512
+
+
+def token_ladder(limit: int) -> list[int]:
+    """16 to 256 by 16, by 32 to 512, by 64 to 1024, by 256 to 4096, then by 512: every size below ``limit``,
+    and ``limit`` itself. The steps grow with the size, as SGLang's ladder does: past 256 tokens a step
+    is padded by at most a quarter."""
+    sizes, size = [], 0
+    while True:
+        size += next((step for top, step in TOKEN_LADDER if size < top), TOKEN_LADDER_STEP)
+        if size >= limit:
+            return [*sizes, limit]
+        sizes.append(size)
+
+
 @dataclass(frozen=True)
 class BucketPolicy:
-    """Graph shapes. Without captured-parameter update, one graph per (batch, KV width) pair."""
+    """Graph shapes. Without captured-parameter update, one graph per (batch, KV width) pair of decode steps;
+    one per token bucket of steps with prompt tokens (at the full width: they run their padded rows)."""
 
     batch_buckets: tuple[int, ...]  # empty: graphs off, every decode step runs eagerly
     kv_buckets: tuple[int, ...]
     max_blocks: int
     param_update: bool  # graphs are captured at the full width and updated to each step's width
     live_blocks_only: bool = False  # attention reads each sequence's live blocks: one full-width graph serves
+    token_buckets: tuple[int, ...] = ()  # empty: every step with prompt tokens runs eagerly
 
     @classmethod
     def build(cls, graphs: bool, batch_sizes: Sequence[int], max_rows: int, max_blocks: int,
-              param_update: bool, live_blocks_only: bool = False) -> BucketPolicy:
+              param_update: bool, live_blocks_only: bool = False, token_sizes: Sequence[int] = ()) -> BucketPolicy:
+        """``token_sizes``: the token buckets of steps with prompt tokens (empty: none, they run eagerly)."""
         if not graphs:
             return cls((), (), max_blocks, param_update, live_blocks_only)
         batches = tuple(sorted({b for b in batch_sizes if 0 < b <= max_rows}))
         single = param_update or live_blocks_only
         kv = (max_blocks,) if single else tuple(powers_of_two_upto(max_blocks))
-        return cls(batches, kv, max_blocks, param_update, live_blocks_only)
+        return cls(batches, kv, max_blocks, param_update, live_blocks_only, tuple(sorted(set(token_sizes))))
+
+    def token_bucket(self, num_tokens: int) -> int | None:
+        """The token bucket a step with prompt tokens is padded to; None: past the largest (it runs eagerly)."""
+        buckets = self.token_buckets
+        if not buckets or num_tokens > buckets[-1]:
+            return None
+        return buckets[bisect.bisect_left(buckets, num_tokens)]
 
     def decode_shape(self, num_seqs: int, kv_needed: int) -> tuple[int, int, bool]:
         """(rows, KV columns, use a graph) for a decode batch."""

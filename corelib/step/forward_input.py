@@ -38,6 +38,9 @@ class ForwardInput:
     logprobs: bool = False  # some row asks for its tokens' logprobs: the step computes them on the device
     num_copies: int = 0  # KV blocks copied (copy on write) before the forward
     decode_rows: int = 0  # a step with chunks: its first rows feed one token each (listed first)
+    # A step with prompt tokens padded to its token bucket: num_tokens is the bucket and bucket the layout's rows;
+    # the rows past num_seqs are empty and the tokens past the step's belong to none (a graph per bucket runs it).
+    padded: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -14,7 +14,7 @@ from corelib.errors import ConfigError
 from corelib.models.registry import architecture
 from corelib.options import EngineOptions
 from corelib.step.arena import ArenaLayout
-from corelib.step.buckets import BucketPolicy
+from corelib.step.buckets import BucketPolicy, token_ladder
 from corelib.transport.wire import step_layout
 
 TOKEN_GRANULE = 256  # a step's token slots are a multiple of this: a few distinct layouts, not one per length
@@ -31,6 +31,7 @@ class EngineLayout:
     max_model_len: int
     max_batched_tokens: int
     graph_batch_sizes: tuple[int, ...]
+    graph_token_sizes: tuple[int, ...] = ()  # empty: the token ladder up to max_batched_tokens
 
     @classmethod
     def of(cls, config: CorelibConfig) -> EngineLayout:
@@ -64,6 +65,7 @@ class EngineLayout:
             max_model_len=model.max_model_len,
             max_batched_tokens=engine.max_num_batched_tokens,
             graph_batch_sizes=tuple(engine.graph_batch_sizes),
+            graph_token_sizes=tuple(engine.graph_token_sizes),
         )
 
     @property
@@ -89,6 +91,17 @@ class EngineLayout:
         slots = -(-num_tokens // TOKEN_GRANULE) * TOKEN_GRANULE
         return step_layout(min(slots, max(self.max_step_tokens, num_tokens)), self.rows, self.max_blocks)
 
+    def padded_layout(self, tokens: int) -> ArenaLayout:
+        """The arena of a step with prompt tokens padded to the token bucket ``tokens``, over every row."""
+        return step_layout(tokens, self.rows, self.max_blocks)
+
+    def token_buckets(self, options: EngineOptions) -> list[int]:
+        """The token buckets of steps with prompt tokens, up to the step's token budget (none: they run eagerly)."""
+        if not (options.graphs and options.mixed_graphs):
+            return []
+        sizes = self.graph_token_sizes or tuple(token_ladder(self.max_batched_tokens))
+        return [size for size in sizes if size <= self.max_batched_tokens]
+
     @property
     def pad_state_index(self) -> int:
         """The state index padded rows use (one past the real ones)."""
@@ -96,4 +109,4 @@ class EngineLayout:
 
     def buckets(self, options: EngineOptions, param_update: bool) -> BucketPolicy:
         return BucketPolicy.build(options.graphs, self.graph_batch_sizes, self.rows, self.max_blocks,
-                                  param_update, options.attention_reads_live_blocks_only)
+                                  param_update, options.attention_reads_live_blocks_only, self.token_buckets(options))

@@ -3,12 +3,19 @@
 Every step reads its inputs from one static device arena (a decode step's views of it are the
 graphs' inputs), resolves relayed input ids, calls the model's one forward, samples each row's
 last token, and publishes the tokens to the handoff. A decode step (one token per row) that fits
-a bucket replays a captured graph of exactly that; an oversize batch and every step with prompt
-chunks run eagerly. How the inputs got into the arena is the stager's business; where the tokens
-go next is the handoff's.
+a bucket replays a captured graph of exactly that. A step that carries prompt tokens, packed
+padded to its token bucket (``ForwardInput.padded``), replays two graphs: the bucket's forward,
+which leaves every row's logits in one static buffer, then the sampling of the rows (one graph
+per sampling variant, shared by every bucket, since every padded step has the layout's rows).
+An oversize batch and a step past the largest token bucket run eagerly. How the inputs got into
+the arena is the stager's business; where the tokens go next is the handoff's.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +31,10 @@ from corelib.progress import current as current_progress
 from corelib.step.buckets import BucketPolicy
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
+from corelib.step.arena import ArenaLayout
 from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
-from corelib.transport.wire import pad_rows
+from corelib.transport.wire import TOKEN_NAMES, pad_rows
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 
@@ -79,47 +87,132 @@ class ModelRunner:
         self.vocab_shard = vocab if isinstance(vocab, VocabShard) and vocab.world > 1 else None
         self.graphs: dict[tuple[int, int, bool, bool], Graph] = {}  # rows, KV width, sampled, logprobs
         self._graph_shapes = set(buckets.shapes())
+        # Steps with prompt tokens: a forward per token bucket, the rows' sampling per (sampled, logprobs).
+        self.prompt_graphs: dict[int, Graph] = {}
+        self.sampling_graphs: dict[tuple[bool, bool], Graph] = {}
+        self._logits: torch.Tensor | None = None  # where a padded step's forward leaves its rows' logits
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.capture_s = 0.0  # wall time spent capturing graphs, all of them
+        self.graph_bytes = 0  # device memory the graphs captured at start took (their pool, their static logits)
 
     # ------------------------------------------------------------------ graphs
     def capture(self) -> None:
-        """Capture every decode bucket, largest first (greedy; sampling variants when first needed)."""
+        """Capture every graph a step can need, largest first (they share one memory pool): the forward of
+        every token bucket and every sampling variant of padded steps, then every decode bucket (greedy;
+        its sampling variants when first needed)."""
         shapes = self.buckets.shapes()
-        with current_progress().task("capturing decode graphs", total=len(shapes), unit="graphs") as task:
+        tokens = list(reversed(self.buckets.token_buckets))
+        variants = SAMPLING_VARIANTS if tokens else ()
+        before = self.device.memory_stats().reserved_bytes
+        with current_progress().task("capturing graphs", total=len(shapes) + len(tokens) + len(variants),
+                                     unit="graphs") as task:
+            for count in tokens:
+                self._capture_prompt(count)
+                task.advance()
+            for sampled, logprobs in variants:
+                self._capture_sampling(sampled, logprobs)
+                task.advance()
             for rows, kv in shapes:
                 self._capture(rows, kv, False, False)
                 task.advance()
+        self.graph_bytes = self.device.memory_stats().reserved_bytes - before
 
     def prepare(self, fi: ForwardInput) -> None:
-        """Capture the graph ``fi`` needs if it is missing; call before its inputs are staged."""
-        if fi.is_decode and self.arena is not None:
+        """Capture the graphs ``fi`` needs if they are missing; call before its inputs are staged."""
+        if self.arena is None:
+            return
+        if fi.padded:
+            if fi.num_tokens not in self.prompt_graphs and fi.num_tokens in self.buckets.token_buckets:
+                self._capture_prompt(fi.num_tokens)
+            if (fi.sample, fi.logprobs) not in self.sampling_graphs:
+                self._capture_sampling(fi.sample, fi.logprobs)
+        elif fi.is_decode:
             key = (fi.bucket, self.buckets.graph_kv(fi.kv_blocks))
             if (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
                 self._capture(*key, fi.sample, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
 
     def _capture(self, rows: int, kv: int, sampled: bool, logprobs: bool) -> Graph:
-        maybe_fail("capture")
-        arena = self.arena
-        if arena is None:
-            raise RuntimeError("graphs need device memory separate from the host")
-        nbytes = self.decode_layout.nbytes
-        pad = self.device.host_empty((nbytes,), torch.uint8, pinned=True)
-        pad_rows(self.decode_layout.views(pad), 0, rows, kv, self.layout.pad_state_index)
+        param_update = self.buckets.param_update
+        views = self.decode_layout.views(self._device_arena())
         graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}"
                                   f"{'_logprobs' if logprobs else ''}")
-        views = self.decode_layout.views(arena)
-        param_update = self.buckets.param_update
 
         def step() -> None:
             self._forward(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, sampled, logprobs)
 
-        self.compute.copy(arena[:nbytes], pad)
-        self.compute.launch(step)  # warm-up outside capture: allocator pools, library handles
-        graph.capture(lambda: self.compute.launch(step), self.compute, params={"kv_blocks": kv})
-        self.compute.synchronize()  # the padding arena may be freed after this
+        def padding(pad: dict[str, torch.Tensor]) -> None:
+            pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
+
+        self._record(graph, self.decode_layout, padding, step, {"kv_blocks": kv})
         self.graphs[(rows, kv, sampled, logprobs)] = graph
         return graph
+
+    def _capture_prompt(self, tokens: int) -> Graph:
+        """The forward of a step padded to ``tokens``: every row's logits into the one static buffer."""
+        layout, rows, kv = self.layout.padded_layout(tokens), self.layout.rows, self.buckets.max_blocks
+        views = layout.views(self._device_arena())
+        graph = self.device.graph(f"prompt_tokens{tokens}")
+
+        def step() -> None:
+            logits = self._body(views, rows, tokens, kv, tokens, captured=True)
+            if self._logits is None:  # the warm-up, outside capture, makes it
+                self._logits = self.device.empty(tuple(logits.shape), logits.dtype)
+            self._logits.copy_(logits)
+
+        def padding(pad: dict[str, torch.Tensor]) -> None:
+            pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
+            pad["query_start"][0] = 0
+            pad["query_start"][1:] = 1  # row 0 holds token 0; every other row, and token, is padding
+            for name in TOKEN_NAMES:
+                pad[name][:tokens] = 0
+
+        self._record(graph, layout, padding, step)
+        self.prompt_graphs[tokens] = graph
+        return graph
+
+    def _capture_sampling(self, sampled: bool, logprobs: bool) -> Graph:
+        """The sampling of a padded step's rows from the static logits (the row fields: any layout's)."""
+        if self._logits is None:
+            self._capture_prompt(self.buckets.token_buckets[0])  # its warm-up makes the buffer
+        rows, kv = self.layout.rows, self.buckets.max_blocks
+        views = self.decode_layout.views(self._device_arena())
+        graph = self.device.graph(f"prompt_sampling{'_sampled' if sampled else ''}{'_logprobs' if logprobs else ''}")
+
+        def step() -> None:
+            logits = self._logits
+            if logits is None:
+                raise RuntimeError("a padded step's sampling runs after its forward made the logits")
+            attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows],
+                                       self.layout.block_size)
+            self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
+
+        def padding(pad: dict[str, torch.Tensor]) -> None:
+            pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
+
+        self._record(graph, self.decode_layout, padding, step)
+        self.sampling_graphs[(sampled, logprobs)] = graph
+        return graph
+
+    def _device_arena(self) -> torch.Tensor:
+        if self.arena is None:
+            raise RuntimeError("graphs need device memory separate from the host")
+        return self.arena
+
+    def _record(self, graph: Graph, layout: ArenaLayout, padding: Callable[[dict[str, torch.Tensor]], None],
+                step: Callable[[], None], params: Mapping[str, int] | None = None) -> None:
+        """Run ``step`` once on the inputs ``padding`` writes (kernels compiled, pools and handles made, outside
+        capture), then capture it into ``graph``."""
+        maybe_fail("capture")
+        started = time.perf_counter()
+        arena = self._device_arena()
+        pad = self.device.host_empty((layout.nbytes,), torch.uint8, pinned=True)
+        padding(layout.views(pad))
+        self.compute.copy(arena[: layout.nbytes], pad)
+        self.compute.launch(step)  # warm-up outside capture: allocator pools, library handles, kernels compiled
+        graph.capture(lambda: self.compute.launch(step), self.compute, params=params)
+        self.compute.synchronize()  # the padding arena may be freed after this
+        self.capture_s += time.perf_counter() - started
 
     # ------------------------------------------------------------------ steps
     def input_target(self) -> torch.Tensor | None:
@@ -136,6 +229,8 @@ class ModelRunner:
             copies = fi.layout.views(arena)
             count = fi.num_copies
             self.compute.launch(lambda: self._copy_blocks(copies["copy_from"][:count], copies["copy_to"][:count]))
+        if fi.padded:
+            return self._run_padded(fi, arena)
         graph = None
         if fi.is_decode and arena is self.arena:
             graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
@@ -152,6 +247,27 @@ class ModelRunner:
         self.num_graph_steps += 1
         return True
 
+    def _run_padded(self, fi: ForwardInput, arena: torch.Tensor) -> bool:
+        """A step padded to its token bucket: its forward's graph then its sampling's (eagerly where one is missing)."""
+        forward = self.prompt_graphs.get(fi.num_tokens) if arena is self.arena else None
+        sampling = self.sampling_graphs.get((fi.sample, fi.logprobs)) if arena is self.arena else None
+        if forward is None or sampling is None:
+            views = fi.layout.views(arena)
+            rows, tokens, kv = fi.bucket, fi.num_tokens, fi.kv_blocks
+            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, tokens, fi.sample, fi.logprobs,
+                                                      captured=True))
+            self.num_eager_steps += 1
+            return False
+        forward.replay(self.compute)
+        sampling.replay(self.compute)
+        self.num_graph_steps += 1
+        return True
+
+    def graph_summary(self) -> GraphSummary:
+        """How many graphs are captured, and the wall time their capture took."""
+        return GraphSummary(len(self.graphs), len(self.prompt_graphs), len(self.sampling_graphs), self.capture_s,
+                            self.graph_bytes)
+
     # ------------------------------------------------------------------ device work
     def _copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy on write: each shared block's keys and values, and the tokens its slots hold (the penalties
@@ -161,23 +277,33 @@ class ModelRunner:
         tokens.index_copy_(0, target.to(torch.int64), tokens.index_select(0, source.to(torch.int64)))
 
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-                 sampled: bool, logprobs: bool = False, decode_rows: int = 0) -> None:
+                 sampled: bool, logprobs: bool = False, decode_rows: int = 0, captured: bool = False) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row."""
+        logits = self._body(views, rows, tokens, kv, longest, decode_rows, captured)
+        attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows], self.layout.block_size)
+        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
+
+    def _body(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
+              decode_rows: int = 0, captured: bool = False) -> torch.Tensor:
+        """The model's forward over the step in ``views``: each row's logits [rows, V].
+
+        ``captured``: the step is padded to its token bucket (``tokens``) and ``rows`` (the layout's),
+        so nothing here may depend on how many of them are the step's (``PagedAttention.captured``).
+        """
         maybe_fail("forward")
         states = views["state_indices"][:rows]
         seq_lens = views["seq_lens"][:rows]
-        decode = longest == 1
+        decode = longest == 1 and not captured
         query_start = None if decode else views["query_start"][: rows + 1]
         attention = PagedAttention(views["block_tables"][:rows, :kv], seq_lens, self.layout.block_size, query_start,
-                                   longest, decode_rows)
+                                   longest, decode_rows, captured)
         token_states = states if decode else states[attention.token_rows(tokens)]
         input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
         slot_mapping = views["slot_mapping"][:tokens]
         self.slot_tokens.index_copy_(0, slot_mapping, input_ids)  # what the penalties count
         batch = StepBatch(input_ids, views["positions"][:tokens], slot_mapping, attention, states,
                           None if query_start is None else query_start[1:] - 1)
-        logits = self.model.forward(batch, self.state, self.ops)
-        self._emit(logits, rows, views, attention, seq_lens, sampled, logprobs)
+        return self.model.forward(batch, self.state, self.ops)
 
     def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], attention: PagedAttention,
               sample_positions: torch.Tensor, sampled: bool, logprobs: bool) -> None:
@@ -203,6 +329,30 @@ class ModelRunner:
         self.handoff.publish(tokens, rows, views["sample_slots"][:rows], torch.where(finite, tokens, NONFINITE))
 
     def close(self) -> None:
-        for graph in self.graphs.values():
+        for graph in [*self.graphs.values(), *self.prompt_graphs.values(), *self.sampling_graphs.values()]:
             graph.reset()
         self.graphs.clear()
+        self.prompt_graphs.clear()
+        self.sampling_graphs.clear()
+
+
+#: the sampling variants of padded steps, all captured at start: (sampled, logprobs)
+SAMPLING_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """The graphs a runner captured, and the wall time their capture took."""
+
+    decode: int
+    prompt: int  # a forward per token bucket of steps with prompt tokens
+    sampling: int  # the sampling variants of those steps
+    capture_s: float
+    memory_bytes: int  # what the device's allocator held more after the capture at start
+
+    def describe(self) -> str:
+        """One line for the startup report."""
+        counts = [f"{self.prompt} prompt-token buckets + {self.sampling} sampling" if self.prompt else "",
+                  f"{self.decode} decode" if self.decode else ""]
+        return (f"{self.decode + self.prompt + self.sampling} graphs ({', '.join(c for c in counts if c)}) captured "
+                f"in {self.capture_s:.1f} s, {self.memory_bytes / 2**20:.0f} MiB of device memory")

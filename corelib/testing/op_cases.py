@@ -128,6 +128,51 @@ class ChunkCase:
 
 
 @dataclass(frozen=True)
+class CapturedChunkCase:
+    """A captured step (``PagedAttention.captured``): one of ``steps`` padded to ``tokens`` token slots and
+    ``slots`` rows, the same shapes whichever step it holds.
+
+    ``build(seed)`` holds ``steps[seed % len(steps)]``, so a graph captured on one step and replayed on
+    another must follow query lengths it never saw. Rows past the step's are empty (seq_len 1 on
+    block 0, no queries); the tokens past the step's belong to no row and must come out 0.
+    """
+
+    dtype: torch.dtype
+    group: int
+    head_dim: int
+    block_size: int
+    tokens: int
+    slots: int
+    steps: tuple[tuple[tuple[int, int], ...], ...]  # each: rows as (tokens cached before the step, queries)
+    kv_heads: int = 2
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        bs, nkv, hd = self.block_size, self.kv_heads, self.head_dim
+        rows = self.steps[seed % len(self.steps)]
+        width = max(-(-(cached + queries) // bs) for step in self.steps for cached, queries in step) + 1
+        num_blocks = self.slots * width + 1
+        kc = randn(gen, num_blocks, bs, nkv, hd, dtype=self.dtype)
+        vc = randn(gen, num_blocks, bs, nkv, hd, dtype=self.dtype)
+        owners = torch.randperm(num_blocks - 1, generator=gen) + 1
+        tables = torch.zeros(self.slots, width, dtype=torch.int32)
+        live = torch.zeros(num_blocks, bs, dtype=torch.bool)
+        live[0, 0] = True  # the padded rows' one key
+        lengths = [cached + queries for cached, queries in rows] + [1] * (self.slots - len(rows))
+        for row, length in enumerate(lengths[: len(rows)]):
+            blocks = owners[row * width : row * width + -(-length // bs)]
+            tables[row, : len(blocks)] = blocks.to(torch.int32)
+            live.view(-1)[(blocks[:, None] * bs + torch.arange(bs)).view(-1)[:length]] = True
+        queries = [q for _, q in rows]
+        ends = list(itertools.accumulate(queries))
+        start = torch.tensor([0, *ends, *[ends[-1]] * (self.slots - len(rows))], dtype=torch.int64)
+        q = randn(gen, self.tokens, nkv * self.group, hd, dtype=self.dtype)
+        attn = PagedAttention(tables.to(device), torch.tensor(lengths, device=device), bs, start.to(device),
+                              self.tokens, 0, captured=True)
+        return q.to(device), kc.to(device), vc.to(device), attn, hd**-0.5, live.to(device)
+
+
+@dataclass(frozen=True)
 class RopeCase:
     dtype: torch.dtype
     tokens: int

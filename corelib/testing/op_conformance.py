@@ -43,6 +43,7 @@ from corelib.testing.op_cases import (
     F32,
     Args,
     Case,
+    CapturedChunkCase,
     ChunkCase,
     DecodeCase,
     LinearCase,
@@ -123,6 +124,14 @@ CHUNK_CASES = [
     # decode rows listed first and named so: a provider may run them as a decode step
     ChunkCase(F32, 4, 64, 16, ((40, 1), (300, 1), (1, 1), (0, 33), (17, 1), (5, 70)), split=True),
     ChunkCase(BF16, 2, 128, 32, ((700, 1), (33, 130)), split=True),
+]
+# Captured steps (a graph per token bucket): two steps in one padded shape each, decode rows beside
+# chunks, rows past the step's left empty and tokens past the step's (which must come out 0).
+CAPTURED_CASES = [
+    CapturedChunkCase(F32, 2, 64, 16, 64, 6, (((0, 17), (16, 16), (30, 1)), ((40, 1), (3, 1), (0, 50)))),
+    CapturedChunkCase(BF16, 4, 128, 32, 128, 4, (((100, 1), (33, 100), (5, 3)), ((0, 128),))),
+    CapturedChunkCase(F32, 1, 64, 16, 48, 8, (((7, 1), (8, 1), (9, 1), (0, 40)), ((1500, 16), (0, 30)))),
+    CapturedChunkCase(BF16, 8, 128, 16, 96, 3, (((700, 1), (17, 64), (64, 31)), ((0, 1),))),
 ]
 CHUNK_SWEEP = [ChunkCase(d, g, hd, bs, ((0, 1), (bs - 1, 2), (bs, bs), (bs + 1, 130), (3 * bs, 1), (0, 300)))
                for d, g, hd, bs in _GEOMETRY[1::2]]
@@ -279,8 +288,10 @@ def test_rope_kv_write_matches_reference(op_target: OpTarget, case: RopeCase) ->
     _check(op_target, "rope_kv_write", case, _rope)
 
 
-@pytest.mark.parametrize("case", _params([*DECODE_CASES, *CHUNK_CASES], [*DECODE_SWEEP, *CHUNK_SWEEP]))
-def test_paged_attention_matches_reference(op_target: OpTarget, case: DecodeCase | ChunkCase) -> None:
+@pytest.mark.parametrize("case", _params([*DECODE_CASES, *CHUNK_CASES, *CAPTURED_CASES],
+                                         [*DECODE_SWEEP, *CHUNK_SWEEP]))
+def test_paged_attention_matches_reference(op_target: OpTarget,
+                                           case: DecodeCase | ChunkCase | CapturedChunkCase) -> None:
     _check(op_target, "paged_attention", case, _paged)
 
 
@@ -350,11 +361,22 @@ def _copy_into(static: object, fresh: object) -> None:
 
 @pytest.mark.parametrize("op", list(GRAPH_CASES))
 def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> None:
+    _replay_on_new_inputs(op_target, op, GRAPH_CASES[op])
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CAPTURED_CASES])
+def test_a_captured_step_replays_on_a_step_of_other_query_lengths(op_target: OpTarget,
+                                                                   case: CapturedChunkCase) -> None:
+    _replay_on_new_inputs(op_target, "paged_attention", case)
+
+
+def _replay_on_new_inputs(op_target: OpTarget, op: str, case: Case) -> None:
+    """Capture ``op`` on ``case.build(0)``, copy ``case.build(1)`` into its static inputs, replay, compare."""
     ops = op_target.require(op)
     device = op_target.device
     if device is None or not device.capabilities.graphs:
         pytest.skip(f"op provider {op_target.provider!r}: {op_target.no_graph_reason}")
-    case, call = GRAPH_CASES[op], CALLS[op]
+    call = CALLS[op]
     static = case.build(0, op_target.torch_device)
     stream = device.stream(f"graph-{op}")
     captured: list[tuple[torch.Tensor, ...]] = []

@@ -49,8 +49,8 @@ TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("positions", torch.int64),
     ("slot_mapping", torch.int64),  # KV cache slot of the token: block * block_size + offset
 )
-STEP_FIELD_NAMES = (*(name for name, _ in ROW_FIELDS), "query_start", "block_tables",
-                    *(name for name, _ in TOKEN_FIELDS))
+TOKEN_NAMES = tuple(name for name, _ in TOKEN_FIELDS)
+STEP_FIELD_NAMES = (*(name for name, _ in ROW_FIELDS), "query_start", "block_tables", *TOKEN_NAMES)
 
 
 @functools.lru_cache(maxsize=64)
@@ -72,8 +72,13 @@ def pad_rows(views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pa
     """Rows (and their tokens) ``[first, last)`` of a decode step: token 0 at position 0 of the padding
     state index, on the null block, greedy, sampling into the padding slot. ``views``: the step layout's
     views as torch tensors or numpy arrays (the packer writes through numpy)."""
-    for name in ("input_ids", "positions", "slot_mapping"):
+    for name in TOKEN_NAMES:
         views[name][first:last] = 0
+    pad_row_fields(views, first, last, kv_blocks, pad_state_index)
+
+
+def pad_row_fields(views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pad_state_index: int) -> None:
+    """The row fields of rows ``[first, last)``, as :func:`pad_rows` writes them, and none of the tokens."""
     views["seq_lens"][first:last] = 1
     views["state_indices"][first:last] = pad_state_index
     views["sample_slots"][first:last] = pad_state_index
@@ -99,6 +104,7 @@ class InputFlags(enum.IntFlag):
     NONE = 0
     SAMPLE = 1  # some row samples (temperature > 0): the sampled graph variant runs
     LOGPROBS = 2  # some row asks for logprobs: the step computes them and the result carries them
+    PADDED = 4  # a step with prompt tokens padded to its token bucket (num_tokens) and every row of the layout
 
 
 class ResultFlags(enum.IntFlag):
@@ -117,8 +123,8 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 7  # 7: the rows' prompt lengths (penalties), the penalties' columns; 6: one step kind, tokens, query
-# length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
+VERSION = 8  # 8: steps padded to a token bucket; 7: the rows' prompt lengths (penalties), the penalties' columns;
+# 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
 _FIXED = struct.Struct("<IHHQqiiiiiiiidQII")
@@ -222,7 +228,7 @@ _KINDS = {int(kind): kind for kind in FrameKind}
 def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
     flags = (InputFlags.SAMPLE if fi.sample else InputFlags.NONE) | (
-        InputFlags.LOGPROBS if fi.logprobs else InputFlags.NONE)
+        InputFlags.LOGPROBS if fi.logprobs else InputFlags.NONE) | (InputFlags.PADDED if fi.padded else InputFlags.NONE)
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                        sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
                        max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows)
@@ -238,7 +244,7 @@ def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardI
     flags = InputFlags(header.flags)
     return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
                         header.kv_blocks, InputFlags.SAMPLE in flags, layout, payload, InputFlags.LOGPROBS in flags,
-                        header.num_copies, header.decode_rows)
+                        header.num_copies, header.decode_rows, InputFlags.PADDED in flags)
 
 
 # ---------------------------------------------------------------------------------------- results

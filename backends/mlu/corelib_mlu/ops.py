@@ -189,7 +189,8 @@ class MluKernels:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
         num_kv_heads, hd = k_cache.shape[2], k_cache.shape[3]
-        if q.dtype not in _HALF or q.shape[1] % num_kv_heads != 0 or k_cache.dtype != q.dtype:
+        # A captured step knows no query lengths on the host, which flash_attention's launch needs.
+        if q.dtype not in _HALF or q.shape[1] % num_kv_heads != 0 or k_cache.dtype != q.dtype or attn.captured:
             return ref.paged_attention(q, k_cache, v_cache, attn, scale)
         tables, seq_lens = attn.block_tables, attn.seq_lens
         batch, width = tables.shape

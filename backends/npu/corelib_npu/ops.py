@@ -222,6 +222,8 @@ class NpuKernels:
     def paged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float
     ) -> torch.Tensor:
+        if attn.captured:  # the fused attention takes its lengths on the host: a captured step knows none
+            return ref.paged_attention(q, k_cache, v_cache, attn, scale)
         if attn.is_decode:
             return self._decode_attention(q, k_cache, v_cache, attn, scale)
         if attn.decode_rows:  # the decode rows through the Q_S = 1 branch, the chunks through Q_S > 1

@@ -17,7 +17,8 @@ _OP = "rms_norm"
 _MAX_HIDDEN = 16384
 
 
-@triton.jit
+# The row count changes with every step's tokens: not specialised, so one compiled kernel serves them all.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, h_ptr,
     num_rows, inner, hidden, eps,

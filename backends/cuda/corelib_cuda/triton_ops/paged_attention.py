@@ -3,16 +3,25 @@
 """Paged attention for query lengths of 1 or more: a step's prefill chunks and decode rows together.
 
 A decode step (one query per row) is the flash-decoding kernel of ``decode_attention``, as it
-always was: graph-safe, split over the context. A step with longer rows runs eagerly, so its
-grid follows the host's longest query count: one program per (query tile, row, query head)
+always was: graph-safe, split over the context. A step with longer rows run eagerly has a grid
+that follows the host's longest query count: one program per (query tile, row, query head)
 reads that row's cached keys through its block table, up to the tile's last query position
 (causal: a query at position p sees keys 0..p, the chunk's own keys already written), with an
 online softmax. Tiles past a row's queries return at once.
+
+A captured step (``attn.captured``: the graph of a token bucket, replayed for every step of up to
+that many tokens) knows only its padded sizes, T tokens and B rows. Its grid is fixed by them:
+T // BLOCK_Q + B + 1 query blocks per KV head, each of BLOCK_Q queries times the KV head's query
+heads (one tile for the whole group, so each key tile is read once for all of them). A program
+finds its row by a binary search over the rows' first blocks (row i's are from
+query_start[i] // BLOCK_Q + i: a row never needs more than that bound), and exits when its block
+is past the row's queries; the blocks past every row write 0 for the tokens that belong to none.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -82,6 +91,121 @@ def _chunk_kernel(
              mask=q_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _block_row(qs_ptr, pid, num_rows, BLOCK_Q: tl.constexpr):
+    """The row whose query blocks hold program ``pid``: the last r in [0, num_rows] whose first block,
+    query_start[r] // BLOCK_Q + r, is at most ``pid`` (num_rows: past every row)."""
+    left: tl.int32 = 0
+    right = left + num_rows + 1
+    while left < right:
+        mid = (left + right) // 2
+        if tl.load(qs_ptr + mid) // BLOCK_Q + mid <= pid:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tokens"])
+def _captured_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, scale, block_size, num_rows, num_tokens,
+    q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = _block_row(qs_ptr, pid, num_rows, BLOCK_Q)
+    start = tl.load(qs_ptr + row)
+    local = pid - (start // BLOCK_Q + row)  # this program's block among its row's
+    m = tl.arange(0, BLOCK_M)
+    j = local * BLOCK_Q + m // GROUP  # the query each tile row holds, counted from the row's first
+    head = kv_head * GROUP + m % GROUP
+    m_ok = m < BLOCK_Q * GROUP
+    d = tl.arange(0, DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = start + j  # int64: the query's index among the step's tokens
+    heads = tl.num_programs(1) * GROUP
+    out_at = out_ptr + (token * heads + head)[:, None] * HEAD_DIM + d[None, :]
+    if row == num_rows:  # past every row: the padding tokens' output is 0
+        tail = m_ok & (token < num_tokens)
+        tl.store(out_at, tl.zeros([BLOCK_M, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=tail[:, None] & d_ok[None, :])
+        return
+    queries = tl.load(qs_ptr + row + 1) - start
+    if local * BLOCK_Q >= queries:
+        return
+    seq_len = tl.load(sl_ptr + row)
+    q_ok = m_ok & (j < queries)
+    q = tl.load(q_ptr + (token * q_s0 + head * q_s1)[:, None] + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = seq_len - queries + j  # each query's position in its sequence (>= 0: key 0 is always visible)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table = bt_ptr + row.to(tl.int64) * bt_s0
+    # Keys up to the block's last live query: causal, so later keys are never read.
+    end = (seq_len - queries + tl.minimum((local + 1) * BLOCK_Q, queries)).to(tl.int32)
+    for key_first in range(0, end, BLOCK_N):
+        pos = key_first + tl.arange(0, BLOCK_N)
+        live = pos < end
+        k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
+                            kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    tl.store(out_at, acc / l_i[:, None], mask=q_ok[:, None] & d_ok[None, :])
+
+
+class CapturedConfig(NamedTuple):
+    block_m: int  # tile rows: BLOCK_Q queries times the KV head's query heads
+    block_q: int
+    block_n: int
+    dim_pad: int
+    warps: int
+
+
+@functools.lru_cache(maxsize=16)
+def captured_config(group: int, head_dim: int) -> CapturedConfig:
+    """The captured step's tiles: 64 rows (or the group, if larger) of queries times heads, 64 keys."""
+    block_m = max(64, next_power_of_2(group))
+    dim_pad = next_power_of_2(head_dim)
+    return CapturedConfig(block_m, block_m // group, 64 if dim_pad <= 128 else 32, dim_pad, 4)
+
+
+def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention,
+                        scale: float) -> torch.Tensor:
+    """paged_attention of a captured step: the grid from T and B alone (module docstring)."""
+    tokens, heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    tables, seq_lens, starts = attn.block_tables, attn.seq_lens, attn.query_start
+    rows = tables.shape[0]
+    check(starts is not None and starts.shape == (rows + 1,), _OP, "a captured step needs query_start [B+1]")
+    assert starts is not None
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    q = last_dim_contiguous(q)
+    group = heads // kv_heads
+    config = captured_config(group, head_dim)
+    grid = (tokens // config.block_q + rows + 1, kv_heads)
+    _captured_kernel[grid](
+        q, k_cache, v_cache, tables, seq_lens, starts, out, scale, block_size, rows, tokens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
+        BLOCK_N=config.block_n, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), num_warps=config.warps,
+    )  # fmt: skip
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def _config(head_dim: int) -> tuple[int, int, int, int]:
     """(padded head dim, query tile, key tile, warps)."""
@@ -94,9 +218,9 @@ def paged_attention(
     pdl: bool = False,
 ) -> torch.Tensor:
     # q [T, nh, hd], k_cache / v_cache [NB, bs, nkv, hd], block_tables [B, W], seq_lens [B], query_start [B+1]
-    if attn.is_decode:
+    if attn.is_decode and not attn.captured:
         return paged_decode_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)
-    if attn.decode_rows:  # the decode rows by flash-decoding, split over their context; the chunks here
+    if attn.decode_rows and not attn.captured:  # the decode rows by flash-decoding, split over their context; the chunks here
         decode, chunks = attn.split()
         d = attn.decode_rows
         return torch.cat([paged_decode_attention(q[:d], k_cache, v_cache, decode, scale),
@@ -117,6 +241,8 @@ def paged_attention(
     check(block_size == attn.block_size, _OP, f"the caches hold blocks of {block_size}, attn says {attn.block_size}")
     check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and tables.stride(-1) == 1, _OP,
           "the caches and block_tables need a contiguous last dim")
+    if attn.captured:
+        return _captured_attention(q, k_cache, v_cache, attn, scale)
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     rows = tables.shape[0]
     if tokens == 0 or rows == 0:
