@@ -1,0 +1,307 @@
+"""Random workloads through the engine's configurations, every request's tokens those of the plain reference.
+
+A workload (a function of its seed alone) is a few prompts, some beginning with the same whole
+blocks so that the prefix cache finds them, each run as ``n`` requests that share its blocks or
+as separate requests, arriving over the first steps, greedy or sampled with a seed, some with
+penalties. It runs on an engine whose configuration the seed also draws: the prefix cache on or
+off, prompts whole or in chunks of a small token budget, async handoff on the emulated NPU under
+chaos or the synchronous CPU path, and a KV pool of blocks of 4 from roomy down to one that
+holds a single request of the longest length (so that requests are preempted, and the copies on
+write of the samples' shared blocks find no free block). Every request must finish by length,
+with exactly the tokens the plain reference draws (one full forward per token, the sampler of
+tests/samplerkit.py): a mistake in any of those paths changes some token of some request.
+
+The default run has a handful of workloads; ``-m long`` runs a few hundred
+(``CORELIB_FUZZ_WORKLOADS`` sets how many).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from support import reference_sampled, seeded_weights
+
+from corelib.engine import Engine, RequestOutput, SamplingParams
+from corelib.models.llama import ModelWeights
+from corelib.sampling_params import SEED_LIMIT
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 10  # the most tokens a request asks for
+VOCAB = range(2, 512)  # the tiny model's ids but pad (0) and EOS (1)
+# (model.max_model_len, engine.num_kv_blocks): a pool of 0 is sized for max_num_seqs requests of full length;
+# the others hold one request of full length (+1 null block), or a little more.
+POOLS = [(52, 0), (52, 20), (52, 14), (24, 7)]
+MAX_STEPS = 20_000  # far beyond any workload's needs: reaching it means the engine stopped making progress
+SHORT_SEEDS = range(8)  # each of the 8 combinations of prefix cache, chunks and async handoff once
+LONG_WORKLOADS = int(os.environ.get("CORELIB_FUZZ_WORKLOADS", "240"))
+LONG_FIRST_SEED = 1000
+
+
+# ---------------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class Config:
+    """An engine configuration; equal ones share an engine across workloads."""
+
+    prefix_caching: bool
+    chunked_prefill: bool
+    async_handoff: bool  # on the emulated NPU with chaos; off: the CPU backend, synchronous
+    max_model_len: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    @property
+    def overrides(self) -> list[str]:
+        backend = (["backend=npu", "backend.emulator.chaos=0.2", "engine.async_token_handoff=on"]
+                   if self.async_handoff else ["backend=cpu", "engine.async_token_handoff=off"])
+        return [*backend, f"engine.prefix_caching={'on' if self.prefix_caching else 'off'}",
+                f"engine.chunked_prefill={'on' if self.chunked_prefill else 'off'}",
+                f"engine.max_num_batched_tokens={self.max_num_batched_tokens}",
+                f"engine.block_size={BLOCK_SIZE}", f"engine.num_kv_blocks={self.num_kv_blocks}",
+                f"engine.max_num_seqs={self.max_num_seqs}", f"model.max_model_len={self.max_model_len}"]
+
+
+# --------------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Group:
+    """One prompt's requests: ``shared`` adds them with add_requests_sharing_prompt, else one by one."""
+
+    prompt: tuple[int, ...]
+    samplings: tuple[SamplingParams, ...]
+    shared: bool
+    arrival: int  # the engine steps taken before it is added
+
+
+@dataclass(frozen=True)
+class Workload:
+    seed: int
+    config: Config
+    groups: tuple[Group, ...]
+
+    def request_id(self, group: int, sample: int) -> str:
+        return f"w{self.seed}.g{group}.s{sample}"
+
+
+def _sampling(chance: random.Random) -> SamplingParams:
+    """Greedy or sampled (with top-k and top-p), some with penalties; always an explicit seed."""
+    temperature, top_k, top_p = 0.0, 0, 1.0
+    if chance.random() < 0.6:
+        temperature, top_k = chance.choice([0.3, 0.7, 1.0, 1.5]), chance.choice([0, 0, -1, 1, 5, 40])
+        top_p = chance.choice([1.0, 1.0, 0.95, 0.8, 0.5])
+    repetition, frequency, presence = 1.0, 0.0, 0.0
+    if chance.random() < 0.5:
+        repetition = chance.choice([1.0, 1.3, 2.0, 0.8, 10.0])
+        frequency, presence = chance.choice([0.0, 0.5, -0.5, 2.0]), chance.choice([0.0, 1.0, -1.0, 2.0])
+    return SamplingParams(max_tokens=chance.randint(1, MAX_TOKENS), ignore_eos=True, seed=chance.randrange(SEED_LIMIT),
+                          temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition,
+                          frequency_penalty=frequency, presence_penalty=presence)
+
+
+def _samplings(chance: random.Random, n: int) -> tuple[SamplingParams, ...]:
+    """A prompt's ``n`` samples: as ``n`` of one request (seeds one apart) or each with settings of its own."""
+    first = _sampling(chance)
+    if chance.random() < 0.5:
+        assert first.seed is not None
+        return tuple(first.replace(seed=(first.seed + i) % SEED_LIMIT) for i in range(n))
+    return (first, *(_sampling(chance) for _ in range(n - 1)))
+
+
+def make_workload(seed: int) -> Workload:
+    """The workload of ``seed``: the same seed, the same configuration and requests."""
+    chance = random.Random(seed)
+    max_model_len, num_kv_blocks = chance.choice(POOLS)
+    config = Config(prefix_caching=bool(seed & 1), chunked_prefill=bool(seed & 2), async_handoff=bool(seed & 4),
+                    max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+                    max_num_batched_tokens=chance.choice([8, 16, 32]), max_num_seqs=chance.choice([3, 64]))
+    longest = min(40, max_model_len - MAX_TOKENS)  # any request of any prompt fits in max_model_len
+
+    def tokens(count: int) -> list[int]:
+        return [chance.choice(VOCAB) for _ in range(count)]
+
+    stems = [tokens(BLOCK_SIZE * chance.randint(1, longest // BLOCK_SIZE)) for _ in range(chance.randint(1, 2))]
+    groups: list[Group] = []
+    for _ in range(chance.randint(3, 8)):
+        kind = chance.random()
+        if groups and kind < 0.15:  # the whole prompt again
+            prompt = list(chance.choice(groups).prompt)
+        elif kind < 0.65:  # whole blocks in common with others, then its own tokens (maybe none)
+            stem = chance.choice(stems)
+            prompt = stem + tokens(chance.randint(0, longest - len(stem)))
+        else:
+            prompt = tokens(chance.randint(1, longest))
+        n = chance.randint(1, 3)
+        groups.append(Group(tuple(prompt), _samplings(chance, n), shared=n > 1 and chance.random() < 0.75,
+                            arrival=0 if chance.random() < 0.5 else chance.randint(1, 12)))
+    return Workload(seed, config, tuple(groups))
+
+
+# ---------------------------------------------------------------------------------- running
+@dataclass
+class Coverage:
+    """What the workloads ran and what they made the engine do."""
+
+    workloads: int = 0
+    requests: int = 0
+    tokens: int = 0
+    preemptions: int = 0
+    forks: int = 0
+    cached_tokens: int = 0
+    configs: set[Config] = field(default_factory=set)
+
+    def __str__(self) -> str:
+        return (f"{self.workloads} workloads on {len(self.configs)} configurations: {self.requests} requests, "
+                f"{self.tokens} tokens; {self.preemptions} preemptions, {self.forks} prompts shared by their "
+                f"samples, {self.cached_tokens} prompt tokens found in the prefix cache")
+
+
+class Engines:
+    """One engine per configuration, reused by the workloads that draw it; an engine that failed is replaced."""
+
+    def __init__(self) -> None:
+        self._engines: dict[Config, Engine] = {}
+
+    def get(self, config: Config) -> Engine:
+        if config not in self._engines:
+            self._engines[config] = Engine.from_overrides(config.overrides)
+        return self._engines[config]
+
+    def discard(self, config: Config) -> None:
+        engine = self._engines.pop(config, None)
+        if engine is not None:
+            engine.close()
+
+    def close(self) -> None:
+        for config in list(self._engines):
+            self.discard(config)
+
+
+_REFERENCE: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
+_WEIGHTS: list[ModelWeights] = []
+
+
+def reference(prompt: tuple[int, ...], sampling: SamplingParams) -> list[int]:
+    """The plain reference's tokens, once per prompt and settings (every configuration runs the same model)."""
+    if not _WEIGHTS:
+        _WEIGHTS.append(seeded_weights([]))
+    key = (prompt, sampling)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = reference_sampled(_WEIGHTS[0], prompt, sampling)
+    return _REFERENCE[key]
+
+
+def run(engine: Engine, workload: Workload) -> dict[str, RequestOutput]:
+    """Every request of the workload, each group added once the engine has taken its arrival's steps."""
+    waiting = sorted(range(len(workload.groups)), key=lambda g: workload.groups[g].arrival)
+    outputs: dict[str, RequestOutput] = {}
+    for step in range(MAX_STEPS):
+        while waiting and (workload.groups[waiting[0]].arrival <= step or not engine.has_unfinished):
+            index = waiting.pop(0)
+            group = workload.groups[index]
+            ids = [workload.request_id(index, i) for i in range(len(group.samplings))]
+            if group.shared:
+                engine.add_requests_sharing_prompt(list(group.prompt), group.samplings, ids)
+            else:
+                for request_id, sampling in zip(ids, group.samplings, strict=True):
+                    engine.add_request(list(group.prompt), sampling, request_id)
+        if not engine.has_unfinished:
+            outputs.update((output.request_id, output) for output in engine.take_finished())
+            return outputs
+        for output in engine.step():
+            outputs[output.request_id] = output
+    raise AssertionError(f"the workload did not finish in {MAX_STEPS} steps")
+
+
+def first_mismatch(workload: Workload, outputs: dict[str, RequestOutput]) -> str | None:
+    """The first request that did not finish by length with the reference's tokens, described; None: none."""
+    for g, group in enumerate(workload.groups):
+        for i, sampling in enumerate(group.samplings):
+            request_id = workload.request_id(g, i)
+            expected = reference(group.prompt, sampling)
+            output = outputs.get(request_id)
+            got = None if output is None else (output.finish_reason, output.error, output.output_token_ids)
+            if got != ("length", None, expected):
+                where = "" if output is None else next(
+                    (f" (first difference at output {k})" for k, (a, b) in
+                     enumerate(zip(output.output_token_ids, expected, strict=False)) if a != b), "")
+                shared = f"one of {len(group.samplings)} sharing the prompt" if group.shared else "added alone"
+                return (f"request {request_id} ({shared}, arrival step {group.arrival}), prompt of "
+                        f"{len(group.prompt)} {list(group.prompt)}, {sampling}:\n"
+                        f"  engine (finish_reason, error, tokens): {got}\n"
+                        f"  reference tokens:                       {expected}{where}")
+    return None
+
+
+def check(engines: Engines, seed: int, coverage: Coverage) -> str | None:
+    """Run workload ``seed``; a description of what went wrong (seed, configuration, request), or None."""
+    workload = make_workload(seed)
+    config = workload.config
+    engine = engines.get(config)
+    scheduler = engine.scheduler
+    before = (scheduler.num_preemptions, scheduler.num_forked, scheduler.blocks.stats.hit_tokens)
+    outputs: dict[str, RequestOutput] = {}
+    try:
+        outputs = run(engine, workload)
+        problem = first_mismatch(workload, outputs)
+        blocks = scheduler.blocks
+        if problem is None and (blocks.num_free_blocks != blocks.num_blocks - 1 or any(blocks.ref_counts)):
+            problem = (f"every request finished, but {blocks.num_blocks - 1 - blocks.num_free_blocks} KV blocks "
+                       f"are still held (reference counts {[c for c in blocks.ref_counts if c]})")
+    except Exception as error:  # noqa: BLE001 - an engine stop is a finding like any other: reported below
+        problem = f"the engine raised {type(error).__name__}: {error}"
+    coverage.workloads += 1
+    coverage.configs.add(config)
+    coverage.requests += sum(len(g.samplings) for g in workload.groups)
+    coverage.tokens += sum(len(output.output_token_ids) for output in outputs.values())
+    coverage.preemptions += scheduler.num_preemptions - before[0]
+    coverage.forks += scheduler.num_forked - before[1]
+    coverage.cached_tokens += scheduler.blocks.stats.hit_tokens - before[2]
+    if problem is None:
+        return None
+    engines.discard(config)  # whatever state it was left in, no later workload inherits it
+    return (f"workload seed {seed} ({len(workload.groups)} prompts, "
+            f"{sum(len(g.samplings) for g in workload.groups)} requests), configuration {config.overrides}:\n"
+            f"{problem}")
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    pool = Engines()
+    yield pool
+    pool.close()
+
+
+# ------------------------------------------------------------------------------------- tests
+def test_a_seed_makes_the_same_workload() -> None:
+    assert make_workload(3) == make_workload(3)
+    assert make_workload(3) != make_workload(4)
+    for seed in [*SHORT_SEEDS, *range(LONG_FIRST_SEED, LONG_FIRST_SEED + 50)]:
+        workload = make_workload(seed)
+        assert 3 <= len(workload.groups) <= 8
+        for group in workload.groups:
+            assert 1 <= len(group.prompt) <= 40 and all(t in VOCAB for t in group.prompt)
+            assert all(s.seed is not None and s.ignore_eos for s in group.samplings)
+            assert len(group.prompt) + max(s.max_tokens for s in group.samplings) <= workload.config.max_model_len
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SHORT_SEEDS)
+def test_random_workloads_get_the_reference_tokens(engines: Engines, seed: int) -> None:
+    problem = check(engines, seed, Coverage())
+    assert problem is None, problem
+
+
+@pytest.mark.long
+def test_many_random_workloads_get_the_reference_tokens(engines: Engines) -> None:
+    coverage, problems = Coverage(), []
+    began = time.perf_counter()
+    for seed in range(LONG_FIRST_SEED, LONG_FIRST_SEED + LONG_WORKLOADS):
+        problem = check(engines, seed, coverage)
+        if problem is not None:
+            problems.append(problem)
+    print(f"\n{coverage}; {len(problems)} failed; {time.perf_counter() - began:.0f} s")
+    assert not problems, f"{len(problems)} of {coverage.workloads} workloads failed; the first:\n{problems[0]}"
