@@ -1,85 +1,268 @@
-"""Where a step of prompt chunks beside decode rows spends its time, on the device and on the host.
+"""Where a step that carries prompt tokens spends its time, measured without a profiler, with its
+graphs (engine.mixed_graphs=on) and without (off), in one process.
 
-Decoders run with long outputs; then long prompts arrive and are fed in chunks under the step's
-token budget beside them. Each step's wall time is taken, and a torch.profiler trace of a few
-mixed steps gives the device kernels by total time (and by count), so a slow op names itself.
+1. Mixed steps: decoders run, then long prompts arrive and are fed in chunks of the token budget
+   beside them. Each step's wall time is taken with the device synchronized after it; the device
+   time is the step's own (its start and end events); the host's share is the difference. The
+   first mixed steps of each kind are reported apart: a kernel compiled for a new token count
+   shows there.
+2. Where the eager host time goes (without graphs): the wall time of the step's Python on the
+   host (engine.step() without a synchronization, the device still running), the launches it
+   makes (torch's and Triton's, counted by wrapping their entry points) and the time per launch.
+3. Stalls: prompts of random lengths arrive for ``--stall-seconds`` while the decoders run; every
+   step's wall time, grouped by its token bucket: the median and the worst against it.
+4. Time to first token for prompts of ``--prompt-lens`` x ``--prompt-counts`` tokens, and
+   transformers' eager forward on the same shapes and weights (``--transformers``).
 
-    python3 benchmarks/mixed_step.py model=small-0.6b backend=cuda --decoders 32 --prompt 1500 --budget 512
+    python3 benchmarks/mixed_step.py model=small-0.6b backend=cuda --out mixed.json
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
+import importlib
 import json
-import pstats
+import random
 import statistics
+import sys
 import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from corelib.engine import Engine, SamplingParams
+from corelib.models.random_init import random_state_dict
+from corelib.models.registry import model_shape
+
+Json = dict[str, Any]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--decoders", type=int, default=32)
-    parser.add_argument("--prompt", type=int, default=1500)
+    parser.add_argument("--prompt", type=int, default=1500, help="tokens of each arriving prompt (part 1)")
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--budget", type=int, default=512, help="engine.max_num_batched_tokens of part 1")
+    parser.add_argument("--steps", type=int, default=12, help="mixed steps timed per mode")
+    parser.add_argument("--stall-seconds", type=float, default=0.0, help="part 3 (0: skipped)")
+    parser.add_argument("--prompt-lens", type=int, nargs="*", default=[500, 2000])
+    parser.add_argument("--prompt-counts", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--transformers", action="store_true", help="transformers' eager forward on part 4's shapes")
+    parser.add_argument("--modes", nargs="*", default=["off", "on"], help="engine.mixed_graphs values compared")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--cprofile", action="store_true", help="also a cProfile of the host over 6 more mixed steps")
     args = parser.parse_args()
-    overrides = [*args.overrides, "engine.chunked_prefill=on", f"engine.max_num_batched_tokens={args.budget}",
-                 f"engine.max_num_seqs={args.decoders + args.prompts}", "model.max_model_len=4096"]
-    params = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=args.temperature, seed=1)
-    with Engine.from_overrides(overrides) as engine:
-        vocab = engine.vocab_size
-        for i in range(args.decoders):
-            engine.add_request([(i * 7 + j) % (vocab - 2) + 2 for j in range(16)], params)
-        for _ in range(24):  # the decoders' prompts done: decode steps alone
-            engine.step()
-        decode_ms = timed(engine, 32)
-        for i in range(args.prompts * (2 if args.cprofile else 1)):
-            engine.add_request([(i * 131 + j * 17) % (vocab - 2) + 2 for j in range(args.prompt)],
-                               SamplingParams(max_tokens=4, ignore_eos=True))
+    result: Json = {"settings": vars(args), "modes": {}}
+    for mode in args.modes:
+        result["modes"][mode] = run_mode(args, mode)
+    if args.transformers:
+        result["transformers"] = transformers_prefill(args)
+    print(summary(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def engine_for(args: argparse.Namespace, mode: str, budget: int, rows: int) -> Engine:
+    return Engine.from_overrides([*args.overrides, "engine.chunked_prefill=on", f"engine.mixed_graphs={mode}",
+                                  f"engine.max_num_batched_tokens={budget}", f"engine.max_num_seqs={rows}",
+                                  "model.max_model_len=4096"])
+
+
+def run_mode(args: argparse.Namespace, mode: str) -> Json:
+    out: Json = {}
+    rows = args.decoders + args.prompts * 2
+    started = time.perf_counter()
+    with engine_for(args, mode, args.budget, rows) as engine:
+        out["startup_s"] = time.perf_counter() - started
+        out["graphs"] = None if engine.graphs is None else engine.graphs.describe()
+        start_decoders(engine, args.decoders)
+        out["decode"] = timed_steps(engine, 16)
+        for round_ in range(2):  # the first round meets every kernel for the first time; the second does not
+            for i in range(args.prompts):
+                engine.add_request(prompt(engine, args.prompt, seed=100 * round_ + i),
+                                   SamplingParams(max_tokens=4, ignore_eos=True))
+            out[f"mixed_round{round_}"] = timed_steps(engine, args.steps)
+        if mode == "off":
+            out["eager_host"] = eager_host(engine, args)
+        if args.stall_seconds:
+            out["stalls"] = stalls(engine, args)
+    with engine_for(args, mode, max(2048, max(args.prompt_lens, default=0)), max(args.prompt_counts, default=1)) \
+            as engine:
+        out["ttft"] = [ttft(engine, length, count) for length in args.prompt_lens for count in args.prompt_counts]
+    return out
+
+
+def start_decoders(engine: Engine, count: int) -> None:
+    params = SamplingParams(max_tokens=3500, ignore_eos=True)
+    for i in range(count):
+        engine.add_request(prompt(engine, 16, seed=10_000 + i), params)
+    for _ in range(8):  # their prompts done: decode steps alone
         engine.step()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as profile:
-            mixed_ms = timed(engine, 6)
-        table = profile.key_averages().table(sort_by="cuda_time_total", row_limit=args.top)
-        host = ""
-        if args.cprofile:
-            profiler = cProfile.Profile()
-            profiler.enable()
-            host_ms = timed(engine, 6)
-            profiler.disable()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
-            host = f"mixed steps under cProfile: {', '.join(f'{t:.2f}' for t in host_ms)} ms\n{text.getvalue()}"
-        print(f"decode steps alone: median {statistics.median(decode_ms):.3f} ms per step")
-        print(f"mixed steps ({args.budget}-token budget, {args.decoders} decode rows): "
-              f"{', '.join(f'{t:.2f}' for t in mixed_ms)} ms")
-        print(table)
-        print(host)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"decode_ms": decode_ms, "mixed_ms": mixed_ms, "table": table, "host": host}, f, indent=1)
 
 
-def timed(engine: Engine, steps: int) -> list[float]:
-    """Wall time of each of ``steps`` engine steps, the device synchronized after each."""
-    times = []
+def prompt(engine: Engine, length: int, seed: int) -> list[int]:
+    vocab = engine.vocab_size
+    return [(seed * 7919 + j * 31 + j * j) % (vocab - 2) + 2 for j in range(length)]
+
+
+def timed_steps(engine: Engine, steps: int) -> Json:
+    """Wall (device synchronized after each), device and host ms of ``steps`` steps, and their tokens."""
+    first = engine.stats().num_steps
+    walls = []
     for _ in range(steps):
-        started = time.perf_counter()
+        began = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1e3)
-    return times
+        walls.append((time.perf_counter() - began) * 1e3)
+    engine.step()  # the last timed step's record is read by the next step
+    records = engine.stats(since_step=first).steps[:steps]
+    device = [r.busy_ms for r in records if r.busy_ms is not None]
+    return {"wall_ms": walls, "device_ms": device, "kinds": [r.kind.value for r in records],
+            "graph": [r.graph for r in records], "wall_ms_median": statistics.median(walls),
+            "device_ms_median": statistics.median(device) if device else None}
+
+
+def eager_host(engine: Engine, args: argparse.Namespace) -> Json:
+    """Mixed steps without graphs: the host's Python per step, and the launches it makes."""
+    import triton
+
+    counts: dict[str, int] = defaultdict(int)
+    wrapped: list[tuple[Any, str, Any]] = []
+
+    def counting(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def call(*a: Any, **k: Any) -> Any:
+            counts[label] += 1
+            return original(*a, **k)
+
+        wrapped.append((owner, name, original))
+        setattr(owner, name, call)
+
+    counting(triton.runtime.jit.JITFunction, "run", "triton")
+    counting(torch.nn.functional, "linear", "cublas (F.linear)")
+    counting(torch, "addmm", "cublas (addmm)")
+    for i in range(args.prompts):
+        engine.add_request(prompt(engine, args.prompt, seed=500 + i), SamplingParams(max_tokens=4, ignore_eos=True))
+    host = []
+    try:
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            engine.step()  # returns once the step is submitted (and the previous one read): the host's part
+            host.append((time.perf_counter() - began) * 1e3)
+    finally:
+        for owner, name, original in wrapped:
+            setattr(owner, name, original)
+    per_step = {label: count / args.steps for label, count in counts.items()}
+    return {"host_ms": host, "host_ms_median": statistics.median(host), "launches_per_step": per_step}
+
+
+def stalls(engine: Engine, args: argparse.Namespace) -> Json:
+    """Prompts of random lengths arrive while the decoders run: each step's wall time by token bucket."""
+    rng = random.Random(7)
+    buckets = engine.core.buckets
+    by_bucket: dict[str, list[float]] = defaultdict(list)
+    deadline = time.perf_counter() + args.stall_seconds
+    seed = 20_000
+    while time.perf_counter() < deadline:
+        if engine.stats().num_waiting < 2:
+            seed += 1
+            engine.add_request(prompt(engine, rng.randint(1, 1800), seed),
+                               SamplingParams(max_tokens=2, ignore_eos=True))
+        began = time.perf_counter()
+        first = engine.stats().num_steps
+        engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - began) * 1e3
+        for record in engine.stats(since_step=first).steps[-1:]:  # the step this call completed
+            bucket = (f"decode rows {record.num_seqs}" if record.kind.value == "decode"
+                      else f"tokens {buckets.token_bucket(record.num_tokens) or 'eager'}")
+            by_bucket[bucket].append(wall)
+    table = {}
+    for key, walls in sorted(by_bucket.items()):
+        median = statistics.median(walls)
+        table[key] = {"steps": len(walls), "median_ms": median, "max_ms": max(walls),
+                      "over_3x_median": sum(1 for w in walls if w > 3 * median)}
+    return table
+
+
+def ttft(engine: Engine, length: int, count: int) -> Json:
+    """Time until every one of ``count`` fresh prompts of ``length`` tokens has its first token."""
+    times = []
+    for repeat in range(4):
+        prompts = [prompt(engine, length, seed=1_000_000 + repeat * 100 + i) for i in range(count)]
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        if repeat:  # the first is the warm-up
+            times.append((time.perf_counter() - began) * 1e3)
+    return {"length": length, "count": count, "ttft_ms": statistics.median(times), "repeats_ms": times,
+            "prompt_tokens_per_s": length * count / statistics.median(times) * 1e3}
+
+
+def transformers_prefill(args: argparse.Namespace) -> Json:
+    """transformers' eager forward (no cache) on the prompt shapes of part 4, the same random weights."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    hf_model = importlib.import_module("peers").hf_model  # a sibling script, not a package
+
+    from corelib.compose import compose_config, prepare_config_store
+    from corelib.plugins import PluginRegistry
+
+    prepare_config_store(PluginRegistry())
+    config = compose_config(args.overrides)
+    shape = model_shape(config.model)
+    device = torch.device("cuda")
+    state = {k: v.to(device=device, dtype=shape.dtype) for k, v in random_state_dict(shape, 0).items()}
+    model = hf_model(shape, state, device)
+    out = []
+    for length in args.prompt_lens:
+        for count in args.prompt_counts:
+            ids = torch.randint(2, shape.vocab_size, (count, length), device=device)
+            times = []
+            with torch.inference_mode():
+                for repeat in range(4):
+                    torch.cuda.synchronize()
+                    began = time.perf_counter()
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    if repeat:
+                        times.append((time.perf_counter() - began) * 1e3)
+            out.append({"length": length, "count": count, "forward_ms": statistics.median(times)})
+    return {"points": out}
+
+
+def summary(result: Json) -> str:
+    lines = []
+    for mode, out in result["modes"].items():
+        lines.append(f"== mixed_graphs={mode}: startup {out['startup_s']:.1f} s; {out['graphs'] or 'no graphs'}")
+        lines.append(f"   decode steps: wall {out['decode']['wall_ms_median']:.3f} ms, device "
+                     f"{out['decode']['device_ms_median'] or 0:.3f} ms")
+        for round_ in (0, 1):
+            r = out[f"mixed_round{round_}"]
+            mixed = [(w, d) for w, d, k in zip(r["wall_ms"], r["device_ms"], r["kinds"], strict=False) if k != "decode"]
+            if mixed:
+                walls = sorted(w for w, _ in mixed)
+                device = statistics.median(d for _, d in mixed)
+                wall = statistics.median(walls)
+                lines.append(f"   mixed steps, round {round_}: {len(mixed)}, wall median {wall:.2f} ms (max "
+                             f"{walls[-1]:.2f}), device median {device:.2f} ms, host share {wall - device:.2f} ms")
+        if "eager_host" in out:
+            e = out["eager_host"]
+            launches = ", ".join(f"{k} {v:.0f}" for k, v in e["launches_per_step"].items())
+            lines.append(f"   eager host per mixed step (not synchronized): {e['host_ms_median']:.2f} ms; "
+                         f"launches per step: {launches}")
+        for key, s in out.get("stalls", {}).items():
+            lines.append(f"   stalls {key}: {s['steps']} steps, median {s['median_ms']:.2f} ms, max "
+                         f"{s['max_ms']:.2f} ms, over 3x median: {s['over_3x_median']}")
+        for t in out["ttft"]:
+            lines.append(f"   TTFT {t['count']} x {t['length']}: {t['ttft_ms']:.2f} ms "
+                         f"({t['prompt_tokens_per_s']:,.0f} prompt tokens/s)")
+    for p in result.get("transformers", {}).get("points", []):
+        lines.append(f"== transformers eager forward {p['count']} x {p['length']}: {p['forward_ms']:.2f} ms")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

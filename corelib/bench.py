@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from corelib.bench_prompts import PromptPoint, measure_prompts, prompt_table
 from corelib.compose import compose_config
 from corelib.config import WorkloadConfig
 from corelib.engine.api import Engine
@@ -177,6 +178,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
     backends = list(spec.backends) or [None]
     points: list[BenchPoint] = []
     served: list[ServePoint] = []
+    prompted: list[PromptPoint] = []
     largest = max(spec.batch_sizes)
     seen: set[tuple[object, ...]] = set()
     devices: list[str] = []
@@ -201,8 +203,8 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             f"engine.fused_ops={fused}",
             f"engine.pdl={pdl}",
             f"engine.fast_allreduce={allreduce}",
-            f"engine.max_num_seqs={max(largest, 1)}",
-            f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, 256)}",
+            f"engine.max_num_seqs={max(largest, 1, *spec.prompt_counts)}",
+            f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, cfg.engine.max_num_batched_tokens)}",
         ]
         try:
             startup = start(compose_config(overrides), registry)
@@ -252,10 +254,16 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                 points.append(point)
                 say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_host_note(point)}"
                              f"{_transport_note(point)}")
+            for length, count in itertools.product(spec.prompt_lens, spec.prompt_counts):
+                prompted.append(measure_prompts(engine, label, length, count, spec.repeats))
+                say(console, f"bench {label}: {count} x {length} prompt tokens, first tokens in "
+                             f"{prompted[-1].ttft_ms:.2f} ms")
             if wants_serving(startup.config.workload):
                 served.append(serve(engine, startup.config.workload, label))
                 say(console, f"bench {label}: served the workload in {served[-1].wall_s:.2f} s")
     show(console, bench_table(points))
+    if prompted:
+        show(console, prompt_table(prompted))
     if served:
         show(console, serve_table(served))
     payload = {
@@ -265,6 +273,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
         "points": [asdict(p) for p in points],
         "ratios": ratios(points),
         "served": [asdict(p) for p in served],
+        "prompts": [asdict(p) for p in prompted],
     }
     run_dir.write_file("bench.json", json.dumps(payload, indent=2, default=str) + "\n")
     say(console, f"wrote {run_dir.path / 'bench.json'}")

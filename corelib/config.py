@@ -433,6 +433,10 @@ class BenchConfig:
     output_len: int = field(default=64, metadata=doc("new tokens per request"))
     warmup_steps: int = field(default=4, metadata=doc("steps run before timing"))
     repeats: int = field(default=1, metadata=doc("timed repetitions per point"))
+    prompt_lens: list[int] = field(
+        default_factory=list, metadata=doc("prompt lengths whose time to first token is measured; []: none"))
+    prompt_counts: list[int] = field(
+        default_factory=lambda: [1], metadata=doc("prompts sent at once for each of prompt_lens"))
 
 
 @dataclass

@@ -226,7 +226,7 @@ class EngineCore:
         with self.tracer.span("postprocess", SCHEDULER_LANE):
             self._finished.extend(self.scheduler.postprocess(item.step, result.tokens, result.logprobs))
         host = HostTime(item.schedule_s * 1e6, item.pack_s * 1e6, (time.perf_counter() - started) * 1e6)
-        self.metrics.record(result, item.path, item.step.sync_reasons, host)
+        self.metrics.record(result, item.path, item.step.sync_reasons, host, item.step.num_tokens)
 
     def _unblock(self) -> bool:
         """Nothing runs and nothing can be scheduled: fail the first waiting request, never hang."""

@@ -42,6 +42,7 @@ class StepRecord:
     graph: bool
     transport_us: float | None
     host: HostTime | None = None  # schedule + pack + post-process of this step on the scheduler side
+    num_tokens: int = 0  # tokens the step fed (its rows' queries, before any padding)
 
 
 WINDOW = 10_000  # requests and steps kept for percentiles and device spans
@@ -82,9 +83,10 @@ class MetricsCollector:
         """The records of steps ``first_step`` on (those still in the window)."""
         return self.steps[max(0, first_step - self.steps_dropped):]
 
-    def record(self, result: StepResult, path: str, sync_reasons: Iterable[str], host: HostTime | None = None) -> None:
+    def record(self, result: StepResult, path: str, sync_reasons: Iterable[str], host: HostTime | None = None,
+               num_tokens: int = 0) -> None:
         record = StepRecord(result.step_id, result.kind, path, len(result.tokens), result.busy_ms, result.gap_ms,
-                            result.graph, result.transport_us, host)
+                            result.graph, result.transport_us, host, num_tokens)
         self.steps.append(record)
         if len(self.steps) >= 2 * self.window:
             del self.steps[: self.window]  # in halves: amortized O(1) per step, and slices stay cheap
@@ -94,7 +96,7 @@ class MetricsCollector:
         self._step_paths[path] += 1
         if record.graph:
             self._graph_steps += 1
-        elif record.kind is StepKind.decode:
+        else:
             self._eager_steps += 1
 
     def finish(self, seq: Sequence) -> None:

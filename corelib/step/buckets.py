@@ -31,7 +31,8 @@ def token_ladder(limit: int) -> list[int]:
     """16 to 256 by 16, by 32 to 512, by 64 to 1024, by 256 to 4096, then by 512: every size below ``limit``,
     and ``limit`` itself. The steps grow with the size, as SGLang's ladder does: past 256 tokens a step
     is padded by at most a quarter."""
-    sizes, size = [], 0
+    sizes: list[int] = []
+    size = 0
     while True:
         size += next((step for top, step in TOKEN_LADDER if size < top), TOKEN_LADDER_STEP)
         if size >= limit:

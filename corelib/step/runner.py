@@ -28,10 +28,10 @@ from corelib.models.sharding import VocabShard
 from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
 from corelib.ops.sampling import count_history
 from corelib.progress import current as current_progress
+from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
-from corelib.step.arena import ArenaLayout
 from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
 from corelib.transport.wire import TOKEN_NAMES, pad_rows

@@ -32,9 +32,9 @@ def test_the_arena_of_a_step_on_the_device_is_not_back_in_the_pool(
     fill, release, result = InputBuilder.fill, ArenaPool.release, DeviceSteps.result
 
     def spy_fill(self: InputBuilder, step_id: int, step: ScheduledStep, arena: torch.Tensor, bucket: int,
-                 kv_blocks: int) -> ForwardInput:
+                 kv_blocks: int, padded: int = 0) -> ForwardInput:
         packed[step_id] = arena.data_ptr()
-        return fill(self, step_id, step, arena, bucket, kv_blocks)
+        return fill(self, step_id, step, arena, bucket, kv_blocks, padded)
 
     def spy_release(self: ArenaPool, arena: torch.Tensor) -> None:
         released.append(arena.data_ptr())

@@ -52,7 +52,8 @@ def test_a_copy_on_write_counts_the_sharers_tokens_in_the_penalties(make_engine:
     prompt = [3, 5, 7, 11, 13, 17]  # 6 tokens: the samples share a partial block, positions 4 and 5
     penalised = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=50.0)
     alone = make_engine(overrides).generate([prompt], penalised)[0].output_token_ids
-    # Every block of the pool once held an unrelated request's tokens: the token a request alone picks second (the first is sampled before the copy).
+    # Every block of the pool once held an unrelated request's tokens: the token a request alone picks
+    # second (the first is sampled before the copy).
     engine.generate([[alone[1]] * 56], SamplingParams(max_tokens=4, ignore_eos=True))
     ids = engine.add_requests_sharing_prompt(prompt, [penalised, penalised])
     assert list(_finish(engine, ids).values()) == [alone, alone]

@@ -94,15 +94,20 @@ def test_emulated_npu_under_chaos_with_async_handoff_gives_the_same_tokens(
     assert summary["steps_async"] == summary["steps"] and summary["graph_steps"] > 0
 
 
-def test_decode_steps_replay_the_captured_graphs_and_steps_with_chunks_run_eagerly(make_engine: EngineFactory,
-                                                                                   expected: list[list[int]]) -> None:
-    engine = make_engine(["backend=npu", *BASE, *settings(16, False)])
+@pytest.mark.parametrize("mixed", ["off", "on"])
+def test_decode_steps_replay_the_decode_graphs_and_steps_with_chunks_their_token_buckets(
+        make_engine: EngineFactory, expected: list[list[int]], mixed: str) -> None:
+    engine = make_engine(["backend=npu", *BASE, *settings(16, False), f"engine.mixed_graphs={mixed}"])
     assert run(engine, workload()) == expected
     summary = engine.metrics(1.0)
-    assert summary["graph_steps"] == summary["steps_decode"] > 0, "every decode step fits a captured bucket"
     runner = engine.local_runner
-    assert runner.num_graph_steps == summary["steps_decode"]
-    assert runner.num_eager_steps == summary["steps_prefill"] > 0, "each step with chunks ran eagerly"
+    assert summary["steps_decode"] > 0 and summary["steps_prefill"] > 0
+    if mixed == "off":
+        assert summary["graph_steps"] == runner.num_graph_steps == summary["steps_decode"], "every decode bucket"
+        assert runner.num_eager_steps == summary["steps_prefill"], "each step with chunks ran eagerly"
+    else:
+        assert summary["graph_steps"] == runner.num_graph_steps == summary["steps"], "every step replayed graphs"
+        assert runner.num_eager_steps == 0 and set(runner.prompt_graphs) == {16}, "one token bucket: the budget"
 
 
 def test_the_hybrid_carries_its_convolution_state_from_chunk_to_chunk(make_engine: EngineFactory) -> None:

@@ -220,7 +220,7 @@ def paged_attention(
     # q [T, nh, hd], k_cache / v_cache [NB, bs, nkv, hd], block_tables [B, W], seq_lens [B], query_start [B+1]
     if attn.is_decode and not attn.captured:
         return paged_decode_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)
-    if attn.decode_rows and not attn.captured:  # the decode rows by flash-decoding, split over their context; the chunks here
+    if attn.decode_rows:  # the decode rows by flash-decoding, split over their context; the chunks here
         decode, chunks = attn.split()
         d = attn.decode_rows
         return torch.cat([paged_decode_attention(q[:d], k_cache, v_cache, decode, scale),
