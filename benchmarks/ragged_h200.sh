@@ -11,7 +11,8 @@
 # BASE_COMMIT (default 6413ed0) when this is a git checkout, else (1) measures this tree only.
 # Assumes corelib with the serve extra and the cuda backend (Triton) are installed from this tree.
 # For a dry run elsewhere: MODEL=tiny DEVICE="backend=npu" QUICK=1 benchmarks/ragged_h200.sh /tmp/dry
-# (RATE=N: the mixed traffic's arrivals per second, default 16; DECODER_LEN=N: each decoder's tokens, default 2048)
+# (RATE=N: the mixed traffic's arrivals per second, default 16; DECODER_LEN=N: each decoder's tokens, default 2048;
+#  CHUNKED="off on": the chunked prefill modes of part 4; MIXED_BUDGET=N: its token budget, default 512)
 set -uo pipefail
 out=${1:?usage: ragged_h200.sh OUTDIR}
 mkdir -p "$out"
@@ -44,7 +45,7 @@ decode() {  # decode NAME TREE: bench of decode-only steps at batch 1 and 32, co
   # python -m puts the working directory first on sys.path: run from TREE, its backends ahead of the installed ones;
   # the config tree ships as corelib.conf, which the installed (editable) corelib would map to this tree's conf/
   [ -e "$tree/corelib/conf" ] || ln -s ../conf "$tree/corelib/conf"
-  (cd "$tree" && PYTHONPATH="$tree/backends/cpu:$tree/backends/cuda:$tree/backends/npu:$tree/backends/mlu" \
+  (cd "$tree" && PYTHONPATH="$tree/backends/cpu:$tree/backends/cuda:$tree/backends/npu:$tree/backends/mlu${PYTHONPATH:+:$PYTHONPATH}" \
     python3 -m corelib bench model="$model" "${device[@]}" bench=h200 'bench.batch_sizes=[1,32]' \
     'bench.handoff=[on]' 'bench.transport=[inproc]' bench.repeats=5 hydra.run.dir="$out/$name") \
     >"$out/$name.log" 2>&1 || status=1
@@ -135,10 +136,10 @@ for caching in off on; do
   else status=1; fi
   stop
 done
-for chunked in off on; do
+for chunked in ${CHUNKED:-off on}; do
   [[ $parts == *4* ]] || break
   if serve "mixed-$chunked" engine.chunked_prefill="$chunked" engine.prefix_caching=off \
-      engine.max_num_batched_tokens=512; then
+      engine.max_num_batched_tokens="${MIXED_BUDGET:-512}"; then
     load "mixed-$chunked-warmup" 'server.bench.concurrency=[32]' server.bench.num_requests=64
     load "mixed-$chunked" "${mixed[@]}"
   else status=1; fi

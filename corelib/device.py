@@ -322,6 +322,10 @@ class Device(ABC):
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(device_bytes=0, pinned_bytes=0, registered_bytes=0)
 
+    def graph_pool_bytes(self) -> int | None:
+        """Device memory the captured graphs' shared pool holds; None where the device cannot say."""
+        return None
+
     def close(self) -> None:
         """Release streams, threads and registrations. Safe to call twice."""
         if self._closed:

@@ -250,12 +250,21 @@ class TorchDevice(Device):
             graph, pool=self.graph_pool(), stream=stream.target(), capture_error_mode=self.capture_error_mode
         )
 
+    def graph_pool_bytes(self) -> int | None:
+        """The segments of the graphs' pool, from the allocator's snapshot (None: no pool, or no snapshot)."""
+        snapshot = getattr(self.module, "memory_snapshot", None)
+        if self._pool is None or snapshot is None:
+            return None
+        pool = tuple(self._pool) if isinstance(self._pool, tuple) else (self._pool,)
+        return sum(int(segment["total_size"]) for segment in snapshot()
+                   if tuple(segment.get("segment_pool_id", ())) == pool)
+
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(
             device_bytes=int(self.module.memory_allocated(self.index)),
             pinned_bytes=self.memory.nbytes(MemoryKind.pinned),
             registered_bytes=self.memory.nbytes(MemoryKind.registered),
-            reserved_bytes=int(self.module.memory_reserved(self.index)),
+            reserved_bytes=int(getattr(self.module, "memory_reserved", self.module.memory_allocated)(self.index)),
         )
 
     def _stream(self, name: str) -> Stream:

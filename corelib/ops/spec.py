@@ -3,6 +3,8 @@
 Shapes use: T tokens (flat: a step's queries), B sequences (rows), H hidden, nh query heads,
 nkv KV heads, hd head dim, NB KV blocks, bs block size, W block-table width, V vocabulary.
 Every op is graph-safe in the reference: no host sync, no data-dependent shapes.
+
+Long: every op's contract in one module, the one a provider's author reads.
 """
 
 from __future__ import annotations

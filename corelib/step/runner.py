@@ -116,7 +116,11 @@ class ModelRunner:
             for rows, kv in shapes:
                 self._capture(rows, kv, False, False)
                 task.advance()
-        self.graph_bytes = self.device.memory_stats().reserved_bytes - before
+        pool = self.device.graph_pool_bytes()
+        logits = 0 if self._logits is None else self._logits.numel() * self._logits.element_size()
+        # The pool's own count where the device has one: the allocator's growth also moves with memory
+        # that an engine closed earlier in this process left cached.
+        self.graph_bytes = pool + logits if pool is not None else self.device.memory_stats().reserved_bytes - before
 
     def prepare(self, fi: ForwardInput) -> None:
         """Capture the graphs ``fi`` needs if they are missing; call before its inputs are staged."""

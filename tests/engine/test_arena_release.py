@@ -47,8 +47,9 @@ def test_the_arena_of_a_step_on_the_device_is_not_back_in_the_pool(
     monkeypatch.setattr(InputBuilder, "fill", spy_fill)
     monkeypatch.setattr(DeviceSteps, "result", spy_result)
     monkeypatch.setattr(ArenaPool, "release", spy_release)
-    # The emulator runs device work on a thread of its own: a held forward is a step on the device.
-    engine = make_engine(["backend=npu", "engine.async_token_handoff=off"])
+    # The emulator runs device work on a thread of its own: a held forward is a step on the device (the
+    # first step's own: with its graph captured first, the held forward would be the capture's warm-up).
+    engine = make_engine(["backend=npu", "engine.async_token_handoff=off", "engine.mixed_graphs=off"])
     engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
     with faults.gate("forward", hit=1) as held:
         driver = threading.Thread(target=engine.step)
