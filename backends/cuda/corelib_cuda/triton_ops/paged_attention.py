@@ -170,12 +170,13 @@ class CapturedConfig(NamedTuple):
     block_n: int
     dim_pad: int
     warps: int
+    stages: int = 3
 
 
 @functools.lru_cache(maxsize=16)
-def captured_config(group: int, head_dim: int) -> CapturedConfig:
-    """The captured step's tiles: 64 rows (or the group, if larger) of queries times heads, 64 keys."""
-    block_m = max(64, next_power_of_2(group))
+def captured_config(group: int, head_dim: int, block_m: int = 64) -> CapturedConfig:
+    """The captured step's tiles: ``block_m`` rows (or the group, if larger) of queries times heads, 64 keys."""
+    block_m = max(block_m, next_power_of_2(group))
     dim_pad = next_power_of_2(head_dim)
     return CapturedConfig(block_m, block_m // group, 64 if dim_pad <= 128 else 32, dim_pad, 4)
 
@@ -202,6 +203,7 @@ def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
         BLOCK_N=config.block_n, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), num_warps=config.warps,
+        num_stages=config.stages,
     )  # fmt: skip
     return out
 
