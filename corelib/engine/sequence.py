@@ -43,9 +43,10 @@ class StopFacts:
     host_checks: bool  # its text is checked for stop strings after every token
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One request as the scheduler sees it."""
+    """One request as the scheduler sees it; two are equal only when they are the same request (the
+    scheduler's lists look their sequences up by identity, not by comparing every field)."""
 
     seq_id: int
     request_id: str
