@@ -174,11 +174,14 @@ class CapturedConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=16)
-def captured_config(group: int, head_dim: int, block_m: int = 64) -> CapturedConfig:
-    """The captured step's tiles: ``block_m`` rows (or the group, if larger) of queries times heads, 64 keys."""
-    block_m = max(block_m, next_power_of_2(group))
+def captured_config(group: int, head_dim: int) -> CapturedConfig:
+    """The captured step's tiles: 32 rows (or the group, if larger) of queries times heads, 128 keys, 4 warps,
+    2 stages: the fastest of 36 configurations on an H200 for 32 decode rows beside a 512-token chunk at a
+    1,500-token context, 16 query and 8 KV heads of 128 (benchmarks/captured_attention.py); 32 keys past
+    128-wide heads, for shared memory."""
+    block_m = max(32, next_power_of_2(group))
     dim_pad = next_power_of_2(head_dim)
-    return CapturedConfig(block_m, block_m // group, 64 if dim_pad <= 128 else 32, dim_pad, 4)
+    return CapturedConfig(block_m, block_m // group, 128 if dim_pad <= 128 else 32, dim_pad, 4, 2)
 
 
 def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention,
