@@ -136,6 +136,10 @@ class TorchEvent(Event):
         return float(self._native.elapsed_time(end._native))
 
 
+#: how long closing a device waits for its helper thread to end (it ends at once unless a vendor call hangs)
+HELPER_JOIN_S = 5.0
+
+
 class BlockingCalls:
     """One helper thread per device for the vendor's blocking waits, which cannot time out: the caller
     waits for the call with a timeout, without sleeping a fixed time and without the GIL.
@@ -179,11 +183,14 @@ class BlockingCalls:
                 failure.append(error)
             done.set()
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """Stop the helper and join it, at most ``timeout`` seconds (a helper stuck in a hung call stays)."""
         with self._lock:
-            if self._thread is not None:
+            thread, self._thread = self._thread, None
+            if thread is not None:
                 self._calls.put(None)
-                self._thread = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
 
 class TorchGraph(Graph):
@@ -327,7 +334,7 @@ class TorchDevice(Device):
             set_device(self.index)
 
     def _close(self) -> None:
-        self.blocking.close()
+        self.blocking.close(min(self.default_timeout_s, HELPER_JOIN_S))
 
 
 def native_stream(stream: Stream) -> TorchStream:

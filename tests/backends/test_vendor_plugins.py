@@ -354,3 +354,15 @@ def test_a_long_native_event_wait_is_the_vendors_blocking_wait_never_a_sleep(
         assert late.synchronized_on and late.synchronized_on[0] != threading.current_thread().name, (
             "the vendor's wait cannot time out, so it runs on a helper thread while this one waits, bounded")
         assert slept == [], f"the event wait slept fixed times: {slept[:5]}"
+
+
+def test_closing_a_native_device_joins_its_blocking_wait_helper(recorder: Recorder) -> None:
+    before = set(threading.enumerate())
+    spec = resolve_runtime(_backend("npu"), _config("npu", RuntimeMode.native), 5.0).spec
+    with _backend("npu").open(spec) as device:
+        event = device.event(blocking=True, name="tokens")
+        event._native = LateEvent(recorder)  # type: ignore[attr-defined]
+        device.stream("d2h").record(event)
+        event.synchronize(timeout=5.0)  # starts the helper thread
+        assert any(t.name.endswith("-blocking") for t in set(threading.enumerate()) - before)
+    assert [t.name for t in set(threading.enumerate()) - before] == [], "close() returned before its helper ended"
