@@ -146,10 +146,10 @@ def resolve_runtime(backend: Backend, cfg: BackendConfig, timeout_s: float) -> R
             f"backend {backend.name} is unavailable here ({availability.reason}) and cannot be emulated"
         )
     else:
-        # The emulator runs the reference ops: a backend's fused kernels need its hardware, and
-        # its memory is host memory that no peer device maps.
+        # The emulator runs the reference ops: a backend's fused kernels need its hardware, its
+        # memory is host memory that no peer device maps, and its graphs replay in Python.
         capabilities = declared.narrow(fused_ops=False, symmetric_memory=False, programmatic_launch=False,
-                                       programmatic_launch_kernels=False)
+                                       programmatic_launch_kernels=False, native_graphs=False)
         runtime = Runtime.emulated
         why = f" because {availability.reason}" if availability is not None else " (backend.runtime=emulated)"
         message = f"{backend.name}: running on the stream emulator with the {backend.name} profile{why}"

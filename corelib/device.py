@@ -66,6 +66,9 @@ class Capabilities:
     # launched that way (they wait for the predecessor before touching its data).
     programmatic_launch: bool = False
     programmatic_launch_kernels: bool = False
+    # Captured graphs replay on the device without the host's Python; false on the stream emulator,
+    # where a replay runs the captured work again on the CPU.
+    native_graphs: bool = False
     comm_backend: str = "gloo"
 
     FACTS: ClassVar[frozenset[str]] = frozenset(
