@@ -6,6 +6,7 @@
 # Assumes corelib with its serve extra and the cuda backend are installed
 # (pip install -e ".[serve]" -e backends/cuda). PORT=N picks the port (default 8123); for a dry run
 # elsewhere: MODEL=tiny DEVICE="backend=npu" REQUESTS=128 DURATION=3 benchmarks/serve_h200.sh /tmp/dry
+# (RATES=a,b: the request rates of the sweep, default 16,64,256)
 set -uo pipefail
 out=${1:?usage: serve_h200.sh OUTDIR}
 mkdir -p "$out"
@@ -60,7 +61,7 @@ load() {  # load NAME overrides...: one bench-serve run against the server
 }
 load warmup 'server.bench.concurrency=[64]' server.bench.num_requests=128           # first requests warm up
 load clients64 'server.bench.concurrency=[64]' server.bench.num_requests="$requests"
-load rates 'server.bench.rates=[16,64,256]' 'server.bench.concurrency=[]' server.bench.num_requests=0 \
+load rates "server.bench.rates=[${RATES:-16,64,256}]" 'server.bench.concurrency=[]' server.bench.num_requests=0 \
   server.bench.duration_s="$duration"
 
 # 3. The table: what clients saw against what the engine does alone at batch 64.
