@@ -136,8 +136,7 @@ class TorchEvent(Event):
         return float(self._native.elapsed_time(end._native))
 
 
-#: how long closing a device waits for its helper thread to end (it ends at once unless a vendor call hangs)
-HELPER_JOIN_S = 5.0
+HELPER_JOIN_S = 5.0  #: how long closing a device waits for its helper thread (at once, unless a vendor call hangs)
 
 
 class BlockingCalls:
@@ -263,8 +262,7 @@ class TorchDevice(Device):
         if self._pool is None or snapshot is None:
             return None
         pool = tuple(self._pool) if isinstance(self._pool, tuple) else (self._pool,)
-        return sum(int(segment["total_size"]) for segment in snapshot()
-                   if tuple(segment.get("segment_pool_id", ())) == pool)
+        return sum(int(s["total_size"]) for s in snapshot() if tuple(s.get("segment_pool_id", ())) == pool)
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(
