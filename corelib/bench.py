@@ -255,6 +255,10 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                 say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_host_note(point)}"
                              f"{_transport_note(point)}")
             for length, count in itertools.product(spec.prompt_lens, spec.prompt_counts):
+                if length >= startup.config.model.max_model_len:
+                    say(console, f"bench: skipping {count} x {length} prompt tokens: model.max_model_len="
+                                 f"{startup.config.model.max_model_len} leaves no room for a new token")
+                    continue
                 prompted.append(measure_prompts(engine, label, length, count, spec.repeats))
                 say(console, f"bench {label}: {count} x {length} prompt tokens, first tokens in "
                              f"{prompted[-1].ttft_ms:.2f} ms")
