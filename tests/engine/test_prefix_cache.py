@@ -1,5 +1,6 @@
-"""The prefix cache's bookkeeping, pure Python: chained keys, reference counts, LRU eviction of free
-blocks only, and a prompt found whole still computing its last token."""
+"""The prefix cache's bookkeeping, pure Python: chained keys (over the model's identity, and across
+calls), reference counts, LRU eviction of free blocks only, a prompt found whole still computing its
+last token, and keys only for blocks whose tokens the host knows and whose step was not taken back."""
 
 from __future__ import annotations
 
@@ -106,3 +107,101 @@ def test_a_prompt_found_whole_still_computes_its_last_token() -> None:
     assert step.starts == [2 * BS] and step.query_lens == [BS], "the last block is computed, not shared"
     assert step.samples == [True]
     assert s.blocks.stats.hit_tokens == 2 * BS and s.blocks.stats.queried_tokens == 2 * len(prompt)
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(SchedulerLimits(4, 64, 64), BlockManager(32, BS, prefix_caching=True), 4,
+                     StopChecker(64, frozenset()))
+
+
+def scheduled(s: Scheduler, in_flight: bool = False) -> ScheduledStep:
+    step = s.schedule(in_flight=in_flight, sync_check=lambda seqs: [])
+    assert isinstance(step, ScheduledStep), step
+    return step
+
+
+def test_keys_added_in_a_later_call_chain_on_the_blocks_keyed_before() -> None:
+    bm = BlockManager(32, BS, prefix_caching=True)
+    owner = seq(0, list(range(10, 15)))  # 5 tokens: its first block is keyed now
+    cached(bm, owner)
+    assert len(owner.block_keys) == 1
+    owner.output_token_ids += [20, 21, 22, 23]  # its second block fills as it decodes, and is keyed later
+    bm.append(owner, owner.num_tokens)
+    bm.register(owner, owner.num_tokens)
+    assert len(owner.block_keys) == 2 and bm.num_cached_blocks == 2
+    probe = seq(1, [*range(10, 15), 20, 21, 22, 23, 99])  # the same 8 tokens, keyed in one call
+    assert bm.cached_prefix_tokens(probe) == 2 * BS, "the second block's key must chain over the first"
+    assert probe.block_keys == owner.block_keys
+
+
+def test_the_same_prompt_cached_by_two_models_is_keyed_apart() -> None:
+    prompt = list(range(10, 23))  # 3 full blocks and a part
+    first, other, again = (BlockManager(32, BS, True, name) for name in ("model a", "model b", "model a"))
+    in_first, in_other, in_again = seq(0, prompt), seq(1, prompt), seq(2, prompt)
+    cached(first, in_first)
+    cached(other, in_other)
+    cached(again, in_again)
+    assert in_first.block_keys == in_again.block_keys, "one model keys the same tokens alike"
+    assert not set(in_first.block_keys) & set(in_other.block_keys), "keys chain over the model's identity"
+    probe = seq(3, prompt)
+    assert first.cached_prefix_tokens(probe) == 3 * BS
+    assert other.cached_prefix_tokens(probe) == 0, "keys made for one model find nothing in another"
+
+
+def test_a_step_taken_back_forgets_the_key_of_the_block_it_completed() -> None:
+    s = scheduler()
+    a = seq(0, [10, 11, 12])
+    s.add(a)
+    s.postprocess(scheduled(s), [13])
+    decode = scheduled(s)  # feeds position 3: the first block is full and keyed
+    assert decode.starts == [3] and s.blocks.num_cached_blocks == 1
+    s.unschedule(decode)  # never run: the block's last KV slot holds nothing yet
+    assert s.blocks.num_cached_blocks == 0 and a.num_registered_blocks == 0
+    assert s.blocks.cached_prefix_tokens(seq(1, [10, 11, 12, 13, 14])) == 0
+    again = scheduled(s)
+    assert again.starts == [3] and s.blocks.num_cached_blocks == 1, "the step made again keys the block again"
+    assert s.blocks.cached_prefix_tokens(seq(2, [10, 11, 12, 13, 14])) == BS
+
+
+def test_a_prompt_step_taken_back_forgets_the_keys_of_the_blocks_it_filled() -> None:
+    s = scheduler()
+    a = seq(0, list(range(10, 19)))  # 9 tokens: 2 full blocks
+    s.add(a)
+    prefill = scheduled(s)
+    assert s.blocks.num_cached_blocks == 2
+    s.unschedule(prefill)
+    assert s.blocks.num_cached_blocks == 0 and a.num_registered_blocks == 0
+    assert s.blocks.cached_prefix_tokens(seq(1, list(range(10, 19)))) == 0
+
+
+def test_a_block_is_keyed_only_once_the_host_knows_its_tokens() -> None:
+    s = scheduler()
+    a = seq(0, [10, 11, 12])  # the first sampled token completes the first block
+    s.add(a)
+    prefill = scheduled(s)
+    ahead = scheduled(s, in_flight=True)  # runs ahead: feeds that token from the device, unseen by the host
+    assert ahead.starts == [3] and ahead.from_relay == [True] and a.num_computed_tokens == 4
+    assert s.blocks.num_cached_blocks == 0 and a.num_registered_blocks == 0, "keyed over a token still pending"
+    s.postprocess(prefill, [13])
+    s.postprocess(ahead, [14])
+    scheduled(s)  # the next step, with every token known, keys it
+    assert s.blocks.num_cached_blocks == 1
+    assert s.blocks.cached_prefix_tokens(seq(1, [10, 11, 12, 13, 99])) == BS
+    assert s.blocks.cached_prefix_tokens(seq(2, [10, 11, 12, 99, 99])) == 0
+
+
+def test_a_free_cached_block_found_by_a_hit_leaves_the_free_list() -> None:
+    bm = BlockManager(6, BS, prefix_caching=True)  # 5 usable blocks
+    owner = seq(0, list(range(10, 19)))  # 2 full blocks and a part
+    cached(bm, owner)
+    bm.free(owner)  # its blocks stay cached on the free list
+    assert bm.num_free_blocks == 5 and bm.num_cached_blocks == 2
+    reader = seq(1, list(range(10, 19)))
+    assert bm.allocate_prefix(reader) == 2 * BS
+    assert bm.num_free_blocks == 3, "a block a sequence holds again is not free"
+    assert [bm.ref_counts[b] for b in reader.block_table] == [1, 1]
+    other = seq(2, [1] * (3 * BS))
+    bm.allocate(other, 3 * BS)  # every block still free
+    assert not set(other.block_table) & set(reader.block_table), "a held block was handed out again"
+    assert bm.num_free_blocks == 0 and bm.stats.evicted_blocks == 0
+    assert bm.cached_prefix_tokens(seq(3, list(range(10, 19)))) == 2 * BS
