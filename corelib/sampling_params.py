@@ -28,6 +28,13 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 INT64_LIMIT = 2**63
 SEED_LIMIT = 2**62  # the counter-based sampler takes seeds in [0, 2**62)
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs bound)
+# Stop strings are matched on the host after every token of their request, each against the end of
+# its text: the work per token grows with their count and their lengths. OpenAI takes at most 4 and
+# TGI 4 by default; vLLM sets no bound, and its clients send a few short ones ("\n\n", "</s>",
+# "User:"). 16 times OpenAI's count, each as long as a paragraph, is far beyond any of those, and
+# keeps a request's check to some 32,000 characters compared per token at the very worst.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
 
 
 class SamplingError(RequestError, ValueError):
@@ -107,6 +114,10 @@ class SamplingParams:
                 _check_column(f.name, value, column)
         if "" in self.stop_strings:
             raise SamplingError("stop", "stop: an empty string would stop every request at its first token")
+        long = [i for i, stop in enumerate(self.stop_strings) if len(stop) > MAX_STOP_CHARS]
+        if long:
+            raise SamplingError("stop", f"stop[{long[0]}] has {len(self.stop_strings[long[0]])} characters: each stop "
+                                        f"string must be at most {MAX_STOP_CHARS} (each is matched after every token)")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -183,6 +194,9 @@ def _normalized(f: dataclasses.Field[Any], value: object) -> object:
     if name == "stop":
         if value is None or isinstance(value, str):
             return () if value is None else (value,)
+        if isinstance(value, Sequence) and len(value) > MAX_STOP_STRINGS:  # counted before anything is done with them
+            raise SamplingError(name, f"stop: {len(value)} stop strings: at most {MAX_STOP_STRINGS} (each is matched "
+                                      "after every token)")
         return _strings(name, value)
     if name == "stop_token_ids":
         if isinstance(value, str) or not isinstance(value, Sequence | tuple | list):
@@ -212,8 +226,14 @@ def _integer(name: str, value: object) -> int:
 
 def _strings(name: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, Sequence) or not all(isinstance(s, str) for s in value):
-        raise SamplingError(name, f"{name}={value!r}: pass a string or a list of strings")
+        raise SamplingError(name, f"{name}={_short(value)}: pass a string or a list of strings")
     return tuple(value)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error is one line, whatever a client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}

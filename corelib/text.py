@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from corelib.errors import ConfigError
@@ -71,22 +71,30 @@ class Tokenizer:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     def stream(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self)
+        return IncrementalDecoder(self.decode)
 
 
 class IncrementalDecoder:
-    """Turns one request's tokens, as they arrive, into text pieces that add up to the full decode."""
+    """Turns one request's tokens, as they arrive, into text pieces that add up to the full decode.
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+    ``decode`` is a tokenizer's (or any function of token ids to text, for a model without one).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window that is decoded again for each new token
         self._read = 0  # tokens before this index have been turned into text
 
+    @property
+    def num_tokens(self) -> int:
+        """Token ids pushed so far."""
+        return len(self._ids)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """The new text that ``token_ids`` complete ('' while a character is still incomplete)."""
         self._ids.extend(token_ids)
-        decode = self._tokenizer.decode
+        decode = self._decode
         before = decode(self._ids[self._prefix : self._read])
         after = decode(self._ids[self._prefix :])
         if len(after) <= len(before) or after.endswith(_INCOMPLETE):

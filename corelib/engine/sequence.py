@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from corelib.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
+
+if TYPE_CHECKING:
+    from corelib.engine.stops import StopScan
 
 __all__ = ["MAX_LOGPROBS", "FinishReason", "SamplingParams", "Sequence", "Status", "TokenLogprobs"]
 
@@ -74,6 +78,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # decoded output when the host checks stop strings or has a tokenizer
+    stop_scan: StopScan | None = None  # how far the stop-string check has decoded ``text`` (StopChecker)
     prompt: str | None = None  # the prompt's text, when it was given as text
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when asked for
     # The per-step requirements of the async gate this request fails, one bit each, computed once

@@ -1,10 +1,44 @@
-"""When a request stops: end-of-sequence ids, stop ids and strings, max_tokens, the model's length."""
+"""When a request stops: end-of-sequence ids, stop ids and strings, max_tokens, the model's length.
+
+Stop strings are checked on the host after every token, so that check must not grow with the
+output: the new tokens are decoded incrementally (a few tokens of context, as streaming does),
+and each stop string is looked for only where it could end in the new text. Every earlier
+position was looked at when its own token came, so the answer is the same as searching the
+whole text each time.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from corelib.engine.sequence import FinishReason, Sequence, StopFacts
+from corelib.text import IncrementalDecoder
+
+
+class StopScan:
+    """One request's output text as the stop-string check builds it, a piece per token."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
+        self.decoder = IncrementalDecoder(detokenize)
+        self.stops = stops
+
+    def found(self, seq: Sequence) -> bool:
+        """Decode ``seq``'s tokens not seen yet onto ``seq.text``; whether a stop string now ends in the new text."""
+        new = self.decoder.push(seq.output_token_ids[self.decoder.num_tokens :])
+        if not new:
+            return False  # no new character (one is still incomplete): nothing new can match
+        seq.text += new
+        text = seq.text
+        return any(stop in tail(text, len(new), stop) for stop in self.stops)
+
+
+def tail(text: str, new_chars: int, stop: str) -> str:
+    """The end of ``text`` where ``stop`` can occur ending in its last ``new_chars`` characters.
+
+    That is the last ``new_chars + len(stop) - 1`` characters: an occurrence that ends earlier
+    lay in the text as it was before, which was searched then.
+    """
+    return text[max(0, len(text) - new_chars - len(stop) + 1) :]
 
 
 class StopChecker:
@@ -45,8 +79,10 @@ class StopChecker:
         if token in ends.stop_ids:
             return FinishReason.stop
         if ends.host_checks:
-            seq.text = self._detokenize(seq.output_token_ids)
-            if any(stop in seq.text for stop in seq.sampling.stop_strings):
+            scan = seq.stop_scan
+            if scan is None:
+                scan = seq.stop_scan = StopScan(self._detokenize, seq.sampling.stop_strings)
+            if scan.found(seq):
                 return FinishReason.stop
         if len(seq.output_token_ids) >= ends.output_limit:
             return FinishReason.length
