@@ -23,6 +23,7 @@ from corelib.models.hf_config import NO_EOS
 from corelib.models.registry import LlamaVariant, architecture
 from corelib.models.weight_map import weight_map
 
+RUN_AHEAD = (1, 2)  # engine.run_ahead's values: one step ahead hides the host's work, a second one more
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -52,6 +53,11 @@ def check_limits(config: CorelibConfig) -> None:
     for key, (value, low) in least.items():
         if value < low:
             raise ConfigError(f"{key}={value}: must be at least {low}")
+    if engine.run_ahead not in RUN_AHEAD:
+        # Each step in flight gets a host arena and a token handoff slot, built at start: a large value
+        # only builds those (10**6 took over a minute) and a negative one leaves the pipeline no depth.
+        raise ConfigError(f"engine.run_ahead={engine.run_ahead}: must be 1 or 2 (steps the scheduler submits "
+                          "beyond the one it reads, with async handoff)")
     if not 0 < engine.timeout_s < float("inf"):
         raise ConfigError(f"engine.timeout_s={engine.timeout_s}: must be a positive number of seconds")
     small = [size for size in engine.graph_batch_sizes if size < 1]
