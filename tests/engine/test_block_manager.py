@@ -49,3 +49,18 @@ def test_double_release_is_caught() -> None:
     a.block_table = [block]
     with pytest.raises(RuntimeError, match="released more often"):
         bm.free(a)
+
+
+def test_copy_on_write_gives_a_block_of_its_own_and_marks_the_table_new() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4)
+    owner, sharer = seq(0), seq(1)  # 3 tokens: one partial block
+    bm.allocate(owner, 3)
+    bm.share(owner, sharer, 3)
+    [shared] = owner.block_table
+    assert sharer.block_table == [shared] and bm.ref_counts[shared] == 2
+    epoch = sharer.blocks_epoch
+    source, copy = bm.copy_on_write(sharer, 3)
+    assert (source, sharer.block_table, owner.block_table) == (shared, [copy], [shared])
+    assert copy not in (shared, NULL_BLOCK) and bm.ref_counts[shared] == 1 and bm.ref_counts[copy] == 1
+    assert sharer.blocks_epoch == epoch + 1, "a table cached by its epoch (the packer's) must start over"
+    assert owner.blocks_epoch == 0, "the holder that keeps the block keeps its table"

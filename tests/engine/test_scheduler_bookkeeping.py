@@ -282,3 +282,27 @@ def test_a_step_taken_back_leaves_its_copies_on_write_to_the_next_step() -> None
     again = step(s)
     assert again.copies == taken.copies, "the rows already write into their copies: the next step must make them"
     assert again.seqs == taken.seqs and again.starts == taken.starts
+
+
+def test_a_recomputed_sequences_chunk_that_ends_at_its_prompt_samples_nothing() -> None:
+    # Chunks of at most 4 tokens, 3 usable blocks: b is preempted after its first output, then
+    # recomputes its prompt and that output in chunks. Its token comes only from the chunk that
+    # reaches its last token, never from the one that ends where its prompt ends.
+    s = Scheduler(SchedulerLimits(4, 4, 64, chunked_prefill=True), BlockManager(4, BLOCK), 4,
+                  StopChecker(64, frozenset({1})))
+    a, b = seq(0, prompt_len=3), seq(1, prompt_len=4)
+    s.add(a)
+    s.add(b)
+    advance(s, 50)  # a's prompt and b's first token of prompt
+    advance(s, 51)  # a decodes; the rest of b's prompt samples its first output
+    assert b.output_token_ids == [51]
+    advance(s, 52)  # a needs a second block: b, the latest, makes room
+    assert b.status is Status.WAITING and b.block_table == [] and b.output_token_ids == [51]
+    s.finish(a, FinishReason.abort)
+    prompt_chunk = advance(s, 53)
+    assert (prompt_chunk.seqs, prompt_chunk.starts, prompt_chunk.query_lens) == ([b], [0], [4])
+    assert prompt_chunk.samples == [False], "a chunk short of the recomputed output samples nothing"
+    assert b.num_pending == 0 and b.output_token_ids == [51]
+    last = advance(s, 54)  # feeds its output again, and samples after it
+    assert (last.starts, last.query_lens, last.samples) == ([4], [1], [True])
+    assert b.output_token_ids == [51, 54]
