@@ -11,9 +11,14 @@ import torch
 from support import EngineFactory, local_weights
 
 from corelib.engine import Engine, SamplingParams
-from corelib.engine.sequence import Sequence
+from corelib.engine.block_manager import BlockManager
+from corelib.engine.outputs import output_of
+from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from corelib.engine.sequence import MAX_LOGPROBS, Sequence, TokenLogprobs
+from corelib.engine.stops import StopChecker
+from corelib.engine.streaming import DeltaTracker
 from corelib.models.reference import reference_logits
-from corelib.sampling_params import SamplingError
+from corelib.sampling_params import SEED_LIMIT, SamplingError, choices
 from corelib.testing.executor import scripted_core, unit_config, unit_options
 
 PROMPT = [(7 * i) % 300 + 2 for i in range(37)]  # 37 tokens: the 36 shared end inside a block of 16
@@ -73,6 +78,46 @@ def test_logprobs_reach_the_host_the_same_through_graphs_async_handoff_and_shm(
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def device_row(step: int) -> list[float]:
+    """One row of a step's logprobs as the device writes it: the sampled token's, the top values, then their ids."""
+    return [-0.5 - step, *(-0.1 * (i + 1) for i in range(MAX_LOGPROBS)), *(float(200 + i) for i in range(MAX_LOGPROBS))]
+
+
+def test_logprobs_0_gives_each_token_its_logprob_and_no_alternatives() -> None:
+    scheduler = Scheduler(SchedulerLimits(4, 64, 64), BlockManager(32, 4), 4, StopChecker(64, frozenset()))
+    asked = [None, 0, 2]
+    seqs = [Sequence(i, f"r{i}", [5, 6, 7], SamplingParams(max_tokens=8, logprobs=k)) for i, k in enumerate(asked)]
+    for seq in seqs:
+        scheduler.add(seq)
+    for step in range(3):
+        scheduled = scheduler.schedule(in_flight=False, sync_check=lambda seqs: [])
+        assert isinstance(scheduled, ScheduledStep) and scheduled.seqs == seqs
+        tokens = [40 + step] * len(seqs)
+        scheduler.postprocess(scheduled, tokens, [device_row(step)] * len(seqs))
+    none, zero, two = seqs
+    assert none.logprobs == [] and output_of(none, None).logprobs is None
+    expected = [TokenLogprobs(40 + step, -0.5 - step, ()) for step in range(3)]
+    assert zero.logprobs == expected, "one logprob per token, and no alternatives"
+    assert output_of(zero, None).logprobs == expected
+    [delta] = DeltaTracker(None).running([zero])
+    assert delta.logprobs == expected, "streamed as they come"
+    assert [t.top for t in two.logprobs] == [((200, -0.1), (201, -0.2))] * 3
+
+
+def test_a_step_with_only_logprobs_0_rows_asks_the_device_for_logprobs() -> None:
+    def steps_asking(logprobs: int | None) -> list[bool]:
+        core, executor = scripted_core()
+        core.add(Sequence(0, "r0", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, logprobs=logprobs)))
+        while core.iterate():
+            pass
+        [done] = core.take_finished()
+        assert len(done.output_token_ids) == 3
+        return [submitted.fi.logprobs for submitted in executor.submitted]
+
+    assert steps_asking(0) == [True] * 3
+    assert steps_asking(None) == [False] * 3
+
+
 @pytest.mark.parametrize("value", [21, -1])
 def test_logprobs_outside_0_to_20_are_refused_naming_the_field(value: int) -> None:
     with pytest.raises(SamplingError, match=rf"^logprobs={value}: must be in \[0, 20\] or None$") as refused:
@@ -103,6 +148,17 @@ def test_n_requests_of_one_prompt_give_the_tokens_of_separate_ones(make_engine: 
     assert engine.scheduler.num_forked == len(params) - 1
     blocks = engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_blocks - 1 and not any(blocks.ref_counts)
+
+
+def test_each_prompts_choices_take_the_seeds_after_the_earlier_prompts_ones() -> None:
+    params = SamplingParams(n=3, seed=7, temperature=1.0)
+    first, second = choices(params), choices(params, first=3)
+    assert [c.seed for c in first] == [7, 8, 9] and [c.seed for c in second] == [10, 11, 12]
+    assert all(c.n == 1 and c.temperature == 1.0 for c in [*first, *second])
+    wrapped = choices(SamplingParams(n=2, seed=SEED_LIMIT - 1), first=1)
+    assert [c.seed for c in wrapped] == [0, 1], "seeds stay in the sampler's range"
+    unseeded = choices(SamplingParams(n=2), first=2)
+    assert [c.seed for c in unseeded] == [None, None], "without a seed each choice draws its own"
 
 
 def _shared(length: int) -> tuple[list[int], list[int]]:
