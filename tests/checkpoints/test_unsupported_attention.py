@@ -56,12 +56,17 @@ def test_sliding_layers_in_layer_types_apply_the_window(tmp_path: Path) -> None:
     ("final_logit_softcapping", 30.0, "final logit soft-capping"),
     ("query_pre_attn_scalar", 256, "an attention scale other than 1/sqrt(head_dim)"),
     ("attention_multiplier", 0.015625, "an attention scale other than 1/sqrt(head_dim)"),
+    ("attention_multiplier", 1.0, "an attention scale other than 1/sqrt(head_dim)"),  # Granite's scale itself
     ("sliding_window_pattern", 6, "alternating local and global attention layers"),
     ("attention_chunk_size", 8192, "chunked local attention"),
     ("no_rope_layers", [1, 0], "layers without RoPE"),
     ("partial_rotary_factor", 0.5, "RoPE on part of each head"),
     ("num_local_experts", 8, "mixture-of-experts layers"),
     ("hidden_act", "gelu", "an activation other than silu"),
+    ("rope_interleave", True, "interleaved RoPE"),
+    ("use_bidirectional_attention", True, "bidirectional attention"),
+    ("qk_layernorm", True, "a q/k LayerNorm"),
+    ("use_bias", True, "biases on every projection"),
 ])
 def test_attention_variants_are_refused_naming_the_key(tmp_path: Path, key: str, value: object, what: str) -> None:
     with pytest.raises(ConfigError) as refused:
@@ -78,6 +83,7 @@ def test_a_layer_type_other_than_full_or_sliding_attention_is_refused(tmp_path: 
 @pytest.mark.parametrize(("key", "value"), [
     ("no_rope_layers", [1, 1]), ("partial_rotary_factor", 1.0), ("hidden_act", "silu"),
     ("attn_logit_softcapping", None), ("layer_types", ["full_attention", "full_attention"]),
+    ("rope_interleave", False), ("use_bidirectional_attention", False),
 ])
 def test_the_neutral_values_of_those_keys_are_accepted(tmp_path: Path, key: str, value: object) -> None:
     checkpoint_config(tmp_path, **{key: value})
