@@ -9,12 +9,17 @@ names an architecture.
 A member of the Llama family is one :class:`LlamaVariant` line in :data:`BUILTIN`: its flags
 make the shape, the shape makes the weight map (:mod:`corelib.models.weight_map`), and the
 weight map is all the loader, the shards and the random weights know of a checkpoint's tensors.
+The line also states the variant's modeling (RoPE style, norm, biases, attention, activation):
+the decoder computes one set of these (:data:`DECODER`), and a variant that declares anything
+else is refused in one line when it is registered or first used, since the same weights would
+otherwise run through the wrong math and give plausible but wrong tokens.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -55,25 +60,123 @@ class Architecture(Protocol):
         ...
 
 
+class Rope(Enum):
+    """Which two dimensions of a head rotate together (the value is how a refusal names the style).
+
+    The same checkpoint tensors give different q and k under the two, so a variant must say which
+    its checkpoints were trained (or converted) for.
+    """
+
+    ROTATE_HALF = "rotate-half RoPE"  # dimension i with i + head_dim/2: transformers' rotate_half
+    INTERLEAVED = "interleaved RoPE"  # dimensions 2i and 2i+1: GPT-J, Meta's original Llama and Mistral format
+
+
+class Norm(Enum):
+    """The norm before attention, before the MLP and at the end (and of q/k per head, where a variant has one)."""
+
+    RMS_NORM = "RMSNorm"
+    LAYER_NORM = "LayerNorm"  # mean-centred, with a bias (Cohere, StableLM)
+
+
+class Attention(Enum):
+    """Which positions a token attends to, and how its scores are formed."""
+
+    CAUSAL = "full causal attention"  # every earlier position, scores q.k / sqrt(head_dim)
+    SLIDING_WINDOW = "sliding-window attention"  # only the last W positions, in every layer
+    LOCAL_GLOBAL = "alternating local and global attention layers"  # Gemma 2/3, Cohere 2
+    CHUNKED = "chunked local attention"  # Llama 4
+    SOFTCAPPED = "attention logit soft-capping"  # Gemma 2
+    BIDIRECTIONAL = "bidirectional attention"
+
+
+class Activation(Enum):
+    """The activation of the gated MLP, down(act(gate(x)) * up(x))."""
+
+    SILU = "the SiLU activation (SwiGLU)"
+    GELU = "the GELU activation (GeGLU)"
+    GELU_TANH = "the tanh-approximated GELU activation"
+    RELU = "the ReLU activation"
+
+
+@dataclass(frozen=True)
+class Modeling:
+    """What the decoder computes (:mod:`corelib.models.llama`, checked against :mod:`corelib.models.reference`).
+
+    qkv biases and per-head q/k RMSNorm are flags of that code (Qwen2, Qwen3); everything here has
+    one value the decoder computes.
+    """
+
+    rope: Rope = Rope.ROTATE_HALF
+    norm: Norm = Norm.RMS_NORM
+    attention: Attention = Attention.CAUSAL
+    activation: Activation = Activation.SILU
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+
+DECODER = Modeling()
+# the bias flags as a refusal says them: (set, unset)
+_BIASES = {"o_bias": ("a bias on o_proj", "o_proj without a bias"),
+           "mlp_bias": ("biases on the MLP projections", "the MLP without biases")}
+
+
+def _said(field: str, value: object) -> str:
+    if isinstance(value, Enum):
+        return str(value.value)
+    present, absent = _BIASES[field]
+    return present if value else absent
+
+
 @dataclass(frozen=True)
 class LlamaVariant:
-    """A member of the Llama family: the flags its shape takes, and the model class that runs it."""
+    """A member of the Llama family: its modeling, the flags its shape takes, and the model class that runs it.
+
+    The modeling fields (those of :class:`Modeling`) default to the Llama baseline and say what
+    the variant's checkpoints were trained with; :meth:`refusal` compares them with
+    :data:`DECODER`, since a line that only named a new ``architectures`` entry would otherwise
+    run the baseline's math on any weights. A checkpoint's config.json may still ask for more
+    than its variant declares (a sliding window, soft-capping): ``corelib.models.hf_config``
+    refuses that per checkpoint.
+    """
 
     name: str
     hf_architectures: tuple[str, ...] = ()
-    attention_bias: bool = False  # qkv bias (Qwen2)
-    qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3)
+    rope: Rope = Rope.ROTATE_HALF
+    norm: Norm = Norm.RMS_NORM
+    attention: Attention = Attention.CAUSAL
+    activation: Activation = Activation.SILU
+    attention_bias: bool = False  # q/k/v biases, none on o_proj (Qwen2)
+    o_bias: bool = False  # a bias on o_proj (Llama's attention_bias=true puts one on q, k, v and o)
+    mlp_bias: bool = False  # biases on gate, up and down
+    qk_norm: bool = False  # per-head q/k RMSNorm before RoPE (Qwen3)
     conv_state: bool = False  # a causal-convolution state per sequence (the hybrid)
     fused_qkv: bool = False  # checkpoints hold q/k/v as one qkv_proj tensor (Phi-3)
     fused_gate_up: bool = False  # checkpoints hold gate/up as one gate_up_proj tensor (Phi-3)
 
+    def refusal(self) -> str | None:
+        """Why the decoder cannot run this variant as declared, as one line; None when it can."""
+        differing = [f.name for f in fields(Modeling) if getattr(self, f.name) != getattr(DECODER, f.name)]
+        if not differing:
+            return None
+        declared = " and ".join(_said(name, getattr(self, name)) for name in differing)
+        computed = " and ".join(_said(name, getattr(DECODER, name)) for name in differing)
+        return f"Llama-family variant {self.name!r} declares {declared}; the decoder computes {computed} only"
+
+    def check(self) -> None:
+        """Raise the :meth:`refusal` as a ConfigError, before anything runs the variant."""
+        refusal = self.refusal()
+        if refusal is not None:
+            raise ConfigError(refusal)
+
     def facts(self, cfg: ModelConfig) -> ModelFacts:
+        self.check()  # the startup asks for the facts first
         # The hybrid's convolution state is not checked under a padded step: its prompt steps run eagerly.
         return ModelFacts(self.name, recurrent_state=self.conv_state, multimodal=bool(cfg.multimodal),
                           ragged_graphs=not self.conv_state)
 
     def shape(self, cfg: ModelConfig) -> ModelShape:
         """The shape of ``cfg`` (resolved: a checkpoint's values in it) as this variant runs it."""
+        self.check()  # validation, the weights and the loader all start from the shape
         if cfg.num_heads < 1 or cfg.num_kv_heads < 1:
             raise ConfigError(f"model.num_heads={cfg.num_heads} and model.num_kv_heads={cfg.num_kv_heads} "
                               "must be at least 1")
@@ -114,9 +217,13 @@ class LlamaVariant:
         return model_class(weights, self.facts(cfg), compile_decode=compile_decode)
 
 
+# Each line states how its modeling differs from the Llama baseline (the field defaults); a new
+# line is checked against transformers by tests/checkpoints/test_transformers_equivalence.py.
 BUILTIN: tuple[LlamaVariant, ...] = (
     LlamaVariant("llama", ("LlamaForCausalLM",)),
-    LlamaVariant("mistral", ("MistralForCausalLM",)),  # sliding_window is refused where it would act
+    # Mistral's window: attention is full causal within it, and a config.json window shorter than
+    # model.max_model_len is refused (corelib.models.hf_config)
+    LlamaVariant("mistral", ("MistralForCausalLM",)),
     LlamaVariant("qwen2", ("Qwen2ForCausalLM",), attention_bias=True),
     LlamaVariant("qwen3", ("Qwen3ForCausalLM",), qk_norm=True),
     LlamaVariant("phi3", ("Phi3ForCausalLM",), fused_qkv=True, fused_gate_up=True),
@@ -127,7 +234,12 @@ _REGISTERED: dict[str, Architecture] = {variant.name: variant for variant in BUI
 
 
 def register(architecture: Architecture, source: str) -> None:
-    """Add an architecture (from a plugin's ``corelib_models`` hook); a name may be taken once."""
+    """Add an architecture (from a plugin's ``corelib_models`` hook); a name may be taken once.
+
+    A Llama-family variant is refused here when it declares modeling the decoder does not compute.
+    """
+    if isinstance(architecture, LlamaVariant) and (refusal := architecture.refusal()) is not None:
+        raise ConfigError(f"{source}: {refusal}")
     known = _REGISTERED.get(architecture.name)
     if known is not None and type(known) is not type(architecture):
         raise ConfigError(f"{source} registers model architecture {architecture.name!r}, which exists already")
@@ -136,6 +248,11 @@ def register(architecture: Architecture, source: str) -> None:
 
 def names() -> tuple[str, ...]:
     return tuple(_REGISTERED)
+
+
+def llama_variants() -> tuple[LlamaVariant, ...]:
+    """The registered members of the Llama family, the built-in ones first."""
+    return tuple(entry for entry in _REGISTERED.values() if isinstance(entry, LlamaVariant))
 
 
 def architecture(name: str) -> Architecture:

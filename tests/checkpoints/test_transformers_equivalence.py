@@ -1,4 +1,9 @@
-"""corelib and transformers agree on checkpoints transformers wrote (skipped without transformers)."""
+"""corelib and transformers agree on checkpoints transformers wrote (skipped without transformers).
+
+Every registered Llama-family variant is a case (a new registry line is covered without editing
+this file), with the config its transformers class defaults to; a few more cases add what a
+checkpoint's config.json may change (tied embeddings, RoPE scaling, a window, wider heads).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
+from corelib.models.hf_config import read_checkpoint_config
+from corelib.models.registry import LlamaVariant, llama_variant, llama_variants
 from corelib.models.rope import RopeScaling, inv_freq
 
 transformers = pytest.importorskip("transformers")
@@ -25,14 +32,14 @@ SMALL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 128,
     "eos_token_id": 2,
+    "pad_token_id": 0,  # within the small vocabulary (Phi-3's default is not)
 }
 
 
 def save_random_model(directory: Path, architecture: str, seed: int = 0, **config: Any) -> Any:
     """A random transformers model, saved with save_pretrained; weights scaled so greedy picks are clear-cut."""
-    family = architecture.removesuffix("ForCausalLM")
-    config_class = getattr(transformers, f"{family}Config")
-    model = getattr(transformers, architecture)(config_class(**{**SMALL, **config}))
+    model_class = getattr(transformers, architecture)
+    model = model_class(model_class.config_class(**{**SMALL, **config}))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -64,27 +71,46 @@ def corelib_greedy(directory: Path) -> list[list[int]]:
     return [o.output_token_ids for o in outputs]
 
 
+def transformers_class(variant: LlamaVariant) -> str:
+    """The transformers model class the variant loads checkpoints of; skips the case when there is none."""
+    if not variant.hf_architectures:
+        pytest.skip(f"Llama-family variant {variant.name!r} loads no Hugging Face architecture, so transformers has "
+                    "no model class to compare it with (tests/engine/test_engine_reference.py checks it against "
+                    "corelib.models.reference)")
+    name = variant.hf_architectures[0]
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} class for Llama-family variant "
+                    f"{variant.name!r}")
+    return name
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# Beyond each variant with its class's defaults: variant name and the config.json values added.
+MORE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tied-llama3-rope": ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE}),
+    "qwen3-wide-heads-tied-yarn-rope": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True,
+                                                   "rope_scaling": YARN_ROPE}),
+    "mistral-window-at-the-positions": ("mistral", {"sliding_window": SMALL["max_position_embeddings"]}),
+}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaForCausalLM", {}),
-    "llama-tied-llama3-rope": ("LlamaForCausalLM", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE}),
-    "qwen2": ("Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
-    "qwen3-yarn-rope": ("Qwen3ForCausalLM", {"head_dim": 16, "rope_scaling": YARN_ROPE}),
-    "phi3-fused-qkv": ("Phi3ForCausalLM", {"pad_token_id": 0}),
-    "mistral-window-beyond-the-positions": ("MistralForCausalLM", {"sliding_window": 128}),
+    **{variant.name: (variant.name, {}) for variant in llama_variants()},
+    **MORE_CASES,
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.slow
 def test_greedy_tokens_equal_transformers_generate(tmp_path: Path, case: str) -> None:
-    architecture, config = CASES[case]
+    variant_name, config = CASES[case]
+    variant = llama_variant(variant_name)
+    architecture = transformers_class(variant)
     model = save_random_model(tmp_path, architecture, **config)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1, "transformers should have written safetensors shards"
     assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert read_checkpoint_config(str(tmp_path)).fields["architecture"] == variant.name, \
+        f"{architecture} checkpoints load as another variant"
     expected = [hf_greedy(model, prompt) for prompt in PROMPTS]
     assert corelib_greedy(tmp_path) == expected
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from corelib.config import ModelConfig
+from corelib.engine.api import Engine
 from corelib.errors import ConfigError
+from corelib.models import registry
 from corelib.models.hf_config import CheckpointConfig, read_checkpoint_config
-from corelib.models.synthetic import tiny_hf_config
+from corelib.models.registry import DECODER, Activation, Attention, LlamaVariant, Norm, Rope
+from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 
 
 def checkpoint_config(directory: Path, **changes: Any) -> CheckpointConfig:
@@ -93,3 +97,64 @@ def test_every_problem_is_named_on_the_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as refused:
         checkpoint_config(tmp_path, attn_logit_softcapping=50.0, mlp_bias=True)
     assert "attn_logit_softcapping=50.0" in str(refused.value) and "mlp_bias=true" in str(refused.value)
+
+
+INTERLEAVED_REFUSAL = ("Llama-family variant 'llama-meta' declares interleaved RoPE; the decoder computes "
+                       "rotate-half RoPE only")
+
+
+def test_every_registered_llama_variant_declares_only_what_the_decoder_computes() -> None:
+    for variant in registry.llama_variants():
+        assert variant.refusal() is None, variant.refusal()
+
+
+def test_a_variant_line_with_interleaved_rope_is_refused_in_one_line_before_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One registry line, as it would be added for Meta-format Llama checkpoints, cannot run rotate-half RoPE."""
+    directory = tmp_path / "model"
+    write_random_checkpoint(directory, tiny_hf_config())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaMetaForCausalLM"]}))
+    line = LlamaVariant("llama-meta", ("LlamaMetaForCausalLM",), rope=Rope.INTERLEAVED)
+    monkeypatch.setitem(registry._REGISTERED, line.name, line)  # as a BUILTIN line registers it
+    with pytest.raises(ConfigError) as refused, \
+            Engine.from_overrides(["backend=cpu", f"model.path={directory}", "engine.max_num_seqs=2"]):
+        pass
+    assert str(refused.value) == INTERLEAVED_REFUSAL
+    for use in (line.shape, line.facts):  # whatever asks for the variant first
+        with pytest.raises(ConfigError, match=INTERLEAVED_REFUSAL):
+            use(ModelConfig(name="t", architecture=line.name))
+
+
+def test_registering_a_variant_with_interleaved_rope_is_refused() -> None:
+    line = LlamaVariant("llama-meta", ("LlamaMetaForCausalLM",), rope=Rope.INTERLEAVED)
+    with pytest.raises(ConfigError) as refused:
+        registry.register(line, "plugin 'meta'")
+    assert str(refused.value) == f"plugin 'meta': {INTERLEAVED_REFUSAL}"
+    assert "llama-meta" not in registry.names()
+
+
+DECLARATIONS: list[tuple[str, object, str]] = [
+    *[("rope", style, "interleaved RoPE") for style in Rope if style is not DECODER.rope],
+    *[("norm", norm, "LayerNorm") for norm in Norm if norm is not DECODER.norm],
+    *[("attention", kind, kind.value) for kind in Attention if kind is not DECODER.attention],
+    *[("activation", act, act.value) for act in Activation if act is not DECODER.activation],
+    ("o_bias", True, "a bias on o_proj; the decoder computes o_proj without a bias only"),
+    ("mlp_bias", True, "biases on the MLP projections; the decoder computes the MLP without biases only"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "said"), DECLARATIONS,
+                         ids=[f"{f}-{v.name if isinstance(v, Enum) else v}" for f, v, _ in DECLARATIONS])
+def test_each_declaration_the_decoder_does_not_compute_is_refused_by_name(field: str, value: object, said: str) -> None:
+    declared: dict[str, Any] = {field: value}
+    refusal = LlamaVariant("x", **declared).refusal()
+    assert refusal is not None and "\n" not in refusal
+    assert refusal.startswith("Llama-family variant 'x' declares ") and said in refusal
+
+
+def test_several_declarations_are_named_on_the_one_line() -> None:
+    refusal = LlamaVariant("x", rope=Rope.INTERLEAVED, norm=Norm.LAYER_NORM).refusal()
+    assert refusal == ("Llama-family variant 'x' declares interleaved RoPE and LayerNorm; the decoder computes "
+                       "rotate-half RoPE and RMSNorm only")
