@@ -17,8 +17,8 @@ so corelib allows only:
   again once resolved);
 - ``hydra.runtime``: nothing (Hydra fills it; its ``output_dir`` is what a log file is named by);
 - where files go (``hydra.run.dir``, ``hydra.sweep.dir``, ``hydra.sweep.subdir``,
-  ``hydra.output_subdir``): corelib's own values unless the command line sets them, and
-  ``hydra.job.name`` a plain name;
+  ``hydra.output_subdir``): corelib's own values unless the command line sets them,
+  ``hydra.output_subdir`` inside the run directory even then, and ``hydra.job.name`` a plain name;
 - ``hydra.overrides``: only what the command line gave.
 
 The check wraps Hydra's config loader for the duration of a command (:func:`guarded_composition`):
@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
+import posixpath
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -207,6 +208,28 @@ def _check_output_directory(cfg: DictConfig, key: str) -> None:
         check_directory_for_writing(str(where), key)
 
 
+def _check_output_subdir(cfg: DictConfig, raw: Any) -> None:
+    """``hydra.output_subdir``, from wherever it came, names a directory inside the run directory.
+
+    Hydra writes ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` into the run directory
+    joined with it, so an absolute path, or one whose ``..`` climbs out, puts (or overwrites)
+    those files anywhere: the command line is checked too, not only config files.
+    """
+    key = "hydra.output_subdir"
+    try:
+        value = OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException:
+        raise _refuse(key, f"{str(raw)[:80]!r} cannot be resolved before Hydra writes into it; give a relative "
+                           "directory") from None
+    if value is None:
+        return  # Hydra writes no copy of the config
+    subdir = str(value)
+    normal = posixpath.normpath(subdir)
+    if os.path.isabs(subdir) or normal == ".." or normal.startswith("../"):
+        raise _refuse(key, f"{subdir[:80]!r} leaves the run directory; Hydra writes its copy of the config there, so "
+                           "it must be a directory inside it (the default: .hydra)")
+
+
 def _check_runtime(raw: Mapping[str, Any], overrides: Sequence[str]) -> None:
     # Hydra fills hydra.runtime itself: the loader sets its version, cwd and sources, and the job sets
     # output_dir only after Hydra's own logging started, so a value from a config would be used first.
@@ -241,6 +264,7 @@ def _check_locations(cfg: DictConfig, raw: Mapping[str, Any], overrides: Sequenc
         if f"hydra.{key}" not in given and value not in allowed:
             raise _refuse(f"hydra.{key}", f"{str(value)[:80]!r}: where corelib writes is chosen by corelib's config "
                                           f"or the command line (hydra.{key}=...), not by a config file")
+    _check_output_subdir(cfg, _lookup(raw, "output_subdir"))
     try:
         name = str(OmegaConf.select(cfg, "hydra.job.name", throw_on_missing=True))
     except OmegaConfBaseException:

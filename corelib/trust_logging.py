@@ -137,7 +137,9 @@ def check_resolved_files(log_config: DictConfig | None) -> None:
         _refuse_symlink(path, key)
     subdir = _output_subdir()
     if run_dir is not None and subdir is not None:
-        _refuse_symlink(run_dir / subdir, "hydra.output_subdir")
+        parts = Path(subdir).parts  # a symlink at any level would take Hydra's files out of the run directory
+        for depth in range(1, len(parts) + 1):
+            _refuse_symlink(run_dir.joinpath(*parts[:depth]), "hydra.output_subdir")
         for name in HYDRA_FILES:
             _refuse_symlink(run_dir / subdir / name, "hydra.output_subdir")
 
