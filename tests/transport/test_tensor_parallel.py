@@ -108,6 +108,42 @@ def test_shards_put_back_together_are_the_full_weights(fused: bool) -> None:
             assert torch.equal(torch.cat(whole), tensor), name
 
 
+def rows(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
+
+def test_a_fused_tensors_shards_hold_each_ranks_heads_of_every_part() -> None:
+    # tiny: 4 query heads and 2 key/value heads of 32, 384 gate and 384 up features; 2 ranks. Each row
+    # of a fused tensor holds its own index, so a shard's rows say which rows of the checkpoint it took.
+    shape = replace(model_shape(ModelConfig(name="t")), fused_qkv=True, fused_gate_up=True, attention_bias=True)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size) == (4, 2, 32, 384)
+    q, kv = 4 * 32, 2 * 32
+    expected = {
+        "model.layers.0.self_attn.qkv_proj.weight": [
+            rows(0, 64) + rows(q, 32) + rows(q + kv, 32),  # q heads 0-1, k head 0, v head 0
+            rows(64, 64) + rows(q + 32, 32) + rows(q + kv + 32, 32),  # q heads 2-3, k head 1, v head 1
+        ],
+        "model.layers.0.self_attn.qkv_proj.bias": [
+            rows(0, 64) + rows(q, 32) + rows(q + kv, 32),
+            rows(64, 64) + rows(q + 32, 32) + rows(q + kv + 32, 32),
+        ],
+        "model.layers.0.mlp.gate_up_proj.weight": [
+            rows(0, 192) + rows(384, 192),  # the first half of the gate features, then of the up ones
+            rows(192, 192) + rows(576, 192),
+        ],
+    }
+    sources = weight_map(shape).sources
+    for name, per_rank in expected.items():
+        source = sources[name]
+        numbered = torch.arange(source.shape[0], dtype=torch.float32)
+        tensor = numbered if len(source.shape) == 1 else numbered[:, None].expand(source.shape).contiguous()
+        for rank, want in enumerate(per_rank):
+            shard = TensorShard(rank, 2).slice(source, tensor)
+            taken = shard if shard.dim() == 1 else shard[:, 0]
+            assert taken.tolist() == want, f"{name}, rank {rank}"
+            assert shard.dim() == 1 or torch.equal(shard, tensor[want]), f"{name}, rank {rank}: whole rows"
+
+
 def test_tp_needs_the_shm_transport_and_divisible_sizes() -> None:
     with pytest.raises(ConfigError, match=r"add engine\.transport=shm"):
         Engine.from_overrides(["backend=cpu", "engine.tp=2"])
