@@ -17,8 +17,6 @@ from corelib.engine import Engine, SamplingParams
 from corelib.ops import SamplingInputs, TokenHistory
 from corelib.ops.sampling import apply_penalties, count_history
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = [[5, 6, 7, 5, 5], [100] * 6, list(range(30, 42)), [9, 8], [200, 201, 200], [3, 4, 5, 6]]
 PENALIZED = [
     SamplingParams(max_tokens=20, repetition_penalty=1.6, ignore_eos=True),
@@ -39,6 +37,7 @@ def check(make_engine: EngineFactory, overrides: list[str], penalized: list[Samp
     return engine
 
 
+@pytest.mark.slow  # an engine run, and the reference's full forward per token
 @pytest.mark.parametrize("overrides", [
     pytest.param(["backend=cpu"], id="cpu"),
     pytest.param(["backend=npu", "engine.async_token_handoff=on", "backend.emulator.chaos=0.3"], id="npu-async-chaos"),
@@ -47,6 +46,7 @@ def test_penalized_requests_get_the_reference_tokens(make_engine: EngineFactory,
     check(make_engine, overrides)
 
 
+@pytest.mark.slow  # an engine run, and the reference's full forward per token
 def test_a_preempted_penalized_request_keeps_its_tokens(make_engine: EngineFactory) -> None:
     overrides = ["backend=cpu", "engine.max_num_seqs=4", "engine.num_kv_blocks=7", "model.max_model_len=80"]
     # Frequency and presence count outputs only: a recomputed prefill that took its outputs for prompt
@@ -79,6 +79,7 @@ def test_the_history_counts_prompt_and_outputs_apart_from_each_rows_own_blocks()
     assert history.output_counts[1].tolist() == [0] * 10, "a slot past the row's length was counted"
 
 
+@pytest.mark.slow  # an engine run, and the reference's full forward per token
 @pytest.mark.parametrize("overrides", [
     pytest.param(["engine.chunked_prefill=on", "engine.max_num_batched_tokens=16"], id="chunked"),
     pytest.param(["engine.prefix_caching=on"], id="prefix-cache"),
@@ -97,6 +98,7 @@ def test_penalties_count_the_tokens_of_chunks_and_cached_prefixes(make_engine: E
         assert output.output_token_ids == reference_sampled(weights, prompt, p), f"prompt {prompt}, {p}"
 
 
+@pytest.mark.slow  # an engine run, and the reference's full forward per token
 def test_n_samples_sharing_the_prompts_blocks_count_the_prompt(make_engine: EngineFactory) -> None:
     engine = make_engine(["backend=cpu"])
     weights = seeded_weights(["backend=cpu"])
