@@ -4,10 +4,14 @@ last token, and keys only for blocks whose tokens the host knows and whose step 
 
 from __future__ import annotations
 
+import dataclasses
+
+from corelib.config import CorelibConfig
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from corelib.engine.sequence import SamplingParams, Sequence
 from corelib.engine.stops import StopChecker
+from corelib.testing.executor import scripted_core, unit_config, unit_options
 
 BS = 4
 
@@ -46,6 +50,19 @@ def test_another_model_finds_nothing() -> None:
     probe.block_keys.clear()
     cached(other, seq(2, [5, 6, 7, 8, 9]))
     assert other.cached_prefix_tokens(probe) == 0, "keys chain over the model's identity"
+
+
+def test_engines_of_two_models_key_the_same_prompt_apart() -> None:
+    def keys(config: CorelibConfig) -> list[bytes]:
+        core, _ = scripted_core(config, dataclasses.replace(unit_options(), prefix_caching=True))
+        owner = seq(0, list(range(10, 23)))
+        cached(core.scheduler.blocks, owner)
+        return owner.block_keys
+
+    config = unit_config()
+    reseeded = dataclasses.replace(config, model=dataclasses.replace(config.model, seed=config.model.seed + 1))
+    assert keys(config) == keys(unit_config()), "the same model keys the same tokens alike"
+    assert not set(keys(config)) & set(keys(reseeded)), "other weights: other keys"
 
 
 def test_a_shared_block_is_counted_once_per_holder_and_freed_by_the_last() -> None:
