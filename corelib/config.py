@@ -595,6 +595,9 @@ class ServerConfig:
         default=10.0, metadata=doc("a client must send its request's headers, and each part of its body, this fast")
     )
     max_connections: int = field(default=1024, metadata=doc("open connections at most; more are closed at once"))
+    max_request_tokens: int = field(
+        default=1 << 20, metadata=doc("prompt tokens of one request at most, all its prompts together; more get 400")
+    )
     served_model_name: str | None = field(
         default=None, metadata=doc("name in /v1/models and responses; null: the model's name")
     )

@@ -25,7 +25,16 @@ from corelib.errors import one_line
 from corelib.server.bridge import Call, EngineBridge
 from corelib.server.chat import ChatTemplate
 from corelib.server.events import EngineInfo, Overloaded, TooLarge, Unavailable
-from corelib.server.inputs import Prepared, chat_messages, prepare_chat, prepare_completion, render_chat, token_text
+from corelib.server.inputs import (
+    Prepared,
+    RequestLimits,
+    chat_messages,
+    check_choices,
+    prepare_chat,
+    prepare_completion,
+    render_chat,
+    token_text,
+)
 from corelib.server.messages import Final
 from corelib.server.metrics import ServerMetrics
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
@@ -47,6 +56,11 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    max_request_tokens: int = 1 << 20  # server.max_request_tokens
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.bridge.capacity, self.max_request_tokens)
 
     @property
     def template(self) -> ChatTemplate:
@@ -218,7 +232,7 @@ def build_app(state: ServerState) -> ASGIApp:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = await body(request, CompletionRequest)
-        prepared = await asyncio.to_thread(prepare_completion, parsed, bridge.info)
+        prepared = await asyncio.to_thread(prepare_completion, parsed, bridge.info, state.limits)
         formatter = Formatter(False, state.model_name, prepared, bridge.info.tokenizer is not None,
                               parsed.include_usage, token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)
@@ -226,8 +240,9 @@ def build_app(state: ServerState) -> ASGIApp:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = await body(request, ChatRequest)
+        check_choices(parsed, 1, state.limits)  # before the template is rendered
         text = await render_chat(chat_messages(parsed, bridge.info), renderer)
-        prepared = await asyncio.to_thread(prepare_chat, parsed, bridge.info, text, state.template)
+        prepared = await asyncio.to_thread(prepare_chat, parsed, bridge.info, text, state.template, state.limits)
         formatter = Formatter(True, state.model_name, prepared, True, parsed.include_usage,
                               token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)

@@ -269,6 +269,11 @@ class EngineBridge:
         return self._info
 
     @property
+    def capacity(self) -> int:
+        """Requests the server holds at once: engine.max_num_seqs running, server.max_waiting queued."""
+        return self._capacity
+
+    @property
     def engine_pid(self) -> int | None:
         """The engine process's id; None when the engine runs on a thread of this process."""
         return self._link.pid if self._link is not None else None

@@ -12,6 +12,12 @@ several prompts; each gets ``n`` choices, numbered prompt by prompt (prompt 0's 
 as OpenAI numbers them). Choice ``i`` samples with ``seed + i``, so ``n`` choices with one
 seed differ, and the same request with the same seed gives the same text. Without a seed
 each choice draws a random one (:func:`corelib.sampling_params.choices`).
+
+What a request costs is bounded before anything is built from it (:class:`RequestLimits`):
+its choices (prompts x ``n``) by what the server holds at once, and its prompt tokens by
+``server.max_request_tokens`` (counted from the body where it gives token ids, before any
+is read). A body of a few hundred kilobytes can otherwise ask for millions of choices, each
+built in full before the engine's own capacity check refused them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ NO_TOKENIZER = (
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, checked before its prompts are tokenized or its choices built."""
+
+    max_choices: int  # prompts x n: engine.max_num_seqs + server.max_waiting, what the server holds at once
+    max_prompt_tokens: int  # server.max_request_tokens: every prompt's tokens together
+
+
+@dataclass(frozen=True)
 class Prepared:
     """The engine requests of one HTTP request."""
 
@@ -49,19 +63,47 @@ def token_text(token_ids: Sequence[int]) -> str:
     return "".join(f"<{t}>" for t in token_ids)
 
 
-def prepare_completion(request: CompletionRequest, info: EngineInfo) -> Prepared:
+def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: RequestLimits) -> Prepared:
     prompt = request.prompt
     if isinstance(prompt, list) and not prompt:
         raise bad_request("prompt: the list is empty; send at least one prompt", "prompt")
+    single = isinstance(prompt, str) or isinstance(prompt[0], int)
+    check_choices(request, 1 if single else len(prompt), limits)
+    if not isinstance(prompt, str):  # token ids, counted at C speed before any is read
+        given = len(prompt) if single else sum(len(p) for p in prompt if isinstance(p, list))
+        _check_tokens(given, limits, "prompt")
     raw: list[str | list[int]]
     if isinstance(prompt, str):
         raw = [prompt]
-    elif all(isinstance(p, int) for p in prompt):
+    elif single:
         raw = [[int(p) for p in prompt if isinstance(p, int)]]
     else:
         raw = [p if isinstance(p, str) else list(p) for p in prompt if isinstance(p, str | list)]
     prompts = [_encode(p, info) for p in raw]
+    _check_tokens(sum(map(len, prompts)), limits, "prompt")  # text prompts are known only now; nothing is built yet
     return _prepared(request, prompts, request.max_tokens, "max_tokens", info)
+
+
+def check_choices(request: CompletionRequest | ChatRequest, num_prompts: int, limits: RequestLimits) -> None:
+    """Refuse more choices than the server ever holds, from ``n`` as the body gives it, before they are built.
+
+    A value of ``n`` that is not a positive integer is left to SamplingParams, which names what is wrong.
+    """
+    n = request.sampling.get("n", api_default("n"))
+    if type(n) is not int or n < 1:
+        return
+    if n > MAX_CHOICES:
+        raise bad_request(f"n={n}: at most {MAX_CHOICES} choices per prompt", "n")
+    if num_prompts * n > limits.max_choices:
+        raise bad_request(f"n={n}: the request asks for {num_prompts * n} choices ({num_prompts} prompts x n); this "
+                          f"server holds at most {limits.max_choices} requests at once (engine.max_num_seqs + "
+                          "server.max_waiting)", "n")
+
+
+def _check_tokens(count: int, limits: RequestLimits, param: str) -> None:
+    if count > limits.max_prompt_tokens:
+        raise bad_request(f"{param}: the prompt tokens of this request number {count}; this server takes at most "
+                          f"{limits.max_prompt_tokens} per request (server.max_request_tokens)", param)
 
 
 def chat_messages(request: ChatRequest, info: EngineInfo) -> list[JsonObject]:
@@ -85,13 +127,15 @@ async def render_chat(messages: list[JsonObject], renderer: TemplateRenderer) ->
         raise bad_request(f"messages: the chat template refused them: {error}", "messages") from None
 
 
-def prepare_chat(request: ChatRequest, info: EngineInfo, text: str, template: ChatTemplate) -> Prepared:
+def prepare_chat(request: ChatRequest, info: EngineInfo, text: str, template: ChatTemplate,
+                 limits: RequestLimits) -> Prepared:
     """The engine requests of a rendered conversation (tokenizing: run it off the event loop)."""
     assert info.tokenizer is not None, "chat_messages refuses a model without a tokenizer"
     _check_length(text, info, "messages")
     # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
     prompt = info.tokenizer.encode(text, add_special_tokens=template.is_fallback)
     _check_prompt(prompt, info, "messages")
+    _check_tokens(len(prompt), limits, "messages")
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     return _prepared(request, [prompt], request.max_output_tokens, param, info)
 

@@ -68,7 +68,7 @@ def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
         bridge.close()
         raise
     return ServerState(bridge, metrics, renderer, model_name(server, info.model_name, info.model_path), api_key,
-                       max_body_bytes=int(server.max_body_mib * 2**20))
+                       max_body_bytes=int(server.max_body_mib * 2**20), max_request_tokens=server.max_request_tokens)
 
 
 def check_server(server: ServerConfig) -> None:
@@ -85,6 +85,8 @@ def check_server(server: ServerConfig) -> None:
         raise ConfigError(f"server.header_timeout_s={server.header_timeout_s}: must be a number of seconds > 0")
     if server.max_connections < 1:
         raise ConfigError(f"server.max_connections={server.max_connections}: must be at least 1")
+    if server.max_request_tokens < 1:
+        raise ConfigError(f"server.max_request_tokens={server.max_request_tokens}: must be at least 1")
 
 
 def bind(host: str, port: int) -> socket.socket:
