@@ -17,6 +17,11 @@ the ``engine`` group (``async_token_handoff="on"``, ``max_num_seqs=32``, ``shm={
 Thread safety: an LLM, like an Engine, is driven by one thread at a time. A second thread
 calling ``generate`` while one runs gets a RuntimeError at once instead of corrupting the
 loop; use one LLM per thread, or a lock of your own, or the HTTP server for concurrent clients.
+
+Chat templates: a checkpoint's template is code from elsewhere, so ``chat`` renders it as the
+server does, in a worker process with a time and memory budget (:mod:`corelib.server.render`),
+probed once with a one-message conversation; a template that loops, explodes as it compiles or
+fails the probe is one line of error, and the caller's process never compiles it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import random
 import threading
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TypeGuard, cast
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 from rich.console import Console
 
@@ -38,6 +43,9 @@ from corelib.gate_catalog import load_gates
 from corelib.progress import Progress, reporting
 from corelib.sampling_params import SEED_LIMIT, SamplingParams
 from corelib.text import Tokenizer
+
+if TYPE_CHECKING:
+    from corelib.server.render import TemplateRenderer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "model_presets"]
 
@@ -101,6 +109,20 @@ def llm_overrides(
     return [*result, *_engine_overrides(engine_options), *overrides]
 
 
+def _render(renderer: TemplateRenderer, conversation: Sequence[Message]) -> str:
+    """One conversation's prompt text, rendered within the renderer's budget."""
+    from corelib.server.chat import ChatTemplateError
+
+    try:
+        return renderer.render_blocking([dict(message) for message in conversation])
+    except ChatTemplateError as error:
+        raise ChatTemplateError(f"the chat template from {renderer.template.origin} failed on these messages: "
+                                f"{error}") from None
+    except TypeError as error:  # not JSON: the messages travel to the renderer's process as JSON
+        raise TypeError(f"LLM.chat: messages must hold JSON values (str, int, float, bool, None, list, dict): "
+                        f"{error}") from None
+
+
 def _is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -149,6 +171,7 @@ class LLM:
         self.model = model
         self._seeds = random.Random(seed) if seed is not None else None
         self._lock = threading.Lock()
+        self._renderer: TemplateRenderer | None = None  # the last chat template's, kept for the next chat
         with reporting(Progress(Console(stderr=True))):  # weights, KV cache, graphs: a bar, or a line every 5 s
             self.engine = Engine.from_overrides(self.overrides)
 
@@ -199,21 +222,48 @@ class LLM:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
 
         Rendered with the checkpoint's chat template (``chat_template`` names a file to use
-        instead), as transformers' ``apply_chat_template`` with ``add_generation_prompt``.
+        instead), as transformers' ``apply_chat_template`` with ``add_generation_prompt``, in a
+        worker process with the server's budget (see the module doc). A template that fails its
+        probe raises ConfigError; one that fails on these messages, or outruns its time or memory,
+        raises ChatTemplateError (:mod:`corelib.server.chat`); messages hold JSON values.
         """
-        from corelib.server.chat import ChatTemplate
-
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             self.engine.encode("")  # raises the one line: this model has no tokenizer
             raise RuntimeError("unreachable: a model without a tokenizer cannot chat")
-        template = ChatTemplate.load(self.engine.startup.config.model.path, chat_template)
+        renderer = self._chat_renderer(chat_template, tokenizer)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        texts = [template.render(list(c)) for c in cast("Sequence[Sequence[Message]]", conversations)]
+        texts = [_render(renderer, c) for c in cast("Sequence[Sequence[Message]]", conversations)]
         # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
-        prompts: list[PromptInput] = [tokenizer.encode(t, add_special_tokens=template.is_fallback) for t in texts]
+        fallback = renderer.template.is_fallback
+        prompts: list[PromptInput] = [tokenizer.encode(t, add_special_tokens=fallback) for t in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         return [dataclasses.replace(output, prompt=text) for output, text in zip(outputs, texts, strict=True)]
+
+    def _chat_renderer(self, chat_template: str | None, tokenizer: Tokenizer) -> TemplateRenderer:
+        """The renderer of this call's template: the last one when the template is the same (its worker started and
+        probed once), else a new one, started and probed now (ConfigError when it fails the probe)."""
+        from corelib.server.chat import ChatTemplate
+        from corelib.server.render import TemplateRenderer
+
+        model = self.engine.startup.config.model
+        template = ChatTemplate.load(model.path, chat_template, setting="chat_template")  # parsed, never compiled
+        kept = self._renderer
+        if kept is not None and (kept.template.source, kept.template.bos_token, kept.template.eos_token) == (
+                template.source, template.bos_token, template.eos_token):
+            return kept
+        self._close_renderer()
+        # As the server's: no text longer than any prompt the context could hold.
+        renderer = TemplateRenderer(template, model.max_model_len * tokenizer.longest_token_chars, workers=1,
+                                    setting="chat_template")
+        renderer.start()
+        self._renderer = renderer
+        return renderer
+
+    def _close_renderer(self) -> None:
+        renderer, self._renderer = self._renderer, None
+        if renderer is not None:
+            renderer.close()
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer (``encode``, ``decode``); None for a preset."""
@@ -224,6 +274,7 @@ class LLM:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("LLM.close was called while generate runs in another thread; wait for it first")
         try:
+            self._close_renderer()
             self.engine.close()
         finally:
             self._lock.release()

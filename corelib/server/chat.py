@@ -84,7 +84,8 @@ def _token_text(value: object) -> str:
 class ChatTemplate:
     """A compiled chat template and the special-token strings it may use."""
 
-    def __init__(self, source: str, origin: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, origin: str, bos_token: str = "", eos_token: str = "",
+                 setting: str = "server.chat_template") -> None:
         self.source = source
         self.origin = origin  # where it came from, said once at start
         self.bos_token = bos_token
@@ -95,7 +96,7 @@ class ChatTemplate:
             self._environment.parse(source)  # the syntax only: nothing is evaluated
         except jinja2.TemplateSyntaxError as error:
             raise ConfigError(f"the chat template from {origin} does not compile: {error.message} "
-                              f"(line {error.lineno}); fix it or pass another with server.chat_template=FILE") from None
+                              f"(line {error.lineno}); fix it or pass another with {setting}=FILE") from None
 
     def compiled(self) -> jinja2.Template:
         """The template, compiled on first use.
@@ -115,8 +116,13 @@ class ChatTemplate:
         return self._template
 
     @classmethod
-    def load(cls, model_path: str | None, override: str | None = None) -> ChatTemplate:
-        """The template of ``override``, else of the checkpoint at ``model_path``, else the fallback."""
+    def load(cls, model_path: str | None, override: str | None = None,
+             setting: str = "server.chat_template") -> ChatTemplate:
+        """The template of ``override``, else of the checkpoint at ``model_path``, else the fallback.
+
+        ``setting``: how the caller names ``override`` (the server's key, or a keyword of the Python API), in
+        where the template came from and in how to pass another.
+        """
         settings: Mapping[str, object] = {}
         directory = Path(model_path).expanduser() if model_path else None
         if directory is not None and (directory / TOKENIZER_CONFIG).exists():
@@ -124,14 +130,14 @@ class ChatTemplate:
         tokens = {name: _token_text(settings.get(name)) for name in ("bos_token", "eos_token")}
         if override:
             path = Path(override).expanduser()
-            return cls(read_text(path, "server.chat_template"), f"server.chat_template={override}", **tokens)
+            return cls(read_text(path, setting), f"{setting}={override}", **tokens, setting=setting)
         if directory is not None and (directory / TEMPLATE_FILE).exists():
             return cls(read_text(directory / TEMPLATE_FILE, "the chat template"), str(directory / TEMPLATE_FILE),
-                       **tokens)
+                       **tokens, setting=setting)
         found = _named_template(settings.get("chat_template"))
         if found is not None and directory is not None:
-            return cls(found, str(directory / TOKENIZER_CONFIG), **tokens)
-        return cls(FALLBACK_TEMPLATE, "the built-in fallback (role: content lines)", **tokens)
+            return cls(found, str(directory / TOKENIZER_CONFIG), **tokens, setting=setting)
+        return cls(FALLBACK_TEMPLATE, "the built-in fallback (role: content lines)", **tokens, setting=setting)
 
     @property
     def is_fallback(self) -> bool:

@@ -118,9 +118,10 @@ class TemplateRenderer:
     for corelib's own fallback."""
 
     def __init__(self, template: ChatTemplate, max_chars: int, workers: int = NUM_WORKERS,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, setting: str = "server.chat_template") -> None:
         self.template = template
         self.max_chars = max_chars
+        self.setting = setting  # how the caller passes another template (setting=FILE), named when one is refused
         self.timeout_s = RENDER_TIMEOUT_S if timeout_s is None else timeout_s
         self._isolated = not template.is_fallback
         self._size = workers if self._isolated else 1
@@ -131,6 +132,7 @@ class TemplateRenderer:
 
     def start(self) -> None:
         """Start the workers and render the probe: a template that cannot render one message is a ConfigError."""
+        fix = f"fix it or pass another with {self.setting}=FILE"
         try:
             for _ in range(self._size if self._isolated else 0):
                 self._workers.append(_Worker(self.template, self.max_chars))
@@ -140,7 +142,10 @@ class TemplateRenderer:
         except ChatTemplateError as error:
             self.close()
             raise ConfigError(f"the chat template from {self.template.origin} fails on a one-message conversation "
-                              f"({error}); fix it or pass another with server.chat_template=FILE") from None
+                              f"({error}); {fix}") from None
+        except ConfigError as error:  # it does not compile, or exploded as it did, in the worker
+            self.close()
+            raise ConfigError(f"{error}; {fix}") from None
         except BaseException:
             self.close()
             raise
