@@ -128,7 +128,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)  # at most MAX_MESSAGES, checked before they are validated
+    # At most MAX_MESSAGES, holding at most MAX_CONTENT_PARTS parts: counted before they are validated.
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the model's length
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False  # each output token's log-probability
@@ -164,6 +165,7 @@ Request = TypeVar("Request", CompletionRequest, ChatRequest)
 
 
 MAX_MESSAGES = 4096  # a conversation's messages: each costs the validator tens of microseconds
+MAX_CONTENT_PARTS = 4096  # content parts over all of a conversation's messages: each costs as much as a message
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -187,8 +189,15 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
     messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
-        raise bad_request(f"messages: {len(messages)} messages; this server takes at most {MAX_MESSAGES}", "messages")
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise bad_request(f"messages: {len(messages)} messages; this server takes at most {MAX_MESSAGES}",
+                              "messages")
+        parts = sum(len(content) for message in messages if isinstance(message, dict)
+                    and isinstance(content := message.get("content"), list))
+        if parts > MAX_CONTENT_PARTS:
+            raise bad_request(f"messages: {parts} content parts; this server takes at most {MAX_CONTENT_PARTS} in "
+                              "one conversation (join text parts into one string)", "messages")
     sampling = {key: data.pop(key) for key in API_FIELDS if key in data}
     for key, neutral in _NEUTRAL.items():
         if key not in data:

@@ -55,3 +55,12 @@ def test_prompt_tokens_beyond_server_max_request_tokens_are_a_400(tight: Running
     fits = httpx.post(f"{tight.url}/v1/completions", json={"prompt": [5] * 100, "max_tokens": 2}, timeout=30)
     assert fits.status_code == 200, fits.text
 
+
+def test_35000_content_parts_are_a_400_naming_the_cap(server: RunningServer) -> None:
+    parts = [{"type": "text", "text": "a"}] * 35_000
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]},
+                          timeout=120)
+    error = error_of(response, 400)
+    assert error["param"] == "messages" and "35000 content parts" in str(error["message"])
+    assert "at most 4096" in str(error["message"])
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
