@@ -30,6 +30,7 @@ from corelib.server.chat import ChatTemplate, ChatTemplateError
 from corelib.server.events import EngineInfo
 from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, bad_request
 from corelib.server.render import TemplateRenderer
+from corelib.text import Tokenizer
 
 MAX_CHOICES = 128  # n per prompt
 NO_TOKENIZER = (
@@ -133,7 +134,7 @@ def prepare_chat(request: ChatRequest, info: EngineInfo, text: str, template: Ch
     assert info.tokenizer is not None, "chat_messages refuses a model without a tokenizer"
     _check_length(text, info, "messages")
     # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
-    prompt = info.tokenizer.encode(text, add_special_tokens=template.is_fallback)
+    prompt = _tokenize(info.tokenizer, text, "messages", add_special_tokens=template.is_fallback)
     _check_prompt(prompt, info, "messages")
     _check_tokens(len(prompt), limits, "messages")
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -160,11 +161,27 @@ def _encode(prompt: str | list[int], info: EngineInfo) -> list[int]:
         if info.tokenizer is None:
             raise bad_request(f"prompt: {NO_TOKENIZER}; send a list of token ids", "prompt")
         _check_length(prompt, info, "prompt")
-        ids = info.tokenizer.encode(prompt)
+        ids = _tokenize(info.tokenizer, prompt, "prompt")
     else:
         ids = prompt
     _check_prompt(ids, info, "prompt")
     return ids
+
+
+def _tokenize(tokenizer: Tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of ``text``; a 400 naming ``param`` when the checkpoint's tokenizer cannot encode it.
+
+    The tokenizers library panics on some inputs (a pre-tokenizer regex that backtracks past its
+    limit) and a panic reaches Python as a BaseException, which no error handler of the app would
+    catch: the client would get a plain-text 500 from the HTTP server itself.
+    """
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - a Rust panic is a BaseException; the client hears it in one line
+        raise bad_request(f"{param}: this model's tokenizer failed on the text ({type(error).__name__}: "
+                          f"{' '.join(str(error).split())[:300]}); send other text, or token ids", param) from None
 
 
 def _check_length(text: str, info: EngineInfo, param: str) -> None:
