@@ -1,8 +1,11 @@
 """The ASGI app: OpenAI routes over the engine bridge, health, models and Prometheus metrics.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these
-need ``Authorization: Bearer KEY`` when an API key is set), ``GET /health`` and ``GET
-/metrics``. Every error is an OpenAI error object with its status; none carries a traceback.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET
+/metrics`` (these need ``Authorization: Bearer KEY`` when an API key is set), and ``GET /health``
+(open to all: it tells only whether the server takes requests). ``/metrics`` is behind the key
+because it tells more than load: its prefix-cache counts move when any client's prompt shares
+a prefix with an earlier one, so an open ``/metrics`` would let anyone test whether someone sent
+a given prompt. Every error is an OpenAI error object with its status; none carries a traceback.
 """
 
 from __future__ import annotations
@@ -263,7 +266,8 @@ def build_app(state: ServerState) -> ASGIApp:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        authorize(request)
         try:
             snapshot = await bridge.snapshot()
         except Unavailable:

@@ -43,10 +43,16 @@ def write_chat_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def metrics(url: str) -> dict[str, float]:
-    """The server's samples by name, labels folded in: ``corelib_requests_total{finish_reason=abort}``."""
+def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's samples by name, labels folded in: ``corelib_requests_total{finish_reason=abort}``.
+
+    ``api_key``: the server's, when it has one (``/metrics`` needs it then, like every route but ``/health``).
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+    response = httpx.get(f"{url}/metrics", headers=headers)
+    response.raise_for_status()
     figures: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             figures[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
@@ -57,11 +63,11 @@ def finished(url: str, reason: str) -> float:
     return metrics(url).get(f"corelib_requests_total{{finish_reason={reason}}}", 0.0)
 
 
-def wait_idle(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+def wait_idle(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> dict[str, float]:
     """Metrics once nothing runs and every KV block is free; AssertionError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        figures = metrics(url)
+        figures = metrics(url, api_key)
         busy = figures["corelib_requests_running"] + figures["corelib_requests_waiting"]
         if busy == 0 and figures["corelib_kv_blocks_free"] == figures["corelib_kv_blocks_total"]:
             return figures

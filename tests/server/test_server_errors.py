@@ -130,11 +130,11 @@ def test_beyond_running_and_waiting_a_request_is_429_and_served_once_there_is_ro
         for _ in range(2):  # one decodes, one waits: max_num_seqs=1 + max_waiting=1
             stream = streams.enter_context(http.stream("POST", "/v1/completions", json=body))
             assert stream.status_code == 200
-        refused = metrics(guarded.url).get("corelib_request_errors_total{status=429}", 0.0)
+        refused = metrics(guarded.url, KEY).get("corelib_request_errors_total{status=429}", 0.0)
         error = error_of(http.post("/v1/completions", json={"prompt": [0, 5], "max_tokens": 2}), 429)
         assert error["type"] == "rate_limit_error" and "retry later" in str(error["message"])
-        assert metrics(guarded.url)["corelib_request_errors_total{status=429}"] == refused + 1
-    wait_idle(guarded.url)  # the two streams were closed by the client: aborted, blocks back
+        assert metrics(guarded.url, KEY)["corelib_request_errors_total{status=429}"] == refused + 1
+    wait_idle(guarded.url, api_key=KEY)  # the two streams were closed by the client: aborted, blocks back
     with httpx.Client(base_url=guarded.url, headers=headers, timeout=30) as http:
         response = http.post("/v1/completions", json={"prompt": [0, 5], "max_tokens": 2})
         assert response.status_code == 200, response.text
