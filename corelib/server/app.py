@@ -71,6 +71,7 @@ class ServerState:
 
 
 RAW_SEND = "corelib.send"  # the scope key of the server's own send (see build_app)
+HEALTH_ASK_S = 1.0  # an idle engine answers at once; one that does not is left to its own checks
 
 
 class EventStream(Response):
@@ -259,6 +260,11 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if bridge.failure is None and not bridge.draining and bridge.num_live == 0:
+            # An idle engine finds a worker that went away only when it next looks (or steps); asking it
+            # now makes it look, so /health never says 200 for an engine whose next request would fail.
+            with contextlib.suppress(Unavailable):
+                await bridge.snapshot(HEALTH_ASK_S)
         if bridge.failure is not None:
             return JSONResponse({"status": "failed", "reason": bridge.failure}, status_code=503)
         if bridge.draining:

@@ -104,7 +104,11 @@ class EngineLoop:
                 return commands
 
     def _check_idle_engine(self) -> None:
-        """With nothing to do: a worker or node that went away fails the engine now, as a failed step would."""
+        """With nothing to do: a worker or node that went away fails the engine now, as a failed step would.
+
+        Run every IDLE_CHECK_S while idle, and before an idle engine answers a snapshot or takes
+        requests, so that neither /health nor a new request learns of a dead worker only by failing.
+        """
         if self.failure is not None:
             return
         try:
@@ -117,11 +121,13 @@ class EngineLoop:
     def _handle(self, command: Command) -> None:
         engine = self._engine
         if isinstance(command, Submit):
+            if not self._live:
+                self._check_idle_engine()  # a worker gone while nothing ran: refuse these, rather than fail them
             ids = [request_id for request_id, _, _ in command.requests]
             for request_id in ids:
                 self._live[request_id] = _Live(command.final_only)
             if self.failure is not None or self._stopping:
-                self._end(ids, self._refusal(), self.failure is not None)
+                self._end(ids, self._refusal(), server_error=False)  # never started: unavailable, not failed
                 return
             for group in _by_prompt(command.requests):
                 group_ids = [request_id for request_id, _, _ in group]
@@ -139,6 +145,8 @@ class EngineLoop:
         elif isinstance(command, Drain):
             self._deadline = min(command.deadline, self._deadline or command.deadline)  # the earliest ask wins
         elif isinstance(command, Ask):
+            if not self._live:
+                self._check_idle_engine()  # /health asks an idle engine: what it says must be true now
             self._emit(SnapshotFrame(command.token, self._snapshot()))
         else:
             self._stopping = True

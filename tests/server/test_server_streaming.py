@@ -138,4 +138,5 @@ def test_an_idle_engine_loop_notices_its_engine_is_gone(monkeypatch: pytest.Monk
     failures = [frame.failure for frame in frames if isinstance(frame, StepFrame) and frame.failure]
     assert failures and "node 1 (worker rank 1) is gone" in failures[0], frames
     finals = [final for frame in frames if isinstance(frame, StepFrame) for final in frame.finals]
-    assert [(f.request_id, f.server_error) for f in finals] == [("late", True)]
+    # It never started: the server answers 503 (unavailable), as it does once it knows of the failure itself.
+    assert [(f.request_id, f.server_error) for f in finals] == [("late", False)]
