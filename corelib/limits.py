@@ -15,12 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from corelib.backend import DeviceSpec
 from corelib.config import CorelibConfig
 from corelib.device import Runtime
 from corelib.errors import ConfigError
 from corelib.models.hf_config import NO_EOS
 from corelib.models.registry import LlamaVariant, architecture
+from corelib.models.rope import RopeScaling, inv_freq
 from corelib.models.weight_map import weight_map
 
 RUN_AHEAD = (1, 2)  # engine.run_ahead's values: one step ahead hides the host's work, a second one more
@@ -93,6 +96,18 @@ def check_model_math(config: CorelibConfig) -> None:
     for name, value in _numbers(model.rope_scaling):
         if not math.isfinite(value):
             raise ConfigError(f"model.rope_scaling.{name}={value}: must be a finite number")
+    if not isinstance(architecture(model.architecture), LlamaVariant):
+        return  # a plugin's architecture reads rope_scaling its own way
+    scaling = RopeScaling.parse(model.rope_scaling, model.max_model_len)  # each value, naming its key
+    try:  # and the table they make with this head size and base, before any weight is built
+        frequencies, attention = inv_freq(head_dim, model.rope_theta, scaling)
+        finite = bool(torch.isfinite(frequencies).all()) and math.isfinite(attention)
+    except (ArithmeticError, ValueError):
+        finite = False
+    if not finite:
+        raise ConfigError(f"model.rope_scaling (rope_type={scaling.rope_type if scaling else 'default'}) with "
+                          f"model.rope_theta={model.rope_theta} and head_dim={head_dim}: the RoPE frequencies are not "
+                          "finite numbers")
 
 
 def _numbers(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float]]:

@@ -33,6 +33,7 @@ from corelib.errors import ConfigError
 from corelib.files import read_json
 from corelib.hub import checkpoint_directory, resolve_model_path
 from corelib.models import registry
+from corelib.models.rope import RopeScaling
 from corelib.models.shape import DTYPES
 
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative
@@ -143,10 +144,13 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     rope = _rope_parameters(hf)
     eos = _eos_ids(hf, directory / "generation_config.json", vocab)
     max_positions = need("max_position_embeddings")
+    rope_source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if rope.get("rope_type") in ("llama3", "yarn", "dynamic"):
         rope.setdefault("original_max_position_embeddings", max_positions)
-        if rope.get("factor") is None and rope["rope_type"] == "yarn":
-            rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+        original = rope["original_max_position_embeddings"]
+        usable = isinstance(original, int) and not isinstance(original, bool) and original > 0
+        if rope.get("factor") is None and rope["rope_type"] == "yarn" and usable:
+            rope["factor"] = max_positions / original  # a bad original is refused, by name, below
     def optional(key: str) -> int | None:
         return need(key) if hf.get(key) is not None else None
 
@@ -156,11 +160,12 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
             raise ConfigError(f"{config_file}: {key} must be a finite number > 0 (got {value!r})")
         return float(value)
 
-    rope_source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     theta_key = f"{rope_source}.rope_theta" if "rope_theta" in rope else "rope_theta"
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     arch = registry.hf_architecture([architecture]) or architecture
     variant = _llama_variant(arch)
+    if variant is not None:  # each value where the RoPE formulas stay finite, named as config.json writes it
+        RopeScaling.from_entry(rope, f"{config_file}: {rope_source}")  # (rope_theta, popped above, is checked too)
     fields: dict[str, Any] = {
         "architecture": arch,
         "vocab_size": vocab,

@@ -196,7 +196,7 @@ def test_a_boolean_written_as_anything_but_true_or_false_is_refused(
 
 
 @pytest.mark.parametrize(("scaling", "says"), [
-    ({"rope_type": "linear", "factor": 1e308}, "needs a factor in [1, 10000] (got 1e+308)"),
+    ({"rope_type": "linear", "factor": 1e308}, "factor=1e+308: rope_type=linear needs a factor in [1, 10000]"),
     ({"rope_type": "linear", "factor": float("inf")}, "factor=inf: must be a finite number"),
     ({"rope_type": "linear", "factor": float("nan")}, "factor=nan: must be a finite number"),
     ({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": "4096"},
@@ -211,7 +211,8 @@ def test_rope_scaling_beyond_any_use_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     edit_json(checkpoint / "config.json", rope_scaling=scaling)
-    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"), "model.rope_scaling", says)
+    one_error(run_cli(tmp_path, capsys, monkeypatch, f"model.path={checkpoint}"),
+              f"{checkpoint}/config.json: rope_scaling.{says}")
 
 
 @pytest.mark.parametrize(("where", "value", "says"), [
