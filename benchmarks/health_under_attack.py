@@ -61,6 +61,12 @@ def attacks(url: str, max_chars: int, max_body: int) -> dict[str, Callable[[], N
                                                      b'{"prompt": "x", "max_tokens": ' + b"9" * 100_000 + b"}"),
         "a lone UTF-16 surrogate": lambda: post("/v1/completions", b'{"prompt": "a\\ud800b"}'),
         "slow clients holding headers": slow_headers,
+        "40,000 prompts x n=128": lambda: post("/v1/completions", b'{"n": 128, "prompt": [' + b",".join(
+            [b"[5]"] * 40_000) + b"]}"),
+        "8,000 content parts": lambda: post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ['
+                                            + b",".join([b'{"type":"text","text":"a"}'] * 8000) + b"]}]}"),
+        "50,000 stop strings": lambda: post("/v1/completions", b'{"prompt": "x", "stop": [' + b",".join(
+            [b'"a"'] * 50_000) + b"]}"),
     }
 
 
@@ -85,6 +91,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="how long each attack is kept up")
     parser.add_argument("--clients", type=int, default=4, help="threads repeating the attack")
     parser.add_argument("--target-ms", type=float, default=100.0)
+    parser.add_argument("--only", default="", help="run only the attacks whose name holds this text")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
@@ -107,7 +114,8 @@ def main() -> None:
             prober.join()
             rows["no attack"] = summary(baseline, failures)
             for name, attack in attacks(running.url, info.max_prompt_chars, running.state.max_body_bytes).items():
-                rows[name] = under(running.url, attack, args.seconds, args.clients)
+                if args.only in name:
+                    rows[name] = under(running.url, attack, args.seconds, args.clients)
         finally:
             running.stop()
     worst = max(row["max_ms"] for row in rows.values())

@@ -71,6 +71,7 @@ class ServerState:
 
 
 RAW_SEND = "corelib.send"  # the scope key of the server's own send (see build_app)
+PARSE_ON_LOOP_BYTES = 16 << 10  # bodies up to this are parsed on the event loop: a thread hop costs more
 HEALTH_ASK_S = 1.0  # an idle engine answers at once; one that does not is left to its own checks
 
 
@@ -204,7 +205,10 @@ def build_app(state: ServerState) -> ASGIApp:
 
     async def body(request: Request, model: type[Body]) -> Body:
         authorize(request)
-        parsed = parse_body(await read_body(request, state.max_body_bytes), model)
+        raw = await read_body(request, state.max_body_bytes)
+        # A large body's JSON and its validation run off the event loop, so /health and the streams wait on none.
+        parsed = parse_body(raw, model) if len(raw) <= PARSE_ON_LOOP_BYTES else await asyncio.to_thread(
+            parse_body, raw, model)
         if parsed.model is not None and parsed.model != state.model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves {state.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")

@@ -204,6 +204,9 @@ class EngineLoop:
             server_error = output is None or (self.failure is not None and output.finish_reason == "error")
             if server_error:
                 ended_by = self._refusal()
+                # One that had no token yet never started: refused (503, to retry elsewhere), not failed. A
+                # worker may die in the moment between the idle engine's look and its first step.
+                server_error = live.started or bool(delta.token_ids)
             finals.append(Final(delta.request_id, delta.token_ids, delta.text, output, ended_by, server_error))
             del self._live[delta.request_id]
         self._send(running, finals)

@@ -8,6 +8,7 @@ they are aborted and their clients told why; the engine is closed and its proces
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -122,6 +123,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
+    # Everything built so far lives as long as the server: out of the collector's sight, so that a full
+    # collection (triggered by a body of many small lists, say) does not walk it while /health waits.
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(
         build_app(state), log_level=server.log_level.value, access_log=server.access_log, lifespan="off",
         timeout_graceful_shutdown=int(server.shutdown_grace_s + SHUTDOWN_SLACK_S) + 1,
