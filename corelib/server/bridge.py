@@ -235,7 +235,7 @@ class EngineBridge:
         self._stop_timeout_s = stop_timeout_s
         self._link: _Link | None = None
         self._info: EngineInfo | None = None
-        self._capacity = 0
+        self.capacity = 0  # requests held at once: engine.max_num_seqs running, server.max_waiting queued
         self._ids = itertools.count()
         self._asks = itertools.count()
         self._calls: dict[str, Call] = {}
@@ -258,7 +258,7 @@ class EngineBridge:
         facts = link.start()
         self._info = EngineInfo(link.tokenizer, facts.vocab_size, facts.max_model_len, facts.max_num_seqs,
                                 facts.model_name, facts.model_path, facts.notices)
-        self._capacity = facts.max_num_seqs + self._max_waiting
+        self.capacity = facts.max_num_seqs + self._max_waiting
         self._metrics.kv_blocks_total.set(facts.kv_blocks_total)
         return self._info
 
@@ -267,11 +267,6 @@ class EngineBridge:
         if self._info is None:
             raise RuntimeError("the engine is not built yet: call start() first")
         return self._info
-
-    @property
-    def capacity(self) -> int:
-        """Requests the server holds at once: engine.max_num_seqs running, server.max_waiting queued."""
-        return self._capacity
 
     @property
     def engine_pid(self) -> int | None:
@@ -297,12 +292,12 @@ class EngineBridge:
             raise Unavailable(f"the engine stopped after an error: {failure}")
         if self.draining or self._closed:
             raise Unavailable(SHUTDOWN)
-        if len(requests) > self._capacity:
+        if len(requests) > self.capacity:
             raise TooLarge(f"the request asks for {len(requests)} choices (prompts x n); this server holds at most "
-                           f"{self._capacity} requests at once (engine.max_num_seqs + server.max_waiting)")
-        if self._live + len(requests) > self._capacity:
+                           f"{self.capacity} requests at once (engine.max_num_seqs + server.max_waiting)")
+        if self._live + len(requests) > self.capacity:
             raise Overloaded(
-                f"the server has {self._live} requests in progress and queues at most {self._capacity} "
+                f"the server has {self._live} requests in progress and queues at most {self.capacity} "
                 f"(engine.max_num_seqs + server.max_waiting); retry later"
             )
         link = self._attached()
