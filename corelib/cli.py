@@ -35,8 +35,9 @@ commands:
 Every command but backends takes Hydra overrides: pick an option per group (backend=npu,
 model=small-0.6b) and set any key (engine.async_token_handoff=on). COMMAND --help lists them.
 MODEL (a preset, a checkpoint directory or a hub id) stands for model=... or model.path=...;
-vLLM's --port, --host, --model, --tensor-parallel-size, --api-key, --max-model-len, --dtype,
---max-num-seqs and --enforce-eager set their keys.
+vLLM's flags (--port, --host, --model, --tensor-parallel-size, --api-key, --max-model-len, --dtype,
+--gpu-memory-utilization, --enable-prefix-caching, --seed, ...; bench-serve: --request-rate,
+--max-concurrency, --num-prompts, ...) set their keys; COMMAND --help lists them.
 
 examples:
   python -m corelib run Qwen/Qwen3-0.6B 'workload.prompts=["The capital of France is"]'
@@ -157,9 +158,22 @@ def _full_error() -> bool:
 
 
 def _hydra_command(command: str, rest: list[str]) -> int:
-    from corelib.cli_habits import habit_arguments
+    from corelib.cli_habits import flags_help, habit_arguments
 
-    return run_command(command, habit_arguments(rest, HYDRA_FLAGS, takes_value))
+    arguments = habit_arguments(rest, HYDRA_FLAGS, takes_value, command, warn=_warn)
+    code = run_command(command, arguments)
+    if {"-h", "--help"} & set(arguments):
+        model = ("" if command == "bench-serve" else
+                 "\nMODEL: a preset (model=NAME), a checkpoint directory or a hub id (org/name), as the first argument "
+                 "or --model MODEL\n")
+        print(f"\n== vLLM's flags ==\nusage: python -m corelib {command}"
+              f"{'' if command == 'bench-serve' else ' [MODEL]'} [--flag VALUE ...] [key=value ...]\n{model}\n"
+              f"Each flag sets the key beside it:\n{flags_help(command)}")
+    return code
+
+
+def _warn(message: str) -> None:
+    print(f"corelib: warning: {message}", file=sys.stderr)
 
 
 def _trace_plot_command(rest: list[str]) -> int:

@@ -30,6 +30,8 @@ FLAG_KEYS: dict[str, str] = {
     "--api-key": "server.api_key",
     "--served-model-name": "server.served_model_name",
     "--chat-template": "server.chat_template",
+    "--uvicorn-log-level": "server.log_level",
+    "--seed": "server.seed",
     "--tensor-parallel-size": "engine.tp",
     "-tp": "engine.tp",
     "--max-model-len": "model.max_model_len",
@@ -37,15 +39,59 @@ FLAG_KEYS: dict[str, str] = {
     "--max-num-seqs": "engine.max_num_seqs",
     "--max-num-batched-tokens": "engine.max_num_batched_tokens",
     "--block-size": "engine.block_size",
+    "--gpu-memory-utilization": "engine.gpu_memory_utilization",
+    "--num-gpu-blocks-override": "engine.num_kv_blocks",
 }
 #: flags without a value, and the overrides they stand for
-SWITCHES: dict[str, str] = {"--enforce-eager": "engine.graph=off"}
+SWITCHES: dict[str, tuple[str, ...]] = {
+    "--enforce-eager": ("engine.graph=off",),
+    "--enable-prefix-caching": ("engine.prefix_caching=on",),
+    "--no-enable-prefix-caching": ("engine.prefix_caching=off",),
+    "--enable-chunked-prefill": ("engine.chunked_prefill=on",),
+    "--no-enable-chunked-prefill": ("engine.chunked_prefill=off",),
+    "--enable-log-requests": ("server.access_log=true",),
+    "--disable-log-requests": ("server.access_log=false",),
+}
+#: flags vLLM takes that change nothing here (the behaviour they ask for is corelib's own), and why
+IGNORED_SWITCHES: dict[str, str] = {
+    "--trust-remote-code": "corelib never runs a checkpoint's code (its architectures are built in), so the "
+                           "launch goes on without it",
+    "--disable-log-stats": "corelib logs no periodic stats line; /metrics has the figures",
+    "--disable-uvicorn-access-log": "the access log is off unless server.access_log=true",
+}
+#: bench-serve's flags (vLLM's ``vllm bench serve``) and the key each one sets
+BENCH_FLAG_KEYS: dict[str, str] = {
+    "--base-url": "server.bench.url",
+    "--model": "server.bench.model",
+    "--request-rate": "server.bench.rates",
+    "--max-concurrency": "server.bench.concurrency",
+    "--num-prompts": "server.bench.num_requests",
+    "--random-input-len": "server.bench.prompt_len",
+    "--random-output-len": "server.bench.output_len",
+    "--random-prefix-len": "server.bench.shared_prefix_len",
+    "--seed": "server.bench.seed",
+    "--port": "server.port",
+    "--host": "server.host",
+    "--api-key": "server.bench.api_key",
+}
+#: bench-serve's keys that hold a list: one flag value is one point
+_LIST_KEYS = frozenset({"server.bench.rates", "server.bench.concurrency"})
+#: vLLM bench flags whose only value here is the one corelib always uses
+BENCH_FIXED: dict[str, tuple[str, ...]] = {
+    "--dataset-name": ("random",),
+    "--backend": ("vllm", "openai"),
+}
+#: bench-serve switches that change nothing: what they ask for is always done
+BENCH_IGNORED_SWITCHES: dict[str, str] = {
+    "--save-result": "bench-serve always writes bench_serve.json (and its plot) into the run directory",
+    "--ignore-eos": "bench-serve always asks with ignore_eos, so each request has its asked length",
+    "--disable-tqdm": "the progress lines go to stderr",
+}
 #: flags with no key here, and why
 NO_EQUIVALENT: dict[str, str] = {
-    "--gpu-memory-utilization": "the KV cache is sized by engine.max_num_seqs x model.max_model_len, "
-                                "or set engine.num_kv_blocks",
-    "--trust-remote-code": "corelib never runs a checkpoint's code; leave it out",
+    "--trust-remote-code": "corelib never runs a checkpoint's code; leave it out",  # LLM(trust_remote_code=)
     "--tokenizer": "the tokenizer is the checkpoint's tokenizer.json (model.path)",
+    "--dataset-path": "bench-serve reads a JSONL file of prompts: server.bench.dataset=FILE",
 }
 _PLAIN = re.compile(r"[\w./:+\-]*")
 
@@ -76,15 +122,21 @@ def model_override(model: str) -> str:
 
 
 def habit_arguments(
-    args: Sequence[str], hydra_flags: frozenset[str], takes_value: Callable[[str, str], bool]
+    args: Sequence[str], hydra_flags: frozenset[str], takes_value: Callable[[str, str], bool],
+    command: str = "serve", warn: Callable[[str], None] | None = None,
 ) -> list[str]:
     """``args`` with a positional model and vLLM's flags turned into overrides; Hydra's own flags pass.
 
     ``hydra_flags`` are the flags Hydra takes; ``takes_value(flag, next_arg)`` says whether the
-    argument after one of them is its value.
+    argument after one of them is its value. ``command`` picks the flags: ``bench-serve`` takes
+    those of ``vllm bench serve`` (:data:`BENCH_FLAG_KEYS`), every other command those of
+    ``vllm serve``. A flag that changes nothing here (``--trust-remote-code``) is said once to
+    ``warn``, and the command goes on: a vLLM command line runs unchanged.
     """
+    flag_keys, switches, ignored = command_flags(command)
     result: list[str] = []
     model_given: str | None = None
+    rate_given = concurrency_given = False
     index = 0
     while index < len(args):
         arg = args[index]
@@ -96,23 +148,38 @@ def habit_arguments(
                 result.append(args[index])  # the flag's value; Hydra's parser checks it
                 index += 1
             continue
-        if arg.startswith("-") and name in SWITCHES and not has_value:
-            result.append(SWITCHES[name])
+        if arg.startswith("-") and name in switches and not has_value:
+            result += switches[name]
             continue
-        if arg.startswith("-") and name in FLAG_KEYS:
+        if arg.startswith("-") and name in ignored and not has_value:
+            if warn is not None:
+                warn(f"{name} is ignored: {ignored[name]}")
+            continue
+        if arg.startswith("-") and (name in flag_keys or (command == "bench-serve" and name in BENCH_FIXED)):
+            key = flag_keys.get(name, name)
             if not has_value:
                 if index == len(args) or args[index].startswith("--"):
-                    raise ConfigError(f"{name} needs a value: {name} VALUE (or {FLAG_KEYS[name]}=VALUE)")
+                    raise ConfigError(f"{name} needs a value: {name} VALUE" + ("" if key == name else
+                                                                               f" (or {key}=VALUE)"))
                 inline = args[index]
                 index += 1
-            if FLAG_KEYS[name] == MODEL:
+            if name in BENCH_FIXED:
+                if inline not in BENCH_FIXED[name]:
+                    raise ConfigError(f"{name} {inline}: bench-serve takes {' or '.join(BENCH_FIXED[name])} only "
+                                      "(random token-id prompts, or server.bench.dataset=FILE of JSONL prompts)")
+                continue
+            if key == MODEL:
                 model_given = _once(model_given, inline)
                 result.append(_model(inline))
+            elif key in _LIST_KEYS:  # vLLM's one value is one point of the sweep
+                rate_given = rate_given or key == "server.bench.rates"
+                concurrency_given = concurrency_given or key == "server.bench.concurrency"
+                result.append(f"{key}=[{quoted(inline)}]")
             else:
-                result.append(f"{FLAG_KEYS[name]}={quoted(inline)}")
+                result.append(f"{key}={quoted(inline)}")
             continue
         if arg.startswith("-"):
-            raise ConfigError(flag_hint(name))
+            raise ConfigError(flag_hint(name, command))
         if "=" not in arg and not arg.startswith("~"):  # a positional argument: the model
             model_given = _once(model_given, arg)
             result.append(_model(arg))
@@ -120,10 +187,35 @@ def habit_arguments(
         if name.lstrip("+") == "workload.prompts":
             check_quoted_prompts(inline)
         result.append(arg)
+    if rate_given and not concurrency_given:
+        result.insert(0, "server.bench.concurrency=[]")  # vLLM's --request-rate alone: that rate, no client cap
     tp = [a for a in result if a.startswith("engine.tp=")]
     if tp and tp[-1] != "engine.tp=1" and not any(a.startswith("engine.transport=") for a in result):
         result.append("engine.transport=shm")  # ranks are worker processes fed through shared memory
     return result
+
+
+def command_flags(command: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, str]]:
+    """The flags ``command`` takes: those with a value and their keys, the switches, the ignored switches."""
+    if command == "bench-serve":
+        return BENCH_FLAG_KEYS, {}, BENCH_IGNORED_SWITCHES
+    if command == "serve":
+        return FLAG_KEYS, SWITCHES, IGNORED_SWITCHES
+    # run, plan and bench have a workload of their own, whose seed --seed sets
+    return {**FLAG_KEYS, "--seed": "workload.seed"}, SWITCHES, IGNORED_SWITCHES
+
+
+def flags_help(command: str) -> str:
+    """The vLLM flags ``command`` takes, one line each, for its ``--help``."""
+    flag_keys, switches, ignored = command_flags(command)
+    rows = [(f"{flag} VALUE", "the model (as MODEL)" if key == MODEL else key) for flag, key in flag_keys.items()]
+    if command == "bench-serve":
+        rows += [(f"{flag} {'|'.join(values)}", "the only choice here") for flag, values in BENCH_FIXED.items()]
+    rows += [(flag, " ".join(overrides)) for flag, overrides in switches.items()]
+    rows += [(flag, "ignored: " + why) for flag, why in ignored.items()]
+    width = max(len(flag) for flag, _ in rows) + 2
+    lines = [f"  {flag.ljust(width)}{meaning}" for flag, meaning in rows]
+    return "\n".join(lines)
 
 
 def check_quoted_prompts(value: str) -> None:
@@ -165,12 +257,15 @@ def _model(value: str) -> str:
         raise ConfigError(f"{error}; or set a key as key=value (COMMAND --help lists them)") from None
 
 
-def flag_hint(flag: str) -> str:
-    """One line for a flag that is neither Hydra's nor a known habit: the key it may mean."""
+def flag_hint(flag: str, command: str = "serve") -> str:
+    """One line for a flag that is neither Hydra's nor a known habit: the key it may mean.
+
+    bench-serve reads only ``server.*`` keys (its load is ``server.bench.*``), so its hints name no other.
+    """
     if flag in NO_EQUIVALENT:
         return f"unknown flag {flag}: {NO_EQUIVALENT[flag]}"
     word = flag.lstrip("-").replace("-", "_")
-    keys = schema_keys()
+    keys = [key for key in schema_keys() if command != "bench-serve" or key.startswith("server.")]
     exact = [key for key in keys if key.rsplit(".", 1)[-1] == word]
     close = exact or difflib.get_close_matches(word, keys, n=3, cutoff=0.75) or [
         key for key in keys if difflib.get_close_matches(word, [key.rsplit(".", 1)[-1]], n=1, cutoff=0.8)]

@@ -607,6 +607,10 @@ class ServerConfig:
     shutdown_grace_s: float = field(
         default=10.0, metadata=doc("on SIGTERM, how long running requests may finish before they are aborted")
     )
+    seed: int | None = field(
+        default=None, metadata=doc("seeds the requests that send none, in the order they arrive (vLLM's --seed); "
+                                   "null: each draws a fresh one")
+    )
     log_level: LogLevel = field(default=LogLevel.info, metadata=doc("uvicorn's log level"))
     access_log: bool = field(default=False, metadata=doc("one log line per HTTP request"))
     bench: ServeBenchConfig = field(

@@ -109,12 +109,13 @@ def llm_overrides(
     return [*result, *_engine_overrides(engine_options), *overrides]
 
 
-def _render(renderer: TemplateRenderer, conversation: Sequence[Message]) -> str:
-    """One conversation's prompt text, rendered within the renderer's budget."""
+def _render(renderer: TemplateRenderer, conversation: Sequence[Message],
+            kwargs: Mapping[str, object] | None = None) -> str:
+    """One conversation's prompt text, rendered within the renderer's budget (``kwargs``: more template variables)."""
     from corelib.server.chat import ChatTemplateError
 
     try:
-        return renderer.render_blocking([dict(message) for message in conversation])
+        return renderer.render_blocking([dict(message) for message in conversation], kwargs)
     except ChatTemplateError as error:
         raise ChatTemplateError(f"the chat template from {renderer.template.origin} failed on these messages: "
                                 f"{error}") from None
@@ -218,6 +219,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
 
@@ -226,6 +228,8 @@ class LLM:
         worker process with the server's budget (see the module doc). A template that fails its
         probe raises ConfigError; one that fails on these messages, or outruns its time or memory,
         raises ChatTemplateError (:mod:`corelib.server.chat`); messages hold JSON values.
+        ``chat_template_kwargs`` are more variables for the template (``{"enable_thinking": False}``), JSON
+        values too, rendered within the same budget.
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -233,7 +237,8 @@ class LLM:
             raise RuntimeError("unreachable: a model without a tokenizer cannot chat")
         renderer = self._chat_renderer(chat_template, tokenizer)
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        texts = [_render(renderer, c) for c in cast("Sequence[Sequence[Message]]", conversations)]
+        texts = [_render(renderer, c, chat_template_kwargs)
+                 for c in cast("Sequence[Sequence[Message]]", conversations)]
         # A checkpoint's template writes the special tokens itself; the fallback is a plain prompt.
         fallback = renderer.template.is_fallback
         prompts: list[PromptInput] = [tokenizer.encode(t, add_special_tokens=fallback) for t in texts]

@@ -8,13 +8,14 @@ import pytest
 
 from corelib import __version__
 from corelib.cli import main
-from corelib.cli_habits import flag_hint, habit_arguments
+from corelib.cli_habits import FLAG_KEYS, SWITCHES, flag_hint, flags_help, habit_arguments, schema_keys
 from corelib.errors import ConfigError
 from corelib.hydra_app import HYDRA_FLAGS, takes_value
 
 
-def habits(*args: str) -> list[str]:
-    return habit_arguments(list(args), HYDRA_FLAGS, takes_value)
+def habits(*args: str, command: str = "serve", warn: list[str] | None = None) -> list[str]:
+    return habit_arguments(list(args), HYDRA_FLAGS, takes_value, command,
+                           warn=None if warn is None else warn.append)
 
 
 def test_vllm_flags_map_onto_their_keys() -> None:
@@ -50,7 +51,7 @@ def test_hydra_flags_and_their_values_pass_untouched() -> None:
     (["tiny", "small-0.6b"], "two models given ('tiny' and 'small-0.6b')"),
     (["--port"], "--port needs a value: --port VALUE (or server.port=VALUE)"),
     (["--temperature", "0.5"], "did you mean workload.temperature=VALUE?"),
-    (["--gpu-memory-utilization", "0.9"], "the KV cache is sized by engine.max_num_seqs"),
+    (["--tokenizer", "x"], "the tokenizer is the checkpoint's tokenizer.json"),
     (["--frobnicate"], "corelib sets keys as key=value"),
     (["workload.prompts=[Hello, world]"], "'Hello' is not quoted, so a comma would split a prompt in two"),
 ])
@@ -84,3 +85,52 @@ def test_serve_a_path_that_is_not_a_model_is_one_line_before_anything_loads(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("corelib: error: model '/path/to/model' is neither a preset")
     assert "antlr" not in err.lower() and "Traceback" not in err
+
+
+def test_the_launch_flags_vllm_users_pass_map_onto_their_keys() -> None:
+    assert habits("--gpu-memory-utilization", "0.9", "--seed", "0", "--enable-prefix-caching",
+                  "--no-enable-chunked-prefill", "--disable-log-requests") == [
+        "engine.gpu_memory_utilization=0.9", "server.seed=0", "engine.prefix_caching=on",
+        "engine.chunked_prefill=off", "server.access_log=false"]
+    assert habits("--no-enable-prefix-caching", "--enable-chunked-prefill") == [
+        "engine.prefix_caching=off", "engine.chunked_prefill=on"]
+    assert habits("--seed=3", command="run") == ["workload.seed=3"], "run's requests come from its workload"
+
+
+def test_every_key_a_flag_names_exists_but_the_pending_ones() -> None:
+    keys = set(schema_keys())
+    named = {key for key in FLAG_KEYS.values() if key != "model"}
+    named |= {o.split("=")[0] for overrides in SWITCHES.values() for o in overrides}
+    assert named - keys <= {"engine.gpu_memory_utilization"}
+
+
+def test_trust_remote_code_is_one_warning_and_the_launch_goes_on() -> None:
+    said: list[str] = []
+    assert habits("tiny", "--trust-remote-code", "--port", "0", warn=said) == ["model=tiny", "server.port=0"]
+    assert len(said) == 1 and said[0].startswith("--trust-remote-code is ignored: corelib never runs")
+
+
+def test_bench_serve_takes_the_flags_of_vllm_bench_serve() -> None:
+    assert habits("--request-rate", "4", "--num-prompts", "20", "--random-input-len", "64",
+                  "--random-output-len", "32", "--dataset-name", "random", "--seed", "1", "--save-result",
+                  command="bench-serve", warn=[]) == [
+        "server.bench.concurrency=[]", "server.bench.rates=[4]", "server.bench.num_requests=20",
+        "server.bench.prompt_len=64", "server.bench.output_len=32", "server.bench.seed=1"]
+    assert habits("--max-concurrency", "8", "--model", "m", "--request-rate=inf", command="bench-serve") == [
+        "server.bench.concurrency=[8]", "server.bench.model=m", "server.bench.rates=[inf]"]
+    with pytest.raises(ConfigError, match=r"^--dataset-name sharegpt: bench-serve takes random only"):
+        habits("--dataset-name", "sharegpt", command="bench-serve")
+
+
+def test_a_bench_serve_hint_names_only_keys_bench_serve_reads() -> None:
+    hint = flag_hint("--output-len", "bench-serve")
+    assert "server.bench.output_len=VALUE" in hint and "workload." not in hint
+    assert "workload." not in flag_hint("--temperature", "bench-serve")
+
+
+def test_help_lists_model_and_every_flag() -> None:
+    text = flags_help("serve")
+    for flag in [*FLAG_KEYS, *SWITCHES, "--trust-remote-code"]:
+        assert f"  {flag} " in text
+    assert "--request-rate VALUE" in flags_help("bench-serve") and "--enable-prefix-caching" not in flags_help(
+        "bench-serve")

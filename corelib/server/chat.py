@@ -143,8 +143,13 @@ class ChatTemplate:
     def is_fallback(self) -> bool:
         return self.source == FALLBACK_TEMPLATE
 
-    def render(self, messages: Sequence[Mapping[str, object]], max_chars: int | None = None) -> str:
+    def render(self, messages: Sequence[Mapping[str, object]], max_chars: int | None = None,
+               kwargs: Mapping[str, object] | None = None) -> str:
         """The prompt text of a conversation, ending where the assistant's answer starts.
+
+        ``kwargs`` are more variables for the template (a request's ``chat_template_kwargs``, such as
+        Qwen3's ``enable_thinking``), as transformers passes its extra keywords; they may replace
+        ``add_generation_prompt`` and the token strings, never ``messages`` (:func:`check_template_kwargs`).
 
         Any failure of the template (its own ``raise_exception``, a recursion, a range or a string
         too large for memory) is a ChatTemplateError; so is text beyond ``max_chars``, found as it is
@@ -154,10 +159,9 @@ class ChatTemplate:
         pieces: list[str] = []
         length = 0
         try:
-            for piece in self.compiled().generate(
-                messages=list(messages), add_generation_prompt=True, bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            ):
+            variables: dict[str, object] = {"add_generation_prompt": True, "bos_token": self.bos_token,
+                                            "eos_token": self.eos_token, **check_template_kwargs(kwargs or {})}
+            for piece in self.compiled().generate(messages=list(messages), **variables):
                 length += len(piece)
                 if max_chars is not None and length > max_chars:
                     raise ChatTemplateError(f"the chat template wrote more than {max_chars} characters for these "
@@ -171,6 +175,21 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on these messages: {type(error).__name__}: "
                                     f"{' '.join(str(error).split())[:300]}") from None
         return "".join(pieces)
+
+
+RESERVED_KWARGS = frozenset({"messages"})  # the conversation itself is the request's, not a template variable
+
+
+def check_template_kwargs(kwargs: Mapping[str, object]) -> Mapping[str, object]:
+    """``kwargs`` if the template may take them as variables; else ValueError naming the key and what is allowed."""
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"chat_template_kwargs.{key}: a template variable is named by an identifier "
+                             "(letters, digits and _)")
+        if key in RESERVED_KWARGS:
+            raise ValueError(f"chat_template_kwargs.{key}: the conversation is passed as messages, not as a "
+                             "template variable; leave it out")
+    return kwargs
 
 
 def _read_json(path: Path) -> Mapping[str, object]:

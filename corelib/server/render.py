@@ -13,7 +13,9 @@ The pool probes the template once at start with a one-message conversation, so a
 that cannot render at all is a one-line error before the server accepts anyone.
 
 The protocol is one JSON line each way: the settings first (answered ``{"ready": true}``), then
-``{"messages": [...]}`` answered ``{"text": ...}`` or ``{"error": ...}``.
+``{"messages": [...], "kwargs": {...}}`` answered ``{"text": ...}`` or ``{"error": ...}``. A request's
+``chat_template_kwargs`` travel as ``kwargs``, into the same worker under the same budget: a
+variable cannot buy a template more time, memory or text than a message can.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from corelib.errors import ConfigError, one_line
 from corelib.faults import maybe_fail
 from corelib.isolation import worker_command, worker_environment
-from corelib.server.chat import ChatTemplate, ChatTemplateError
+from corelib.server.chat import ChatTemplate, ChatTemplateError, check_template_kwargs
 
 MODULE = "corelib.server.render"
 NUM_WORKERS = 2  # renders at once; a hostile template holds one until its time is up
@@ -150,14 +152,18 @@ class TemplateRenderer:
             self.close()
             raise
 
-    async def render(self, messages: Messages) -> str:
-        """The prompt text of ``messages``; ChatTemplateError for anything that goes wrong, the budget included."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, self.render_blocking, messages)
+    async def render(self, messages: Messages, kwargs: Mapping[str, object] | None = None) -> str:
+        """The prompt text of ``messages``; ChatTemplateError for anything that goes wrong, the budget included.
 
-    def render_blocking(self, messages: Messages) -> str:
+        ``kwargs``: more template variables (:meth:`ChatTemplate.render`), checked first (ValueError).
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self.render_blocking, messages, kwargs)
+
+    def render_blocking(self, messages: Messages, kwargs: Mapping[str, object] | None = None) -> str:
+        kwargs = check_template_kwargs(kwargs or {})
         if not self._isolated:
-            return self.template.render(messages, self.max_chars)
+            return self.template.render(messages, self.max_chars, kwargs)
         worker = self._idle.get()  # a busy pool frees a worker within timeout_s at the latest
         if worker is None or self._closed:
             self._idle.put(None)
@@ -166,7 +172,7 @@ class TemplateRenderer:
         try:
             if not worker.alive:
                 worker = self._replace(worker)
-            reply = worker.ask({"messages": list(messages)}, deadline, timeout_s=self.timeout_s)
+            reply = worker.ask({"messages": list(messages), "kwargs": dict(kwargs)}, deadline, timeout_s=self.timeout_s)
         except ChatTemplateError:
             if not worker.alive:
                 worker = self._replace(worker)
@@ -232,8 +238,9 @@ def _serve() -> None:
     out.flush()
     for line in sys.stdin.buffer:
         try:
-            reply: dict[str, object] = {"text": template.render(json.loads(line)["messages"], max_chars)}
-        except ChatTemplateError as error:
+            request = json.loads(line)
+            reply: dict[str, object] = {"text": template.render(request["messages"], max_chars, request.get("kwargs"))}
+        except (ChatTemplateError, ValueError) as error:
             reply = {"error": str(error)}
         except Exception as error:  # noqa: BLE001 - the server hears every failure as one line
             reply = {"error": f"the chat template failed: {one_line(error)}"}

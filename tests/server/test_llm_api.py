@@ -36,8 +36,8 @@ def test_keywords_map_onto_overrides(tmp_path: Path) -> None:
 def test_an_unknown_keyword_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq'.*max_num_seqs"):
         corelib.LLM(model="tiny", max_num_seq=4)
-    with pytest.raises(TypeError, match=r"'gpu_memory_utilization': the KV cache is sized by engine.max_num_seqs"):
-        corelib.LLM(model="tiny", gpu_memory_utilization=0.9)
+    with pytest.raises(TypeError, match=r"'trust_remote_code': corelib never runs a checkpoint's code"):
+        corelib.LLM(model="tiny", trust_remote_code=True)
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [({"model": "huge"}, "neither a preset"),
