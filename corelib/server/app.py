@@ -1,11 +1,15 @@
 """The ASGI app: OpenAI routes over the engine bridge, health, models and Prometheus metrics.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET
-/metrics`` (these need ``Authorization: Bearer KEY`` when an API key is set), and ``GET /health``
-(open to all: it tells only whether the server takes requests). ``/metrics`` is behind the key
-because it tells more than load: its prefix-cache counts move when any client's prompt shares
-a prefix with an earlier one, so an open ``/metrics`` would let anyone test whether someone sent
-a given prompt. Every error is an OpenAI error object with its status; none carries a traceback.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, vLLM's ``POST
+/tokenize`` and ``POST /detokenize``, and ``GET /metrics`` (these need ``Authorization: Bearer KEY``
+when an API key is set), and ``GET /health``, ``GET|POST /ping`` (the same answer) and ``GET
+/version`` (open to all: they tell only whether the server takes requests, and corelib's version).
+``/metrics`` is behind the key because it tells more than load: its prefix-cache counts move when
+any client's prompt shares a prefix with an earlier one, so an open ``/metrics`` would let anyone
+test whether someone sent a given prompt. ``/tokenize`` and ``/detokenize`` are behind it because
+they spend the server's work (the tokenizer, the chat template's renderers) as a request does,
+where vLLM leaves them open. Every error is an OpenAI error object with its status; none carries a
+traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from corelib import __version__
 from corelib.errors import one_line
 from corelib.server.bridge import Call, EngineBridge
 from corelib.server.chat import ChatTemplate
@@ -33,20 +39,33 @@ from corelib.server.inputs import (
     RequestLimits,
     chat_messages,
     check_choices,
+    check_tokenize_messages,
+    detokenize_ids,
+    echo_texts,
     prepare_chat,
     prepare_completion,
     render_chat,
     token_text,
+    tokenize_chat,
+    tokenize_prompt,
 )
 from corelib.server.messages import Final
 from corelib.server.metrics import ServerMetrics
-from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, parse_body
+from corelib.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    JsonObject,
+    TokenizeRequest,
+    parse_body,
+)
 from corelib.server.render import TemplateRenderer
 from corelib.server.responses import DONE, Formatter, event, failure
 
 log = logging.getLogger("corelib.server")
 
-Body = TypeVar("Body", CompletionRequest, ChatRequest)
+Body = TypeVar("Body", CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_request_tokens: int = 1 << 20  # server.max_request_tokens
+    seeds: random.Random | None = None  # server.seed: seeds the requests that send none, in arrival order
 
     @property
     def limits(self) -> RequestLimits:
@@ -240,17 +260,19 @@ def build_app(state: ServerState) -> ASGIApp:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = await body(request, CompletionRequest)
-        prepared = await asyncio.to_thread(prepare_completion, parsed, bridge.info, state.limits)
+        prepared = await asyncio.to_thread(prepare_completion, parsed, bridge.info, state.limits, state.seeds)
+        echo = echo_texts(parsed, prepared, bridge.info)
         formatter = Formatter(False, state.model_name, prepared, bridge.info.tokenizer is not None,
-                              parsed.include_usage, token_str=token_strings(bridge.info))
+                              parsed.include_usage, token_str=token_strings(bridge.info), echo=echo)
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = await body(request, ChatRequest)
         check_choices(parsed, 1, state.limits)  # before the template is rendered
-        text = await render_chat(chat_messages(parsed, bridge.info), renderer)
-        prepared = await asyncio.to_thread(prepare_chat, parsed, bridge.info, text, state.template, state.limits)
+        text = await render_chat(chat_messages(parsed, bridge.info), renderer, parsed.chat_template_kwargs)
+        prepared = await asyncio.to_thread(prepare_chat, parsed, bridge.info, text, state.template, state.limits,
+                                           state.seeds)
         formatter = Formatter(True, state.model_name, prepared, True, parsed.include_usage,
                               token_str=token_strings(bridge.info))
         return await answer(request, formatter, start(prepared, parsed.stream), parsed.stream)
@@ -261,6 +283,34 @@ def build_app(state: ServerState) -> ASGIApp:
         card: JsonObject = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "corelib",
                             "max_model_len": bridge.info.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JsonObject:
+        parsed = await body(request, TokenizeRequest)
+        if parsed.messages is not None:
+            check_tokenize_messages(parsed)
+            chat = ChatRequest.model_construct(messages=parsed.messages)
+            text = await render_chat(chat_messages(chat, bridge.info), renderer, parsed.chat_template_kwargs)
+            ids = await asyncio.to_thread(tokenize_chat, text, bridge.info, state.template, parsed, state.limits)
+        else:
+            ids = await asyncio.to_thread(tokenize_prompt, parsed, bridge.info, state.limits)
+        reply: JsonObject = {"count": len(ids), "max_model_len": bridge.info.max_model_len, "tokens": ids}
+        if parsed.return_token_strs:
+            reply["token_strs"] = [token_strings(bridge.info)(token) for token in ids]
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JsonObject:
+        parsed = await body(request, DetokenizeRequest)
+        return {"prompt": await asyncio.to_thread(detokenize_ids, parsed, bridge.info, state.limits)}
+
+    @app.get("/version")
+    async def version() -> JsonObject:
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:
+        return await health()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -283,10 +333,7 @@ def build_app(state: ServerState) -> ASGIApp:
         except Unavailable:
             metrics.engine_up.set(0)  # the rest keeps its last values
         else:
-            metrics.waiting.set(snapshot.waiting)
-            metrics.running.set(snapshot.running)
-            metrics.kv_blocks_free.set(snapshot.kv_blocks_free)
-            metrics.kv_blocks_total.set(snapshot.kv_blocks_total)
+            metrics.set_gauges(snapshot.waiting, snapshot.running, snapshot.kv_blocks_free, snapshot.kv_blocks_total)
             metrics.occupancy.set(snapshot.occupancy if snapshot.occupancy is not None else float("nan"))
             queried, hits = snapshot.prefix_cache
             metrics.prefix_cache_queried.set(queried)

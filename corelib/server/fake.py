@@ -76,7 +76,9 @@ class FakeEngine:
         if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
             raise RequestError(f"request id {request_id!r} is already in use")
         self._count += 1
-        self._waiting.append(_Request(request_id, list(prompt), sampling.max_tokens, self._count))
+        wanted = sampling.max_tokens  # None: up to the context, as the engine takes it
+        limit = wanted if wanted is not None else max(1, self.spec.max_model_len - len(prompt))
+        self._waiting.append(_Request(request_id, list(prompt), limit, self._count))
 
     def add_request_group(self, prompt: list[int], samplings: list[SamplingParams], request_ids: list[str]) -> None:
         for sampling, request_id in zip(samplings, request_ids, strict=True):

@@ -22,13 +22,22 @@ built in full before the engine's own capacity check refused them.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from corelib.sampling_params import API_FIELDS, SamplingError, SamplingParams, api_default, choices
+from corelib.sampling_params import API_FIELDS, SEED_LIMIT, SamplingError, SamplingParams, api_default, choices
 from corelib.server.chat import ChatTemplate, ChatTemplateError
 from corelib.server.events import EngineInfo
-from corelib.server.protocol import ApiError, ChatRequest, CompletionRequest, JsonObject, bad_request
+from corelib.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    JsonObject,
+    TokenizeRequest,
+    bad_request,
+)
 from corelib.server.render import TemplateRenderer
 from corelib.text import Tokenizer
 
@@ -64,7 +73,9 @@ def token_text(token_ids: Sequence[int]) -> str:
     return "".join(f"<{t}>" for t in token_ids)
 
 
-def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: RequestLimits) -> Prepared:
+def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: RequestLimits,
+                       seeds: random.Random | None = None) -> Prepared:
+    """The engine requests of a completions body; ``seeds`` (``server.seed``) seeds a request that sends none."""
     prompt = request.prompt
     if isinstance(prompt, list) and not prompt:
         raise bad_request("prompt: the list is empty; send at least one prompt", "prompt")
@@ -82,7 +93,70 @@ def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: Req
         raw = [p if isinstance(p, str) else list(p) for p in prompt if isinstance(p, str | list)]
     prompts = [_encode(p, info) for p in raw]
     _check_tokens(sum(map(len, prompts)), limits, "prompt")  # text prompts are known only now; nothing is built yet
-    return _prepared(request, prompts, request.max_tokens, "max_tokens", info)
+    return _prepared(request, prompts, request.max_tokens, "max_tokens", info, seeds)
+
+
+def echo_texts(request: CompletionRequest, prepared: Prepared, info: EngineInfo) -> list[str] | None:
+    """With ``echo``: each prompt's text, put before its choices' text (a text prompt as sent; token ids decoded).
+
+    Echoing logprobs would need the prompt's own, which the server does not compute: refused in one line.
+    """
+    if not request.echo:
+        return None
+    if request.logprobs is not None:
+        raise bad_request("echo: the prompt's logprobs are not computed here, so echo cannot go with logprobs; "
+                          "leave one of them out", "echo")
+    prompt = request.prompt
+    given = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    texts: list[str] = []
+    for raw, ids in zip(given, prepared.prompts, strict=True):
+        if isinstance(raw, str):
+            texts.append(raw)
+        else:
+            texts.append(info.tokenizer.decode_special(ids) if info.tokenizer is not None else token_text(ids))
+    return texts
+
+
+def check_tokenize_messages(request: TokenizeRequest) -> None:
+    """``/tokenize`` takes a ``prompt`` or ``messages``, not both; the generation prompt goes to the template."""
+    if request.prompt is not None:
+        raise bad_request("prompt: /tokenize takes a prompt or messages, not both; leave one out", "prompt")
+    kwargs = dict(request.chat_template_kwargs or {})
+    kwargs.setdefault("add_generation_prompt", request.add_generation_prompt)
+    request.chat_template_kwargs = kwargs
+
+
+def tokenize_prompt(request: TokenizeRequest, info: EngineInfo, limits: RequestLimits) -> list[int]:
+    """``/tokenize`` of a prompt: its token ids, with the special tokens completions add unless told not to."""
+    if request.prompt is None:
+        raise bad_request("prompt: /tokenize needs a prompt (text) or messages (a conversation)", "prompt")
+    if info.tokenizer is None:
+        raise bad_request(f"prompt: {NO_TOKENIZER}", "prompt")
+    add = True if request.add_special_tokens is None else request.add_special_tokens
+    ids = _tokenize(info.tokenizer, request.prompt, "prompt", add_special_tokens=add)
+    _check_tokens(len(ids), limits, "prompt")
+    return ids
+
+
+def tokenize_chat(text: str, info: EngineInfo, template: ChatTemplate, request: TokenizeRequest,
+                  limits: RequestLimits) -> list[int]:
+    """``/tokenize`` of a rendered conversation: the token ids chat would feed the model."""
+    assert info.tokenizer is not None, "chat_messages refuses a model without a tokenizer"
+    add = template.is_fallback if request.add_special_tokens is None else request.add_special_tokens
+    ids = _tokenize(info.tokenizer, text, "messages", add_special_tokens=add)
+    _check_tokens(len(ids), limits, "messages")
+    return ids
+
+
+def detokenize_ids(request: DetokenizeRequest, info: EngineInfo, limits: RequestLimits) -> str:
+    """``/detokenize``: the text of token ids, special tokens kept (as vLLM's)."""
+    _check_tokens(len(request.tokens), limits, "tokens")
+    bad = [t for t in request.tokens if not 0 <= t < info.vocab_size]
+    if bad:
+        raise bad_request(f"tokens: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
+    if info.tokenizer is None:
+        return token_text(request.tokens)
+    return info.tokenizer.decode_special(request.tokens)
 
 
 def check_choices(request: CompletionRequest | ChatRequest, num_prompts: int, limits: RequestLimits) -> None:
@@ -120,16 +194,22 @@ def chat_messages(request: ChatRequest, info: EngineInfo) -> list[JsonObject]:
     return messages
 
 
-async def render_chat(messages: list[JsonObject], renderer: TemplateRenderer) -> str:
-    """The prompt text of a conversation, rendered off the event loop; any failure of the template is a 400."""
+async def render_chat(messages: list[JsonObject], renderer: TemplateRenderer,
+                      kwargs: JsonObject | None = None) -> str:
+    """The prompt text of a conversation, rendered off the event loop; any failure of the template is a 400.
+
+    ``kwargs``: the request's ``chat_template_kwargs``, more variables for the template.
+    """
     try:
-        return await renderer.render(messages)
+        return await renderer.render(messages, kwargs)
+    except ValueError as error:  # a variable the template may not take (check_template_kwargs)
+        raise bad_request(str(error), "chat_template_kwargs") from None
     except ChatTemplateError as error:
         raise bad_request(f"messages: the chat template refused them: {error}", "messages") from None
 
 
 def prepare_chat(request: ChatRequest, info: EngineInfo, text: str, template: ChatTemplate,
-                 limits: RequestLimits) -> Prepared:
+                 limits: RequestLimits, seeds: random.Random | None = None) -> Prepared:
     """The engine requests of a rendered conversation (tokenizing: run it off the event loop)."""
     assert info.tokenizer is not None, "chat_messages refuses a model without a tokenizer"
     _check_length(text, info, "messages")
@@ -138,7 +218,7 @@ def prepare_chat(request: ChatRequest, info: EngineInfo, text: str, template: Ch
     _check_prompt(prompt, info, "messages")
     _check_tokens(len(prompt), limits, "messages")
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    return _prepared(request, [prompt], request.max_output_tokens, param, info)
+    return _prepared(request, [prompt], request.max_output_tokens, param, info, seeds)
 
 
 def _text_content(content: object, position: int) -> str:
@@ -207,11 +287,13 @@ def _check_prompt(ids: list[int], info: EngineInfo, param: str) -> None:
 
 def _prepared(
     request: CompletionRequest | ChatRequest, prompts: list[list[int]], max_tokens: int | None, max_param: str,
-    info: EngineInfo,
+    info: EngineInfo, seeds: random.Random | None = None,
 ) -> Prepared:
     if isinstance(request, ChatRequest) and request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
     values = {name: request.sampling.get(name, api_default(name)) for name in API_FIELDS}
+    if seeds is not None and "seed" not in request.sampling:  # server.seed: repeatable in the order requests come
+        values["seed"] = seeds.randrange(SEED_LIMIT)
     try:
         base = SamplingParams.from_mapping(values).replace(logprobs=request.num_logprobs)
     except SamplingError as error:

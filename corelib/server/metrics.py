@@ -3,6 +3,12 @@
 Counters and histograms are updated as the engine's frames report requests finished; the gauges
 (queue depth, running requests, KV blocks, device occupancy) are read from the engine
 between two steps when ``/metrics`` is scraped.
+
+The common figures are also exposed under vLLM's names (``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds``, ...) with a ``model_name``
+label, so a dashboard built for vLLM works unchanged (:class:`VllmMetrics`). One difference: the
+time per output token is observed once per request (its mean over the request), where vLLM
+observes every gap between two tokens, so the histograms' counts are requests, not tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +58,22 @@ class ServerMetrics:
                                registry=r)
         self.engine_up = Gauge(f"{PREFIX}_engine_up", "1 while the engine serves, 0 after it failed", registry=r)
 
+        self.vllm: VllmMetrics | None = None  # named once the model's name is known (serving)
+
+    def name_model(self, model_name: str) -> None:
+        """Expose vLLM's names too, labelled with ``model_name`` (the served model's name)."""
+        if self.vllm is None:
+            self.vllm = VllmMetrics(self.registry, model_name)
+
+    def set_gauges(self, waiting: int, running: int, kv_blocks_free: int, kv_blocks_total: int) -> None:
+        """The queue and the KV pool, as the engine reported them between two steps."""
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.kv_blocks_free.set(kv_blocks_free)
+        self.kv_blocks_total.set(kv_blocks_total)
+        if self.vllm is not None:
+            self.vllm.set_gauges(waiting, running, kv_blocks_free, kv_blocks_total)
+
     def watch_engine_process(self, pid: int) -> None:
         """Also expose the engine process's memory and CPU, as ``corelib_engine_process_*``."""
         ProcessCollector(namespace=f"{PREFIX}_engine", pid=lambda: pid, registry=self.registry)
@@ -65,6 +87,64 @@ class ServerMetrics:
             self.ttft.observe(output.ttft_ms / 1e3)
         if output.tpot_ms is not None:
             self.tpot.observe(output.tpot_ms / 1e3)
+        if self.vllm is not None:
+            self.vllm.finished(output)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+VLLM = "vllm"
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)  # vLLM's
+
+
+class VllmMetrics:
+    """The figures of :class:`ServerMetrics` under vLLM's metric names, each labelled ``model_name``."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, label = registry, ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge(f"{VLLM}:num_requests_running", "Number of requests in model execution batches",
+                             label, registry=r).labels(model_name)
+        self.waiting = Gauge(f"{VLLM}:num_requests_waiting", "Number of requests waiting to be processed",
+                             label, registry=r).labels(model_name)
+        # Both of vLLM's names for the share of KV blocks in use (a fraction in [0, 1], as vLLM's): the older one
+        # and the one that replaced it.
+        self.kv_usage = [Gauge(f"{VLLM}:{name}", "KV-cache usage: 1 means 100 percent usage", label,
+                               registry=r).labels(model_name)
+                         for name in ("gpu_cache_usage_perc", "kv_cache_usage_perc")]
+        self.prompt_tokens = Counter(f"{VLLM}:prompt_tokens", "Number of prefill tokens processed", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(f"{VLLM}:generation_tokens", "Number of generation tokens processed", label,
+                                         registry=r).labels(model_name)
+        self.success = Counter(f"{VLLM}:request_success", "Count of successfully processed requests",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram(f"{VLLM}:time_to_first_token_seconds", "Histogram of time to first token in seconds",
+                              label, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = [Histogram(f"{VLLM}:{name}", "Histogram of time per output token in seconds (each request's "
+                               "mean)", label, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+                     for name in ("time_per_output_token_seconds", "inter_token_latency_seconds")]
+        self.e2e = Histogram(f"{VLLM}:e2e_request_latency_seconds", "Histogram of end to end request latency in "
+                             "seconds", label, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+
+    def set_gauges(self, waiting: int, running: int, kv_blocks_free: int, kv_blocks_total: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        for gauge in self.kv_usage:
+            gauge.set(1 - kv_blocks_free / kv_blocks_total if kv_blocks_total else 0.0)
+
+    def finished(self, output: RequestOutput) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(len(output.output_token_ids))
+        if output.finish_reason in ("stop", "length", "abort"):  # vLLM's finished reasons; errors are not successes
+            self.success.labels(self.model_name, output.finish_reason).inc()
+        if output.ttft_ms is None:
+            return
+        self.ttft.observe(output.ttft_ms / 1e3)
+        e2e_ms = output.ttft_ms
+        if output.tpot_ms is not None:
+            for histogram in self.tpot:
+                histogram.observe(output.tpot_ms / 1e3)
+            e2e_ms += output.tpot_ms * (len(output.output_token_ids) - 1)
+        self.e2e.observe(e2e_ms / 1e3)

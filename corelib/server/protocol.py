@@ -10,8 +10,8 @@ penalties, seed, stop, n, ...) is taken from the body by its own name and checke
 ``SamplingParams`` itself (:mod:`corelib.server.inputs`), so a new sampler option reaches the
 server without a line here (``logprobs`` is mapped by hand: completions take a count, chat a
 flag and ``top_logprobs``). Parameters of the OpenAI API that this server does not implement
-are refused by name when they ask for something (``echo: true``) and accepted when they hold
-their neutral value (``echo: false``), so ordinary clients work.
+are refused by name when they ask for something (``best_of: 2``) and accepted when they hold
+their neutral value (``best_of: 1``), so ordinary clients work.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class CompletionRequest(_Sampling):
     prompt: Annotated[Prompt, PlainValidator(_prompt)]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each token's and the k most likely
+    echo: bool = False  # the prompt's text before each choice's text
 
     @property
     def num_logprobs(self) -> int | None:
@@ -134,6 +135,8 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False  # each output token's log-probability
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and the k most likely (needs logprobs)
+    # More variables for the chat template (Qwen3's {"enable_thinking": false}), rendered within its budget.
+    chat_template_kwargs: dict[str, object] | None = None
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -144,9 +147,31 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` as completions take it, or ``messages`` as chat renders them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt; for messages, what chat does
+    add_generation_prompt: bool = True  # messages: end where the assistant's answer starts
+    chat_template_kwargs: dict[str, object] | None = None
+    return_token_strs: bool = False  # also each token's text
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # OpenAI parameters this server does not implement, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "echo": (False, None),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
@@ -161,7 +186,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "service_tier": (None, "auto", "default"),
 }
 
-Request = TypeVar("Request", CompletionRequest, ChatRequest)
+Request = TypeVar("Request", CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
 
 
 MAX_MESSAGES = 4096  # a conversation's messages: each costs the validator tens of microseconds
@@ -198,8 +223,8 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
         if parts > MAX_CONTENT_PARTS:
             raise bad_request(f"messages: {parts} content parts; this server takes at most {MAX_CONTENT_PARTS} in "
                               "one conversation (join text parts into one string)", "messages")
-    sampling = {key: data.pop(key) for key in API_FIELDS if key in data}
-    for key, neutral in _NEUTRAL.items():
+    sampling = {key: data.pop(key) for key in API_FIELDS if key in data} if issubclass(model, _Sampling) else {}
+    for key, neutral in _NEUTRAL.items() if issubclass(model, _Sampling) else ():
         if key not in data:
             continue
         value = data.pop(key)
@@ -209,7 +234,8 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
         request = model.model_validate(data)
     except ValidationError as error:
         raise _explain(error) from None
-    request._sampling = {key: value for key, value in sampling.items() if value is not None}
+    if isinstance(request, _Sampling):
+        request._sampling = {key: value for key, value in sampling.items() if value is not None}
     return request
 
 

@@ -59,6 +59,7 @@ class Formatter:
     _left: int = 0  # streaming: choices not finished yet
     _completion_tokens: int = 0
     _offsets: dict[int, int] = field(default_factory=dict)  # streaming completions: each choice's text so far
+    echo: list[str] | None = None  # completions' echo: each prompt's text, before its choices' text
 
     @property
     def wants_logprobs(self) -> bool:
@@ -127,8 +128,8 @@ class Formatter:
                 message = {"role": "assistant", "content": self.final_text(update)}
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
-                choices.append({"index": index, "text": self.final_text(update), "logprobs": logprobs,
-                                "finish_reason": reason})
+                choices.append({"index": index, "text": self.echoed(index) + self.final_text(update),
+                                "logprobs": logprobs, "finish_reason": reason})
         return {**self._head(chunk=False), "choices": choices, "usage": self.usage(completion_tokens)}
 
     # ------------------------------------------------------------------ streaming
@@ -161,9 +162,16 @@ class Formatter:
         self._index = {request_id: i for i, request_id in enumerate(request_ids)}
         self._left = len(request_ids)
         self._completion_tokens = 0
-        if not self.chat:
-            return b""
+        if not self.chat:  # with echo, each choice's first chunk is its prompt's text
+            return b"".join(self._chunk(i, self.echoed(i), None) for i in range(len(request_ids)) if self.echoed(i))
         return b"".join(self._chunk(i, None, None, role=True) for i in range(len(request_ids)))
+
+    def echoed(self, index: int) -> str:
+        """The prompt text choice ``index`` starts with (its prompt's, with echo), else ''."""
+        if self.echo is None:
+            return ""
+        per_prompt = len(self.prepared.requests) // len(self.prepared.prompts)  # n choices per prompt
+        return self.echo[index // per_prompt]
 
     def events(self, batch: list[Update]) -> tuple[bytes, bool]:
         """The SSE events of every update since the last call, and whether the stream is complete.

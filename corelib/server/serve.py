@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ import uvicorn
 
 from corelib.config import ServerConfig, checked_api_key
 from corelib.errors import ConfigError, CorelibError
+from corelib.sampling_params import SEED_LIMIT
 from corelib.server.app import ServerState, build_app
 from corelib.server.bridge import EngineBridge, Placement
 from corelib.server.chat import ChatTemplate
@@ -68,8 +70,11 @@ def build_state(recipe: EngineRecipe, server: ServerConfig, api_key: str | None,
     except BaseException:
         bridge.close()
         raise
-    return ServerState(bridge, metrics, renderer, model_name(server, info.model_name, info.model_path), api_key,
-                       max_body_bytes=int(server.max_body_mib * 2**20), max_request_tokens=server.max_request_tokens)
+    name = model_name(server, info.model_name, info.model_path)
+    metrics.name_model(name)
+    return ServerState(bridge, metrics, renderer, name, api_key, max_body_bytes=int(server.max_body_mib * 2**20),
+                       max_request_tokens=server.max_request_tokens,
+                       seeds=random.Random(server.seed) if server.seed is not None else None)
 
 
 def check_server(server: ServerConfig) -> None:
@@ -86,6 +91,8 @@ def check_server(server: ServerConfig) -> None:
         raise ConfigError(f"server.header_timeout_s={server.header_timeout_s}: must be a number of seconds > 0")
     if server.max_connections < 1:
         raise ConfigError(f"server.max_connections={server.max_connections}: must be at least 1")
+    if server.seed is not None and not 0 <= server.seed < SEED_LIMIT:
+        raise ConfigError(f"server.seed={server.seed}: must be in [0, 2**62), or null for a fresh seed per request")
     if server.max_request_tokens < 1:
         raise ConfigError(f"server.max_request_tokens={server.max_request_tokens}: must be at least 1")
 
