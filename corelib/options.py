@@ -31,7 +31,8 @@ class Staging(str, enum.Enum):
 
 def request_facts(seq: Seq) -> dict[str, Any]:
     """The ``request.*`` facts of one request, as the per-step requirements of the gates name them."""
-    return {"multimodal": seq.multimodal, "host_stop_strings": bool(seq.sampling.stop_strings)}
+    return {"multimodal": seq.multimodal, "host_stop_strings": bool(seq.sampling.stop_strings),
+            "structured_output": seq.grammar is not None}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corelib.errors import RequestError
+from corelib.structured import StructuredOutputsError, StructuredOutputsParams
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 INT64_LIMIT = 2**63
@@ -102,6 +103,10 @@ class SamplingParams:
     # ``logprobs``, chat's ``top_logprobs``: the server maps them itself); None: none.
     logprobs: int | None = field(default=None, metadata=_meta(
         (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None"), api=False))
+    # The output must be JSON of this schema (vLLM's StructuredOutputsParams, or a mapping of its fields): a
+    # grammar masks every sampled token on the device (the server maps OpenAI's response_format to it).
+    structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = field(  # stored as the params
+        default=None, metadata=_meta(api=False))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -191,6 +196,11 @@ def _check_column(name: str, value: float, column: Column) -> None:
 def _normalized(f: dataclasses.Field[Any], value: object) -> object:
     """``value`` as the plain Python type of field ``f`` (numpy and other number types included)."""
     name, kind = f.name, f.type
+    if name == "structured_outputs":
+        try:
+            return None if value is None else StructuredOutputsParams.of(value, name)
+        except StructuredOutputsError as error:
+            raise SamplingError(error.field, str(error)) from None
     if name == "stop":
         if value is None or isinstance(value, str):
             return () if value is None else (value,)

@@ -45,6 +45,7 @@ EXPECTED: dict[str, set[Requirement]] = {
         ("model.recurrent_state", "eq", False, "start", False),
         ("request.multimodal", "eq", False, "step", False),
         ("request.host_stop_strings", "eq", False, "step", False),
+        ("request.structured_output", "eq", False, "step", False),
     },
     "shm_ordered_materialization": {
         ("config.engine.transport", "eq", "shm", "start", False),
@@ -118,7 +119,7 @@ FAILING: dict[str, Failing] = {
 }
 
 # Per-step facts: one request of the batch with exactly this fact failing.
-STEP_FACTS = {"multimodal": False, "host_stop_strings": False}
+STEP_FACTS = {"multimodal": False, "host_stop_strings": False, "structured_output": False}
 
 START_CASES = sorted(
     (gate, req[0]) for gate, reqs in EXPECTED.items() for req in reqs if req[3] == "start"

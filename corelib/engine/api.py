@@ -37,6 +37,7 @@ from corelib.engine.requests import Prompt, check_request, cut_at_stop, token_id
 from corelib.engine.sequence import FinishReason, SamplingParams
 from corelib.engine.sequence import Sequence as Seq
 from corelib.engine.streaming import DeltaTracker, TokenDelta
+from corelib.engine.structured import StructuredOutputs
 from corelib.errors import ConcurrentUse, ConfigError, RequestError
 from corelib.features import Plan
 from corelib.observe.trace import NULL_TRACER, TimelineTracer, Tracer
@@ -76,6 +77,9 @@ class Engine:
         self.layout = EngineLayout.of(cfg)
         self.tokenizer = Tokenizer.from_directory(model_cfg.path)  # before the weights: a bad file fails fast
         self.vocab_size = model_cfg.vocab_size
+        # Structured output's grammars and the tokenizer as they see it, made on the first such request.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size,
+                                            [model_cfg.eos_token_id, *model_cfg.extra_eos_token_ids])
         executor = EXECUTORS[self.options.transport](startup, self.options, self.layout, model_factory)
         self.notices: list[str] = list(executor.notices)  # things the user should hear about, said once at start
         try:
@@ -259,6 +263,8 @@ class Engine:
                 raise problem
             config = self.startup.config
             check_request(seq, config.model, self.vocab_size, config.engine.refuse_overlong)
+            if sampling.structured_outputs is not None:
+                seq.grammar = self.structured.state(sampling.structured_outputs)
         except RequestError as error:
             self.core.finish(seq, FinishReason.error, str(error))
             return None

@@ -26,11 +26,12 @@ from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.faults import maybe_fail
 from corelib.ops.spec import SAMPLING_COLUMNS, SamplingColumn
+from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY, ArenaLayout
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
-from corelib.transport.wire import TOKEN_NAMES, pad_row_fields, pad_rows
+from corelib.transport.wire import TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
 
 INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 
@@ -123,7 +124,8 @@ class InputBuilder:
             for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
                 self.state_sampling[column.name][index] = value
             self.state_prompt_lens[index] = seq.num_prompt_tokens
-            self.state_sampler[index] = seq.sampling.needs_sampler
+            # A grammar's mask is applied by the sampling graphs: a structured row takes them even when greedy.
+            self.state_sampler[index] = seq.sampling.needs_sampler or seq.grammar is not None
             self.state_logprobs[index] = seq.sampling.logprobs is not None
             written = 0
         if written < len(table):
@@ -167,7 +169,13 @@ class InputBuilder:
             layout = self.layout.padded_layout(padded)
         else:
             layout = self.decode if decode else self.layout.step_layout(num_tokens)
+        structured = [row for row, (seq, samples) in enumerate(zip(step.seqs, step.samples, strict=True))
+                      if samples and seq.grammar is not None]
+        if structured:
+            layout = self.layout.masked(layout)
         v = self._numpy_views(layout, arena)
+        if structured:
+            fill_masks(step, structured, v[TOKEN_MASK])
         pad = self.pad_state_index
         indices: list[int] = []
         for seq in step.seqs:
@@ -229,6 +237,20 @@ class InputBuilder:
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                             leading, bool(padded))
+
+
+def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) -> None:
+    """Each structured row's token bitmask from its grammar; every other row allows every token."""
+    masks.fill(ALL_ALLOWED)
+    for row in rows:
+        seq = step.seqs[row]
+        grammar = seq.grammar
+        if grammar is None:
+            continue
+        try:
+            grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
+        except Exception as error:  # whatever it is, it is this request's
+            raise _failed(seq, error) from error
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:

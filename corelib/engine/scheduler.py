@@ -439,6 +439,9 @@ class Scheduler:
                 seq.logprobs.append(_token_logprobs(token, logprobs[row], seq.sampling.logprobs))
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.grammar is not None and self._grammar_ends(seq, token, now):
+                finished.append(seq)
+                continue
             if not may_stop(seq, token):
                 continue  # most rows of most steps: no stop id, no text check, below the length limit
             reason = stop_reason(seq, token)
@@ -446,6 +449,19 @@ class Scheduler:
                 self.finish(seq, reason, now)
                 finished.append(seq)
         return finished
+
+    def _grammar_ends(self, seq: Sequence, token: int, now: float) -> bool:
+        """Structured output: the grammar takes ``token``; whether that ended ``seq`` (its output complete, or a
+        token the grammar refuses: an error)."""
+        grammar = seq.grammar
+        verdict = None if grammar is None else grammar.advance(token)
+        if verdict is None:
+            return False
+        if verdict == "done":
+            self.finish(seq, FinishReason.stop, now)
+        else:
+            self.finish(seq, FinishReason.error, now, error=verdict)
+        return True
 
     def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None, error: str | None = None) -> None:
         """End a sequence: its blocks and state index go back at once (later device work is stream-ordered)."""

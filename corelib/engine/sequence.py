@@ -11,6 +11,7 @@ from corelib.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
 
 if TYPE_CHECKING:
     from corelib.engine.stops import StopScan
+    from corelib.engine.structured import GrammarState
 
 __all__ = ["MAX_LOGPROBS", "FinishReason", "SamplingParams", "Sequence", "Status", "TokenLogprobs"]
 
@@ -79,6 +80,8 @@ class Sequence:
     finish_time: float | None = None
     text: str = ""  # decoded output when the host checks stop strings or has a tokenizer
     stop_scan: StopScan | None = None  # how far the stop-string check has decoded ``text`` (StopChecker)
+    # Structured output: the matcher that writes the row's token mask before each sample and takes each token.
+    grammar: GrammarState | None = None
     prompt: str | None = None  # the prompt's text, when it was given as text
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when asked for
     # The per-step requirements of the async gate this request fails, one bit each, computed once

@@ -12,10 +12,11 @@ from corelib.config import CorelibConfig, Transport
 from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.models.registry import architecture
+from corelib.ops.token_mask import mask_words
 from corelib.options import EngineOptions
 from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy, token_ladder
-from corelib.transport.wire import step_layout
+from corelib.transport.wire import step_layout, with_token_mask
 
 TOKEN_GRANULE = 256  # a step's token slots are a multiple of this: a few distinct layouts, not one per length
 
@@ -32,6 +33,7 @@ class EngineLayout:
     max_batched_tokens: int
     graph_batch_sizes: tuple[int, ...]
     graph_token_sizes: tuple[int, ...] = ()  # empty: the token ladder up to max_batched_tokens
+    mask_words: int = 0  # int32 words of a row's token bitmask (structured output): ceil(vocab_size / 32)
 
     @classmethod
     def of(cls, config: CorelibConfig) -> EngineLayout:
@@ -66,6 +68,7 @@ class EngineLayout:
             max_batched_tokens=engine.max_num_batched_tokens,
             graph_batch_sizes=tuple(engine.graph_batch_sizes),
             graph_token_sizes=tuple(engine.graph_token_sizes),
+            mask_words=mask_words(model.vocab_size),
         )
 
     @property
@@ -76,8 +79,12 @@ class EngineLayout:
 
     @property
     def arena_bytes(self) -> int:
-        """Room for the largest step."""
-        return self.step_layout(self.max_step_tokens).nbytes
+        """Room for the largest step, its token bitmask included."""
+        return self.masked(self.step_layout(self.max_step_tokens)).nbytes
+
+    def masked(self, layout: ArenaLayout) -> ArenaLayout:
+        """``layout`` with the rows' token bitmask: a step holding a structured-output row."""
+        return with_token_mask(layout, self.rows, self.mask_words)
 
     @property
     def decode_layout(self) -> ArenaLayout:

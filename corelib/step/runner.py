@@ -27,6 +27,7 @@ from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
 from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
 from corelib.ops.sampling import count_history
+from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
 from corelib.progress import current as current_progress
 from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy
@@ -34,7 +35,7 @@ from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
-from corelib.transport.wire import TOKEN_NAMES, pad_rows
+from corelib.transport.wire import TOKEN_MASK, TOKEN_NAMES, pad_rows
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 
@@ -82,6 +83,11 @@ class ModelRunner:
         self.prompt_counts = device.zeros((layout.rows, vocab_size), torch.int32)
         self.row_index = device.empty((layout.rows,), torch.int64)
         self.row_index.copy_(torch.arange(layout.rows, dtype=torch.int64))
+        # Structured output: the rows' token bitmask the sampling graphs read, rewritten in place by a step that
+        # carries one (wire.TOKEN_MASK) and set back to all ones (every token allowed) by the next sampled step.
+        self.token_mask = device.empty((layout.rows, layout.mask_words), torch.int32)
+        self.token_mask.fill_(ALL_ALLOWED)
+        self._mask_set = False
         # Under tensor parallelism the model's logits may be one block of the vocabulary per rank.
         vocab = getattr(model, "vocab_shard", None)
         self.vocab_shard = vocab if isinstance(vocab, VocabShard) and vocab.world > 1 else None
@@ -233,6 +239,7 @@ class ModelRunner:
             copies = fi.layout.views(arena)
             count = fi.num_copies
             self.compute.launch(lambda: self._copy_blocks(copies["copy_from"][:count], copies["copy_to"][:count]))
+        self._stage_mask(fi, arena)
         if fi.padded:
             return self._run_padded(fi, arena)
         graph = None
@@ -250,6 +257,17 @@ class ModelRunner:
         graph.replay(self.compute)
         self.num_graph_steps += 1
         return True
+
+    def _stage_mask(self, fi: ForwardInput, arena: torch.Tensor) -> None:
+        """The step's token bitmask into the buffer the sampling reads (stream-ordered before the forward); a
+        sampled step without one sets the buffer back to all ones once, after a step that had one."""
+        if fi.layout.fields[-1].name == TOKEN_MASK:
+            masks = fi.layout.views(arena)[TOKEN_MASK]
+            self.compute.launch(lambda: self.token_mask.copy_(masks))
+            self._mask_set = True
+        elif self._mask_set and fi.sample:
+            self.compute.launch(lambda: self.token_mask.fill_(ALL_ALLOWED))
+            self._mask_set = False
 
     def _run_padded(self, fi: ForwardInput, arena: torch.Tensor) -> bool:
         """A step padded to its token bucket: its forward's graph then its sampling's (eagerly where one is missing)."""
@@ -319,15 +337,18 @@ class ModelRunner:
             sampling = SamplingInputs.from_views(views, rows, sample_positions, history)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
+        # A sampled step masks what structured output disallows (-inf) before anything else of the sampler;
+        # the finite check and the logprobs read the logits as the model made them.
+        mask = self.token_mask[:rows] if sampled else None
         if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
             if self.vocab_shard.size < self.vocab_shard.per_rank:
                 logits[:, self.vocab_shard.size:] = float("-inf")
             logits = gather_logits(logits, self.vocab_shard)
-            tokens, finite = self.ops.sample(logits, sampling), torch.isfinite(logits.sum(dim=-1))
+            tokens, finite = self.ops.sample(_masked(logits, mask), sampling), torch.isfinite(logits.sum(dim=-1))
         elif self.vocab_shard is not None:
-            tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops)
+            tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops, mask)
         else:
-            tokens, finite = self.ops.sample(logits, sampling), torch.isfinite(logits.sum(dim=-1))
+            tokens, finite = self.ops.sample(_masked(logits, mask), sampling), torch.isfinite(logits.sum(dim=-1))
         if logprobs:
             self.handoff.publish_logprobs(rows, token_logprobs(logits, tokens))
         self.handoff.publish(tokens, rows, views["sample_slots"][:rows], torch.where(finite, tokens, NONFINITE))
@@ -338,6 +359,10 @@ class ModelRunner:
         self.graphs.clear()
         self.prompt_graphs.clear()
         self.sampling_graphs.clear()
+
+
+def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return logits if mask is None else apply_token_bitmask(logits, mask)
 
 
 #: the sampling variants of padded steps, all captured at start: (sampled, logprobs)

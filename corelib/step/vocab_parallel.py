@@ -16,11 +16,15 @@ import torch
 
 from corelib.models.sharding import VocabShard
 from corelib.ops import Ops, SamplingInputs
+from corelib.ops.token_mask import apply_token_bitmask
 
 
 def pick_tokens(logits: torch.Tensor, sampling: SamplingInputs | None, shard: VocabShard,
-                ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B] int64, finite [B] bool) from this rank's block of the logits [B, per_rank] float32."""
+                ops: Ops, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] int64, finite [B] bool) from this rank's block of the logits [B, per_rank] float32.
+
+    ``token_mask`` (a step that samples): the rows' structured-output bitmask over the whole vocabulary,
+    applied to the gathered logits before the sampler (the finite check reads them unmasked)."""
     all_reduce = shard.all_reduce
     if all_reduce is None:
         raise RuntimeError("a vocabulary-parallel LM head needs the process group's all-reduce")
@@ -31,7 +35,8 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingInputs | None, shard: Vo
         logits[:, shard.size:] = float("-inf")  # the padding rows of the last block are never picked
     if sampling is not None:
         full = gather_logits(logits, shard)
-        return ops.sample(full, sampling), torch.isfinite(full.sum(dim=-1))
+        sampled = full if token_mask is None else apply_token_bitmask(full, token_mask)
+        return ops.sample(sampled, sampling), torch.isfinite(full.sum(dim=-1))
     local = ops.sample(logits, None)  # [B] this block's first maximum
     table = logits.new_zeros((3, shard.world, rows))  # best logit, its token id, block finite; per rank
     table[0, shard.rank] = logits.gather(1, local[:, None])[:, 0]

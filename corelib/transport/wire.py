@@ -68,6 +68,17 @@ def step_layout(tokens: int, rows: int, width: int) -> ArenaLayout:
     ])
 
 
+TOKEN_MASK = "token_mask"  # structured output: the rows' token bitmask, a last field only steps holding such rows carry
+
+
+@functools.lru_cache(maxsize=64)
+def with_token_mask(layout: ArenaLayout, rows: int, words: int) -> ArenaLayout:
+    """``layout`` with the token bitmask of its ``rows`` rows after every other field: int32 [rows, words], bit
+    ``t % 32`` of word ``t // 32`` set where token ``t`` may be sampled (all ones: no grammar). Only a step
+    holding a structured-output row carries it, so the others copy and send no more than before."""
+    return ArenaLayout.of([*layout.fields, Field(TOKEN_MASK, torch.int32, (rows, words))])
+
+
 def pad_rows(views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pad_state_index: int) -> None:
     """Rows (and their tokens) ``[first, last)`` of a decode step: token 0 at position 0 of the padding
     state index, on the null block, greedy, sampling into the padding slot. ``views``: the step layout's
@@ -209,8 +220,11 @@ class FrameHeader:
         key = (int(self.kind), *self.layout)
         layout = _LAYOUTS.get(key)
         if layout is None:
+            names = field_names(self.kind)
+            if self.layout and self.layout[0] == len(names) + 1:  # a step that carries the token bitmask
+                names = (*names, TOKEN_MASK)
             try:
-                layout = ArenaLayout.decode(field_names(self.kind), self.layout)
+                layout = ArenaLayout.decode(names, self.layout)
             except ValueError as error:
                 raise TransportError(f"{where}: {error}") from None
             if len(_LAYOUTS) < MAX_CACHED_LAYOUTS:

@@ -1,0 +1,176 @@
+"""Structured output on the host: a request's JSON schema compiled into a grammar whose matcher masks its tokens.
+
+The library is llguidance (the ``structured`` extra): no dependencies, one abi3 wheel for every
+Python, grammars compiled lazily in a millisecond or so, and a mask computed in some 20 µs per
+token over a 150k vocabulary (docs/serving.md has the figures against xgrammar and outlines-core).
+
+Each structured request holds a :class:`GrammarState`. Before each step in which it samples,
+the packer writes its row of the step's token bitmask (int32, bit ``t`` of word ``t // 32``: token
+``t`` is allowed) from the matcher; the runner applies the mask on the device before any other
+sampling work. After the token comes back the matcher takes it: a token it refuses fails the
+request, and once the grammar is complete the request finishes (its EOS would be the one token
+left). Steps holding such a request run synchronously, so the matcher has seen every token
+before it writes the next mask.
+
+A grammar is compiled once per distinct schema (an LRU cache) and bounded by the parser limits
+below, so a hostile schema costs a bounded amount of work and is refused in one line.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from corelib.files import read_text
+from corelib.structured import StructuredOutputsError, StructuredOutputsParams
+from corelib.text import TOKENIZER_LIMIT, Tokenizer
+
+INSTALL_HINT = "pip install 'corelib[structured]' (the llguidance package)"
+MAX_CACHED_GRAMMARS = 256
+# Bounds on the work one grammar may take (llguidance's parser limits, about a tenth of its defaults'
+# lexer budget): every schema of the JSON Schema test suites fits many times over, and a hostile one
+# stops within some tens of milliseconds of compile or mask work instead of seconds.
+LIMITS = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 100_000,
+    "max_grammar_size": 200_000,
+    "verbose_errors": False,  # an error names the problem, not the parser's state
+}
+# Compact JSON: no whitespace between the tokens of the output (a small model would spend its tokens on it).
+COMPILE_OPTIONS = {"whitespace_flexible": False}
+
+
+def llguidance_module() -> Any:
+    """The llguidance module; StructuredOutputsError saying what to install when it is missing."""
+    try:
+        import llguidance
+    except ImportError:
+        raise StructuredOutputsError("structured_outputs", f"structured output needs the llguidance package: "
+                                                           f"{INSTALL_HINT}") from None
+    return llguidance
+
+
+def grammar_of(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of ``params``, checked without a tokenizer; StructuredOutputsError naming the
+    schema when llguidance refuses it (an unknown keyword, a bad pattern, a schema beyond the limits)."""
+    ll = llguidance_module()
+    field = "structured_outputs.json" if params.json is not None else "structured_outputs.json_object"
+    try:
+        grammar = str(ll.LLMatcher.grammar_from_json_schema(params.schema, overrides=COMPILE_OPTIONS))
+        error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
+    except (ValueError, TypeError, RuntimeError) as problem:
+        raise StructuredOutputsError(field, f"{field}: the schema cannot be compiled: {_one_line(problem)}") from None
+    if error:
+        raise StructuredOutputsError(field, f"{field}: the schema cannot be compiled: {_one_line(messages[0])}")
+    return grammar
+
+
+def parser_limits() -> Any:
+    return llguidance_module().LLParserLimits(**LIMITS)
+
+
+class GrammarCache:
+    """Grammars by schema, compiled once each (least recently used dropped past ``capacity``); thread-safe."""
+
+    def __init__(self, capacity: int = MAX_CACHED_GRAMMARS) -> None:
+        self.capacity = capacity
+        self._grammars: OrderedDict[str, str | StructuredOutputsError] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled (cache misses)
+
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """``params``' grammar; a schema refused once is refused again from the cache, with the same error."""
+        key = params.key
+        with self._lock:
+            found = self._grammars.get(key)
+            if found is not None:
+                self._grammars.move_to_end(key)
+        if found is None:
+            try:
+                found = grammar_of(params)
+            except StructuredOutputsError as error:
+                if "llguidance package" in str(error):
+                    raise  # the library is missing, not the schema wrong: nothing to remember
+                found = error
+            with self._lock:
+                self.compiled += 1
+                self._grammars[key] = found
+                while len(self._grammars) > self.capacity:
+                    self._grammars.popitem(last=False)
+        if isinstance(found, StructuredOutputsError):
+            raise StructuredOutputsError(found.field, str(found))
+        return found
+
+
+class GrammarState:
+    """One request's matcher: writes its row of the token bitmask, takes each sampled token."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill(self, address: int, nbytes: int) -> None:
+        """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""
+        self._matcher.unsafe_compute_mask_ptr(address, nbytes)
+
+    def advance(self, token: int) -> str | None:
+        """Take the sampled ``token``: None to go on, "done" when the grammar is complete, else why it failed."""
+        matcher = self._matcher
+        if matcher.is_stopped() and not matcher.is_error():
+            return "done"  # the mask allowed only the end (EOS): the output is complete
+        if not matcher.consume_token(token):
+            return f"structured output: token {token} does not fit the grammar ({_one_line(matcher.get_error())})"
+        if matcher.is_error():
+            return f"structured output: {_one_line(matcher.get_error())}"
+        return "done" if matcher.is_stopped() else None
+
+
+class StructuredOutputs:
+    """The engine's side of structured output: the tokenizer as llguidance sees it, built once on first use,
+    the grammar cache, and a matcher per request."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.grammars = GrammarCache()
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def state(self, params: StructuredOutputsParams | Mapping[str, Any]) -> GrammarState:
+        """A fresh matcher for ``params``; StructuredOutputsError (one line) when it cannot be served."""
+        grammar = self.grammars.grammar(StructuredOutputsParams.of(params))
+        ll = llguidance_module()
+        matcher = ll.LLMatcher(self.ll_tokenizer(), grammar, limits=parser_limits())
+        if matcher.is_error():
+            raise StructuredOutputsError("structured_outputs", f"structured_outputs: the grammar cannot be used "
+                                                               f"with this tokenizer: {_one_line(matcher.get_error())}")
+        return GrammarState(matcher)
+
+    def ll_tokenizer(self) -> Any:
+        """llguidance's view of the checkpoint's tokenizer, over the model's whole vocabulary (ids past the
+        tokenizer's are never allowed). Built once: about a second for a 150k vocabulary."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._tokenizer is None:
+                    raise StructuredOutputsError("structured_outputs", "structured output needs the checkpoint's "
+                                                                       "tokenizer (tokenizer.json): use a checkpoint "
+                                                                       "with one (model.path)")
+                ll = llguidance_module()
+                if self._tokenizer.vocab_size > self.vocab_size:
+                    raise StructuredOutputsError("structured_outputs", f"structured output: the tokenizer has "
+                                                                       f"{self._tokenizer.vocab_size} tokens, more "
+                                                                       f"than the model's {self.vocab_size}")
+                text = read_text(self._tokenizer.path, "the tokenizer", TOKENIZER_LIMIT)
+                self._ll_tokenizer = ll.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                    eos_token=self.eos_token_ids or None)
+            return self._ll_tokenizer
+
+
+def _one_line(message: object, limit: int = 200) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else f"{text[:limit]}..."

@@ -1,0 +1,175 @@
+"""Structured output: JSON-schema grammars whose matchers mask each sampled token on the device.
+
+The tiny model has random weights, so without the mask its outputs are never JSON: every output
+here parsing and matching its schema is the mask at work.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from corelib.engine.api import Engine
+from corelib.engine.sequence import SamplingParams
+from corelib.engine.structured import GrammarCache, StructuredOutputs
+from corelib.models.synthetic import write_text_checkpoint
+from corelib.ops.token_mask import apply_token_bitmask, mask_words
+from corelib.sampling_params import SamplingError
+from corelib.structured import StructuredOutputsError, StructuredOutputsParams
+from corelib.text import Tokenizer
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "ok"],
+    "additionalProperties": False,
+}
+
+
+def check_schema(text: str) -> None:
+    """``text`` parses and is an instance of SCHEMA (checked field by field)."""
+    value = json.loads(text)
+    assert isinstance(value, dict) and list(value) == ["name", "age", "role", "ok"], text
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool) and 0 <= value["age"] <= 120
+    assert value["role"] in ("admin", "user", "guest")
+    assert isinstance(value["ok"], bool)
+
+
+# ----------------------------------------------------------------------------- params, quick
+
+
+def test_params_keep_the_schema_as_compact_json_in_its_order() -> None:
+    a = StructuredOutputsParams(json=SCHEMA)
+    b = StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2))
+    assert a.key == b.key and list(json.loads(a.schema)["properties"]) == ["name", "age", "role", "ok"]
+    assert StructuredOutputsParams(json_object=True).schema == '{"type":"object"}'
+    params = SamplingParams(structured_outputs={"json": SCHEMA})
+    assert params.structured_outputs == a
+    hash(params)  # a schema kept as text keeps the params hashable
+
+
+@pytest.mark.parametrize(("value", "field", "says"), [
+    ({"regex": "a+"}, "structured_outputs.regex", "not supported"),
+    ({"choice": ["a"]}, "structured_outputs.choice", "not supported"),
+    ({"json": "{nope"}, "structured_outputs.json", "not valid JSON"),
+    ({"json": [1]}, "structured_outputs.json", "is an object"),
+    ({}, "structured_outputs", "exactly one"),
+    ({"json": SCHEMA, "json_object": True}, "structured_outputs", "exactly one"),
+    ({"jsn": SCHEMA}, "structured_outputs.jsn", "unknown option"),
+    ("schema", "structured_outputs", "pass an object"),
+])
+def test_bad_params_are_one_line_naming_the_field(value: object, field: str, says: str) -> None:
+    with pytest.raises(SamplingError) as caught:
+        SamplingParams(structured_outputs=value)  # type: ignore[arg-type]
+    assert caught.value.field == field and says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_device_mask_keeps_exactly_the_allowed_tokens() -> None:
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    masks = torch.full((3, mask_words(vocab)), -1, dtype=torch.int32)
+    masks[1] = 0
+    masks[1, 0] = 1 << 5  # token 5
+    masks[1, 2] = 1 << 1  # token 65
+    masks[2] = 0
+    masks[2, 1] = -(2**31)  # bit 31 of word 1: token 63
+    out = apply_token_bitmask(logits, masks)
+    assert torch.equal(out[0], logits[0])  # all ones: neutral
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 65]
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [63]
+    assert out[1].argmax().item() in (5, 65) and torch.equal(out[1, [5, 65]], logits[1, [5, 65]])
+
+
+def test_a_schema_is_compiled_once_and_a_bad_one_refused_in_one_line() -> None:
+    cache = GrammarCache(capacity=2)
+    params = StructuredOutputsParams(json=SCHEMA)
+    first = cache.grammar(params)
+    assert cache.grammar(StructuredOutputsParams(json=json.dumps(SCHEMA))) == first and cache.compiled == 1
+    bad = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "strin"}}})
+    for _ in range(2):
+        with pytest.raises(StructuredOutputsError) as caught:
+            cache.grammar(bad)
+        assert caught.value.field == "structured_outputs.json" and "\n" not in str(caught.value)
+    assert cache.compiled == 2  # the refusal is remembered too
+
+
+def test_without_llguidance_a_request_is_told_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails as when it is not installed
+    with pytest.raises(StructuredOutputsError, match=r"pip install 'corelib\[structured\]'"):
+        StructuredOutputs(None, 512, [1]).state(StructuredOutputsParams(json_object=True))
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_text_checkpoint(tmp_path_factory.mktemp("structured"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[Engine]:
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=8",
+                                f"model.path={model_dir}"]) as built:
+        yield built
+
+
+def schema_requests(count: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=80, temperature=0.9 if i % 2 else 0.0, seed=i,
+                           structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(count)]
+
+
+@pytest.mark.slow
+def test_every_output_parses_and_matches_its_schema(engine: Engine) -> None:
+    plain = engine.generate(["Hello, my name is"] * 2, [SamplingParams(max_tokens=20, seed=i) for i in range(2)])
+    outputs = engine.generate(["Hello, my name is"] * 12 + ["The capital of France is"] * 2 + ["Hello"] * 2,
+                              schema_requests(12) + [SamplingParams(max_tokens=10, seed=9)] * 2
+                              + [SamplingParams(max_tokens=80, temperature=1.0, seed=i,
+                                                structured_outputs={"json_object": True}) for i in range(2)])
+    for output in outputs[:12]:
+        assert output.outputs[0].finish_reason == "stop", output
+        check_schema(output.outputs[0].text)
+    for output in outputs[14:]:
+        assert output.outputs[0].finish_reason == "stop", output
+        assert isinstance(json.loads(output.outputs[0].text), dict)
+    # The random model alone writes no JSON, and plain requests beside structured ones are unmasked.
+    assert not any(o.outputs[0].text.startswith("{") for o in plain)
+    assert [len(o.outputs[0].token_ids) for o in outputs[12:14]] == [10, 10]
+
+
+@pytest.mark.slow
+def test_async_handoff_on_equals_off(engine: Engine, model_dir: Path) -> None:
+    prompts = ["Hello, my name is"] * 6
+    ran_ahead = engine.generate(prompts, schema_requests(6))
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=off", "engine.max_num_seqs=8",
+                                f"model.path={model_dir}"]) as sync:
+        synchronous = sync.generate(prompts, schema_requests(6))
+    assert [o.outputs[0].token_ids for o in ran_ahead] == [o.outputs[0].token_ids for o in synchronous]
+
+
+@pytest.mark.slow
+def test_a_bad_schema_fails_its_request_alone(engine: Engine) -> None:
+    bad = SamplingParams(max_tokens=8, structured_outputs={"json": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(((("}}}})
+    outputs = engine.generate(["Hello"] * 2, [bad, schema_requests(1)[0]])
+    assert outputs[0].outputs[0].finish_reason == "error"
+    check_schema(outputs[1].outputs[0].text)
+
+
+def test_a_model_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_directory(None)
+    with pytest.raises(StructuredOutputsError, match="tokenizer"):
+        StructuredOutputs(tokenizer, 512, [1]).state(StructuredOutputsParams(json_object=True))
