@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,6 +39,7 @@ class Outcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     latency_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # between two text chunks: the inter-token latencies seen
 
     @property
     def duplicated(self) -> bool:
@@ -86,6 +87,8 @@ class Client:
                         piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                         if piece:
                             now = time.perf_counter()
+                            if last is not None:
+                                outcome.gaps_s.append(now - last)
                             first = first or now
                             last = now
                             outcome.pieces += 1

@@ -10,8 +10,10 @@ resident memory, so a leak shows, and before and after each point its TPOT histo
 the engine's own TPOT beside the clients'.
 
 Throughput counts completed requests over the span from the first send to the last answer;
-TTFT is send to first text, TPOT the time after the first text per remaining token
-(:mod:`corelib.loadtest.loadclient`).
+TTFT is send to first text, TPOT the time after the first text per remaining token, ITL the time
+between two text chunks (:mod:`corelib.loadtest.loadclient`). While a point runs, a progress
+bar (or a line every few seconds on a pipe) counts its requests; at the end ``bench_serve.json``
+holds every figure and ``bench_serve.png`` beside it plots each point's TTFT and ITL.
 
 Two workload shapes the engine's scheduling is measured by: a shared prefix (every random prompt
 starts with the same ``shared_prefix_len`` tokens, a system prompt, so prefix caching can reuse
@@ -47,6 +49,8 @@ from corelib.config import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
 from corelib.files import parse_json, read_text
 from corelib.loadtest.loadclient import ENGINE_RSS, PREFIX_HITS, PREFIX_QUERIED, TPOT_HISTOGRAM, Client, Outcome
+from corelib.loadtest.plot import plot_latencies
+from corelib.progress import Progress, Task, current, reporting
 from corelib.rundir import RunDir
 from corelib.workload import DATASET_LIMIT
 
@@ -85,6 +89,12 @@ class Point:
     # The server's prefix-cache hit rate over the point (prompt tokens found / looked up).
     prefix_cache_hit_rate: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    # The time between two text chunks of the point's completed requests (vLLM's ITL).
+    itl_ms_p50: float | None = None
+    itl_ms_p99: float | None = None
+    # Every completed request's TTFT, and every gap between two of their chunks: what the plot draws.
+    ttfts_ms: list[float] = field(default_factory=list)
+    itls_ms: list[float] = field(default_factory=list)
 
     @property
     def lost(self) -> int:
@@ -171,7 +181,8 @@ def _read_dataset(path: Path) -> list[Prompt]:
     return prompts
 
 
-async def _run_point(client: Client, load: Load, mode: str, level: float) -> Point:
+async def _run_point(client: Client, load: Load, mode: str, level: float, task: Task | None = None) -> Point:
+    """One load level; ``task`` (the progress shown) advances as each request ends."""
     spec = load.spec
     limit = spec.num_requests or math.inf
     end = time.perf_counter() + spec.duration_s if spec.duration_s > 0 else math.inf
@@ -181,6 +192,8 @@ async def _run_point(client: Client, load: Load, mode: str, level: float) -> Poi
     async def one() -> None:
         payload, hang_up = load.next_request()
         outcomes.append(await client.request(payload, hang_up))
+        if task is not None:
+            task.advance()
 
     engine_before = await _engine_tpot(client)
     cache_before = await _prefix_cache(client)
@@ -277,6 +290,7 @@ def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float
             errors[o.error] = errors.get(o.error, 0) + 1
     ttft = [o.ttft_s * 1e3 for o in completed if o.ttft_s is not None]
     tpot = [o.tpot_s * 1e3 for o in completed if o.tpot_s is not None]
+    itl = [gap * 1e3 for o in completed for gap in o.gaps_s]
     return Point(
         mode=mode, load=level, requests=len(outcomes), completed=len(completed),
         disconnected=len(by_status["disconnected"]), refused=len(by_status["refused"]),
@@ -287,6 +301,7 @@ def _summarize(mode: str, level: float, outcomes: list[Outcome], duration: float
         ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
         tpot_ms_p50=percentile(tpot, 50), tpot_ms_p99=percentile(tpot, 99),
         tpot_ms_mean=sum(tpot) / len(tpot) if tpot else None, errors=errors,
+        itl_ms_p50=percentile(itl, 50), itl_ms_p99=percentile(itl, 99), ttfts_ms=ttft, itls_ms=itl,
     )
 
 
@@ -334,8 +349,10 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
         sampler = asyncio.create_task(_sample(client, spec.sample_s, samples)) if spec.sample_s > 0 else None
         try:
             for mode, level in levels:
-                console.print(f"corelib: bench-serve: {mode} {level:g} ...")
-                points.append(await _run_point(client, load, mode, level))
+                unit = "requests/s" if mode == "rate" else "clients"
+                with current().task(f"bench-serve: {level:g} {unit}", total=spec.num_requests or None,
+                                    unit="requests") as task:
+                    points.append(await _run_point(client, load, mode, level, task))
         finally:
             if sampler is not None:
                 sampler.cancel()
@@ -359,7 +376,7 @@ def table(result: dict[str, object]) -> Table:
     mixed = any(p["decoder_tokens"] for p in points)
     cached = any(p["prefix_cache_hit_rate"] is not None for p in points)
     for column in ("load", "requests", "ok", "hung up", "refused", "lost", "dup", "req/s", "out tok/s",
-                   "TTFT ms p50/p99", "TPOT ms p50/p99", "TPOT mean: clients/engine ms",
+                   "TTFT ms p50/p99", "TPOT ms p50/p99", "ITL ms p50/p99", "TPOT mean: clients/engine ms",
                    *(["decoders' inter-token ms p50/p99"] if mixed else []), *(["prefix hits"] if cached else [])):
         out.add_column(column, justify="right")
     for p in points:
@@ -373,6 +390,7 @@ def table(result: dict[str, object]) -> Table:
             str(p["refused"]), str(p["lost"]), str(p["duplicated"]), f"{p['requests_per_s']:.2f}",
             f"{p['output_tokens_per_s']:.1f}",
             f"{_ms(p['ttft_ms_p50'])}/{_ms(p['ttft_ms_p99'])}", f"{_ms(p['tpot_ms_p50'])}/{_ms(p['tpot_ms_p99'])}",
+            f"{_ms(p['itl_ms_p50'])}/{_ms(p['itl_ms_p99'])}",
             f"{_ms(p['tpot_ms_mean'], 3)}/{_ms(p['engine_tpot_ms_mean'], 3)}", *extra,
         )
     return out
@@ -384,7 +402,8 @@ def _ms(value: object, digits: int = 1) -> str:
 
 def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> dict[str, object]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Hydra logs INFO: one line per request otherwise
-    result = asyncio.run(run_bench(spec, console))
+    with reporting(Progress(console)):  # each point's requests done so far, as they end
+        result = asyncio.run(run_bench(spec, console))
     console.print(table(result))
     before, after = result["server_before"], result["server_after"]
     assert isinstance(before, dict) and isinstance(after, dict)
@@ -404,4 +423,10 @@ def bench_serve(spec: ServeBenchConfig, run_dir: RunDir, console: Console) -> di
                       f"{samples[0]['t_s']:.0f} s, {last:.1f} MiB at {samples[-1]['t_s']:.0f} s")
     path = run_dir.write_file("bench_serve.json", json.dumps(result, indent=2) + "\n")
     console.print(f"corelib: wrote {path}")
+    try:
+        picture = plot_latencies(result, path.with_suffix(".png"))
+    except ConfigError as error:  # matplotlib is an extra: the figures stand without their picture
+        console.print(f"corelib: no plot: {error}", soft_wrap=True)
+    else:
+        console.print(f"corelib: wrote {picture} (TTFT and inter-token latency of each point)")
     return result

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,9 @@ from rich.console import Console
 
 from corelib.config import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
 from corelib.errors import ConfigError
-from corelib.loadtest.loadgen import run_bench
+from corelib.loadtest.loadgen import bench_serve, run_bench
+from corelib.loadtest.plot import plot_latencies
+from corelib.rundir import RunDir
 from corelib.server.serve import RunningServer, start_in_thread
 
 pytestmark = pytest.mark.slow
@@ -70,3 +74,32 @@ def test_requests_turned_away_with_429_are_refused_not_lost(overrides: list[str]
     assert isinstance(points, list) and len(points) == 1
     assert points[0]["refused"] > 0 and points[0]["lost"] == 0, points[0]
     assert points[0]["completed"] + points[0]["refused"] == 12
+
+
+def test_bench_serve_shows_progress_and_plots_ttft_and_itl_beside_its_json(
+    server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("CORELIB_PROGRESS_INTERVAL", "0")  # a line per request ended: the run is short
+    shown = io.StringIO()
+    result = bench_serve(spec(server, concurrency=[2], num_requests=4), RunDir(tmp_path),
+                         Console(file=shown, width=200))
+    said = shown.getvalue()
+    assert "bench-serve: 2 clients: 1/4 requests" in said, said
+    points = result["points"]
+    assert isinstance(points, list) and len(points) == 1
+    point = points[0]
+    # A gap between each two chunks; a chunk may bring several tokens, so there are at most 11 per request.
+    assert len(point["ttfts_ms"]) == 4 and len(point["itls_ms"]) <= 4 * 11
+    assert (point["itl_ms_p50"] is None) == (not point["itls_ms"])
+    assert json.loads((tmp_path / "bench_serve.json").read_text())["points"][0]["itls_ms"] == point["itls_ms"]
+    assert (tmp_path / "bench_serve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert f"wrote {tmp_path / 'bench_serve.png'}" in said
+
+
+def test_without_matplotlib_the_figures_stand_and_the_extra_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"corelib\[bench\]"):
+        plot_latencies({"points": []}, tmp_path / "b.png")
