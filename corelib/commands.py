@@ -58,7 +58,10 @@ def prepare(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> tupl
 
 
 def plan_task(cfg: DictConfig, registry: PluginRegistry, output_dir: Path) -> None:
+    from corelib.kv_pool import describe_policy
+
     startup, run_dir = prepare(cfg, registry, output_dir)
+    say(console, describe_policy(startup))
     show(output, plan_table(startup.plan, combinations=True))
     say(console, f"wrote {run_dir.path}/{{config.yaml,plan.json}}")
 

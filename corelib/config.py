@@ -153,12 +153,20 @@ class ModelConfig:
     num_kv_heads: int = field(default=2, metadata=doc("key/value heads (grouped-query attention)"))
     head_dim: int = field(default=0, metadata=doc("per-head width; 0: hidden_size / num_heads"))
     intermediate_size: int = field(default=384, metadata=doc("SwiGLU width"))
-    max_model_len: int = field(default=512, metadata=doc("longest prompt + output a request may have"))
+    max_model_len: int = field(
+        default=0,
+        metadata=doc("longest prompt + output a request may have; 0: max_position_embeddings (the checkpoint's), cut "
+                     "to what the KV pool holds when it cannot hold one such request"),
+    )
+    max_position_embeddings: int = field(
+        default=512, metadata=doc("the longest context the model was trained for; a checkpoint's config.json sets it")
+    )
     rope_theta: float = field(default=10000.0, metadata=doc("RoPE base"))
     rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon"))
     dtype: str = field(
-        default="float32",
-        metadata=doc("float32, bfloat16, float16, or auto: the checkpoint's dtype (float32 without one)"),
+        default="auto",
+        metadata=doc("float32, bfloat16, float16, or auto: the checkpoint's dtype on an accelerator (native or "
+                     "emulated), float32 where the device is the host (the cpu backend) or without a checkpoint"),
     )
     seed: int = field(default=0, metadata=doc("seed of the random weights"))
     init: WeightInit = field(
@@ -187,6 +195,11 @@ class ModelConfig:
     )
     rope_scaling: dict[str, Any] = field(
         default_factory=dict, metadata=doc("config.json's rope_scaling (rope_type, factor, ...); {}: plain RoPE")
+    )
+    sampling_defaults: dict[str, Any] | None = field(
+        default=None,
+        metadata=doc("what a request that leaves them out samples with (temperature, top_p, top_k, min_p, "
+                     "repetition_penalty, max_tokens); null: the checkpoint's generation_config.json; {}: none"),
     )
 
 
@@ -240,7 +253,14 @@ class EngineConfig:
     kv_cache: str = field(default="paged", metadata=doc("KV cache layout; paged is the only one implemented"))
     block_size: int = field(default=16, metadata=doc("tokens per KV block"))
     num_kv_blocks: int = field(
-        default=0, metadata=doc("KV blocks in the pool; 0: enough for max_num_seqs requests of max_model_len")
+        default=0,
+        metadata=doc("KV blocks in the pool; 0: sized from memory (gpu_memory_utilization), on a device that is the "
+                     "host or emulated at most what max_num_seqs requests of max_model_len need"),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=doc("share of the device's memory (the host's for the cpu backend and the emulator) the engine may "
+                     "use: weights, the largest step's activations, graphs, and the KV pool in what is left; (0, 1]"),
     )
     max_num_seqs: int = field(default=64, metadata=doc("most requests decoding at once"))
     max_num_batched_tokens: int = field(

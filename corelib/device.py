@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from corelib.errors import DeviceTimeout, UnsupportedOperation
-from corelib.memory import HostRegistration
+from corelib.memory import HostRegistration, host_memory
 
 if TYPE_CHECKING:
     from corelib.graph import Graph
@@ -327,6 +327,26 @@ class Device(ABC):
 
     def graph_pool_bytes(self) -> int | None:
         """Device memory the captured graphs' shared pool holds; None where the device cannot say."""
+        return None
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the memory this device allocates from; None where the device cannot say.
+
+        A device whose memory is the host's (``device_is_host``, the stream emulator) reports the host's
+        memory; a native accelerator's backend asks its runtime. The KV pool is sized from it
+        (``engine.gpu_memory_utilization``, :mod:`corelib.kv_pool`).
+        """
+        if self.capabilities.device_is_host or self.runtime is Runtime.emulated:
+            return host_memory()
+        return None
+
+    def peak_memory_bytes(self) -> int | None:
+        """The most device memory allocated at once since :meth:`reset_peak_memory`; None where the device's
+        allocator keeps no peak (the KV sizing then estimates a step's activations from the model's shape)."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak for :meth:`peak_memory_bytes` (nothing where there is none)."""
         return None
 
     def close(self) -> None:

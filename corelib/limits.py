@@ -61,6 +61,9 @@ def check_limits(config: CorelibConfig) -> None:
         # only builds those (10**6 took over a minute) and a negative one leaves the pipeline no depth.
         raise ConfigError(f"engine.run_ahead={engine.run_ahead}: must be 1 or 2 (steps the scheduler submits "
                           "beyond the one it reads, with async handoff)")
+    if not 0 < engine.gpu_memory_utilization <= 1:  # a share of the device's memory (NaN fails both)
+        raise ConfigError(f"engine.gpu_memory_utilization={engine.gpu_memory_utilization}: must be in (0, 1], the "
+                          "share of the device's memory the engine may use (0.9: vLLM's default)")
     if not 0 < engine.timeout_s < float("inf"):
         raise ConfigError(f"engine.timeout_s={engine.timeout_s}: must be a positive number of seconds")
     small = [size for size in engine.graph_batch_sizes if size < 1]
@@ -133,6 +136,8 @@ def check_memory(config: CorelibConfig, spec: DeviceSpec) -> None:
     if available is None:
         return
     kv, per_block, num_blocks = kv_cache_bytes(config)
+    if not config.engine.num_kv_blocks:
+        kv = 0  # sized from what is left once the model is loaded (corelib.kv_pool), which refuses too little
     weights = weight_bytes(config)
     if kv + weights <= available:
         return

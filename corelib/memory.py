@@ -8,14 +8,19 @@ the memory is released).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
 
 
 class MemoryKind(str, enum.Enum):
@@ -109,3 +114,27 @@ class HostRegistration:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def host_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the host's memory this process may use: MemAvailable and MemTotal, each capped by
+    a cgroup v2 limit (a container's); None where neither can be read.
+
+    What the cpu backend and the stream emulator report as their device's memory
+    (:meth:`corelib.device.Device.memory_info`).
+    """
+    fields: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in MEMINFO.read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in ("MemAvailable", "MemTotal"):
+                fields[name] = int(rest.split()[0]) * 1024
+    if len(fields) < 2:
+        return None
+    free, total = fields["MemAvailable"], fields["MemTotal"]
+    with contextlib.suppress(OSError, ValueError):
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            total = min(total, int(limit))
+            free = min(free, max(0, int(limit) - int((CGROUP / "memory.current").read_text().strip())))
+    return free, total

@@ -264,6 +264,23 @@ class TorchDevice(Device):
         pool = tuple(self._pool) if isinstance(self._pool, tuple) else (self._pool,)
         return sum(int(s["total_size"]) for s in snapshot() if tuple(s.get("segment_pool_id", ())) == pool)
 
+    def memory_info(self) -> tuple[int, int] | None:
+        """The runtime's (free, total) of this device (``mem_get_info``); None where the module has none."""
+        query = getattr(self.module, "mem_get_info", None)
+        if query is None:
+            return None
+        free, total = query(self.index)
+        return int(free), int(total)
+
+    def peak_memory_bytes(self) -> int | None:
+        peak = getattr(self.module, "max_memory_allocated", None)
+        return None if peak is None else int(peak(self.index))
+
+    def reset_peak_memory(self) -> None:
+        reset = getattr(self.module, "reset_peak_memory_stats", None)
+        if reset is not None:
+            reset(self.index)
+
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(
             device_bytes=int(self.module.memory_allocated(self.index)),

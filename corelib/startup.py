@@ -41,6 +41,8 @@ class Startup:
     plan: Plan
     messages: tuple[str, ...]
     options: EngineOptions  # the plan, as the engine uses it
+    # model.max_model_len is the model's own limit (it was left at 0), so the KV sizing may cut it to the pool
+    default_context: bool = False
 
 
 def start(raw: DictConfig, registry: PluginRegistry) -> Startup:
@@ -55,7 +57,7 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     check_targets(raw, registry.trusted_packages)
     check_schema_keys(raw)
     raw = raw.copy()
-    messages: list[str] = resolve_checkpoint(raw)  # model.path: config.json's values replace the preset's
+    messages: list[str] = []
     name = str(raw.backend.name)
     if name == "auto":
         name, why = _choose_auto(raw, registry)
@@ -63,6 +65,11 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
         with open_dict(raw):
             raw.backend = chosen
         messages.append(f"backend=auto chose {name}: {why}")
+    # model.path: config.json's values replace the preset's; dtype=auto depends on whether the device is the host
+    # (a fact of the backend's profile, which no probe changes)
+    host = bool(raw.backend.get("capabilities", {}).get("device_is_host", False))
+    default_context = not int(raw.model.get("max_model_len") or 0)
+    messages[:0] = resolve_checkpoint(raw, host)
     backend = registry.get(name)
     _check_allowed(raw, registry, name)
     config = _typed(raw)
@@ -81,7 +88,7 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
         rest = [op for op in OP_NAMES if op not in options.fused_ops]
         messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"
                         + (f"; the reference runs {', '.join(rest)}" if rest else ""))
-    return Startup(raw, config, backend, resolution.spec, plan, tuple(messages), options)
+    return Startup(raw, config, backend, resolution.spec, plan, tuple(messages), options, default_context)
 
 
 def _typed(raw: DictConfig) -> CorelibConfig:

@@ -82,6 +82,7 @@ class Engine:
                                             [model_cfg.eos_token_id, *model_cfg.extra_eos_token_ids])
         executor = EXECUTORS[self.options.transport](startup, self.options, self.layout, model_factory)
         self.notices: list[str] = list(executor.notices)  # things the user should hear about, said once at start
+        self.layout = executor.layout or self.layout  # its KV pool sized from memory once the model was loaded
         try:
             self.core = build_engine_core(cfg, self.options, self.layout, executor, self.tokenizer,
                                           startup.spec.capabilities.graph_param_update)

@@ -4,8 +4,11 @@ Precedence, when ``model.path`` is set: the checkpoint describes the network, th
 describes how to run it. Everything that fixes the weights' shapes or the math (architecture,
 sizes, head_dim, RoPE base and scaling, norm epsilon, tied embeddings, qkv bias, q/k norm)
 and the EOS ids come from ``config.json`` and replace the preset's values. ``model.dtype``
-stays the user's choice (``auto`` takes the checkpoint's), and ``model.max_model_len`` too,
-capped at the checkpoint's ``max_position_embeddings``.
+stays the user's choice (``auto`` takes the checkpoint's on an accelerator, float32 where the
+device is the host: the startup decides), and ``model.max_model_len`` too, capped at the
+checkpoint's ``max_position_embeddings`` (0, the default, takes it). ``generation_config.json``'s
+sampling values become ``model.sampling_defaults`` unless the config sets that key: what a
+request that leaves a value out samples with, as in vLLM.
 
 A config that asks for math this decoder does not do (a sliding window that reaches inside
 ``model.max_model_len``, logit soft-capping, other attention scales, layers without RoPE,
@@ -22,7 +25,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +57,12 @@ class CheckpointConfig:
     max_position_embeddings: int
     dtype: str  # the weights' dtype as config.json names it
     sliding_window: SlidingWindow | None = None
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)  # generation_config.json's, as request fields
 
     def apply(self, cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
         """``cfg`` with the checkpoint's values, and a note when max_model_len had to be capped."""
         notes = []
-        max_len = cfg.max_model_len
+        max_len = cfg.max_model_len or self.max_position_embeddings
         if max_len > self.max_position_embeddings:
             notes.append(
                 f"model.max_model_len={max_len} exceeds the checkpoint's max_position_embeddings="
@@ -74,7 +78,9 @@ class CheckpointConfig:
             )
         dtype = self.dtype if cfg.dtype == "auto" else cfg.dtype
         path = str(self.directory)
-        return replace(cfg, **self.fields, max_model_len=max_len, dtype=dtype, path=path), notes
+        sampling = dict(self.sampling_defaults) if cfg.sampling_defaults is None else cfg.sampling_defaults
+        return replace(cfg, **self.fields, max_model_len=max_len, dtype=dtype, path=path,
+                       sampling_defaults=sampling), notes
 
     def describe(self, cfg: ModelConfig) -> str:
         weights = self.dtype if cfg.dtype == self.dtype else f"{self.dtype} as {cfg.dtype}"
@@ -143,6 +149,7 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
     vocab = need("vocab_size")
     rope = _rope_parameters(hf)
     eos = _eos_ids(hf, directory / "generation_config.json", vocab)
+    sampling = sampling_defaults(directory / "generation_config.json")
     max_positions = need("max_position_embeddings")
     rope_source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if rope.get("rope_type") in ("llama3", "yarn", "dynamic"):
@@ -184,11 +191,39 @@ def read_checkpoint_config(path: str) -> CheckpointConfig:
         "extra_eos_token_ids": eos[1:],
         "rope_scaling": {} if rope.get("rope_type", "default") == "default" else rope,
         "multimodal": False,
+        "max_position_embeddings": max_positions,
     }
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"{config_file}: torch_dtype={dtype} is not a dtype corelib loads ({', '.join(DTYPES)})")
-    return CheckpointConfig(directory, architecture, fields, max_positions, dtype, sliding_window(hf))
+    return CheckpointConfig(directory, architecture, fields, max_positions, dtype, sliding_window(hf), sampling)
+
+
+#: generation_config.json's keys that are sampling defaults, and the request field each becomes (vLLM's set)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_file: Path) -> dict[str, Any]:
+    """The sampling values ``generation_config.json`` sets, under their request field names; {} without the file.
+
+    A value of the wrong type is refused in one line naming the file and the key; its range is checked
+    where it becomes a request's value (:class:`corelib.sampling_params.SamplingParams`), at startup.
+    """
+    if not generation_file.exists():
+        return {}
+    generation = _read_json(generation_file)
+    found: dict[str, Any] = {}
+    for key, name in GENERATION_DEFAULTS.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        integer = name in ("top_k", "max_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise ConfigError(f"{generation_file}: {key} must be {'an integer' if integer else 'a number'} "
+                              f"(got {json.dumps(value)[:40]})")
+        found[name] = value if integer else float(value)
+    return found
 
 
 def _flag(hf: Mapping[str, Any], key: str, config_file: Path) -> bool:
@@ -315,21 +350,50 @@ def _eos_ids(hf: Mapping[str, Any], generation_file: Path, vocab_size: int) -> l
 def resolved_model_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with its checkpoint's values when ``model.path`` is set. Idempotent."""
     if not cfg.path:
-        return replace(cfg, dtype="float32") if cfg.dtype == "auto" else cfg
+        return replace(cfg, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
+                       max_model_len=cfg.max_model_len or cfg.max_position_embeddings,
+                       sampling_defaults={} if cfg.sampling_defaults is None else cfg.sampling_defaults)
     return read_checkpoint_config(cfg.path).apply(cfg)[0]
 
 
-def resolve_checkpoint(raw: DictConfig) -> list[str]:
-    """The startup hook: write the checkpoint's values into ``raw.model``; returns lines for the user."""
+def resolve_checkpoint(raw: DictConfig, device_is_host: bool = False) -> list[str]:
+    """The startup hook: write the checkpoint's values into ``raw.model``; returns lines for the user.
+
+    ``model.dtype=auto`` becomes the checkpoint's dtype on an accelerator (vLLM's ``auto``) and
+    float32 where the device is the host (``device_is_host``: a CPU computes bfloat16 slowly, and
+    float32 everywhere), or without a checkpoint; ``model.max_model_len=0`` becomes
+    ``max_position_embeddings``. Each choice that was the default's is said, with why.
+    """
     model = raw.model
     path = model.get("path")
+    auto = model.get("dtype") == "auto"
+    context = int(model.get("max_model_len") or 0)
     if not path:
-        if model.get("dtype") == "auto":
-            model.dtype = "float32"
+        if auto:
+            model.dtype = "float32"  # random weights: the dtype every device computes
+        if not context:
+            model.max_model_len = int(model.max_position_embeddings)
+        if model.get("sampling_defaults") is None:
+            model.sampling_defaults = {}
         return []
     checkpoint = read_checkpoint_config(resolve_model_path(str(path)))  # a hub id becomes its cached snapshot
-    current = ModelConfig(name=str(model.name), max_model_len=int(model.max_model_len), dtype=str(model.dtype))
+    dtype = "float32" if auto and device_is_host else str(model.dtype)
+    sampling = model.get("sampling_defaults")
+    current = ModelConfig(name=str(model.name), max_model_len=context, dtype=dtype,
+                          sampling_defaults=None if sampling is None else dict(sampling))
     resolved, notes = checkpoint.apply(current)
-    for key in (*checkpoint.fields, "max_model_len", "dtype", "path"):
+    for key in (*checkpoint.fields, "max_model_len", "dtype", "path", "sampling_defaults"):
         model[key] = getattr(resolved, key)
-    return [checkpoint.describe(resolved), *notes]
+    lines = [checkpoint.describe(resolved)]
+    if auto:
+        why = ("float32, as the device is the host's CPU (set model.dtype to choose)" if device_is_host else
+               f"{resolved.dtype}, the checkpoint's (config.json torch_dtype), on an accelerator")
+        lines.append(f"model.dtype=auto: {why}")
+    if not context:
+        lines.append(f"model.max_model_len={resolved.max_model_len}: the checkpoint's max_position_embeddings="
+                     f"{checkpoint.max_position_embeddings}")
+    if resolved.sampling_defaults and sampling is None:
+        values = ", ".join(f"{k}={v}" for k, v in resolved.sampling_defaults.items())
+        lines.append(f"sampling defaults from generation_config.json: {values} (a request that sets one wins; "
+                     "model.sampling_defaults={} drops them)")
+    return [*lines, *notes]

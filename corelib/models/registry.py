@@ -192,7 +192,7 @@ class LlamaVariant:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
             intermediate_size=cfg.intermediate_size,
-            max_model_len=cfg.max_model_len,
+            max_model_len=cfg.max_model_len or cfg.max_position_embeddings,  # 0: resolved at startup, as here
             rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps,
             # "auto" (the checkpoint's dtype) is resolved at startup; random weights have none
@@ -201,7 +201,7 @@ class LlamaVariant:
             qk_norm=cfg.qk_norm or self.qk_norm,
             tie_word_embeddings=cfg.tie_word_embeddings,
             conv_kernel=cfg.conv_kernel if self.conv_state else 0,
-            rope_scaling=RopeScaling.parse(cfg.rope_scaling, cfg.max_model_len),
+            rope_scaling=RopeScaling.parse(cfg.rope_scaling, cfg.max_model_len or cfg.max_position_embeddings),
             fused_qkv=self.fused_qkv,
             fused_gate_up=self.fused_gate_up,
         )

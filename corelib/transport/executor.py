@@ -17,6 +17,7 @@ from corelib.step.arena import ArenaPool
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepHandle, StepResult
+from corelib.step.layout import EngineLayout
 
 if TYPE_CHECKING:
     pass
@@ -38,6 +39,8 @@ class Executor(ABC):
     arenas: ArenaPool
     #: user-facing notes from building the executor (said once at start)
     notices: list[str]
+    #: the layout the steps run with, its KV pool sized once the model is loaded (None: the one it was given)
+    layout: EngineLayout | None = None
 
     @abstractmethod
     def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:

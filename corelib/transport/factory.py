@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from corelib.config import Transport
+from corelib.kv_pool import sized_layout
 from corelib.options import EngineOptions
 from corelib.startup import Startup
 from corelib.step.arena import ArenaPool
@@ -23,6 +24,7 @@ def build_inproc(
     device = startup.backend.open(startup.spec)
     try:
         model = model_factory(startup.config, device, None)
+        layout, pool = sized_layout(startup, options, layout, device, model)  # the KV pool from what is left
         steps = build_device_steps(device, startup.backend, startup.config, options, layout, model, options.staging)
         pinned = not device.capabilities.device_is_host and device.capabilities.pinned_host
         arenas = ArenaPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=pinned),
@@ -30,7 +32,10 @@ def build_inproc(
     except BaseException:
         device.close()
         raise
-    return InprocExecutor(device, steps, arenas)
+    executor = InprocExecutor(device, steps, arenas)
+    executor.layout = layout
+    executor.notices.extend(pool)
+    return executor
 
 
 def build_shm(
@@ -38,7 +43,11 @@ def build_shm(
 ) -> Executor:
     """Start the worker processes; each loads its own model (``model_factory`` is not used across processes)."""
     del model_factory
-    return ShmExecutor(startup, options, layout)
+    layout, pool = sized_layout(startup, options, layout)  # into the config, which every worker reads
+    executor = ShmExecutor(startup, options, layout)
+    executor.layout = layout
+    executor.notices.extend(pool)
+    return executor
 
 
 ExecutorFactory = Callable[[Startup, EngineOptions, EngineLayout, ModelFactory], Executor]
