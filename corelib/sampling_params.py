@@ -9,7 +9,9 @@ checked here against what its column can hold. So a new sampler option is a fiel
 field of ``SamplingInputs`` and its math in ``corelib/ops/sampling.py``.
 
 Names and meanings follow vLLM's ``SamplingParams``; the one difference is the default
-temperature: 0 (greedy), where vLLM's is 1.
+temperature: 0 (greedy), where vLLM's is 1. ``logit_bias`` and ``min_tokens``' ban on the stop
+ids are not scalars: each row carries a table of a fixed width (``LOGIT_BIAS_WIDTH``,
+``MIN_TOKENS_STOP_WIDTH``, :data:`corelib.ops.spec.SAMPLING_TABLES`) in every step's inputs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top
 # keeps a request's check to some 32,000 characters compared per token at the very worst.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
+# logit_bias travels to the device as a table of (token id, bias) of this width in every step's inputs
+# (12 bytes an entry, a row's table copied each step whatever its use). OpenAI's examples bias or ban
+# a handful of tokens; 64 is many times that at some 770 bytes a row. Each bias is bounded as OpenAI
+# bounds it: [-100, 100] (-100 bans a token, 100 all but forces it).
+LOGIT_BIAS_WIDTH = 64
+MAX_LOGIT_BIAS = 100.0
+# min_tokens bans a request's stop ids (its stop_token_ids and, unless ignore_eos, the model's EOS ids)
+# until it has that many tokens: the device holds them in a table of this width; the request's own
+# stop_token_ids may take all but 8 places (left for the EOS ids of the model's generation config).
+MIN_TOKENS_STOP_WIDTH = 32
+MAX_MIN_TOKENS_STOP_IDS = MIN_TOKENS_STOP_WIDTH - 8
 
 
 class SamplingError(RequestError, ValueError):
@@ -92,13 +105,28 @@ class SamplingParams:
         (lambda v: 0 < v <= 1, "must be in (0, 1]"), Column("float32", 1.0, (1.0, 0.9, 0.5, 1.0))))
     top_k: int = field(default=0, metadata=_meta(
         (lambda v: v >= 0, "must be >= 0 (0 or -1: no cut)"), Column("int64", 0, (0, 50, 0, 10))))
+    # Tokens whose probability is below min_p times the likeliest one's are cut (after temperature); 0: none.
+    min_p: float = field(default=0.0, metadata=_meta(
+        (lambda v: 0 <= v <= 1, "must be in [0, 1]"), Column("float32", 0.0, (0.0, 0.1, 0.05, 0.3))))
+    # The stop ids (stop_token_ids, and EOS unless ignore_eos) cannot be sampled before this many tokens;
+    # stop strings count only after them.
+    min_tokens: int = field(default=0, metadata=_meta(
+        (lambda v: 0 <= v < INT64_LIMIT, "must be >= 0"), Column("int64", 0, (0, 3, 0, 1))))
     seed: int | None = field(default=None, metadata=_meta(
         (lambda v: v is None or 0 <= v < SEED_LIMIT, "must be in [0, 2**62)"),
         Column("int64", 0, name="seeds", selects=False)))
     stop: str | Sequence[str] | None = None  # stored as a tuple of strings
     stop_token_ids: Sequence[int] = ()  # stored as a tuple
     ignore_eos: bool = False
-    max_tokens: int = field(default=16, metadata=_meta((lambda v: v >= 1, "must be at least 1"), api=False))
+    # None: up to the end of the model's context (max_model_len less the prompt).
+    max_tokens: int | None = field(default=16, metadata=_meta(
+        (lambda v: v is None or v >= 1, "must be at least 1 (None: to the end of the context)"), api=False))
+    # token id -> a bias added to its logit before anything else (OpenAI's logit_bias: JSON's string keys
+    # are token ids too); at most LOGIT_BIAS_WIDTH entries, each in [-100, 100]. Stored as a dict.
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
+    detokenize: bool = True  # False: no text (token ids only); stop strings need text
     # Each output token's log-probability and the ``logprobs`` most likely ones (OpenAI's completions
     # ``logprobs``, chat's ``top_logprobs``: the server maps them itself); None: none.
     logprobs: int | None = field(default=None, metadata=_meta(
@@ -123,6 +151,16 @@ class SamplingParams:
         if long:
             raise SamplingError("stop", f"stop[{long[0]}] has {len(self.stop_strings[long[0]])} characters: each stop "
                                         f"string must be at most {MAX_STOP_CHARS} (each is matched after every token)")
+        if self.stop_strings and not self.detokenize:
+            raise SamplingError("stop", "stop: stop strings are matched in the text, which detokenize=False leaves "
+                                        "out; use stop_token_ids, or detokenize=True")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingError("min_tokens", f"min_tokens={self.min_tokens}: must be at most "
+                                              f"max_tokens={self.max_tokens}")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise SamplingError("stop_token_ids", f"stop_token_ids: {len(self.stop_token_ids)} ids with min_tokens: "
+                                                  f"at most {MAX_MIN_TOKENS_STOP_IDS} (the device bans each until "
+                                                  "min_tokens)")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -132,7 +170,8 @@ class SamplingParams:
     @property
     def needs_sampler(self) -> bool:
         """Some column asks for more than the greedy argmax (temperature, a cut, a penalty)."""
-        return any(column.selects and getattr(self, param) != column.neutral for param, column in columns())
+        return bool(self.logit_bias) or any(
+            column.selects and getattr(self, param) != column.neutral for param, column in columns())
 
     def validate(self, vocab_size: int) -> None:
         """Raise a SamplingError naming what the model's vocabulary refuses."""
@@ -140,6 +179,10 @@ class SamplingParams:
         if bad:
             raise SamplingError("stop_token_ids",
                                 f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in self.logit_bias or () if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingError("logit_bias", f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                              f"[0, {vocab_size})")
 
     def replace(self, **changes: object) -> SamplingParams:
         """A copy with ``changes``, checked like a new one."""
@@ -208,6 +251,8 @@ def _normalized(f: dataclasses.Field[Any], value: object) -> object:
             raise SamplingError(name, f"stop: {len(value)} stop strings: at most {MAX_STOP_STRINGS} (each is matched "
                                       "after every token)")
         return _strings(name, value)
+    if name == "logit_bias":
+        return _logit_bias(value)
     if name == "stop_token_ids":
         if isinstance(value, str) or not isinstance(value, Sequence | tuple | list):
             raise SamplingError(name, f"{name}={value!r}: pass a list of token ids")
@@ -226,6 +271,33 @@ def _normalized(f: dataclasses.Field[Any], value: object) -> object:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise SamplingError(name, f"{name}={value!r}: must be a number, not {type(value).__name__}")
     return float(value)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """``value`` as {token id: bias}; keys may be integers or their decimal strings (JSON's object keys)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SamplingError("logit_bias", f"logit_bias={_short(value)}: pass a mapping of token id to bias")
+    if len(value) > LOGIT_BIAS_WIDTH:
+        raise SamplingError("logit_bias", f"logit_bias: {len(value)} entries: at most {LOGIT_BIAS_WIDTH} (the "
+                                          "device carries them in a table of that width)")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            token = int(key)
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            token = operator.index(key)
+        else:
+            raise SamplingError("logit_bias", f"logit_bias: key {_short(key)} is not a token id")
+        given = float(number) if isinstance(number, numbers.Real) and not isinstance(number, bool) else math.nan
+        if not abs(given) <= MAX_LOGIT_BIAS:  # NaN and infinities included
+            raise SamplingError("logit_bias", f"logit_bias[{token}]={_short(number)}: must be a number in "
+                                              f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if token in bias:
+            raise SamplingError("logit_bias", f"logit_bias: token id {token} is given twice")
+        bias[token] = given
+    return bias
 
 
 def _integer(name: str, value: object) -> int:

@@ -67,11 +67,15 @@ class Tokenizer:
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return list(encoding.ids)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def stream(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self.decode)
+    def decode_special(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` with their special tokens kept (``skip_special_tokens=False``)."""
+        return self.decode(token_ids, skip_special_tokens=False)
+
+    def stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self.decode if skip_special_tokens else self.decode_special)
 
 
 class IncrementalDecoder:

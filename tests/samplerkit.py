@@ -1,4 +1,5 @@
-"""The sampler written out a second time, for the tests: penalties, greedy, temperature, top-k, top-p, noise.
+"""The sampler written out a second time, for the tests: logit bias, min_tokens, penalties, greedy, temperature,
+min-p, top-k, top-p, noise.
 
 The engine's sampler (``corelib/ops/sampling.py``) works on batches of rows, sorts, masks and
 draws its noise from a vectorised hash on the device. A test that compared the engine with a
@@ -8,14 +9,18 @@ Python or plain torch, and the noise hash is recomputed on unsigned Python integ
 
 The definitions (vLLM's, which the engine follows):
 
+- first each ``logit_bias`` entry is added to its token's logit; then, while the request has fewer
+  outputs than ``min_tokens``, its stop ids (its ``stop_token_ids``, and EOS unless ``ignore_eos``)
+  are set to -inf;
 - penalties, in this order: repetition (a token seen in the prompt or the output has its logit
   divided by the penalty when positive, multiplied by it otherwise), frequency (minus the penalty
   times the token's count in the output), presence (minus the penalty when the token is in the
   output at all);
 - temperature 0: the argmax of the penalised logits;
-- otherwise the penalised logits divided by the temperature, cut to the ``top_k`` largest (0: no
-  cut), then to the tokens whose probability mass ranked strictly above them, renormalised over
-  what top-k left, is below ``top_p``; among those, the token whose scaled logit plus its Gumbel
+- otherwise the penalised logits divided by the temperature, cut to the tokens whose probability is
+  at least ``min_p`` times the likeliest one's (0: no cut), to the ``top_k`` largest (0: no cut),
+  then to the tokens whose probability mass ranked strictly above them, renormalised over what
+  min-p and top-k left, is below ``top_p``; among those, the token whose scaled logit plus its Gumbel
   noise is largest (the Gumbel-max trick: a draw from the softmax of what is left);
 - the noise of token ``t`` when sampling position ``p`` (the number of tokens before it) of a
   request seeded ``s`` is a function of (s, p, t) alone: splitmix64's finaliser twice, with its
@@ -66,6 +71,10 @@ class Sampling:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    stop_ids: tuple[int, ...] = ()  # what min_tokens bans: the request's stop ids, EOS among them unless ignored
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1 or self.repetition_penalty <= 0:
@@ -77,11 +86,14 @@ class Sampling:
             raise ValueError("a sampled request needs an explicit seed: a random one could not be reproduced")
 
     @classmethod
-    def of(cls, params: SamplingParams) -> Sampling:
-        """The settings of an engine request (its values only: nothing of how the engine reads them)."""
+    def of(cls, params: SamplingParams, eos: Sequence[int] = ()) -> Sampling:
+        """The settings of an engine request (its values only: nothing of how the engine reads them); ``eos``:
+        the model's EOS ids."""
         return cls(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
                    repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
-                   presence_penalty=params.presence_penalty)
+                   presence_penalty=params.presence_penalty, min_p=params.min_p, min_tokens=params.min_tokens,
+                   logit_bias=tuple((params.logit_bias or {}).items()),
+                   stop_ids=tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos)))
 
 
 # ------------------------------------------------------------------------------------ noise
@@ -115,6 +127,18 @@ def gumbel(seed: int, position: int, tokens: Sequence[int]) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------- penalties
+def biased(logits: torch.Tensor, output: Sequence[int], sampling: Sampling) -> torch.Tensor:
+    """The logits [V] with each logit_bias entry added, then the stop ids at -inf while the output is shorter than
+    min_tokens; float32, a new tensor."""
+    out = logits.to(torch.float32).clone()
+    for token, bias in sampling.logit_bias:
+        out[token] = out[token] + torch.tensor(bias, dtype=torch.float32)
+    if len(output) < sampling.min_tokens:
+        for token in sampling.stop_ids:
+            out[token] = float("-inf")
+    return out
+
+
 def penalised(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], sampling: Sampling) -> torch.Tensor:
     """The logits [V] after the repetition, then frequency, then presence penalty, float32, a new tensor."""
     out = logits.to(torch.float32).clone()
@@ -132,10 +156,12 @@ def penalised(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int]
 
 
 # ---------------------------------------------------------------------------------- the cuts
-def candidates(scaled: torch.Tensor, top_k: int, top_p: float) -> list[int]:
+def candidates(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> list[int]:
     """The tokens a sampled request may draw from its scaled logits [V], most likely first."""
     values = scaled.tolist()
     ranked = sorted(range(len(values)), key=lambda t: values[t], reverse=True)
+    if min_p > 0:  # p / p_max = exp(scaled - the largest scaled), in float64
+        ranked = [t for t in ranked if math.exp(values[t] - values[ranked[0]]) >= min_p]
     if top_k > 0:
         ranked = ranked[:top_k]
     if top_p >= 1:
@@ -159,11 +185,11 @@ def sample(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], s
     ``logits`` [V]: the model's logits for the next token. Its position, the counter of the noise,
     is the number of tokens before it: ``len(prompt) + len(output)``.
     """
-    logits = penalised(logits, prompt, output, sampling)
+    logits = penalised(biased(logits, output, sampling), prompt, output, sampling)
     if sampling.temperature == 0:
         return int(torch.argmax(logits))  # the first of equal maxima
     assert sampling.seed is not None  # checked when the settings were made
     scaled = logits / torch.tensor(sampling.temperature, dtype=torch.float32)
-    kept = candidates(scaled, sampling.top_k, sampling.top_p)
+    kept = candidates(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
     scores = scaled[kept] + gumbel(sampling.seed, len(prompt) + len(output), kept)
     return kept[int(torch.argmax(scores))]

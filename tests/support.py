@@ -183,10 +183,12 @@ def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
     return build_weights(shape, random_state_dict(shape, config.model.seed), torch.device("cpu"))
 
 
-def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
+def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: SamplingParams,
+                      eos: Sequence[int] = ()) -> list[int]:
     """What a request samples, computed one full forward per token by the plain reference.
 
-    ``max_tokens`` tokens, no stops. The tokens are drawn by ``samplerkit``, which shares no code
+    ``max_tokens`` tokens, or fewer where a stop id (``stop_token_ids``, and ``eos`` unless ``ignore_eos``)
+    is sampled after ``min_tokens`` outputs. The tokens are drawn by ``samplerkit``, which shares no code
     with the engine's sampler: its penalties, cuts and noise (a function of the seed, the position
     of the new token and the token id, so the same draws follow from the reference logits) are
     written from their definitions, and a mistake in the engine's shows as a difference.
@@ -196,9 +198,13 @@ def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: Sa
 
     from corelib.models.reference import reference_logits
 
-    settings = Sampling.of(sampling)
+    settings = Sampling.of(sampling, eos)
+    stops = set(settings.stop_ids)
     output: list[int] = []
+    assert sampling.max_tokens is not None, "the reference runs a request of a set length"
     with torch.inference_mode():
         for _ in range(sampling.max_tokens):
             output.append(sample(reference_logits(weights, [*prompt, *output]), prompt, output, settings))
+            if output[-1] in stops and len(output) > sampling.min_tokens:
+                break
     return output

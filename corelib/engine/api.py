@@ -18,6 +18,7 @@ one driving thread); its parts live beside it (:mod:`corelib.step.build` assembl
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -81,8 +82,8 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size,
                                             [model_cfg.eos_token_id, *model_cfg.extra_eos_token_ids])
         executor = EXECUTORS[self.options.transport](startup, self.options, self.layout, model_factory)
-        self.notices: list[str] = list(executor.notices)  # things the user should hear about, said once at start
         self.layout = executor.layout or self.layout  # its KV pool sized from memory once the model was loaded
+        self.notices: list[str] = list(executor.notices)  # things the user should hear about, said once at start
         try:
             self.core = build_engine_core(cfg, self.options, self.layout, executor, self.tokenizer,
                                           startup.spec.capabilities.graph_param_update)
@@ -319,15 +320,26 @@ class Engine:
 
     def _take_new(self) -> list[tuple[Seq, RequestOutput]]:
         """The outputs the core finished since the last look (not those kept for their caller)."""
-        taken = [(seq, output_of(seq, self._final_text(seq))) for seq in self.core.take_finished()]
+        taken = [(seq, output_of(seq, self._final_text(seq), self._token_text)) for seq in self.core.take_finished()]
         for _, output in taken:
             self._live_ids.discard(output.request_id)
         return taken
 
+    @functools.cached_property
+    def _token_text(self) -> Callable[[int], str] | None:
+        """One token's text for a logprob's ``decoded_token`` (special tokens kept, as vLLM shows them), cached:
+        the same few thousand tokens come back in every request's alternatives."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        return functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode_special([token]))
+
     def _final_text(self, seq: Seq) -> str | None:
         if self.tokenizer is None:
             return seq.text or None
-        return cut_at_stop(self.tokenizer.decode(seq.output_token_ids), seq)
+        if not seq.sampling.detokenize:
+            return ""
+        return cut_at_stop(self.tokenizer.decode(seq.output_token_ids, seq.sampling.skip_special_tokens), seq)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Run until every queued request is done, yielding each as it finishes."""

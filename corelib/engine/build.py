@@ -43,7 +43,8 @@ def build_engine_core(
                         options.share_prompt_blocks),
         BlockManager(layout.num_blocks, layout.block_size, options.prefix_caching, model_identity(config)),
         num_states=layout.rows,
-        stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None),
+        stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None,
+                          tokenizer.decode_special if tokenizer else None),
     )
     builder = InputBuilder(layout)
     return EngineCore(

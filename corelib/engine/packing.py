@@ -25,7 +25,7 @@ import torch
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.faults import maybe_fail
-from corelib.ops.spec import SAMPLING_COLUMNS, SamplingColumn
+from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY, ArenaLayout
@@ -86,6 +86,9 @@ class InputBuilder:
         # Sampling values by state index, one host table per column, refreshed when an index changes owner.
         self.state_sampling: dict[str, npt.NDArray[Any]] = {
             c.name: np.full((states,), c.neutral, dtype=_NUMPY[c.dtype]) for c in SAMPLING_COLUMNS}
+        # The sampling tables by state index (logit_bias, min_tokens' stop ids), refreshed with the columns.
+        self.state_tables: dict[str, npt.NDArray[Any]] = {
+            t.name: np.full((states, t.width), t.neutral, dtype=_NUMPY[t.dtype]) for t in SAMPLING_TABLES}
         self.state_prompt_lens = np.ones(states, dtype=np.int64)
         self.state_sampler = np.zeros(states, dtype=np.bool_)  # the row needs more than greedy argmax
         self.state_logprobs = np.zeros(states, dtype=np.bool_)  # the row asks for logprobs
@@ -123,6 +126,8 @@ class InputBuilder:
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
             for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
                 self.state_sampling[column.name][index] = value
+            for name, row in table_rows(seq).items():
+                self.state_tables[name][index] = row
             self.state_prompt_lens[index] = seq.num_prompt_tokens
             # A grammar's mask is applied by the sampling graphs: a structured row takes them even when greedy.
             self.state_sampler[index] = seq.sampling.needs_sampler or seq.grammar is not None
@@ -217,6 +222,8 @@ class InputBuilder:
         v["prompt_lens"][:n] = self.state_prompt_lens[index_t]
         for name, table in self.state_sampling.items():
             v[name][:n] = table[index_t]
+        for name, table in self.state_tables.items():
+            v[name][:n] = table[index_t]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
         copies = len(step.copies)
         if copies:
@@ -237,6 +244,23 @@ class InputBuilder:
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                             leading, bool(padded))
+
+
+def table_rows(seq: EngineSequence) -> dict[str, npt.NDArray[Any]]:
+    """``seq``'s rows of the sampling tables: its logit_bias as (id, bias) pairs, and the stop ids min_tokens bans
+    (its stop ids and, unless ignore_eos, EOS: those that would end it); ValueError when they do not fit."""
+    rows: dict[str, npt.NDArray[Any]] = {
+        t.name: np.full((t.width,), t.neutral, dtype=_NUMPY[t.dtype]) for t in SAMPLING_TABLES}
+    bias = seq.sampling.logit_bias or {}
+    rows["bias_ids"][: len(bias)] = list(bias)
+    rows["bias_values"][: len(bias)] = list(bias.values())
+    if seq.sampling.min_tokens:
+        stops = sorted(seq.ends.stop_ids if seq.ends is not None else seq.sampling.stop_token_ids)
+        width = len(rows["stop_ids"])
+        if len(stops) > width:
+            raise ValueError(f"min_tokens bans {len(stops)} stop ids (stop_token_ids and EOS): at most {width}")
+        rows["stop_ids"][: len(stops)] = stops
+    return rows
 
 
 def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) -> None:

@@ -31,11 +31,17 @@ def token_ids(prompt: object) -> list[int]:
 
 
 def cut_at_stop(text: str, seq: Sequence) -> str:
-    """A request stopped by a stop string returns the text before it."""
-    if seq.finish_reason is not FinishReason.stop or not seq.sampling.stop_strings:
+    """A request stopped by a stop string returns the text before it (through it with
+    ``include_stop_str_in_output``); one that asked for no text (``detokenize=False``), none."""
+    if not seq.sampling.detokenize:
+        return ""
+    stop = seq.stop_reason
+    if seq.finish_reason is not FinishReason.stop or not isinstance(stop, str):
         return text
-    cuts = [i for i in (text.find(s) for s in seq.sampling.stop_strings) if i >= 0]
-    return text[: min(cuts)] if cuts else text
+    at = seq.stop_text_at if seq.stop_text_at >= 0 and text.startswith(stop, seq.stop_text_at) else text.find(stop)
+    if at < 0:
+        return text
+    return text[: at + len(stop)] if seq.sampling.include_stop_str_in_output else text[:at]
 
 
 def check_request(seq: Sequence, model: ModelConfig, vocab_size: int, refuse_overlong: bool) -> None:
@@ -53,7 +59,7 @@ def check_request(seq: Sequence, model: ModelConfig, vocab_size: int, refuse_ove
         raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     seq.sampling.validate(vocab_size)
     room = limit - len(seq.prompt_token_ids)
-    if seq.sampling.max_tokens > room:
+    if seq.sampling.max_tokens is not None and seq.sampling.max_tokens > room:
         overlong = (f"max_tokens={seq.sampling.max_tokens} with a prompt of {len(seq.prompt_token_ids)} tokens "
                     f"exceeds model.max_model_len={limit}")
         if refuse_overlong:

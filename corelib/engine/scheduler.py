@@ -207,7 +207,8 @@ class Scheduler:
         max_len, running = self.limits.max_model_len, Status.RUNNING
         for seq in self.running:
             scheduled = len(seq.output_token_ids) + seq.num_pending  # outputs once every step in flight is read
-            if seq.status is not running or scheduled >= seq.sampling.max_tokens:
+            max_tokens = seq.sampling.max_tokens  # None: to the model's length, checked below
+            if seq.status is not running or (max_tokens is not None and scheduled >= max_tokens):
                 continue
             known = seq.num_prompt_tokens + scheduled
             if known >= max_len:
@@ -498,6 +499,7 @@ class Scheduler:
 
 
 def _token_logprobs(token: int, row: list[float], count: int) -> TokenLogprobs:
-    """A row of the device's logprobs (the token's, then the top values, then their ids) as ``count`` alternatives."""
-    top = [(int(row[1 + MAX_LOGPROBS + i]), row[1 + i]) for i in range(count)]
-    return TokenLogprobs(token, row[0], tuple(top))
+    """A row of the device's logprobs (the token's, its rank, then the top values, then their ids) as ``count``
+    alternatives."""
+    top = [(int(row[2 + MAX_LOGPROBS + i]), row[2 + i]) for i in range(count)]
+    return TokenLogprobs(token, row[0], tuple(top), int(row[1]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,16 +14,54 @@ if TYPE_CHECKING:
     from corelib.engine.stops import StopScan
     from corelib.engine.structured import GrammarState
 
-__all__ = ["MAX_LOGPROBS", "FinishReason", "SamplingParams", "Sequence", "Status", "TokenLogprobs"]
+__all__ = ["MAX_LOGPROBS", "FinishReason", "Logprob", "SamplingParams", "Sequence", "Status", "TokenLogprobs",
+           "logprob_dict"]
 
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One sampled token's log-probability under the logits it was sampled from, and the most likely ones."""
+    """One sampled token's log-probability under the logits it was sampled from, and the most likely ones
+    (as the device reports them; outputs show them as vLLM does: :func:`logprob_dict`)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    rank: int = 1  # tokens at least as likely as it, itself included (1: the likeliest)
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its rank among the vocabulary (1: the likeliest) and
+    its text (None without a tokenizer, or with ``detokenize=False``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprob_dict(item: TokenLogprobs, token_text: Callable[[int], str] | None = None) -> dict[int, Logprob]:
+    """One token's logprobs as vLLM gives them: {token id: Logprob}, the sampled token first, then the top
+    ones by rank (the sampled one once, with its place among them where it is one of them). So the dict
+    holds ``len(top)`` entries when the sampled token is among the top ones, one more when it is not."""
+    ranks = {token: rank for rank, (token, _) in enumerate(item.top, start=1)}
+
+    def text(token: int) -> str | None:
+        return None if token_text is None else token_text(token)
+
+    out = {item.token_id: Logprob(item.logprob, ranks.get(item.token_id, item.rank), text(item.token_id))}
+    for rank, (token, value) in enumerate(item.top, start=1):
+        if token not in out:
+            out[token] = Logprob(value, rank, text(token))
+    return out
+
+
+def token_logprobs_of(token_id: int, entry: dict[int, Logprob], count: int) -> TokenLogprobs:
+    """The inverse of :func:`logprob_dict` for a request that asked for ``count`` alternatives: the sampled
+    token is one of them unless the dict holds one entry more (ranks may tie, so they cannot tell)."""
+    sampled = entry[token_id]
+    others = [(t, p) for t, p in entry.items() if len(entry) <= count or t != token_id]
+    top = sorted(others, key=lambda item: item[1].rank if item[1].rank is not None else 0)[:count]
+    return TokenLogprobs(token_id, sampled.logprob, tuple((t, p.logprob) for t, p in top), sampled.rank or 1)
 
 
 class Status(enum.Enum):
@@ -46,6 +85,7 @@ class StopFacts:
     stop_ids: frozenset[int]  # sampled ids that end it: its stop ids, and EOS unless ignore_eos
     output_limit: int  # outputs at which it ends for length: max_tokens, or what the model's length leaves
     host_checks: bool  # its text is checked for stop strings after every token
+    min_tokens: int = 0  # no stop id or stop string ends it before it has more outputs than this
 
 
 @dataclass(eq=False)
@@ -61,6 +101,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    # vLLM's stop_reason: the stop string or stop token id that ended it; None at EOS, length or an error.
+    stop_reason: int | str | None = None
+    stop_text_at: int = -1  # where in ``text`` the stop string that ended it starts
     error: str | None = None
     block_table: list[int] = field(default_factory=list)
     # Bumped whenever the block table is dropped, so cached copies of it know to start over.

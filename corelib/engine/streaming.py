@@ -35,13 +35,16 @@ class TokenDelta:
 class _TextState:
     """One request's streamed text. With stop strings, the tail that could start one is held back."""
 
-    def __init__(self, decoder: IncrementalDecoder, stop_strings: tuple[str, ...]) -> None:
+    def __init__(self, decoder: IncrementalDecoder, stop_strings: tuple[str, ...], detokenize: bool = True) -> None:
         self.decoder = decoder
         self.hold = max((len(s) for s in stop_strings), default=1) - 1
         self.decoded = ""
         self.sent = 0
+        self.detokenize = detokenize  # False: the request asked for token ids only
 
     def push(self, token_ids: list[int]) -> str:
+        if not self.detokenize:
+            return ""
         self.decoded += self.decoder.push(token_ids)
         ready = len(self.decoded) - self.hold
         if ready <= self.sent:
@@ -69,7 +72,8 @@ class DeltaTracker:
             return None
         state = self._text.get(seq.seq_id)
         if state is None:
-            state = self._text[seq.seq_id] = _TextState(self._tokenizer.stream(), seq.sampling.stop_strings)
+            state = self._text[seq.seq_id] = _TextState(self._tokenizer.stream(seq.sampling.skip_special_tokens),
+                                                        seq.sampling.stop_strings, seq.sampling.detokenize)
         return state
 
     def running(self, seqs: Iterable[Sequence]) -> list[TokenDelta]:

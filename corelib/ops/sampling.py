@@ -1,4 +1,5 @@
-"""Sampling on the device: penalties, greedy, temperature, top-k and top-p, seeded per request.
+"""Sampling on the device: logit bias, min_tokens, penalties, greedy, temperature, min-p, top-k and top-p,
+seeded per request.
 
 No host sync: randomness is a counter-based hash of (request seed, position, token id),
 so a request samples the same tokens whatever batch it shares, on any device, and the
@@ -40,6 +41,24 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     return -torch.log(-torch.log(uniform))
 
 
+def apply_token_bias(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    """logit_bias added, then min_tokens' ban on the stop ids (vLLM applies both before the penalties);
+    logits [B, V] float32 -> a new [B, V], or ``logits`` itself with no table.
+
+    A row's stop ids are banned (-inf) while it has fewer outputs (positions - prompt_lens) than
+    min_tokens. Padded entries add 0 to token 0: exactly nothing, so neutral rows keep their logits.
+    """
+    if sampling.bias_ids is not None and sampling.bias_values is not None:
+        logits = logits.scatter_add(1, sampling.bias_ids, sampling.bias_values)
+    stop_ids = sampling.stop_ids
+    if stop_ids is not None:
+        outputs = sampling.positions if sampling.prompt_lens is None else sampling.positions - sampling.prompt_lens
+        banned = (outputs < sampling.min_tokens)[:, None] & (stop_ids >= 0)
+        ban = torch.where(banned, float("-inf"), 0.0).to(logits.dtype)
+        logits = logits.scatter_add(1, stop_ids.clamp_min(0), ban)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     """Repetition, then frequency and presence penalties (vLLM's order); logits [B, V] float32 -> a new [B, V].
 
@@ -58,8 +77,13 @@ def apply_penalties(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Ten
 
 
 def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
-    """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64."""
-    logits = apply_penalties(logits, sampling)
+    """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64.
+
+    min_p keeps the tokens whose probability is at least min_p times the likeliest one's (after the
+    temperature, as vLLM): exp(scaled - the largest scaled) >= min_p; then top-k, and top-p over
+    what is left, renormalised.
+    """
+    logits = apply_penalties(apply_token_bias(logits, sampling), sampling)
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, positions = sampling.seeds, sampling.positions
     vocab = logits.shape[-1]
@@ -67,6 +91,7 @@ def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     keep = ranks < torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)[:, None]
+    keep = keep & ((sorted_logits - sorted_logits[:, :1]).exp() >= sampling.min_p[:, None])
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
     keep = keep & (before < top_p[:, None])

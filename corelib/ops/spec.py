@@ -18,6 +18,7 @@ import torch
 
 from corelib.device import Device
 from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_logits, norm_qkv_rope_kv_write
+from corelib.sampling_params import LOGIT_BIAS_WIDTH, MIN_TOKENS_STOP_WIDTH
 from corelib.sampling_params import columns as sampler_columns
 
 OP_NAMES = (
@@ -133,6 +134,26 @@ SAMPLING_COLUMNS: tuple[SamplingColumn, ...] = tuple(
 
 
 @dataclass(frozen=True)
+class SamplingTable:
+    """A per-request table of token ids or values [B, width] (what no scalar column holds), packed from the
+    request by ``corelib.engine.packing`` and carried in every step's inputs like the columns."""
+
+    name: str  # the field of SamplingInputs and of the step's input arena
+    dtype: torch.dtype
+    width: int
+    neutral: float  # its value on padded entries and rows: changes nothing
+
+
+# logit_bias as (token id, bias) pairs, padded with (0, 0.0): adding 0 to token 0 changes nothing; the stop
+# ids min_tokens bans until the request has that many outputs, padded with -1 (no token).
+SAMPLING_TABLES: tuple[SamplingTable, ...] = (
+    SamplingTable("bias_ids", torch.int64, LOGIT_BIAS_WIDTH, 0),
+    SamplingTable("bias_values", torch.float32, LOGIT_BIAS_WIDTH, 0.0),
+    SamplingTable("stop_ids", torch.int64, MIN_TOKENS_STOP_WIDTH, -1),
+)
+
+
+@dataclass(frozen=True)
 class TokenHistory:
     """The tokens each sequence has seen so far, on the device, by state index: what penalties read.
 
@@ -148,7 +169,7 @@ class TokenHistory:
 
 @dataclass(frozen=True)
 class SamplingInputs:
-    """Per-row sampling values on the device, all [B]: temperature 0 means greedy.
+    """Per-row sampling values on the device, [B] (the tables [B, width]): temperature 0 means greedy.
 
     ``history`` None: no penalties are applied (every penalty neutral).
     """
@@ -159,29 +180,39 @@ class SamplingInputs:
     temperature: torch.Tensor  # float32
     top_p: torch.Tensor  # float32, 1: no cut
     top_k: torch.Tensor  # int64, 0: no cut
+    min_p: torch.Tensor  # float32, 0: no cut; tokens less likely than min_p times the likeliest are cut
+    min_tokens: torch.Tensor  # int64, 0: none; stop_ids are banned while the row has fewer outputs
     seeds: torch.Tensor  # int64
     positions: torch.Tensor  # int64: the position of the sampled token (the counter of the noise)
     history: TokenHistory | None = None
+    bias_ids: torch.Tensor | None = None  # [B, LOGIT_BIAS_WIDTH] int64: logit_bias's token ids (None: no bias)
+    bias_values: torch.Tensor | None = None  # [B, LOGIT_BIAS_WIDTH] float32: the bias added to each
+    stop_ids: torch.Tensor | None = None  # [B, MIN_TOKENS_STOP_WIDTH] int64: banned before min_tokens (-1: none)
+    prompt_lens: torch.Tensor | None = None  # [B] int64: outputs so far are positions - prompt_lens (None: 0)
 
     @classmethod
     def from_views(
         cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor, history: TokenHistory | None = None
     ) -> SamplingInputs:
-        """The first ``rows`` rows of a step's sampling columns."""
-        return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions, history=history)
+        """The first ``rows`` rows of a step's sampling columns and tables."""
+        return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions, history=history,
+                   **{t.name: views[t.name][:rows] for t in SAMPLING_TABLES}, prompt_lens=views["prompt_lens"][:rows])
 
     @classmethod
     def of(
-        cls, positions: torch.Tensor, history: TokenHistory | None = None, **columns: torch.Tensor | Sequence[float]
+        cls, positions: torch.Tensor, history: TokenHistory | None = None, prompt_lens: torch.Tensor | None = None,
+        **columns: torch.Tensor | Sequence[float] | Sequence[Sequence[float]],
     ) -> SamplingInputs:
-        """Rows of the given columns (tensors or lists, by column name); the others hold their neutral value."""
+        """Rows of the given columns and tables (tensors or lists, by name); the others hold their neutral value."""
         device, rows = positions.device, positions.shape[0]
-        unknown = sorted(set(columns) - {c.name for c in SAMPLING_COLUMNS})
+        unknown = sorted(set(columns) - {c.name for c in SAMPLING_COLUMNS} - {t.name for t in SAMPLING_TABLES})
         if unknown:
             raise TypeError(f"SamplingInputs.of: unknown columns {unknown}")
         values = {c.name: torch.as_tensor(columns[c.name], dtype=c.dtype, device=device) if c.name in columns
                   else torch.full((rows,), c.neutral, dtype=c.dtype, device=device) for c in SAMPLING_COLUMNS}
-        return cls(**values, positions=positions, history=history)
+        tables = {t.name: torch.as_tensor(columns[t.name], dtype=t.dtype, device=device) if t.name in columns
+                  else torch.full((rows, t.width), t.neutral, dtype=t.dtype, device=device) for t in SAMPLING_TABLES}
+        return cls(**values, positions=positions, history=history, **tables, prompt_lens=prompt_lens)
 
 
 class RmsNorm(Protocol):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from corelib.engine.sequence import TokenLogprobs
+from corelib.engine.sequence import TokenLogprobs, token_logprobs_of
 from corelib.server.inputs import Prepared, token_text
 from corelib.server.messages import Delta, Final, LogprobDelta, Update
 from corelib.server.protocol import ApiError, JsonObject
@@ -88,8 +88,16 @@ class Formatter:
         output = update.output
         if output is None or output.logprobs is None:
             return None
-        items = output.logprobs if whole else output.logprobs[len(output.logprobs) - len(update.token_ids):]
-        return self.logprobs(items, index)
+        return self.logprobs(self._output_logprobs(update, index, whole), index)
+
+    def _output_logprobs(self, update: Final, index: int, whole: bool) -> list[TokenLogprobs]:
+        """The logprobs of a final output (vLLM's dicts) as the stream's, all of them or those of its new tokens."""
+        output = update.output
+        assert output is not None and output.logprobs is not None
+        count = self.prepared.requests[index][1].logprobs or 0
+        first = 0 if whole else len(output.logprobs) - len(update.token_ids)
+        pairs = zip(output.output_token_ids[first:], output.logprobs[first:], strict=True)
+        return [token_logprobs_of(token, entry, count) for token, entry in pairs]
 
     @property
     def object(self) -> str:
@@ -205,7 +213,7 @@ class Formatter:
             text = "".join(texts.pop(i, ())) + self.text(update)
             logprobs = None
             if update.output.logprobs is not None:
-                tail = update.output.logprobs[len(update.output.logprobs) - len(update.token_ids):]
+                tail = self._output_logprobs(update, i, whole=False)
                 logprobs = self.logprobs([*scores.pop(i, ()), *tail], i)
             out.append(self._chunk(i, text, FINISH_REASONS[update.output.finish_reason], logprobs=logprobs))
             self._left -= 1

@@ -42,11 +42,13 @@ NONFINITE = -1  # a token id the host reads as "this row's logits were not finit
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """[B, LOGPROB_WIDTH] float32 from the logits the sampler used [B, V] and its tokens [B]: each sampled
-    token's log-probability, the MAX_LOGPROBS largest ones, and their token ids. On the device, graph-safe."""
+    token's log-probability, its rank (vLLM's: the tokens at least as likely, itself included), the
+    MAX_LOGPROBS largest log-probabilities, and their token ids. On the device, graph-safe."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     top, ids = logp.topk(min(MAX_LOGPROBS, logp.shape[-1]), dim=-1)
     chosen = logp.gather(1, tokens[:, None])
-    return torch.cat([chosen, top, ids.to(torch.float32)], dim=1)
+    rank = (logp >= chosen).sum(dim=-1, keepdim=True).to(torch.float32)  # exact below 2**24 tokens
+    return torch.cat([chosen, rank, top, ids.to(torch.float32)], dim=1)
 
 
 class ModelRunner:

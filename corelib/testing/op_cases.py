@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from corelib.ops import SAMPLING_COLUMNS, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops import SAMPLING_COLUMNS, SAMPLING_TABLES, PagedAttention, SamplingInputs, TokenHistory
 
 LONG_CONTEXT = 1900
 VOCAB = 151936
@@ -259,7 +259,21 @@ class SampleCase:
                 torch.arange(self.batch - 1, -1, -1).to(device),
             )
             positions = torch.randint(0, 4096, (self.batch,), generator=gen).to(device)
-            sampling = SamplingInputs.of(positions, history, **columns)
+            # Tables: row i biases i % 4 distinct tokens (by 2.5, -100: a ban, 100: all but forced) and has i % 3
+            # stop ids, banned while its outputs (position - prompt length: 0 to 3 here) are below min_tokens.
+            widths = {t.name: t.width for t in SAMPLING_TABLES}
+            bias_ids = torch.zeros((self.batch, widths["bias_ids"]), dtype=torch.int64)
+            bias_values = torch.zeros((self.batch, widths["bias_values"]), dtype=torch.float32)
+            stop_ids = torch.full((self.batch, widths["stop_ids"]), -1, dtype=torch.int64)
+            for row in range(self.batch):
+                ids = torch.randperm(self.vocab, generator=gen)[: row % 4 + row % 3]
+                bias_ids[row, : row % 4] = ids[: row % 4]
+                bias_values[row, : row % 4] = torch.tensor((2.5, -100.0, 100.0)[: row % 4])
+                stop_ids[row, : row % 3] = ids[row % 4 :]
+            prompt_lens = positions - torch.randint(0, 4, (self.batch,), generator=gen).to(device)
+            tables = {"bias_ids": bias_ids.to(device), "bias_values": bias_values.to(device),
+                      "stop_ids": stop_ids.to(device)}
+            sampling = SamplingInputs.of(positions, history, prompt_lens, **columns, **tables)
         return logits.to(device), sampling
 
 

@@ -26,7 +26,7 @@ import torch
 
 from corelib.engine.sequence import MAX_LOGPROBS
 from corelib.errors import TransportError
-from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES
 from corelib.step.arena import ArenaLayout, Field
 from corelib.step.forward_input import ForwardInput
 
@@ -50,7 +50,9 @@ TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("slot_mapping", torch.int64),  # KV cache slot of the token: block * block_size + offset
 )
 TOKEN_NAMES = tuple(name for name, _ in TOKEN_FIELDS)
-STEP_FIELD_NAMES = (*(name for name, _ in ROW_FIELDS), "query_start", "block_tables", *TOKEN_NAMES)
+#: the per-row sampling tables [R, width] (logit_bias, min_tokens' stop ids), after the row fields
+TABLE_NAMES = tuple(table.name for table in SAMPLING_TABLES)
+STEP_FIELD_NAMES = (*(name for name, _ in ROW_FIELDS), *TABLE_NAMES, "query_start", "block_tables", *TOKEN_NAMES)
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,6 +64,7 @@ def step_layout(tokens: int, rows: int, width: int) -> ArenaLayout:
     """
     return ArenaLayout.of([
         *(Field(name, dtype, (rows,)) for name, dtype in ROW_FIELDS),
+        *(Field(table.name, table.dtype, (rows, table.width)) for table in SAMPLING_TABLES),
         Field("query_start", torch.int64, (rows + 1,)),
         Field("block_tables", torch.int32, (rows, width)),
         *(Field(name, dtype, (tokens,)) for name, dtype in TOKEN_FIELDS),
@@ -98,6 +101,8 @@ def pad_row_fields(views: Mapping[str, Any], first: int, last: int, kv_blocks: i
     views["copy_to"][first:last] = 0
     for column in SAMPLING_COLUMNS:
         views[column.name][first:last] = column.neutral
+    for table in SAMPLING_TABLES:
+        views[table.name][first:last] = table.neutral
     views["block_tables"][first:last, :kv_blocks] = 0
 
 
@@ -134,7 +139,8 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 8  # 8: steps padded to a token bucket; 7: the rows' prompt lengths (penalties), the penalties' columns;
+VERSION = 9  # 9: min_p, min_tokens and the logit-bias and stop-id tables, a sampled token's rank;
+# 8: steps padded to a token bucket; 7: the rows' prompt lengths (penalties), the penalties' columns;
 # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
@@ -263,8 +269,9 @@ def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardI
 
 # ---------------------------------------------------------------------------------------- results
 RESULT_TAIL = struct.Struct("<ddd")  # busy ms, gap ms (-1: none), transport µs
-#: a row's logprobs as floats: the sampled token's, the top ones' values, then their token ids (exact in float32)
-LOGPROB_WIDTH = 1 + 2 * MAX_LOGPROBS
+#: a row's logprobs as floats: the sampled token's, its rank, the top ones' values, then their token ids (the
+#: integers exact in float32)
+LOGPROB_WIDTH = 2 + 2 * MAX_LOGPROBS  # the token's logprob, its rank, the top values, their token ids
 
 
 @dataclass(frozen=True)

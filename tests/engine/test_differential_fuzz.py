@@ -7,8 +7,9 @@ penalties. It runs on an engine whose configuration the seed also draws: the pre
 off, prompts whole or in chunks of a small token budget, async handoff on the emulated NPU under
 chaos or the synchronous CPU path, and a KV pool of blocks of 4 from roomy down to one that
 holds a single request of the longest length, so that requests are preempted. Every request
-must finish by length, with exactly the tokens the plain reference draws (one full forward per
-token, the sampler of tests/samplerkit.py): a mistake in any of those paths changes some token.
+must finish by length (or at a stop id past its min_tokens), with exactly the tokens the plain
+reference draws (one full forward per token, the sampler of tests/samplerkit.py): a mistake in
+any of those paths changes some token.
 
 Two paths are rare unless a workload aims at them, so most workloads do:
 
@@ -97,20 +98,31 @@ class Workload:
 
 
 def _sampling(chance: random.Random, penalised: float) -> SamplingParams:
-    """Greedy or sampled (with top-k and top-p), with penalties at odds ``penalised``; always an explicit seed."""
-    temperature, top_k, top_p = 0.0, 0, 1.0
+    """Greedy or sampled (with min-p, top-k and top-p), with penalties at odds ``penalised``, some with a logit
+    bias, some with min_tokens and stop ids; always an explicit seed."""
+    temperature, top_k, top_p, min_p = 0.0, 0, 1.0, 0.0
     if chance.random() < 0.6:
         temperature, top_k = chance.choice([0.3, 0.7, 1.0, 1.5]), chance.choice([0, 0, -1, 1, 5, 40])
         top_p = chance.choice([1.0, 1.0, 0.95, 0.8, 0.5])
+        min_p = chance.choice([0.0, 0.0, 0.05, 0.2, 0.6])
+    bias: dict[int, float] | None = None
+    if chance.random() < 0.3:  # a ban, a push, a pull; 100 all but forces its token
+        values = [-100.0, -3.0, 1.5, 4.0, 100.0]
+        bias = {chance.choice(VOCAB): chance.choice(values) for _ in range(chance.randint(1, 4))}
+    max_tokens, min_tokens, stop_ids = chance.randint(1, MAX_TOKENS), 0, tuple[int, ...]()
+    if chance.random() < 0.25:  # stop ids banned before min_tokens, then able to end the request
+        min_tokens = chance.randint(0, max_tokens)
+        stop_ids = tuple(chance.sample(VOCAB, chance.randint(1, 6)))
     repetition, frequency, presence = 1.0, 0.0, 0.0
     if chance.random() < penalised:
         # Below 1 the prompt's tokens are favoured (a positive logit multiplied by 10 at 0.1): which tokens
         # the penalty counts then decides most draws.
         repetition = chance.choice([1.3, 2.0, 10.0, 0.8, 0.5, 0.2, 0.1, 0.1])
         frequency, presence = chance.choice([0.0, 0.5, -0.5, 2.0]), chance.choice([0.0, 1.0, -1.0, 2.0])
-    return SamplingParams(max_tokens=chance.randint(1, MAX_TOKENS), ignore_eos=True, seed=chance.randrange(SEED_LIMIT),
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=chance.randrange(SEED_LIMIT),
                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition,
-                          frequency_penalty=frequency, presence_penalty=presence)
+                          frequency_penalty=frequency, presence_penalty=presence, min_p=min_p, logit_bias=bias,
+                          min_tokens=min_tokens, stop_token_ids=stop_ids)
 
 
 def _samplings(chance: random.Random, n: int, shared: bool) -> tuple[SamplingParams, ...]:
@@ -220,7 +232,7 @@ class Engines:
             self.discard(config)
 
 
-_REFERENCE: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
+_REFERENCE: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}  # logit_bias: compared, not hashed
 _WEIGHTS: list[ModelWeights] = []
 
 
@@ -262,9 +274,10 @@ def first_mismatch(workload: Workload, outputs: dict[str, RequestOutput]) -> str
         for i, sampling in enumerate(group.samplings):
             request_id = workload.request_id(g, i)
             expected = reference(group.prompt, sampling)
+            stopped = expected[-1] in sampling.stop_token_ids and len(expected) > sampling.min_tokens
             output = outputs.get(request_id)
             got = None if output is None else (output.finish_reason, output.error, output.output_token_ids)
-            if got != ("length", None, expected):
+            if got != ("stop" if stopped else "length", None, expected):
                 where = "" if output is None else next(
                     (f" (first difference at output {k})" for k, (a, b) in
                      enumerate(zip(output.output_token_ids, expected, strict=False)) if a != b), "")

@@ -14,7 +14,7 @@ from corelib.engine import Engine, SamplingParams
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.outputs import output_of
 from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
-from corelib.engine.sequence import MAX_LOGPROBS, Sequence, TokenLogprobs
+from corelib.engine.sequence import MAX_LOGPROBS, Logprob, Sequence, TokenLogprobs
 from corelib.engine.stops import StopChecker
 from corelib.engine.streaming import DeltaTracker
 from corelib.models.reference import reference_logits
@@ -43,17 +43,30 @@ def test_logprobs_are_those_of_the_models_logits_for_each_sampled_token(make_eng
                                                      temperature=temperature, seed=5))
     assert out.logprobs is not None and len(out.logprobs) == 8
     context = list(PROMPT)
-    for token, scored in zip(out.output_token_ids, out.logprobs, strict=True):
+    left_top = False
+    for token, entry in zip(out.output_token_ids, out.logprobs, strict=True):
         expected = torch.log_softmax(reference_logits(local_weights(engine), context), dim=-1)
-        assert scored.token_id == token and math.isclose(scored.logprob, float(expected[token]), abs_tol=1e-4)
+        assert next(iter(entry)) == token, "vLLM's order: the sampled token first"
+        sampled = entry[token]
+        assert math.isclose(sampled.logprob, float(expected[token]), abs_tol=1e-4)
+        assert sampled.decoded_token is None, "no tokenizer: no text"
         top = expected.topk(4)
-        assert [t for t, _ in scored.top] == top.indices.tolist(), "the most likely first"
-        assert all(math.isclose(p, float(v), abs_tol=1e-4) for (_, p), v in zip(scored.top, top.values, strict=True))
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if len(entry) == 4 or t != token)
+        assert [t for _, t, _ in ranked] == top.indices.tolist(), "the most likely, ranked 1 to 4"
+        assert [r for r, _, _ in ranked] == [1, 2, 3, 4]
+        assert all(math.isclose(p, float(v), abs_tol=1e-4) for (_, _, p), v in zip(ranked, top.values, strict=True))
+        if len(entry) == 5:  # sampled outside the top 4: its rank counts the tokens at least as likely
+            assert sampled.rank == int((expected >= expected[token]).sum())
+            left_top = True
         if temperature == 0:
-            assert scored.top[0][0] == token, "greedy samples the most likely token"
+            assert sampled.rank == 1 and len(entry) == 4, "greedy samples the most likely token"
         context.append(token)
+    assert out.cumulative_logprob is not None
+    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.output_token_ids, out.logprobs,
+                                                                                 strict=True)), abs_tol=1e-9)
+    assert out.outputs[0].logprobs == out.logprobs and out.outputs[0].cumulative_logprob == out.cumulative_logprob
     if temperature:
-        assert any(t.top[0][0] != t.token_id for t in out.logprobs), "sampling was meant to leave the likeliest"
+        assert left_top, "sampling was meant to leave the top 4 at least once"
 
 
 @pytest.mark.parametrize("overrides", [
@@ -72,15 +85,18 @@ def test_logprobs_reach_the_host_the_same_through_graphs_async_handoff_and_shm(
     assert got[0].logprobs is None, "a request that asked for none gets none"
     for want, have in zip(expected[1:], got[1:], strict=True):
         assert want.logprobs is not None and have.logprobs is not None
-        assert [len(t.top) for t in have.logprobs] == [len(t.top) for t in want.logprobs]
         for a, b in zip(want.logprobs, have.logprobs, strict=True):
-            assert a.token_id == b.token_id and math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert list(a) == list(b), "the same tokens, in the same order"
+            assert [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            assert all(math.isclose(x.logprob, y.logprob, abs_tol=1e-4) for x, y in zip(a.values(), b.values(),
+                                                                                       strict=True))
 
 
 def device_row(step: int) -> list[float]:
-    """One row of a step's logprobs as the device writes it: the sampled token's, the top values, then their ids."""
-    return [-0.5 - step, *(-0.1 * (i + 1) for i in range(MAX_LOGPROBS)), *(float(200 + i) for i in range(MAX_LOGPROBS))]
+    """One row of a step's logprobs as the device writes it: the sampled token's, its rank, the top values, then
+    their ids."""
+    return [-0.5 - step, 30.0 + step, *(-0.1 * (i + 1) for i in range(MAX_LOGPROBS)),
+            *(float(200 + i) for i in range(MAX_LOGPROBS))]
 
 
 def test_logprobs_0_gives_each_token_its_logprob_and_no_alternatives() -> None:
@@ -96,12 +112,15 @@ def test_logprobs_0_gives_each_token_its_logprob_and_no_alternatives() -> None:
         scheduler.postprocess(scheduled, tokens, [device_row(step)] * len(seqs))
     none, zero, two = seqs
     assert none.logprobs == [] and output_of(none, None).logprobs is None
-    expected = [TokenLogprobs(40 + step, -0.5 - step, ()) for step in range(3)]
+    expected = [TokenLogprobs(40 + step, -0.5 - step, (), 30 + step) for step in range(3)]
     assert zero.logprobs == expected, "one logprob per token, and no alternatives"
-    assert output_of(zero, None).logprobs == expected
+    assert output_of(zero, None).logprobs == [{40 + s: Logprob(-0.5 - s, 30 + s, None)} for s in range(3)]
     [delta] = DeltaTracker(None).running([zero])
     assert delta.logprobs == expected, "streamed as they come"
     assert [t.top for t in two.logprobs] == [((200, -0.1), (201, -0.2))] * 3
+    assert output_of(two, None, lambda t: f"<{t}>").logprobs == [
+        {40 + s: Logprob(-0.5 - s, 30 + s, f"<{40 + s}>"), 200: Logprob(-0.1, 1, "<200>"),
+         201: Logprob(-0.2, 2, "<201>")} for s in range(3)]
 
 
 def test_a_step_with_only_logprobs_0_rows_asks_the_device_for_logprobs() -> None:

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from corelib.engine.api import Engine
-from corelib.engine.sequence import SamplingParams
+from corelib.engine.sequence import Logprob, SamplingParams
 from corelib.server.serve import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,12 @@ def engine_logprobs(reference: Engine, prompt: str, k: int, max_tokens: int) -> 
     def text(token: int) -> str:
         return tokenizer.decode([token])
 
-    return [(text(t.token_id), t.logprob, [text(i) for i, _ in t.top]) for t in out.logprobs]
+    def top(token: int, entry: dict[int, Logprob]) -> list[str]:  # the sampled token is extra when outside the k
+        return [text(t) for t, p in sorted(entry.items(), key=lambda item: item[1].rank or 0)
+                if len(entry) == k or t != token]
+
+    return [(text(token), entry[token].logprob, top(token, entry))
+            for token, entry in zip(out.output_token_ids, out.logprobs, strict=True)]
 
 
 def test_completion_logprobs_are_the_engines_streamed_or_not(server: RunningServer, reference: Engine) -> None:
