@@ -119,6 +119,40 @@ def canonical_schema(schema: object, field: str) -> str:
     return text
 
 
-def _one_line(error: BaseException, limit: int = 120) -> str:
+def _one_line(error: object, limit: int = 120) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def from_response_format(value: object) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` as params: None for ``{"type": "text"}``; ``{"type": "json_object"}``; or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``. A
+    StructuredOutputsError naming ``response_format`` (or the key within it) for anything else."""
+    field = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("type"), str):
+        raise StructuredOutputsError(field, f"{field}: pass an object with a type: text, json_object or json_schema")
+    kind = value["type"]
+    extra = sorted(str(k) for k in value if k not in ("type", "json_schema"))
+    if extra:
+        raise StructuredOutputsError(f"{field}.{extra[0]}", f"{field}.{extra[0]}: unknown key; {field} takes type "
+                                                            "and json_schema")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise StructuredOutputsError(f"{field}.type", f"{field}.type={_one_line(repr(kind))}: must be text, "
+                                                      "json_object or json_schema")
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise StructuredOutputsError(f"{field}.json_schema", f"{field}.json_schema: pass an object with name and "
+                                                             "schema")
+    unknown = sorted(str(k) for k in spec if k not in ("name", "schema", "strict", "description"))
+    if unknown:
+        raise StructuredOutputsError(f"{field}.json_schema.{unknown[0]}",
+                                     f"{field}.json_schema.{unknown[0]}: unknown key; json_schema takes name, "
+                                     "description, schema and strict")
+    schema = spec.get("schema", {"type": "object"})  # OpenAI: a schema left out allows any object
+    return StructuredOutputsParams(json=canonical_schema(schema, f"{field}.json_schema.schema"))

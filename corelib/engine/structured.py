@@ -107,6 +107,15 @@ class GrammarCache:
         return found
 
 
+_CHECKED = GrammarCache()  # the server's check of a request's schema, before it reaches the engine
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+    """Compile ``params``' grammar (once per distinct schema, bounded by the parser limits) without a
+    tokenizer: what the HTTP server runs, off its event loop, so that a bad schema is refused up front."""
+    _CHECKED.grammar(params)
+
+
 class GrammarState:
     """One request's matcher: writes its row of the token bitmask, takes each sampled token."""
 

@@ -26,6 +26,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from corelib.engine.structured import check_grammar
 from corelib.sampling_params import API_FIELDS, SEED_LIMIT, SamplingError, SamplingParams, api_default, choices
 from corelib.server.chat import ChatTemplate, ChatTemplateError
 from corelib.server.events import EngineInfo
@@ -39,6 +40,7 @@ from corelib.server.protocol import (
     bad_request,
 )
 from corelib.server.render import TemplateRenderer
+from corelib.structured import StructuredOutputsError, StructuredOutputsParams
 from corelib.text import Tokenizer
 
 MAX_CHOICES = 128  # n per prompt
@@ -295,7 +297,12 @@ def _prepared(
     if seeds is not None and "seed" not in request.sampling:  # server.seed: repeatable in the order requests come
         values["seed"] = seeds.randrange(SEED_LIMIT)
     try:
-        base = SamplingParams.from_mapping(values).replace(logprobs=request.num_logprobs)
+        base = SamplingParams.from_mapping(values).replace(logprobs=request.num_logprobs,
+                                                           structured_outputs=request.sampling.get("structured_outputs"))
+        if base.structured_outputs is not None:  # compiled here, in a worker thread: once per distinct schema
+            check_grammar(StructuredOutputsParams.of(base.structured_outputs))
+    except StructuredOutputsError as error:
+        raise ApiError(400, f"response_format: {error}", param="response_format") from None
     except SamplingError as error:
         raise ApiError(400, str(error), param=error.field) from None
     if base.n > MAX_CHOICES:

@@ -25,6 +25,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, ValidationError
 
 from corelib.sampling_params import API_FIELDS, MAX_LOGPROBS
+from corelib.structured import StructuredOutputsError, from_response_format
 
 JsonObject = dict[str, object]
 
@@ -178,7 +179,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "store": (None, False),
@@ -230,6 +230,13 @@ def parse_body(raw: bytes, model: type[Request]) -> Request:
         value = data.pop(key)
         if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
             raise bad_request(f"{key}={json.dumps(value)} is not supported by this server; leave it out", key)
+    if "response_format" in data and issubclass(model, _Sampling):  # JSON mode: the grammar is checked later,
+        try:  # off the event loop (corelib.server.inputs)
+            structured = from_response_format(data.pop("response_format"))
+        except StructuredOutputsError as error:
+            raise bad_request(str(error), "response_format") from None
+        if structured is not None:
+            sampling["structured_outputs"] = structured
     try:
         request = model.model_validate(data)
     except ValidationError as error:
