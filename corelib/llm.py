@@ -39,6 +39,7 @@ from corelib.cli_habits import NO_EQUIVALENT, model_override, model_presets, quo
 from corelib.config import engine_schema
 from corelib.engine.api import Engine
 from corelib.engine.outputs import CompletionOutput, RequestOutput
+from corelib.errors import RequestError
 from corelib.gate_catalog import load_gates
 from corelib.progress import Progress, reporting
 from corelib.sampling_params import SEED_LIMIT, SamplingParams
@@ -130,6 +131,20 @@ def _is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
     )
 
 
+def _refuse_overlong(engine: Engine, batch: Sequence[Prompt]) -> None:
+    """A prompt that leaves no room for output raises ValueError, as vLLM's generate does (the engine alone,
+    and the server, finish such a request with its error instead)."""
+    limit = engine.startup.config.model.max_model_len
+    for index, prompt in enumerate(batch):
+        try:
+            length = len(engine.encode(prompt))
+        except RequestError:
+            continue  # not a prompt at all: its request finishes with that error, as before
+        if length >= limit:
+            raise ValueError(f"prompt {index} has {length} tokens; the model's context (model.max_model_len={limit}) "
+                             "leaves no room for output: shorten it, or raise max_model_len")
+
+
 def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
     """One prompt (text, token ids, or vLLM's prompt dict) or a list of them, as a list of text or token ids."""
     if isinstance(prompts, str | Mapping) or _is_token_ids(prompts):
@@ -198,6 +213,7 @@ class LLM:
                 raise TypeError(f"sampling_params must be corelib.SamplingParams, not {type(params).__name__}")
         if self.engine.tokenizer is None and any(isinstance(p, str) for p in batch):
             self.engine.encode("")  # the engine's one line: which model has no tokenizer, and what to do
+        _refuse_overlong(self.engine, batch)
         if self._seeds is not None:
             sampling = [p if p.seed is not None else p.replace(seed=self._seeds.randrange(SEED_LIMIT))
                         for p in sampling]
