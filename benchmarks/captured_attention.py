@@ -4,7 +4,7 @@ One step of ``--decoders`` decode rows (contexts of ``--decode-context``) and on
 ``--chunk`` queries at the end of a ``--context``-token prompt, padded to ``--bucket`` tokens and
 ``--rows`` rows, small-0.6b's heads (16 query, 8 KV, 128 wide), bf16. Each configuration is
 checked against the eager kernels' output, then timed with device events over ``--repeats``
-launches (the kernel compiled and warm first).
+calls captured in one graph (the kernel compiled and warm first; the host's launches left out).
 
     python3 benchmarks/captured_attention.py --out captured.json
 """
@@ -82,14 +82,20 @@ def main() -> None:
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Device µs per call of ``fn``, by events around ``repeats`` calls (after warm ones)."""
+    """Device µs per call of ``fn``: ``repeats`` calls captured in one graph, timed by events around its
+    replay (after warm calls), so the host's launch cost does not hide the kernel's."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
-    for _ in range(repeats):
-        fn()
+    graph.replay()
     end.record()
     end.synchronize()
     return float(start.elapsed_time(end)) * 1e3 / repeats
