@@ -196,10 +196,16 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(
         default_factory=dict, metadata=doc("config.json's rope_scaling (rope_type, factor, ...); {}: plain RoPE")
     )
-    sampling_defaults: dict[str, Any] | None = field(
-        default=None,
+    generation_config: bool = field(
+        default=True,
+        metadata=doc("take the checkpoint's generation_config.json sampling values as model.sampling_defaults "
+                     "(vLLM's --generation-config auto); false: none (vLLM's --generation-config vllm)"),
+    )
+    sampling_defaults: dict[str, Any] = field(
+        default_factory=dict,
         metadata=doc("what a request that leaves them out samples with (temperature, top_p, top_k, min_p, "
-                     "repetition_penalty, max_tokens); null: the checkpoint's generation_config.json; {}: none"),
+                     "repetition_penalty, max_tokens), over generation_config.json's (vLLM's "
+                     "--override-generation-config)"),
     )
 
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "model_presets"]
 
 Prompt = str | Sequence[int]
+VLLM_TEMPERATURE = 1.0  # vLLM's SamplingParams() samples at temperature 1 (corelib's is greedy)
 PromptInput = Prompt | Mapping[str, object]  # also {"prompt": text} or {"prompt_token_ids": [...]}, as vLLM's
 Message = Mapping[str, object]
 
@@ -205,7 +206,7 @@ class LLM:
         if isinstance(sampling_params, Sequence):
             sampling = list(sampling_params)
         else:
-            sampling = [sampling_params or SamplingParams()] * len(batch)
+            sampling = [sampling_params or self.get_default_sampling_params()] * len(batch)
         if len(sampling) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(sampling)} sampling_params; pass one, or one per prompt")
         for params in sampling:
@@ -285,6 +286,17 @@ class LLM:
         renderer, self._renderer = self._renderer, None
         if renderer is not None:
             renderer.close()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``sampling_params``, as vLLM's: vLLM's
+        defaults (temperature 1) under the checkpoint's generation_config.json values (``model.sampling_defaults``:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens).
+
+        ``SamplingParams()`` itself stays greedy (temperature 0): corelib's tests and tools compare tokens
+        across engines with it, and a request spelled out is what it says.
+        """
+        defaults = self.engine.startup.config.model.sampling_defaults
+        return SamplingParams(**{"temperature": VLLM_TEMPERATURE, **defaults})
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer (``encode``, ``decode``); None for a preset."""

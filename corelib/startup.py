@@ -6,6 +6,7 @@ This runs once at the entry point; everything below it receives typed objects.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,7 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     _check_allowed(raw, registry, name)
     config = _typed(raw)
     check_limits(config)
+    check_sampling_defaults(config.model.sampling_defaults)
     resolution = resolve_runtime(backend, config.backend, config.engine.timeout_s)
     check_memory(config, resolution.spec)
     messages.append(resolution.message)
@@ -89,6 +91,24 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
         messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"
                         + (f"; the reference runs {', '.join(rest)}" if rest else ""))
     return Startup(raw, config, backend, resolution.spec, plan, tuple(messages), options, default_context)
+
+
+def check_sampling_defaults(defaults: Mapping[str, Any]) -> None:
+    """Refuse, naming the key, a sampling default that is not a request field of generation_config.json's set,
+    or a value every request that leaves it out would be refused for."""
+    from corelib.models.hf_config import GENERATION_DEFAULTS
+    from corelib.sampling_params import SamplingError, SamplingParams
+
+    allowed = sorted(GENERATION_DEFAULTS.values())
+    for name in defaults:
+        if name not in allowed:
+            raise ConfigError(f"model.sampling_defaults.{name}: not a sampling default; allowed: {', '.join(allowed)}")
+    try:
+        SamplingParams(**dict(defaults))
+    except (SamplingError, TypeError) as error:
+        field = getattr(error, "field", "")
+        raise ConfigError(f"model.sampling_defaults.{field}: {error} (from model.sampling_defaults, or the "
+                          "checkpoint's generation_config.json)") from None
 
 
 def _typed(raw: DictConfig) -> CorelibConfig:

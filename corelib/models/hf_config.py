@@ -7,8 +7,9 @@ and the EOS ids come from ``config.json`` and replace the preset's values. ``mod
 stays the user's choice (``auto`` takes the checkpoint's on an accelerator, float32 where the
 device is the host: the startup decides), and ``model.max_model_len`` too, capped at the
 checkpoint's ``max_position_embeddings`` (0, the default, takes it). ``generation_config.json``'s
-sampling values become ``model.sampling_defaults`` unless the config sets that key: what a
-request that leaves a value out samples with, as in vLLM.
+sampling values go into ``model.sampling_defaults`` (whose own entries win; with
+``model.generation_config=false`` none do): what a request that leaves a value out samples with,
+as in vLLM.
 
 A config that asks for math this decoder does not do (a sliding window that reaches inside
 ``model.max_model_len``, logit soft-capping, other attention scales, layers without RoPE,
@@ -78,7 +79,7 @@ class CheckpointConfig:
             )
         dtype = self.dtype if cfg.dtype == "auto" else cfg.dtype
         path = str(self.directory)
-        sampling = dict(self.sampling_defaults) if cfg.sampling_defaults is None else cfg.sampling_defaults
+        sampling = {**(self.sampling_defaults if cfg.generation_config else {}), **cfg.sampling_defaults}
         return replace(cfg, **self.fields, max_model_len=max_len, dtype=dtype, path=path,
                        sampling_defaults=sampling), notes
 
@@ -351,8 +352,7 @@ def resolved_model_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with its checkpoint's values when ``model.path`` is set. Idempotent."""
     if not cfg.path:
         return replace(cfg, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
-                       max_model_len=cfg.max_model_len or cfg.max_position_embeddings,
-                       sampling_defaults={} if cfg.sampling_defaults is None else cfg.sampling_defaults)
+                       max_model_len=cfg.max_model_len or cfg.max_position_embeddings)
     return read_checkpoint_config(cfg.path).apply(cfg)[0]
 
 
@@ -373,14 +373,12 @@ def resolve_checkpoint(raw: DictConfig, device_is_host: bool = False) -> list[st
             model.dtype = "float32"  # random weights: the dtype every device computes
         if not context:
             model.max_model_len = int(model.max_position_embeddings)
-        if model.get("sampling_defaults") is None:
-            model.sampling_defaults = {}
         return []
     checkpoint = read_checkpoint_config(resolve_model_path(str(path)))  # a hub id becomes its cached snapshot
     dtype = "float32" if auto and device_is_host else str(model.dtype)
-    sampling = model.get("sampling_defaults")
-    current = ModelConfig(name=str(model.name), max_model_len=context, dtype=dtype,
-                          sampling_defaults=None if sampling is None else dict(sampling))
+    generation = bool(model.get("generation_config", True))
+    current = ModelConfig(name=str(model.name), max_model_len=context, dtype=dtype, generation_config=generation,
+                          sampling_defaults=dict(model.get("sampling_defaults") or {}))
     resolved, notes = checkpoint.apply(current)
     for key in (*checkpoint.fields, "max_model_len", "dtype", "path", "sampling_defaults"):
         model[key] = getattr(resolved, key)
@@ -392,8 +390,8 @@ def resolve_checkpoint(raw: DictConfig, device_is_host: bool = False) -> list[st
     if not context:
         lines.append(f"model.max_model_len={resolved.max_model_len}: the checkpoint's max_position_embeddings="
                      f"{checkpoint.max_position_embeddings}")
-    if resolved.sampling_defaults and sampling is None:
-        values = ", ".join(f"{k}={v}" for k, v in resolved.sampling_defaults.items())
+    if checkpoint.sampling_defaults and generation:
+        values = ", ".join(f"{k}={v}" for k, v in checkpoint.sampling_defaults.items())
         lines.append(f"sampling defaults from generation_config.json: {values} (a request that sets one wins; "
-                     "model.sampling_defaults={} drops them)")
+                     "model.generation_config=false drops them)")
     return [*lines, *notes]

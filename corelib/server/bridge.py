@@ -257,7 +257,7 @@ class EngineBridge:
         self._link = link
         facts = link.start()
         self._info = EngineInfo(link.tokenizer, facts.vocab_size, facts.max_model_len, facts.max_num_seqs,
-                                facts.model_name, facts.model_path, facts.notices)
+                                facts.model_name, facts.model_path, facts.notices, facts.sampling_defaults)
         self.capacity = facts.max_num_seqs + self._max_waiting
         self._metrics.kv_blocks_total.set(facts.kv_blocks_total)
         return self._info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from corelib.text import Tokenizer
 
@@ -20,6 +21,8 @@ class EngineInfo:
     model_name: str
     model_path: str | None
     notices: tuple[str, ...] = ()  # what the engine had to say at start
+    # what a request that leaves a sampling field out gets (model.sampling_defaults: generation_config.json's)
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def max_prompt_chars(self) -> int:
@@ -39,6 +42,7 @@ class EngineFacts:
     tokenizer_path: str | None  # the tokenizer.json the engine decodes with; the server encodes with the same
     kv_blocks_total: int
     notices: tuple[str, ...] = ()  # what the engine had to say at start
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()  # model.sampling_defaults, as (field, value) pairs
 
 
 @dataclass(frozen=True)

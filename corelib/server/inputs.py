@@ -293,7 +293,8 @@ def _prepared(
 ) -> Prepared:
     if isinstance(request, ChatRequest) and request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
-    values = {name: request.sampling.get(name, api_default(name)) for name in API_FIELDS}
+    defaults = dict(info.sampling_defaults)  # the checkpoint's generation_config.json, then OpenAI's (vLLM's order)
+    values = {name: request.sampling.get(name, defaults.get(name, api_default(name))) for name in API_FIELDS}
     if seeds is not None and "seed" not in request.sampling:  # server.seed: repeatable in the order requests come
         values["seed"] = seeds.randrange(SEED_LIMIT)
     try:
@@ -310,7 +311,7 @@ def _prepared(
     requests: list[tuple[list[int], SamplingParams]] = []
     for prompt in prompts:
         room = info.max_model_len - len(prompt)
-        wanted = room if max_tokens is None else max_tokens
+        wanted = min(room, defaults.get("max_tokens", room)) if max_tokens is None else max_tokens
         if wanted > room:
             raise bad_request(
                 f"{max_param}={wanted}: the prompt has {len(prompt)} tokens and this model's context is "

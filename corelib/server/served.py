@@ -89,7 +89,8 @@ class EngineAdapter:
         cfg = engine.startup.config
         tokenizer = str(engine.tokenizer.path) if engine.tokenizer is not None else None
         return EngineFacts(engine.vocab_size, cfg.model.max_model_len, cfg.engine.max_num_seqs, cfg.model.name,
-                           cfg.model.path, tokenizer, self.kv_blocks()[1], (*self._startup_messages, *engine.notices))
+                           cfg.model.path, tokenizer, self.kv_blocks()[1], (*self._startup_messages, *engine.notices),
+                           tuple(cfg.model.sampling_defaults.items()))
 
     def add_request(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> object:
         return self.engine.add_request(prompt, sampling, request_id)
