@@ -9,9 +9,11 @@ checked here against what its column can hold. So a new sampler option is a fiel
 field of ``SamplingInputs`` and its math in ``corelib/ops/sampling.py``.
 
 Names and meanings follow vLLM's ``SamplingParams``; the one difference is the default
-temperature: 0 (greedy), where vLLM's is 1. ``logit_bias`` and ``min_tokens``' ban on the stop
-ids are not scalars: each row carries a table of a fixed width (``LOGIT_BIAS_WIDTH``,
-``MIN_TOKENS_STOP_WIDTH``, :data:`corelib.ops.spec.SAMPLING_TABLES`) in every step's inputs.
+temperature: 0 (greedy), where vLLM's is 1 (``LLM.generate`` without params and the server's
+requests that leave it out do use 1, under the checkpoint's generation_config.json).
+``logit_bias`` and ``min_tokens``' ban on the stop ids are not scalars: each row carries a table
+of a fixed width (``LOGIT_BIAS_WIDTH``, ``MIN_TOKENS_STOP_WIDTH``,
+:data:`corelib.ops.spec.SAMPLING_TABLES`) in every step's inputs.
 """
 
 from __future__ import annotations
