@@ -34,12 +34,13 @@ CHAT_TEMPLATE = """{{ bos_token }}
 """
 
 
-def write_chat_checkpoint(directory: Path) -> Path:
-    """A tiny random Qwen3 checkpoint with tokenizer.json and a tokenizer_config.json holding a chat template."""
-    write_random_checkpoint(directory, tiny_hf_config("Qwen3ForCausalLM"))
+def write_chat_checkpoint(directory: Path, template: str = CHAT_TEMPLATE, **config: object) -> Path:
+    """A tiny random Qwen3 checkpoint with tokenizer.json and a tokenizer_config.json holding a chat template;
+    ``config`` replaces or adds keys of its config.json."""
+    write_random_checkpoint(directory, tiny_hf_config("Qwen3ForCausalLM", **config))
     write_toy_tokenizer(directory, CORPUS * 4)
-    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": CHAT_TEMPLATE}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    settings = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
 
 
