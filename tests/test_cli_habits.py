@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import Cli
 
 from corelib import __version__
 from corelib.cli import main
@@ -134,3 +135,13 @@ def test_help_lists_model_and_every_flag() -> None:
         assert f"  {flag} " in text
     assert "--request-rate VALUE" in flags_help("bench-serve") and "--enable-prefix-caching" not in flags_help(
         "bench-serve")
+
+
+def test_serve_help_lists_model_and_the_flags_it_takes(cli: Cli) -> None:
+    result = cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m corelib serve [MODEL] [--flag VALUE ...]" in result.stdout
+    assert "MODEL: a preset" in result.stdout
+    for flag, key in (("--gpu-memory-utilization VALUE", "engine.gpu_memory_utilization"),
+                      ("--enable-prefix-caching", "engine.prefix_caching=on"), ("--seed VALUE", "server.seed")):
+        assert any(flag in line and key in line for line in result.stdout.splitlines()), flag
