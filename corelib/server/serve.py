@@ -8,11 +8,14 @@ they are aborted and their clients told why; the engine is closed and its proces
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import random
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -117,16 +120,43 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, which also drains the engine when a signal asks it to stop."""
+FORCED_EXIT = "corelib: interrupted again: running requests are cut off now"
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which also drains the engine when a signal asks it to stop.
+
+    A second Ctrl-C while it drains ends the grace period at once and says so in one line: every
+    running request is aborted (its client told why), so the streams end, uvicorn stops and the
+    engine closes as on any stop, within moments. uvicorn's own forced exit would cancel each
+    stream mid-write instead and log every cancellation's traceback. A third Ctrl-C, should
+    anything still hold the exit, ends the process on the spot; the engine process then reads
+    end-of-file on its command pipe and closes itself.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[float | None], None]) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._interrupts = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._on_exit()
+        if sig == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts == 2 and self.should_exit:
+                _say(FORCED_EXIT)
+                self._on_exit(0.0)  # no grace left: abort what runs
+                return
+            if self._interrupts > 2:
+                _say("corelib: interrupted")
+                os._exit(130)
+        self._on_exit(None)
         super().handle_exit(sig, frame)
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler (no locks: the handler may interrupt a print)."""
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
 
 
 def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
@@ -139,7 +169,8 @@ def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
         timeout_graceful_shutdown=int(server.shutdown_grace_s + SHUTDOWN_SLACK_S) + 1,
         http=guarded_protocol(server.header_timeout_s, server.max_connections),
     )
-    return _Uvicorn(config, on_exit=lambda: state.bridge.drain(server.shutdown_grace_s))
+    return _Uvicorn(config, on_exit=lambda grace_s: state.bridge.drain(
+        server.shutdown_grace_s if grace_s is None else grace_s))
 
 
 def serve(state: ServerState, server: ServerConfig, sock: socket.socket,
