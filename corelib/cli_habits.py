@@ -89,7 +89,6 @@ BENCH_IGNORED_SWITCHES: dict[str, str] = {
 }
 #: flags with no key here, and why
 NO_EQUIVALENT: dict[str, str] = {
-    "--trust-remote-code": "corelib never runs a checkpoint's code; leave it out",  # LLM(trust_remote_code=)
     "--tokenizer": "the tokenizer is the checkpoint's tokenizer.json (model.path)",
     "--dataset-path": "bench-serve reads a JSONL file of prompts: server.bench.dataset=FILE",
 }

@@ -29,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 from rich.console import Console
 
-from corelib.cli_habits import NO_EQUIVALENT, model_override, model_presets, quoted
+from corelib.cli_habits import IGNORED_SWITCHES, NO_EQUIVALENT, model_override, model_presets, quoted
 from corelib.config import engine_schema
 from corelib.engine.api import Engine
 from corelib.engine.outputs import CompletionOutput, RequestOutput
@@ -178,9 +179,12 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = None,
         enforce_eager: bool = False,
+        trust_remote_code: bool = False,
         overrides: Sequence[str] = (),
         **engine_options: object,
     ) -> None:
+        if trust_remote_code:  # vLLM scripts pass it; the launch goes on, as the CLI's --trust-remote-code does
+            warnings.warn("LLM(trust_remote_code=True): " + IGNORED_SWITCHES["--trust-remote-code"], stacklevel=2)
         if enforce_eager:
             engine_options.setdefault("graph", "off")
         self.overrides = llm_overrides(model, backend, tensor_parallel_size, dtype, max_model_len, overrides,

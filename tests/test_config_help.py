@@ -39,7 +39,7 @@ def help_text(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, str]:
 
 def test_run_help_shows_each_key_with_its_meaning(capsys: pytest.CaptureFixture[str]) -> None:
     lines = help_text(capsys, "backend=cpu")
-    assert lines["max_model_len: 0"].startswith("longest prompt + output a request may have; 0: max_position_embeddings")
+    assert lines["max_model_len: 0"].startswith("longest prompt + output a request may have; 0: max_position_emb")
     assert lines["runtime: native"].startswith("[auto|native|emulated] native: only on the hardware")
     assert lines["async_token_handoff: auto"].startswith("[auto|on|off] overlap step N+1")
     assert lines["request_rate: 0.0"].startswith("requests per second, arriving as a Poisson process")

@@ -175,7 +175,6 @@ class DetokenizeRequest(BaseModel):
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),

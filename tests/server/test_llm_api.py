@@ -36,8 +36,16 @@ def test_keywords_map_onto_overrides(tmp_path: Path) -> None:
 def test_an_unknown_keyword_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq'.*max_num_seqs"):
         corelib.LLM(model="tiny", max_num_seq=4)
-    with pytest.raises(TypeError, match=r"'trust_remote_code': corelib never runs a checkpoint's code"):
-        corelib.LLM(model="tiny", trust_remote_code=True)
+    with pytest.raises(TypeError, match=r"'tokenizer': the tokenizer is the checkpoint's tokenizer.json"):
+        corelib.LLM(model="tiny", tokenizer="elsewhere")
+
+
+def test_trust_remote_code_is_said_once_and_the_launch_goes_on() -> None:
+    # A vLLM script's keyword: a warning naming why it changes nothing (the unknown keyword after it stops the
+    # build before an engine starts).
+    with pytest.warns(UserWarning, match=r"trust_remote_code=True\): corelib never runs a checkpoint's code"), \
+            pytest.raises(TypeError, match="max_num_seq"):
+        corelib.LLM(model="tiny", trust_remote_code=True, max_num_seq=4)
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [({"model": "huge"}, "neither a preset"),

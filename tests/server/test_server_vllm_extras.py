@@ -106,6 +106,17 @@ def test_min_tokens_holds_back_the_stop_tokens(server: RunningServer, reference:
     assert held["usage"]["completion_tokens"] >= 4
 
 
+def test_logit_bias_with_json_string_keys_moves_the_token(server: RunningServer, reference: Engine) -> None:
+    [free] = reference.generate(["The quick brown"], SamplingParams(max_tokens=3, ignore_eos=True))
+    favourite = (free.output_token_ids[0] + 7) % reference.vocab_size
+    body = {"prompt": "The quick brown", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/completions", body).json()
+    biased = post(server, "/v1/completions", {**body, "logit_bias": {str(favourite): 100}}).json()
+    assert plain["choices"][0]["text"] != biased["choices"][0]["text"]
+    bad = post(server, "/v1/completions", {**body, "logit_bias": {"-1": 5}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
 def test_metrics_under_vllm_names(server: RunningServer) -> None:
     before = wait_idle(server.url)
     post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}).raise_for_status()
