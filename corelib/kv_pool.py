@@ -180,17 +180,24 @@ def _size(nbytes: int) -> str:
 
 
 def memory_figures(config: CorelibConfig, options: EngineOptions, host: bool, device: Device | None,
-                   model: Model | None) -> MemoryFigures | None:
+                   model: Model | None, probed: tuple[int, int] | None = None) -> MemoryFigures | None:
     """What the device says of its memory, with the largest step's peak: profiled on ``model`` where the device
-    keeps a peak, else estimated. ``host``: the device's memory is the host's. None where nothing says how
-    much memory there is (an accelerator in another process: ``device`` None and not ``host``)."""
+    keeps a peak, else estimated. ``host``: the device's memory is the host's. ``probed``: (free, total) of an
+    accelerator in other processes, read before they load anything (:mod:`corelib.transport.memory_probe`).
+    None where nothing says how much memory there is."""
     from corelib.limits import weight_bytes
     from corelib.memory import host_memory
 
-    info = device.memory_info() if device is not None else host_memory() if host else None
+    info = device.memory_info() if device is not None else probed if probed is not None else \
+        host_memory() if host else None
     if info is None:
         return None
     free, total = info  # read before the profile: what it takes stays cached for the steps' own use
+    if device is None and not host:  # the workers' weights are not loaded yet: they will take their share
+        weights = weight_bytes(config) // max(1, config.engine.tp)
+        activations = estimate_activations(config, profile_tokens(config, options.chunked_prefill))
+        graphs = max(MIN_GRAPH_BYTES, activations // 4) if options.graphs else 0
+        return MemoryFigures(total, free - weights, weights, activations, graphs, False, "device memory", fill=True)
     tokens = profile_tokens(config, options.chunked_prefill)
     measured = None
     if device is not None and model is not None and device.peak_memory_bytes() is not None:
@@ -245,18 +252,20 @@ def profile_step(device: Device, model: Model, config: CorelibConfig, tokens: in
 
 
 def sized_layout(startup: Startup, options: EngineOptions, layout: EngineLayout, device: Device | None = None,
-                 model: Model | None = None) -> tuple[EngineLayout, tuple[str, ...]]:
+                 model: Model | None = None, probed: tuple[int, int] | None = None,
+                 ) -> tuple[EngineLayout, tuple[str, ...]]:
     """``layout`` with its KV pool sized for ``startup`` (on ``device`` with ``model`` loaded, where they are in
     this process), and the lines for the startup report.
 
     A context cut to the pool is written into the config (the scheduler, the server and the workers read
     it there); so is the block count where the model runs in other processes (``device`` None: each
     worker derives its layout from the config), sized from the host's memory where that is the
-    device's, else from what the requests need.
+    device's, else from ``probed`` (the accelerator's memory, read before the workers start), else
+    from what the requests need.
     """
     config, spec = startup.config, startup.spec
     host = spec.runtime is Runtime.emulated or spec.capabilities.device_is_host
-    figures = None if config.engine.num_kv_blocks else memory_figures(config, options, host, device, model)
+    figures = None if config.engine.num_kv_blocks else memory_figures(config, options, host, device, model, probed)
     pool = size_pool(config, figures, startup.default_context)
     if pool.max_model_len != config.model.max_model_len:
         config.model.max_model_len = pool.max_model_len
