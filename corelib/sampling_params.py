@@ -133,6 +133,11 @@ class SamplingParams:
     # ``logprobs``, chat's ``top_logprobs``: the server maps them itself); None: none.
     logprobs: int | None = field(default=None, metadata=_meta(
         (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None"), api=False))
+    # Each prompt token's log-probability given the tokens before it, its rank, and the ``prompt_logprobs`` most
+    # likely tokens at its place (vLLM's; the first token has none); None: none. Such a request computes its whole
+    # prompt: it takes no blocks from the prefix cache (vLLM turns prefix caching off for it).
+    prompt_logprobs: int | None = field(default=None, metadata=_meta(
+        (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None"), api=False))
     # The output must be JSON of this schema (vLLM's StructuredOutputsParams, or a mapping of its fields): a
     # grammar masks every sampled token on the device (the server maps OpenAI's response_format to it).
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = field(  # stored as the params

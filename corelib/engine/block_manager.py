@@ -85,6 +85,9 @@ class BlockManager:
 
     def _matchable(self, seq: Sequence) -> int:
         # A prompt found whole still computes its last token: at most (known - 1) tokens come from the cache.
+        # A request asking for prompt logprobs takes none: a cached position has no logits.
+        if seq.sampling.prompt_logprobs is not None:
+            return 0
         return (seq.num_tokens - 1) // self.block_size
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:

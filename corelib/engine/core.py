@@ -184,7 +184,8 @@ class EngineCore:
             rows, kv, _ = self.buckets.decode_shape(len(step.seqs), kv_needed)
         else:
             rows, kv = len(step.seqs), kv_needed
-            padded = self.buckets.token_bucket(step.num_tokens) or 0
+            # A step computing prompt logprobs runs eagerly: its logits are more than one a row.
+            padded = 0 if step.prompt_logprobs else self.buckets.token_bucket(step.num_tokens) or 0
             if padded:  # its token bucket's graph: every row of the layout, the full width
                 rows, kv = self.builder.max_rows, self.buckets.max_blocks
         arenas = self.executor.arenas
@@ -224,7 +225,8 @@ class EngineCore:
             self.tracer.step(result.handle, item.path)
         started = time.perf_counter()
         with self.tracer.span("postprocess", SCHEDULER_LANE):
-            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens, result.logprobs))
+            self._finished.extend(self.scheduler.postprocess(item.step, result.tokens, result.logprobs,
+                                                             result.prompt_logprobs))
         host = HostTime(item.schedule_s * 1e6, item.pack_s * 1e6, (time.perf_counter() - started) * 1e6)
         self.metrics.record(result, item.path, item.step.sync_reasons, host, item.step.num_tokens)
 

@@ -114,9 +114,14 @@ def output_of(seq: Sequence, text: str | None, token_text: Callable[[int], str] 
         logprobs = sample_logprobs(seq.logprobs, decode)
         cumulative = math.fsum(item.logprob for item in seq.logprobs)
     stop_reason = seq.stop_reason if seq.finish_reason is FinishReason.stop else None
+    prompt_logprobs = None
+    if seq.sampling.prompt_logprobs is not None:
+        decode = token_text if seq.sampling.detokenize else None
+        prompt_logprobs = [None, *sample_logprobs(seq.prompt_logprobs, decode)]
     return RequestOutput(
         seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), reason,
         text, seq.error, ttft, tpot, logprobs, seq.prompt, cumulative_logprob=cumulative, stop_reason=stop_reason,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

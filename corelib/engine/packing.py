@@ -31,7 +31,7 @@ from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY, ArenaLayout
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
-from corelib.transport.wire import TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
+from corelib.transport.wire import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
 
 INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 
@@ -174,6 +174,9 @@ class InputBuilder:
             layout = self.layout.padded_layout(padded)
         else:
             layout = self.decode if decode else self.layout.step_layout(num_tokens)
+        prompt_positions = sum(count for _, _, count in step.prompt_logprobs)
+        if prompt_positions:
+            layout = self.layout.with_prompt_logprobs(layout, prompt_positions)
         structured = [row for row, (seq, samples) in enumerate(zip(step.seqs, step.samples, strict=True))
                       if samples and seq.grammar is not None]
         if structured:
@@ -181,6 +184,8 @@ class InputBuilder:
         v = self._numpy_views(layout, arena)
         if structured:
             fill_masks(step, structured, v[TOKEN_MASK])
+        if prompt_positions:
+            fill_prompt_positions(step, v[PROMPT_LOGPROBS])
         pad = self.pad_state_index
         indices: list[int] = []
         for seq in step.seqs:
@@ -243,7 +248,7 @@ class InputBuilder:
         logprobs = bool(self.state_logprobs[index_t].any())
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
-                            leading, bool(padded))
+                            leading, bool(padded), prompt_positions)
 
 
 def table_rows(seq: EngineSequence) -> dict[str, npt.NDArray[Any]]:
@@ -261,6 +266,19 @@ def table_rows(seq: EngineSequence) -> dict[str, npt.NDArray[Any]]:
             raise ValueError(f"min_tokens bans {len(stops)} stop ids (stop_token_ids and EOS): at most {width}")
         rows["stop_ids"][: len(stops)] = stops
     return rows
+
+
+def fill_prompt_positions(step: ScheduledStep, out: npt.NDArray[Any]) -> None:
+    """``out`` [2, P]: each of ``step.prompt_logprobs``' positions, in order, as its index among the step's tokens
+    (row 0) and the prompt token after it (row 1)."""
+    offsets = np.concatenate([[0], np.cumsum(step.query_lens)])
+    at = 0
+    for row, first, count in step.prompt_logprobs:
+        seq = step.seqs[row]
+        start = int(offsets[row]) + first - step.starts[row]
+        out[0, at : at + count] = np.arange(start, start + count)
+        out[1, at : at + count] = seq.prompt_token_ids[first + 1 : first + 1 + count]
+        at += count
 
 
 def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) -> None:

@@ -51,6 +51,9 @@ class ScheduledStep:
     synchronous: bool = False  # the host waits for this step's tokens before the next one
     sync_reasons: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    # Rows of requests asking for prompt logprobs: (row, first position, count), the positions whose logits
+    # give the next prompt token's logprobs (the prompt's last position gives the first sample's: none here).
+    prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def kind(self) -> StepKind:
@@ -354,6 +357,11 @@ class Scheduler:
             step.query_lens.append(row.tokens)
             step.samples.append(samples)
             step.from_relay.append(samples and seq.num_pending > 0)
+            if seq.sampling.prompt_logprobs is not None:
+                first = max(start, len(seq.prompt_logprobs))  # a prompt computed again after preemption has some
+                count = min(start + row.tokens, seq.num_prompt_tokens - 1) - first
+                if count > 0:
+                    step.prompt_logprobs.append((len(step.seqs) - 1, first, count))
             seq.num_computed_tokens = start + row.tokens
             self.blocks.register(seq, seq.num_computed_tokens)
             if samples:
@@ -418,10 +426,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ results
-    def postprocess(self, step: ScheduledStep, tokens: Iterable[int],
-                    logprobs: list[list[float]] | None = None) -> list[Sequence]:
+    def postprocess(self, step: ScheduledStep, tokens: Iterable[int], logprobs: list[list[float]] | None = None,
+                    prompt_logprobs: list[list[float]] | None = None) -> list[Sequence]:
         """Take one step's sampled tokens (one per row; a row that sampled nothing has its token
-        ignored) and, from a step that computed them, each row's logprobs; returns the sequences that finished."""
+        ignored) and, from a step that computed them, each row's logprobs and the prompt logprobs of its
+        ``step.prompt_logprobs`` positions, in that order; returns the sequences that finished."""
+        if step.prompt_logprobs and prompt_logprobs is not None:
+            _take_prompt_logprobs(step, prompt_logprobs)
         now = time.perf_counter()
         finished: list[Sequence] = []
         may_stop, stop_reason, done = self.stops.may_stop, self.stops.stop_reason, Status.FINISHED
@@ -496,6 +507,20 @@ class Scheduler:
         if seq.state_index is not None:
             self._free_state_indices.append(seq.state_index)
             seq.state_index = None
+
+
+def _take_prompt_logprobs(step: ScheduledStep, values: list[list[float]]) -> None:
+    """Each prompt position's logprobs (device rows, as :func:`_token_logprobs` reads them) into its request, once:
+    a position computed again (after preemption) keeps what it had."""
+    at = 0
+    for row, first, count in step.prompt_logprobs:
+        seq = step.seqs[row]
+        have, prompt, wanted = seq.prompt_logprobs, seq.prompt_token_ids, seq.sampling.prompt_logprobs or 0
+        for position in range(max(first, len(have)), first + count):
+            if position != len(have):
+                break  # an earlier chunk's are missing: nothing after them can be placed
+            have.append(_token_logprobs(prompt[position + 1], values[at + position - first], wanted))
+        at += count
 
 
 def _token_logprobs(token: int, row: list[float], count: int) -> TokenLogprobs:

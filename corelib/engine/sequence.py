@@ -127,6 +127,8 @@ class Sequence:
     grammar: GrammarState | None = None
     prompt: str | None = None  # the prompt's text, when it was given as text
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when asked for
+    # prompt_logprobs: entry i is prompt token i + 1's (the first has none), filled as the prompt's chunks are read.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The per-step requirements of the async gate this request fails, one bit each, computed once
     # when it is added (corelib.options.StepCheck); None until then.
     sync_mask: int | None = None

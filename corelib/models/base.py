@@ -55,6 +55,9 @@ class StepBatch:
     attention: PagedAttention  # block tables [B, W], sequence lengths, each row's query tokens
     state_indices: torch.Tensor  # [B] int64: each row's state index (token relay, recurrent state)
     last_index: torch.Tensor | None = None  # [B] int64: each row's last token (None: token i, a decode step)
+    # [B + P] int64: the tokens whose logits forward returns, each row's last then P more (prompt logprobs); None:
+    # each row's last. Only an eager step carries it.
+    logits_index: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -63,6 +66,10 @@ class StepBatch:
     def last_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [B, ...]: each row's last token, the one whose logits it samples from."""
         return x if self.last_index is None else x[self.last_index]
+
+    def logit_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B (+ P), ...]: the tokens whose logits forward returns (the LM head's input)."""
+        return self.last_tokens(x) if self.logits_index is None else x[self.logits_index]
 
 
 class ModelState:
@@ -91,7 +98,8 @@ class Model(Protocol):
 
     def forward(self, batch: StepBatch, state: ModelState, ops: Ops) -> torch.Tensor:
         """Write the step's keys and values into ``state``, then attend; return each row's last-token
-        logits [B, V] float32. Graph-safe when ``batch.is_decode``.
+        logits [B, V] float32 (those of ``batch.logit_tokens``, [B + P, V], when it asks for more).
+        Graph-safe when ``batch.is_decode``.
 
         Under tensor parallelism a model may return one rank's block of the vocabulary instead
         ([B, per_rank], from a vocabulary-parallel LM head); it then says which block in a

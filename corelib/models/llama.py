@@ -266,7 +266,7 @@ class LlamaModel:
         pending, h = weights.embed[batch.input_ids], None  # [T, H]
         for i, layer in enumerate(weights.layers):
             pending, h = self._block(i, layer, pending, h, batch, state, ops)
-        return self._logits(batch.last_tokens(pending), None if h is None else batch.last_tokens(h), ops)  # [B, V]
+        return self._logits(batch.logit_tokens(pending), None if h is None else batch.logit_tokens(h), ops)  # [B, V]
 
     def _block(
         self, index: int, layer: LayerWeights, pending: torch.Tensor, h: torch.Tensor | None, batch: StepBatch,

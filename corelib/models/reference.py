@@ -104,6 +104,18 @@ def _conv(layer: LayerWeights, shape: ModelShape, h: torch.Tensor) -> torch.Tens
 
 def reference_logits(weights: ModelWeights, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits for the next token after ``token_ids``: [V] float32."""
+    last = _rms_norm(_hidden(weights, token_ids)[-1:], weights.norm, weights.shape.rms_norm_eps)
+    return _linear(last, weights.lm_head).float()[0]
+
+
+def reference_prompt_logits(weights: ModelWeights, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits at every position of ``token_ids`` (row i: the next token after the first i + 1): [T, V] float32."""
+    h = _rms_norm(_hidden(weights, token_ids), weights.norm, weights.shape.rms_norm_eps)
+    return _linear(h, weights.lm_head).float()
+
+
+def _hidden(weights: ModelWeights, token_ids: Sequence[int]) -> torch.Tensor:
+    """The last layer's output at every position of ``token_ids``: [T, H]."""
     shape = weights.shape
     device = weights.embed.device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
@@ -114,8 +126,7 @@ def reference_logits(weights: ModelWeights, token_ids: Sequence[int]) -> torch.T
             h = h + _conv(layer, shape, h)
         h = h + _attention(layer, shape, _rms_norm(h, layer.input_norm, shape.rms_norm_eps), cos, sin)
         h = h + _mlp(layer, _rms_norm(h, layer.post_norm, shape.rms_norm_eps))
-    last = _rms_norm(h[-1:], weights.norm, shape.rms_norm_eps)
-    return _linear(last, weights.lm_head).float()[0]
+    return h
 
 
 def reference_generate(

@@ -24,11 +24,12 @@ class DeviceSteps:
         buffer, timing = self.handoff.begin(fi.step_id)
         target = self.runner.input_target()
         arena = self.stager.to_device(staged, target)
-        graph = self.runner.run(fi, arena)
+        prompt = self.handoff.prompt_buffers(fi.prompt_logprobs) if fi.prompt_logprobs else None
+        graph = self.runner.run(fi, arena, None if prompt is None else prompt.device)
         self.stager.after_forward()
-        event = self.handoff.emit(buffer, fi.num_seqs, timing, fi.logprobs)
+        event = self.handoff.emit(buffer, fi.num_seqs, timing, fi.logprobs, prompt)
         return StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, event, timing, graph, (staged, target),
-                          on_done=staged.release, logprobs=fi.logprobs)
+                          on_done=staged.release, logprobs=fi.logprobs, prompt=prompt)
 
     def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
         """Until a step's tokens are in host memory (bounded); reads nothing, so any thread may wait."""

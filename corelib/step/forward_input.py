@@ -41,6 +41,8 @@ class ForwardInput:
     # A step with prompt tokens padded to its token bucket: num_tokens is the bucket and bucket the layout's rows;
     # the rows past num_seqs are empty and the tokens past the step's belong to none (a graph per bucket runs it).
     padded: bool = False
+    # Prompt positions whose logprobs the step computes (the layout's PROMPT_LOGPROBS field): such a step runs eagerly.
+    prompt_logprobs: int = 0
 
     @property
     def is_decode(self) -> bool:

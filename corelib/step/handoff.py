@@ -38,6 +38,7 @@ class StepResult:
     transport_us: float | None = None  # SHM: producer commit to inputs ready in the worker
     handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
     logprobs: list[list[float]] | None = None  # per row: LOGPROB_WIDTH floats (see corelib.transport.wire)
+    prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed: LOGPROB_WIDTH floats
 
 
 @dataclass
@@ -54,7 +55,7 @@ class StepHandle:
     def __init__(
         self, step_id: int, kind: StepKind, num_seqs: int, buffer: int, event: Event, timing: StepTiming,
         graph: bool, keepalive: tuple[object, ...], on_done: Callable[[], None] | None = None,
-        logprobs: bool = False,
+        logprobs: bool = False, prompt: PromptBuffers | None = None,
     ) -> None:
         self.step_id = step_id
         self.kind = kind
@@ -67,11 +68,22 @@ class StepHandle:
         self.keepalive: tuple[object, ...] | None = keepalive
         self.on_done = on_done  # gives the step's inputs back once the device no longer reads them
         self.logprobs = logprobs  # the step copied its rows' logprobs too
+        self.prompt = prompt  # the step's prompt logprobs, copied to the host with its tokens
         self.tokens: list[int] | None = None
         self.logprob_rows: list[list[float]] | None = None
+        self.prompt_rows: list[list[float]] | None = None
 
     def done(self) -> bool:
         return self.tokens is not None or self.event.query()
+
+
+@dataclass(frozen=True)
+class PromptBuffers:
+    """Where one step's prompt logprobs go: ``device`` [P, LOGPROB_WIDTH], written by the runner, then ``host``
+    (pinned). Made for the step that needs them, so no other step holds or copies more than before."""
+
+    device: torch.Tensor
+    host: torch.Tensor
 
 
 @dataclass
@@ -173,7 +185,13 @@ class TokenHandoff:
             self.compute.record(timing.start)
         return index, timing
 
-    def emit(self, index: int, num_seqs: int, timing: StepTiming, logprobs: bool = False) -> Event:
+    def prompt_buffers(self, count: int) -> PromptBuffers:
+        """Buffers for the logprobs of ``count`` prompt positions of one step (made before it is queued)."""
+        return PromptBuffers(self.device.empty((count, LOGPROB_WIDTH), torch.float32),
+                             self.device.host_empty((count, LOGPROB_WIDTH), torch.float32, pinned=True))
+
+    def emit(self, index: int, num_seqs: int, timing: StepTiming, logprobs: bool = False,
+             prompt: PromptBuffers | None = None) -> Event:
         """After the forward: copy the tokens (and the logprobs of a step that computed them) to buffer
         ``index`` and on to the host; returns the host event."""
         compute, n = self.compute, num_seqs
@@ -191,6 +209,8 @@ class TokenHandoff:
         self.d2h.copy(self.host[index, :n], self.relay[index, :n])
         if logprobs:
             self.d2h.copy(self.host_logprobs[index, :n], self.relay_logprobs[index, :n])
+        if prompt is not None:
+            self.d2h.copy(prompt.host, prompt.device)
         event = self._buffers[index].tokens_event
         self.d2h.record(event)
         return event
@@ -202,6 +222,8 @@ class TokenHandoff:
             handle.tokens = self.host[handle.buffer, : handle.num_seqs].tolist()
             if handle.logprobs:
                 handle.logprob_rows = self.host_logprobs[handle.buffer, : handle.num_seqs].tolist()
+            if handle.prompt is not None:
+                handle.prompt_rows, handle.prompt = handle.prompt.host.tolist(), None
             handle.keepalive = None
             self._buffers[handle.buffer].busy = False
             done, handle.on_done = handle.on_done, None
@@ -215,4 +237,4 @@ class TokenHandoff:
                 gap = max(0.0, self._prev_end.elapsed_ms(start))
         self._prev_end = end if self.timing else None
         return StepResult(handle.step_id, handle.kind, handle.tokens, busy, gap, handle.graph, handle=handle,
-                          logprobs=handle.logprob_rows)
+                          logprobs=handle.logprob_rows, prompt_logprobs=handle.prompt_rows)

@@ -16,7 +16,7 @@ from corelib.ops.token_mask import mask_words
 from corelib.options import EngineOptions
 from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy, token_ladder
-from corelib.transport.wire import step_layout, with_token_mask
+from corelib.transport.wire import step_layout, with_prompt_logprobs, with_token_mask
 
 TOKEN_GRANULE = 256  # a step's token slots are a multiple of this: a few distinct layouts, not one per length
 
@@ -79,8 +79,14 @@ class EngineLayout:
 
     @property
     def arena_bytes(self) -> int:
-        """Room for the largest step, its token bitmask included."""
-        return self.masked(self.step_layout(self.max_step_tokens)).nbytes
+        """Room for the largest step, its prompt-logprob positions and token bitmask included."""
+        largest = self.step_layout(self.max_step_tokens)
+        return self.masked(self.with_prompt_logprobs(largest, self.max_step_tokens)).nbytes
+
+    @staticmethod
+    def with_prompt_logprobs(layout: ArenaLayout, count: int) -> ArenaLayout:
+        """``layout`` with ``count`` prompt positions whose logprobs the step computes (before any bitmask)."""
+        return with_prompt_logprobs(layout, count)
 
     def masked(self, layout: ArenaLayout) -> ArenaLayout:
         """``layout`` with the rows' token bitmask: a step holding a structured-output row."""

@@ -35,7 +35,7 @@ from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
-from corelib.transport.wire import TOKEN_MASK, TOKEN_NAMES, pad_rows
+from corelib.transport.wire import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_rows
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 
@@ -231,8 +231,9 @@ class ModelRunner:
         """Where a step's inputs must land: the static device arena, or nowhere (the device reads host memory)."""
         return self.arena
 
-    def run(self, fi: ForwardInput, arena: torch.Tensor) -> bool:
-        """Queue the forward of ``fi`` whose inputs are (or will be, stream-ordered) in ``arena``.
+    def run(self, fi: ForwardInput, arena: torch.Tensor, prompt_out: torch.Tensor | None = None) -> bool:
+        """Queue the forward of ``fi`` whose inputs are (or will be, stream-ordered) in ``arena``; a step with
+        prompt-logprob positions writes their logprobs into ``prompt_out`` [P, LOGPROB_WIDTH] (it runs eagerly).
 
         Returns whether a captured graph ran.
         """
@@ -245,13 +246,13 @@ class ModelRunner:
         if fi.padded:
             return self._run_padded(fi, arena)
         graph = None
-        if fi.is_decode and arena is self.arena:
+        if fi.is_decode and arena is self.arena and not fi.prompt_logprobs:
             graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
         if graph is None:
             views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
             tokens, longest, leading = fi.num_tokens, fi.max_query_len, fi.decode_rows
             self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs,
-                                                      leading))
+                                                      leading, prompt=prompt_out))
             self.num_eager_steps += 1
             return False
         if self.buckets.param_update:
@@ -301,15 +302,21 @@ class ModelRunner:
         tokens.index_copy_(0, target.to(torch.int64), tokens.index_select(0, source.to(torch.int64)))
 
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-                 sampled: bool, logprobs: bool = False, decode_rows: int = 0, captured: bool = False) -> None:
-        """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row."""
-        logits = self._body(views, rows, tokens, kv, longest, decode_rows, captured)
+                 sampled: bool, logprobs: bool = False, decode_rows: int = 0, captured: bool = False,
+                 prompt: torch.Tensor | None = None) -> None:
+        """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row; with
+        ``prompt``, the logprobs of the step's prompt positions (``PROMPT_LOGPROBS``) into it."""
+        logits = self._body(views, rows, tokens, kv, longest, decode_rows, captured, prompt is not None)
+        if prompt is not None:
+            self._prompt_logprobs(logits[rows:], views[PROMPT_LOGPROBS][1], prompt)
+            logits = logits[:rows]
         attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows], self.layout.block_size)
         self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
 
     def _body(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-              decode_rows: int = 0, captured: bool = False) -> torch.Tensor:
-        """The model's forward over the step in ``views``: each row's logits [rows, V].
+              decode_rows: int = 0, captured: bool = False, prompt: bool = False) -> torch.Tensor:
+        """The model's forward over the step in ``views``: each row's logits [rows, V], then with ``prompt`` those
+        of the step's prompt-logprob positions [P, V].
 
         ``captured``: the step is padded to its token bucket (``tokens``) and ``rows`` (the layout's),
         so nothing here may depend on how many of them are the step's (``PagedAttention.captured``).
@@ -325,9 +332,27 @@ class ModelRunner:
         input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
         slot_mapping = views["slot_mapping"][:tokens]
         self.slot_tokens.index_copy_(0, slot_mapping, input_ids)  # what the penalties count
-        batch = StepBatch(input_ids, views["positions"][:tokens], slot_mapping, attention, states,
-                          None if query_start is None else query_start[1:] - 1)
-        return self.model.forward(batch, self.state, self.ops)
+        last_index = None if query_start is None else query_start[1:] - 1
+        logits_index = None
+        if prompt:  # an eager step: each row's last token, then the prompt positions
+            rows_last = torch.arange(rows, device=input_ids.device) if last_index is None else last_index
+            logits_index = torch.cat([rows_last, views[PROMPT_LOGPROBS][0]])
+        batch = StepBatch(input_ids, views["positions"][:tokens], slot_mapping, attention, states, last_index,
+                          logits_index)
+        logits = self.model.forward(batch, self.state, self.ops)
+        if logits_index is not None and logits.shape[0] != logits_index.shape[0]:
+            raise RuntimeError(f"prompt logprobs: the model returned {logits.shape[0]} rows of logits for "
+                               f"{logits_index.shape[0]} asked (its forward must use StepBatch.logit_tokens)")
+        return logits
+
+    def _prompt_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor) -> None:
+        """Each prompt position's logprobs (the next prompt token's, its rank, the top ones) from the model's own
+        logits, into ``out``: the whole vocabulary's on every rank, as the rows' logprobs read it."""
+        if self.vocab_shard is not None:
+            if self.vocab_shard.size < self.vocab_shard.per_rank:
+                logits[:, self.vocab_shard.size:] = float("-inf")
+            logits = gather_logits(logits, self.vocab_shard)
+        out.copy_(token_logprobs(logits, targets))
 
     def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], attention: PagedAttention,
               sample_positions: torch.Tensor, sampled: bool, logprobs: bool) -> None:

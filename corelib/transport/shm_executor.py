@@ -95,7 +95,7 @@ class ShmExecutor(Executor):
         self.arenas = ArenaPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), layout.arena_bytes,
                                 options.pipeline_depth + SPARE_ARENAS, self.timeout)
         slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.arena_bytes))
-        result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows))
+        result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows, layout.max_step_tokens))
         self.ranks: list[_Rank] = []
         self._eventfds: list[int] = []
         self.in_ring: Ring | None = None
@@ -295,7 +295,7 @@ class ShmExecutor(Executor):
             wire = decode_result(frame.header, frame.data)
             kind = StepKind.decode if wire.decode else StepKind.prefill
             return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
-                              wire.transport_us, logprobs=wire.logprobs)
+                              wire.transport_us, logprobs=wire.logprobs, prompt_logprobs=wire.prompt_logprobs)
         finally:
             self.consumer.release(frame)
 

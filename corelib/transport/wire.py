@@ -71,6 +71,18 @@ def step_layout(tokens: int, rows: int, width: int) -> ArenaLayout:
     ])
 
 
+PROMPT_LOGPROBS = "prompt_logprobs"  # prompt logprobs: the positions whose logits a step also computes, and next tokens
+
+
+@functools.lru_cache(maxsize=64)
+def with_prompt_logprobs(layout: ArenaLayout, count: int) -> ArenaLayout:
+    """``layout`` with the ``count`` prompt positions whose logprobs the step computes: int64 [2, count], row 0
+    each one's index among the step's tokens (its logits), row 1 the prompt token that follows it (whose logprob
+    and rank it gives). Only a step holding such positions carries it (before any token bitmask), and it flags
+    the frame (``InputFlags.PROMPT_LOGPROBS``), so the others copy and send no more than before."""
+    return ArenaLayout.of([*layout.fields, Field(PROMPT_LOGPROBS, torch.int64, (2, count))])
+
+
 TOKEN_MASK = "token_mask"  # structured output: the rows' token bitmask, a last field only steps holding such rows carry
 
 
@@ -121,6 +133,7 @@ class InputFlags(enum.IntFlag):
     SAMPLE = 1  # some row samples (temperature > 0): the sampled graph variant runs
     LOGPROBS = 2  # some row asks for logprobs: the step computes them and the result carries them
     PADDED = 4  # a step with prompt tokens padded to its token bucket (num_tokens) and every row of the layout
+    PROMPT_LOGPROBS = 8  # the layout carries prompt positions whose logprobs the step computes (eagerly)
 
 
 class ResultFlags(enum.IntFlag):
@@ -130,6 +143,7 @@ class ResultFlags(enum.IntFlag):
     GRAPH = 1  # the step replayed a captured graph
     DECODE = 2  # a decode step (else one holding prefill tokens)
     LOGPROBS = 4  # the payload carries each row's logprobs after its tokens
+    PROMPT_LOGPROBS = 8  # then the logprobs of num_tokens prompt positions
 
 
 def field_names(kind: FrameKind) -> tuple[str, ...]:
@@ -139,7 +153,8 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 9  # 9: min_p, min_tokens and the logit-bias and stop-id tables, a sampled token's rank;
+VERSION = 10  # 10: prompt logprobs (an input field, the result's positions); 9: min_p, min_tokens and the
+# logit-bias and stop-id tables, a sampled token's rank;
 # 8: steps padded to a token bucket; 7: the rows' prompt lengths (penalties), the penalties' columns;
 # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
@@ -223,10 +238,13 @@ class FrameHeader:
         prefill tokens has one of a few token counts, so a worker looks it up rather than
         rebuilding it every step.
         """
-        key = (int(self.kind), *self.layout)
+        prompt = int(self.kind is FrameKind.step and InputFlags.PROMPT_LOGPROBS in InputFlags(self.flags))
+        key = (int(self.kind), prompt, *self.layout)
         layout = _LAYOUTS.get(key)
         if layout is None:
             names = field_names(self.kind)
+            if prompt:
+                names = (*names, PROMPT_LOGPROBS)
             if self.layout and self.layout[0] == len(names) + 1:  # a step that carries the token bitmask
                 names = (*names, TOKEN_MASK)
             try:
@@ -249,6 +267,8 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
     flags = (InputFlags.SAMPLE if fi.sample else InputFlags.NONE) | (
         InputFlags.LOGPROBS if fi.logprobs else InputFlags.NONE) | (InputFlags.PADDED if fi.padded else InputFlags.NONE)
+    if fi.prompt_logprobs:
+        flags |= InputFlags.PROMPT_LOGPROBS
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                        sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
                        max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows)
@@ -262,9 +282,10 @@ def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardI
         raise TransportError(f"{where}: a step of {header.num_seqs} rows ({header.bucket} computed), "
                              f"{header.num_tokens} tokens and up to {header.max_query_len} per row is malformed")
     flags = InputFlags(header.flags)
+    prompt = layout.fields[layout.names.index(PROMPT_LOGPROBS)].shape[1] if InputFlags.PROMPT_LOGPROBS in flags else 0
     return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
                         header.kv_blocks, InputFlags.SAMPLE in flags, layout, payload, InputFlags.LOGPROBS in flags,
-                        header.num_copies, header.decode_rows, InputFlags.PADDED in flags)
+                        header.num_copies, header.decode_rows, InputFlags.PADDED in flags, prompt)
 
 
 # ---------------------------------------------------------------------------------------- results
@@ -286,27 +307,34 @@ class WireResult:
     gap_ms: float | None
     transport_us: float
     logprobs: list[list[float]] | None = None  # per row, LOGPROB_WIDTH floats
+    prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed, LOGPROB_WIDTH floats
 
 
-def result_bytes(max_rows: int) -> int:
-    return 8 * max_rows + RESULT_TAIL.size + 4 * LOGPROB_WIDTH * max_rows
+def result_bytes(max_rows: int, max_prompt_positions: int = 0) -> int:
+    """The largest result payload: a token and a logprob row per row, and a logprob row per prompt position."""
+    return 8 * max_rows + RESULT_TAIL.size + 4 * LOGPROB_WIDTH * (max_rows + max_prompt_positions)
 
 
 def result_header(result: WireResult, sent_at: float) -> FrameHeader:
     flags = (ResultFlags.GRAPH if result.graph else ResultFlags.NONE) | (
         ResultFlags.DECODE if result.decode else ResultFlags.NONE) | (
-        ResultFlags.LOGPROBS if result.logprobs is not None else ResultFlags.NONE)
-    return FrameHeader(FrameKind.result, 0, result.step_id, len(result.tokens), flags=int(flags), sent_at=sent_at)
+        ResultFlags.LOGPROBS if result.logprobs is not None else ResultFlags.NONE) | (
+        ResultFlags.PROMPT_LOGPROBS if result.prompt_logprobs is not None else ResultFlags.NONE)
+    prompt = 0 if result.prompt_logprobs is None else len(result.prompt_logprobs)
+    return FrameHeader(FrameKind.result, 0, result.step_id, len(result.tokens), flags=int(flags), sent_at=sent_at,
+                       num_tokens=prompt)
 
 
 def encode_result(result: WireResult) -> bytes:
     tokens = struct.pack(f"<{len(result.tokens)}q", *result.tokens)
     gap = -1.0 if result.gap_ms is None else result.gap_ms
     tail = RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
-    if result.logprobs is None:
-        return tokens + tail
-    flat = [value for row in result.logprobs for value in row]
-    return tokens + tail + struct.pack(f"<{len(flat)}f", *flat)
+    parts = [tokens, tail]
+    for rows in (result.logprobs, result.prompt_logprobs):
+        if rows is not None:
+            flat = [value for row in rows for value in row]
+            parts.append(struct.pack(f"<{len(flat)}f", *flat))
+    return b"".join(parts)
 
 
 def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResult:
@@ -316,12 +344,20 @@ def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResul
     tokens = list(struct.unpack_from(f"<{n}q", payload, 0))
     busy, gap, transport = RESULT_TAIL.unpack_from(payload, 8 * n)
     flags = ResultFlags(header.flags)
-    logprobs = None
+    at = 8 * n + RESULT_TAIL.size
+    logprobs = prompt_logprobs = None
     if ResultFlags.LOGPROBS in flags:
-        at = 8 * n + RESULT_TAIL.size
-        if len(payload) < at + 4 * LOGPROB_WIDTH * n:
-            raise TransportError(f"result frame for step {header.step_id}: too short for its rows' logprobs")
-        flat = struct.unpack_from(f"<{LOGPROB_WIDTH * n}f", payload, at)
-        logprobs = [list(flat[i * LOGPROB_WIDTH : (i + 1) * LOGPROB_WIDTH]) for i in range(n)]
+        logprobs = _logprob_rows(header, payload, at, n, "its rows' logprobs")
+        at += 4 * LOGPROB_WIDTH * n
+    if ResultFlags.PROMPT_LOGPROBS in flags:
+        prompt_logprobs = _logprob_rows(header, payload, at, header.num_tokens, "its prompt logprobs")
     return WireResult(header.step_id, ResultFlags.DECODE in flags, ResultFlags.GRAPH in flags, tokens,
-                      busy or None, None if gap < 0 else gap, transport, logprobs)
+                      busy or None, None if gap < 0 else gap, transport, logprobs, prompt_logprobs)
+
+
+def _logprob_rows(header: FrameHeader, payload: bytes | memoryview, at: int, count: int,
+                  what: str) -> list[list[float]]:
+    if count < 0 or len(payload) < at + 4 * LOGPROB_WIDTH * count:
+        raise TransportError(f"result frame for step {header.step_id}: too short for {what}")
+    flat = struct.unpack_from(f"<{LOGPROB_WIDTH * count}f", payload, at)
+    return [list(flat[i * LOGPROB_WIDTH : (i + 1) * LOGPROB_WIDTH]) for i in range(count)]

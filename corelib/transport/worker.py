@@ -207,7 +207,8 @@ class StepLoop:
             self._free.release()  # its token buffer is free: the next step may be submitted
             if self.results is not None and not self._stopping:
                 wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
-                                  result.busy_ms, result.gap_ms, head.transport_us, result.logprobs)
+                                  result.busy_ms, result.gap_ms, head.transport_us, result.logprobs,
+                                  result.prompt_logprobs)
                 self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 
