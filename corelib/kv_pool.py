@@ -10,10 +10,12 @@ an estimate of the captured graphs, becomes KV blocks::
 
 also never more than is free now (another process may hold part of the device). Where the
 device's memory is the host's (the cpu backend, the stream emulator) the same fraction applies
-to the host's memory, but the pool is at most what ``engine.max_num_seqs`` requests of
-``model.max_model_len`` need: a laptop, or a test suite running engines side by side, does not
-hand an engine nine tenths of its memory that no request would use. ``engine.num_kv_blocks > 0``
-sets the pool outright.
+to the host's memory. The fraction is a ceiling, as vLLM's is, but unlike vLLM the pool is also
+at most what ``engine.max_num_seqs`` requests of ``model.max_model_len`` need: a checkpoint's own
+context (40,960 tokens for Qwen3) reaches the ceiling at once, while a short context does not
+take nine tenths of a device for blocks no request would use (only cached prefixes would), and
+engines side by side on one device (a test suite, a benchmark's two sides, a second process) each
+start. ``engine.num_kv_blocks > 0`` sets the pool outright.
 
 ``model.max_model_len`` left at its default (the checkpoint's ``max_position_embeddings``) is cut to
 what the pool holds when the pool cannot hold one such request, with a line that says so; one
@@ -59,7 +61,6 @@ class MemoryFigures:
     graphs: int  # what the captured graphs will hold
     measured: bool  # activations measured by a profiled step; else estimated from the shape
     where: str  # "device memory" or "host memory"
-    fill: bool  # the fraction is the pool's size (an accelerator); else it is a ceiling over the demand
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,9 @@ def size_pool(config: CorelibConfig, figures: MemoryFigures | None, default_cont
         raise ConfigError(f"{account} leaves {_size(max(budget, 0))} for the KV cache, not two blocks of "
                           f"{_size(per_block)}: raise engine.gpu_memory_utilization, lower "
                           "engine.max_num_batched_tokens, or choose a smaller model or model.dtype")
-    if figures.fill:
-        num_blocks, why = by_memory, account
-    else:
-        num_blocks = min(demand, by_memory)
-        why = (f"what engine.max_num_seqs={engine.max_num_seqs} requests of model.max_model_len={context} need "
-               f"({account} would allow {by_memory})") if num_blocks == demand else account
+    num_blocks = min(demand, by_memory)
+    why = (f"what engine.max_num_seqs={engine.max_num_seqs} requests of model.max_model_len={context} need "
+           f"({account} would allow {by_memory})") if num_blocks == demand else account
     holds = (num_blocks - 1) * size
     notes: list[str] = []
     if holds < context:
@@ -197,7 +195,7 @@ def memory_figures(config: CorelibConfig, options: EngineOptions, host: bool, de
         weights = weight_bytes(config) // max(1, config.engine.tp)
         activations = estimate_activations(config, profile_tokens(config, options.chunked_prefill))
         graphs = max(MIN_GRAPH_BYTES, activations // 4) if options.graphs else 0
-        return MemoryFigures(total, free - weights, weights, activations, graphs, False, "device memory", fill=True)
+        return MemoryFigures(total, free - weights, weights, activations, graphs, False, "device memory")
     tokens = profile_tokens(config, options.chunked_prefill)
     measured = None
     if device is not None and model is not None and device.peak_memory_bytes() is not None:
@@ -208,7 +206,7 @@ def memory_figures(config: CorelibConfig, options: EngineOptions, host: bool, de
     activations = measured if measured is not None else estimate_activations(config, tokens)
     graphs = max(MIN_GRAPH_BYTES, activations // 4) if options.graphs and not host else 0
     return MemoryFigures(total, free, used, activations, graphs, measured is not None,
-                         "host memory" if host else "device memory", fill=not host)
+                         "host memory" if host else "device memory")
 
 
 def profile_step(device: Device, model: Model, config: CorelibConfig, tokens: int) -> int:
@@ -288,11 +286,10 @@ def describe_policy(startup: Startup) -> str:
     fraction = engine.gpu_memory_utilization
     context = ("model.max_model_len=" + str(model.max_model_len)
                + (" (the model's own, cut to the pool if it cannot hold one)" if startup.default_context else ""))
-    if spec.runtime is Runtime.emulated or spec.capabilities.device_is_host:
-        demand = engine.max_num_seqs * blocks_for(model.max_model_len, engine.block_size) + 1
-        return (f"KV pool: at most what engine.max_num_seqs={engine.max_num_seqs} requests of {context} need "
-                f"({demand} blocks), within engine.gpu_memory_utilization={fraction:g} of the host's memory; sized "
-                "at start")
-    return (f"KV pool: engine.gpu_memory_utilization={fraction:g} of the device's memory less the weights, a "
-            f"profiled step of {profile_tokens(config, startup.options.chunked_prefill)} tokens and the graphs, "
-            f"sized at start (the startup report gives its blocks); {context}")
+    demand = engine.max_num_seqs * blocks_for(model.max_model_len, engine.block_size) + 1
+    step = profile_tokens(config, startup.options.chunked_prefill)
+    where = ("the host's memory" if spec.runtime is Runtime.emulated or spec.capabilities.device_is_host else
+             f"the device's memory less the weights, a step of {step} tokens and the graphs")
+    return (f"KV pool: what engine.max_num_seqs={engine.max_num_seqs} requests of {context} need ({demand} blocks), "
+            f"at most engine.gpu_memory_utilization={fraction:g} of {where}; sized at start (the startup report gives "
+            "its blocks)")

@@ -13,6 +13,7 @@ import torch
 
 from corelib.compose import compose_config, prepare_config_store
 from corelib.config import CorelibConfig, EngineConfig, ModelConfig
+from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.kv_pool import MemoryFigures, block_bytes, size_pool
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint, write_toy_tokenizer
@@ -32,20 +33,20 @@ def _config(max_model_len: int = 4096, **engine: object) -> CorelibConfig:
 
 
 def _figures(total: int, free: int | None = None, used: int = 0, activations: int = 0, graphs: int = 0,
-             fill: bool = True) -> MemoryFigures:
+             where: str = "device memory") -> MemoryFigures:
     return MemoryFigures(total, total if free is None else free, used, activations, graphs, measured=True,
-                         where="device memory" if fill else "host memory", fill=fill)
+                         where=where)
 
 
-def test_an_accelerator_gets_the_share_of_its_memory_left_after_weights_activations_and_graphs() -> None:
-    config = _config(max_num_seqs=4)
+def test_a_long_context_gets_the_share_of_memory_left_after_weights_activations_and_graphs() -> None:
+    config = _config(max_model_len=1 << 16, max_num_seqs=256)
     per_block = block_bytes(config)
     # 2 layers x K,V x 16 tokens x 2 heads x 32 wide x 2 bytes, and an int64 token id per slot
     assert per_block == 2 * 2 * 16 * 2 * 32 * 2 + 16 * 8
     pool = size_pool(config, _figures(10 * GIB, used=3 * GIB, activations=GIB, graphs=GIB // 2), False)
     assert pool.num_blocks == int(0.9 * 10 * GIB - 3 * GIB - GIB - GIB // 2) // per_block
     assert pool.tokens == (pool.num_blocks - 1) * 16
-    assert pool.num_blocks > 4 * 256 + 1, "an accelerator fills the share, beyond what max_num_seqs needs"
+    assert pool.num_blocks < 256 * 4096 + 1, "what 256 requests of 65,536 tokens need is over the share"
     line = pool.lines[0]
     assert line.startswith(f"KV pool: {pool.num_blocks} blocks of 16 tokens ({pool.tokens} tokens")
     assert "engine.gpu_memory_utilization=0.9 of 10.0 GiB device memory after 3.0 GiB in use" in line
@@ -55,19 +56,21 @@ def test_an_accelerator_gets_the_share_of_its_memory_left_after_weights_activati
 
 
 def test_memory_another_process_holds_is_not_counted_on() -> None:
-    config = _config()
+    config = _config(max_model_len=1 << 16, max_num_seqs=256)
     pool = size_pool(config, _figures(10 * GIB, free=2 * GIB, used=GIB), False)
     assert pool.num_blocks == 2 * GIB // block_bytes(config)
     assert "(only 2.0 GiB free)" in pool.lines[0]
 
 
-def test_the_host_gives_at_most_what_the_requests_need_and_less_when_memory_is_short() -> None:
+@pytest.mark.parametrize("where", ["device memory", "host memory"])
+def test_the_pool_is_at_most_what_the_requests_need_and_less_when_memory_is_short(where: str) -> None:
+    # The share is a ceiling: a short context does not take the device for blocks no request would use.
     config = _config(max_model_len=512, max_num_seqs=8)
-    plenty = size_pool(config, _figures(64 * GIB, fill=False), False)
+    plenty = size_pool(config, _figures(64 * GIB, where=where), False)
     assert plenty.num_blocks == 8 * 32 + 1
     assert "what engine.max_num_seqs=8 requests of model.max_model_len=512 need" in plenty.lines[0]
-    assert "host memory" in plenty.lines[0]
-    short = size_pool(config, _figures(100 * block_bytes(config), fill=False), False)
+    assert f"of 64.0 GiB {where}" in plenty.lines[0] and "would allow" in plenty.lines[0]
+    short = size_pool(config, _figures(100 * block_bytes(config), where=where), False)
     assert short.num_blocks == 90
 
 
@@ -80,7 +83,7 @@ def test_an_explicit_block_count_and_a_device_that_cannot_say_keep_the_request_s
 
 def test_the_default_context_is_cut_to_what_the_pool_holds_and_an_explicit_one_is_refused() -> None:
     config = _config(max_model_len=32768)
-    figures = _figures(0, free=0, fill=True)
+    figures = _figures(0, free=0)
     figures = replace(figures, total=int(11 * block_bytes(config) / 0.9) + 1, free=GIB)
     pool = size_pool(config, figures, default_context=True)
     assert (pool.num_blocks, pool.max_model_len) == (11, 160)
@@ -269,8 +272,10 @@ def test_a_bf16_checkpoint_runs_bf16_on_the_gpu_with_its_pool_sized_from_memory(
         [line] = [n for n in engine.notices if n.startswith("KV pool:")]
         assert "engine.gpu_memory_utilization=0.9 of" in line and "device memory" in line and "profiled" in line
         _, total = engine.local_device.memory_info() or (0, 0)
-        assert engine.layout.num_blocks * block_bytes(started.config) > 0.5 * total, "the pool fills the share"
         assert engine.startup.config.model.max_model_len == 320
+        need = started.config.engine.max_num_seqs * blocks_for(320, started.config.engine.block_size) + 1
+        assert engine.layout.num_blocks == need < 0.9 * total // block_bytes(started.config), \
+            "a short context: what the requests need, under the share"
         [out] = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(out.output_token_ids) == 4
     finally:
