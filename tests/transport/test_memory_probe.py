@@ -68,8 +68,10 @@ def test_the_probe_reads_each_ranks_device_and_says_why_when_it_cannot() -> None
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_shm_on_the_gpu_sizes_the_pool_from_the_devices_memory(tmp_path: Path) -> None:
     # A checkpoint of a long context: sized by what 64 requests of it need, the pool would not fit the device.
-    write_random_checkpoint(tmp_path, tiny_hf_config(torch_dtype="bfloat16", max_position_embeddings=1 << 20),
-                            dtype=torch.bfloat16)
+    # KV blocks of 1 MiB (32 layers of 8 KV heads of 64): 64 requests of 2**20 tokens need some 4 TiB.
+    shape = {"num_hidden_layers": 32, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512}
+    write_random_checkpoint(tmp_path, tiny_hf_config(torch_dtype="bfloat16", max_position_embeddings=1 << 20,
+                                                     **shape), dtype=torch.bfloat16)
     started = _start("backend=cuda", f"model.path={tmp_path}", "engine.transport=shm", "engine.max_num_seqs=64")
     engine = Engine(started)
     try:
