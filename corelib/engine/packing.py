@@ -25,6 +25,7 @@ import torch
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.faults import maybe_fail
+from corelib.ops.sampling import PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
@@ -93,6 +94,12 @@ class InputBuilder:
         self.state_sampler = np.zeros(states, dtype=np.bool_)  # the row needs more than greedy argmax
         self.state_logprobs = np.zeros(states, dtype=np.bool_)  # the row asks for logprobs
         self._owners: list[tuple[int, int, int]] = [(-1, -1, 0)] * states  # seq_id, blocks_epoch, blocks written
+        self.state_penalized = np.zeros(states, dtype=np.bool_)  # the row has a penalty: the device counts its tokens
+        # Whose tokens the device's penalty counts of each state index are (seq_id, blocks_epoch): set once a step that
+        # rebuilds them is packed whole. A sequence new to its index (admitted, resumed after preemption, a sample
+        # of ``n`` given its prompt's blocks) has a new pair; so has one given a copy of a shared block (rebuilt
+        # once more: the same tokens).
+        self._counted: list[tuple[int, int]] = [(-1, -1)] * states
         # Numpy views of each (layout, arena) packed so far; the layout is kept so that its id stays its own.
         self._views: dict[tuple[int, int, int], tuple[ArenaLayout, dict[str, npt.NDArray[Any]]]] = {}
 
@@ -132,6 +139,8 @@ class InputBuilder:
             # A grammar's mask is applied by the sampling graphs: a structured row takes them even when greedy.
             self.state_sampler[index] = seq.sampling.needs_sampler or seq.grammar is not None
             self.state_logprobs[index] = seq.sampling.logprobs is not None
+            self.state_penalized[index] = any(
+                self.state_sampling[name][index] != neutral for name, neutral in PENALTY_NEUTRAL.items())
             written = 0
         if written < len(table):
             self.state_block_tables[index, written : len(table)] = table[written:]
@@ -234,6 +243,8 @@ class InputBuilder:
         if copies:
             v["copy_from"][:copies] = [source for source, _ in step.copies]
             v["copy_to"][:copies] = [copy for _, copy in step.copies]
+        recounts = self._recounts(step.seqs, index_t)
+        v["recount_rows"][: len(recounts)] = recounts
         if padded:  # rows past the step's are empty, and its tokens past num_tokens belong to none
             pad_row_fields(v, n, bucket, kv_blocks, pad)
             v["query_start"][n + 1 : bucket + 1] = num_tokens
@@ -247,8 +258,19 @@ class InputBuilder:
         sample = bool(self.state_sampler[index_t].any())
         logprobs = bool(self.state_logprobs[index_t].any())
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
-        return ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
-                            leading, bool(padded), prompt_positions)
+        fi = ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
+                          leading, bool(padded), prompt_positions, num_recounts=len(recounts))
+        for row in recounts:  # the step is packed whole: the device will have rebuilt these
+            seq = step.seqs[row]
+            self._counted[int(index_t[row])] = (seq.seq_id, seq.blocks_epoch)
+        return fi
+
+    def _recounts(self, seqs: list[EngineSequence], index_t: npt.NDArray[np.int64]) -> list[int]:
+        """The rows whose penalty counts the device rebuilds before the step's forward: those with a penalty whose
+        state index does not count their tokens yet. Rows without one cost a vector op."""
+        penalized = np.flatnonzero(self.state_penalized[index_t])
+        return [int(row) for row in penalized
+                if self._counted[int(index_t[row])] != (seqs[row].seq_id, seqs[row].blocks_epoch)]
 
 
 def table_rows(seq: EngineSequence) -> dict[str, npt.NDArray[Any]]:

@@ -8,9 +8,16 @@ whole sampler can be captured in a graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from corelib.ops.spec import SamplingInputs, TokenHistory
+from corelib.ops.spec import SAMPLING_COLUMNS, SamplingInputs, TokenHistory
+
+#: the penalties' sampling columns and their neutral values: a row with all three neutral has its logits left exactly
+#: as they were whatever its counts hold, so the runner keeps counts only for rows where one is not
+PENALTY_NEUTRAL: dict[str, float] = {c.name: c.neutral for c in SAMPLING_COLUMNS
+                                     if c.name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
 
 
 def _int64(constant: int) -> int:
@@ -101,16 +108,44 @@ def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
 
 
+def penalized(columns: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[B] bool: the rows some penalty applies to, from their sampling columns [B] (a step's views); graph-safe."""
+    flags = [columns[name] != neutral for name, neutral in PENALTY_NEUTRAL.items()]
+    return flags[0] | flags[1] | flags[2]
+
+
+def count_fed_tokens(history: TokenHistory, tokens: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor,
+                     counted: torch.Tensor) -> None:
+    """Add the tokens a step feeds to their sequences' counts, on the device: O(tokens), graph-safe.
+
+    One entry per fed token [T]: ``tokens`` its id, ``history.states`` its row's state index,
+    ``positions`` its position and ``prompt_lens`` its row's prompt length (earlier positions are the
+    prompt's, later ones outputs), ``counted`` False where it adds nothing (a row without penalties,
+    a padded token). With the counts of the tokens a sequence held before its first step
+    (:func:`count_history`), a row's counts at a sampled step are those of every position before the
+    one it samples, exactly what :func:`count_history` over its whole context gives.
+    """
+    vocab = history.output_counts.shape[1]
+    flat = history.states * vocab + tokens
+    is_prompt = positions < prompt_lens
+    dtype = history.output_counts.dtype
+    history.prompt_counts.view(-1).scatter_add_(0, flat, (counted & is_prompt).to(dtype))
+    history.output_counts.view(-1).scatter_add_(0, flat, (counted & ~is_prompt).to(dtype))
+
+
 def count_history(
     history: TokenHistory, slot_tokens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
     seq_lens: torch.Tensor, prompt_lens: torch.Tensor,
 ) -> None:
-    """Count each row's tokens so far into ``history`` (its ``states`` are the rows, 0..B-1), on the device.
+    """Count each row's tokens so far into ``history``, on the device: its rows ``history.states`` [B] are set to
+    the counts of the row's first ``seq_lens`` tokens, the other rows are left as they are.
 
     slot_tokens [S]: the token fed at each KV slot; block_tables [B, W]; seq_lens [B]: the row's tokens
     (the one fed this step included); prompt_lens [B]: positions before it are the prompt's, later ones
     outputs. A row reads its own blocks, so a prefix taken from the cache, blocks shared with another
     sample of the prompt and a sequence recomputed after preemption all count what they hold. Graph-safe.
+    O(B x (vocab + context)): the runner calls it once per sequence given a state index, for the tokens it
+    holds before its first step; :func:`count_fed_tokens` adds the rest as they are fed.
     """
     rows, width = block_tables.shape
     slots = (block_tables.to(torch.int64)[:, :, None] * block_size
@@ -123,7 +158,7 @@ def count_history(
     vocab = history.output_counts.shape[1]
     flat = (history.states[:, None] * vocab + tokens).reshape(-1)
     counts_dtype = history.output_counts.dtype
-    history.output_counts.zero_()
-    history.prompt_counts.zero_()
+    history.output_counts.index_fill_(0, history.states, 0)
+    history.prompt_counts.index_fill_(0, history.states, 0)
     history.prompt_counts.view(-1).scatter_add_(0, flat, (held & is_prompt).reshape(-1).to(counts_dtype))
     history.output_counts.view(-1).scatter_add_(0, flat, (held & ~is_prompt).reshape(-1).to(counts_dtype))

@@ -43,6 +43,9 @@ class ForwardInput:
     padded: bool = False
     # Prompt positions whose logprobs the step computes (the layout's PROMPT_LOGPROBS field): such a step runs eagerly.
     prompt_logprobs: int = 0
+    # Rows (the first entries of recount_rows) of sequences with a penalty that are new to their state index: their
+    # penalty counts are rebuilt from the tokens their blocks hold, before the forward (outside any graph).
+    num_recounts: int = 0
 
     @property
     def is_decode(self) -> bool:

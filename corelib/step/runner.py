@@ -26,7 +26,7 @@ from corelib.graph import Graph
 from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
 from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
-from corelib.ops.sampling import count_history
+from corelib.ops.sampling import PENALTY_NEUTRAL, count_fed_tokens, count_history, penalized
 from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
 from corelib.progress import current as current_progress
 from corelib.step.arena import ArenaLayout
@@ -78,13 +78,16 @@ class ModelRunner:
             task.advance()
         # The one device arena every step's inputs land in; a decode step's views of it are the graphs' inputs.
         self.arena = None if device.capabilities.device_is_host else device.empty((layout.arena_bytes,), torch.uint8)
-        # The token fed at every KV slot, written by each step: the penalties count a row's tokens from
-        # its own blocks (so cached prefixes and shared blocks count too), in counts rebuilt each sampled step.
+        # The token fed at every KV slot, written by each step: a sequence new to its state index has its
+        # penalty counts rebuilt once from its own blocks (so cached prefixes and shared blocks count too).
         self.slot_tokens = device.zeros((layout.num_blocks * layout.block_size,), torch.int64)
-        self.output_counts = device.zeros((layout.rows, vocab_size), torch.int32)
-        self.prompt_counts = device.zeros((layout.rows, vocab_size), torch.int32)
-        self.row_index = device.empty((layout.rows,), torch.int64)
-        self.row_index.copy_(torch.arange(layout.rows, dtype=torch.int64))
+        # The penalties' token counts by state index (the padding one included), kept up to date as tokens arrive:
+        # a sampled step adds the tokens it feeds, O(tokens), inside its graph; a sequence with a penalty new to its
+        # index has them rebuilt first (_recount). Rows without a penalty add nothing and are never rebuilt: neutral
+        # penalties ignore what the counts hold. 2 x states x vocab int32, as the per-row counts they replace.
+        states = layout.pad_state_index + 1
+        self.output_counts = device.zeros((states, vocab_size), torch.int32)
+        self.prompt_counts = device.zeros((states, vocab_size), torch.int32)
         # Structured output: the rows' token bitmask the sampling graphs read, rewritten in place by a step that
         # carries one (wire.TOKEN_MASK) and set back to all ones (every token allowed) by the next sampled step.
         self.token_mask = device.empty((layout.rows, layout.mask_words), torch.int32)
@@ -167,7 +170,7 @@ class ModelRunner:
         graph = self.device.graph(f"prompt_tokens{tokens}")
 
         def step() -> None:
-            logits = self._body(views, rows, tokens, kv, tokens, captured=True)
+            logits = self._body(views, rows, tokens, kv, tokens, captured=True, counted=True)  # any variant may sample
             if self._logits is None:  # the warm-up, outside capture, makes it
                 self._logits = self.device.empty(tuple(logits.shape), logits.dtype)
             self._logits.copy_(logits)
@@ -242,6 +245,9 @@ class ModelRunner:
             copies = fi.layout.views(arena)
             count = fi.num_copies
             self.compute.launch(lambda: self._copy_blocks(copies["copy_from"][:count], copies["copy_to"][:count]))
+        if fi.num_recounts:  # after the copies (their blocks are read), before the forward (and outside any graph)
+            recount = fi.layout.views(arena)
+            self.compute.launch(lambda: self._recount(recount, fi))
         self._stage_mask(fi, arena)
         if fi.padded:
             return self._run_padded(fi, arena)
@@ -301,12 +307,36 @@ class ModelRunner:
         tokens = self.slot_tokens.view(-1, self.layout.block_size)  # [NB, bs]
         tokens.index_copy_(0, target.to(torch.int64), tokens.index_select(0, source.to(torch.int64)))
 
+    def _recount(self, views: dict[str, torch.Tensor], fi: ForwardInput) -> None:
+        """Rebuild the penalty counts of the step's rows new to their state index (the first ``fi.num_recounts``
+        of recount_rows) from the tokens their blocks hold before those they feed now: a prefix from the cache, the
+        prompt blocks a sample of ``n`` shares, a preempted sequence's cached part. O(vocab + context) per such row,
+        once per sequence and index; the forward then adds the tokens fed (count_fed_tokens).
+
+        The step's tokens are written to their slots first, as the forward writes them again: another row of the
+        step may feed a slot of a block such a row holds (a decode row filling a block the cache hands out now).
+        """
+        rows, tokens = fi.bucket, fi.num_tokens
+        states = views["state_indices"][:rows]
+        query_start = views["query_start"][: rows + 1]
+        token_rows = None if fi.is_decode else _token_rows(views, rows, tokens, self.layout.block_size)
+        token_states = states if token_rows is None else states[token_rows]
+        input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
+        self.slot_tokens.index_copy_(0, views["slot_mapping"][:tokens], input_ids)
+        recount = views["recount_rows"][: fi.num_recounts]
+        held = views["seq_lens"][recount] - (1 if fi.is_decode else query_start[recount + 1] - query_start[recount])
+        history = TokenHistory(self.output_counts, self.prompt_counts, states[recount])
+        count_history(history, self.slot_tokens, views["block_tables"][recount, : fi.kv_blocks],
+                      self.layout.block_size, held, views["prompt_lens"][recount])
+
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
                  sampled: bool, logprobs: bool = False, decode_rows: int = 0, captured: bool = False,
                  prompt: torch.Tensor | None = None) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row; with
         ``prompt``, the logprobs of the step's prompt positions (``PROMPT_LOGPROBS``) into it."""
-        logits = self._body(views, rows, tokens, kv, longest, decode_rows, captured, prompt is not None)
+        # Only a sampled step counts the tokens it feeds for the penalties: a row with a penalty makes every step
+        # that holds it a sampled one (the packer's state_sampler), so a greedy step has none to count.
+        logits = self._body(views, rows, tokens, kv, longest, decode_rows, captured, prompt is not None, sampled)
         if prompt is not None:
             self._prompt_logprobs(logits[rows:], views[PROMPT_LOGPROBS][1], prompt)
             logits = logits[:rows]
@@ -314,12 +344,14 @@ class ModelRunner:
         self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
 
     def _body(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-              decode_rows: int = 0, captured: bool = False, prompt: bool = False) -> torch.Tensor:
+              decode_rows: int = 0, captured: bool = False, prompt: bool = False,
+              counted: bool = False) -> torch.Tensor:
         """The model's forward over the step in ``views``: each row's logits [rows, V], then with ``prompt`` those
         of the step's prompt-logprob positions [P, V].
 
         ``captured``: the step is padded to its token bucket (``tokens``) and ``rows`` (the layout's),
         so nothing here may depend on how many of them are the step's (``PagedAttention.captured``).
+        ``counted``: the tokens fed are added to the penalty counts of the rows that have one.
         """
         maybe_fail("forward")
         states = views["state_indices"][:rows]
@@ -328,10 +360,13 @@ class ModelRunner:
         query_start = None if decode else views["query_start"][: rows + 1]
         attention = PagedAttention(views["block_tables"][:rows, :kv], seq_lens, self.layout.block_size, query_start,
                                    longest, decode_rows, captured)
-        token_states = states if decode else states[attention.token_rows(tokens)]
+        token_rows = None if decode else attention.token_rows(tokens)
+        token_states = states if token_rows is None else states[token_rows]
         input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
         slot_mapping = views["slot_mapping"][:tokens]
-        self.slot_tokens.index_copy_(0, slot_mapping, input_ids)  # what the penalties count
+        self.slot_tokens.index_copy_(0, slot_mapping, input_ids)  # what a recount reads
+        if counted:
+            self._count_fed(views, rows, tokens, input_ids, token_states, token_rows)
         last_index = None if query_start is None else query_start[1:] - 1
         logits_index = None
         if prompt:  # an eager step: each row's last token, then the prompt positions
@@ -345,6 +380,18 @@ class ModelRunner:
                                f"{logits_index.shape[0]} asked (its forward must use StepBatch.logit_tokens)")
         return logits
 
+    def _count_fed(self, views: dict[str, torch.Tensor], rows: int, tokens: int, input_ids: torch.Tensor,
+                   token_states: torch.Tensor, token_rows: torch.Tensor | None) -> None:
+        """Add the step's fed tokens to the penalty counts of the rows that have one: O(tokens), graph-safe.
+        ``token_rows`` None: a decode step, token i is row i's (padded rows have no penalty)."""
+        counted = penalized({name: views[name][:rows] for name in PENALTY_NEUTRAL})
+        prompt_lens = views["prompt_lens"][:rows]
+        if token_rows is not None:  # tokens past query_start[rows] are no row's (a step padded to its bucket)
+            fed = torch.arange(tokens, device=input_ids.device) < views["query_start"][rows]
+            counted, prompt_lens = counted[token_rows] & fed, prompt_lens[token_rows]
+        count_fed_tokens(TokenHistory(self.output_counts, self.prompt_counts, token_states), input_ids,
+                         views["positions"][:tokens], prompt_lens, counted)
+
     def _prompt_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor) -> None:
         """Each prompt position's logprobs (the next prompt token's, its rank, the top ones) from the model's own
         logits, into ``out``: the whole vocabulary's on every rank, as the rows' logprobs read it."""
@@ -357,10 +404,8 @@ class ModelRunner:
     def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], attention: PagedAttention,
               sample_positions: torch.Tensor, sampled: bool, logprobs: bool) -> None:
         sampling = None
-        if sampled:
-            history = TokenHistory(self.output_counts[:rows], self.prompt_counts[:rows], self.row_index[:rows])
-            count_history(history, self.slot_tokens, attention.block_tables, self.layout.block_size,
-                          attention.seq_lens, views["prompt_lens"][:rows])
+        if sampled:  # the counts are current: the forward added this step's tokens
+            history = TokenHistory(self.output_counts, self.prompt_counts, views["state_indices"][:rows])
             sampling = SamplingInputs.from_views(views, rows, sample_positions, history)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
@@ -386,6 +431,12 @@ class ModelRunner:
         self.graphs.clear()
         self.prompt_graphs.clear()
         self.sampling_graphs.clear()
+
+
+def _token_rows(views: Mapping[str, torch.Tensor], rows: int, tokens: int, block_size: int) -> torch.Tensor:
+    """[tokens] int64: the row of each token of a step with prompt tokens, on the device."""
+    return PagedAttention(views["block_tables"][:rows], views["seq_lens"][:rows], block_size,
+                          views["query_start"][: rows + 1]).token_rows(tokens)
 
 
 def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -42,6 +42,7 @@ ROW_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("prompt_lens", torch.int64),  # tokens of the row's prompt: the penalties count later positions as outputs
     ("copy_from", torch.int64),  # copy on write: the first num_copies entries name KV blocks to copy ...
     ("copy_to", torch.int64),  # ... into these, before the forward
+    ("recount_rows", torch.int64),  # the first num_recounts entries: rows whose penalty counts are rebuilt first
     *((column.name, column.dtype) for column in SAMPLING_COLUMNS),
 )
 TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
@@ -111,6 +112,7 @@ def pad_row_fields(views: Mapping[str, Any], first: int, last: int, kv_blocks: i
     views["prompt_lens"][first:last] = 1
     views["copy_from"][first:last] = 0
     views["copy_to"][first:last] = 0
+    views["recount_rows"][first:last] = 0
     for column in SAMPLING_COLUMNS:
         views[column.name][first:last] = column.neutral
     for table in SAMPLING_TABLES:
@@ -153,14 +155,15 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 10  # 10: prompt logprobs (an input field, the result's positions); 9: min_p, min_tokens and the
-# logit-bias and stop-id tables, a sampled token's rank;
+VERSION = 11  # 11: the rows whose penalty counts are rebuilt (a count, a row field); 10: prompt logprobs (an
+# input field, the result's positions); 9: min_p, min_tokens and the logit-bias and stop-id tables, a sampled
+# token's rank;
 # 8: steps padded to a token bucket; 7: the rows' prompt lengths (penalties), the penalties' columns;
 # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiiiiiidQII")
-_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
+_FIXED = struct.Struct("<IHHQqiiiiiiiiidQII")
+_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
 _ZERO_CHECKSUM = bytes(4)
 _LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
 
@@ -190,6 +193,7 @@ class FrameHeader:
     max_query_len: int = 0  # step frames: the most tokens one row feeds
     num_copies: int = 0  # step frames: KV blocks copied before the forward
     decode_rows: int = 0  # step frames: the leading rows that feed one token each
+    num_recounts: int = 0  # step frames: rows whose penalty counts are rebuilt before the forward
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +203,8 @@ class FrameHeader:
         if len(self.layout) > MAX_LAYOUT_WORDS:
             raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
         return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows, int(self.flags),
+                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows,
+                self.num_recounts, int(self.flags),
                 self.sent_at, self.payload_len, checksum, len(self.layout))
 
     def packed(self, checksum: int | None = None) -> bytes:
@@ -218,7 +223,7 @@ class FrameHeader:
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
         (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
-         decode_rows, flags, sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
+         decode_rows, num_recounts, flags, sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
         if magic != MAGIC:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
@@ -229,7 +234,7 @@ class FrameHeader:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
         layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
         return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
-                   layout, num_tokens, max_query_len, num_copies, decode_rows)
+                   layout, num_tokens, max_query_len, num_copies, decode_rows, num_recounts)
 
     def input_layout(self, where: str) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
@@ -271,21 +276,24 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
         flags |= InputFlags.PROMPT_LOGPROBS
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, int(flags),
                        sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
-                       max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows)
+                       max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows,
+                       num_recounts=fi.num_recounts)
 
 
 def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardInput:
     """The step a checked step frame describes; its arena views ``payload``."""
     layout = header.input_layout(where)
     if (not 1 <= header.max_query_len <= max(header.num_tokens, 1) or header.bucket < header.num_seqs
-            or not 0 <= header.num_copies <= header.num_seqs or not 0 <= header.decode_rows < max(header.bucket, 1)):
+            or not 0 <= header.num_copies <= header.num_seqs or not 0 <= header.decode_rows < max(header.bucket, 1)
+            or not 0 <= header.num_recounts <= header.num_seqs):
         raise TransportError(f"{where}: a step of {header.num_seqs} rows ({header.bucket} computed), "
                              f"{header.num_tokens} tokens and up to {header.max_query_len} per row is malformed")
     flags = InputFlags(header.flags)
     prompt = layout.fields[layout.names.index(PROMPT_LOGPROBS)].shape[1] if InputFlags.PROMPT_LOGPROBS in flags else 0
     return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
                         header.kv_blocks, InputFlags.SAMPLE in flags, layout, payload, InputFlags.LOGPROBS in flags,
-                        header.num_copies, header.decode_rows, InputFlags.PADDED in flags, prompt)
+                        header.num_copies, header.decode_rows, InputFlags.PADDED in flags, prompt,
+                        num_recounts=header.num_recounts)
 
 
 # ---------------------------------------------------------------------------------------- results

@@ -60,7 +60,8 @@ class RequestCase:
 
 # Header fields by position in the packed header, for damage done after packing.
 _FIELDS = ("magic", "version", "kind", "seq", "step_id", "num_seqs", "bucket", "kv_blocks", "num_tokens",
-           "max_query_len", "num_copies", "decode_rows", "flags", "sent_at", "payload_len", "checksum", "words")
+           "max_query_len", "num_copies", "decode_rows", "num_recounts", "flags", "sent_at", "payload_len", "checksum",
+           "words")
 
 
 def _offset(name: str) -> tuple[int, str]:
