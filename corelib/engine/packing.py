@@ -24,6 +24,7 @@ import torch
 
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
+from corelib.engine.structured import fill_rows
 from corelib.faults import maybe_fail
 from corelib.ops.sampling import PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
@@ -304,17 +305,20 @@ def fill_prompt_positions(step: ScheduledStep, out: npt.NDArray[Any]) -> None:
 
 
 def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) -> None:
-    """Each structured row's token bitmask from its grammar; every other row allows every token."""
+    """Each structured row's token bitmask from its grammar, the rows in parallel; every other row allows every
+    token. A failure is told to the request whose grammar failed (found by filling the rows one by one)."""
     masks.fill(ALL_ALLOWED)
-    for row in rows:
-        seq = step.seqs[row]
-        grammar = seq.grammar
-        if grammar is None:
-            continue
+    states = [(grammar, row) for row in rows if (grammar := step.seqs[row].grammar) is not None]
+    try:
+        fill_rows(states, masks.ctypes.data, masks.strides[0], masks.shape[0])
+        return
+    except Exception:  # noqa: BLE001 - whose it is shows below
+        pass
+    for grammar, row in states:
         try:
             grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
         except Exception as error:  # whatever it is, it is this request's
-            raise _failed(seq, error) from error
+            raise _failed(step.seqs[row], error) from error
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:

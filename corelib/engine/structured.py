@@ -18,6 +18,7 @@ below, so a hostile schema costs a bounded amount of work and is refused in one 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -116,11 +117,31 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     _CHECKED.grammar(params)
 
 
+@functools.cache
+def _executor() -> Any:
+    """llguidance's thread pool, one per process."""
+    return llguidance_module().LLExecutor()
+
+
+def fill_rows(states: Iterable[tuple[GrammarState, int]], address: int, row_bytes: int, rows: int) -> None:
+    """Write each state's mask into its row of the ``rows`` x ``row_bytes`` bitmask at ``address``, the rows
+    computed in parallel by llguidance's thread pool (one pool per process, made on first use): a step's
+    masks are the host's work between two steps, since the grammar needs the token just sampled."""
+    matchers = [(state.matcher, row) for state, row in states]
+    if matchers:
+        _executor().unsafe_compute_mask_ptr(matchers, address, row_bytes, rows)
+
+
 class GrammarState:
     """One request's matcher: writes its row of the token bitmask, takes each sampled token."""
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+
+    @property
+    def matcher(self) -> Any:
+        """llguidance's matcher (for :func:`fill_rows`)."""
+        return self._matcher
 
     def fill(self, address: int, nbytes: int) -> None:
         """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""

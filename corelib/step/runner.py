@@ -110,14 +110,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ graphs
     def capture(self) -> None:
         """Capture every graph a step can need, largest first (they share one memory pool): the forward of
-        every token bucket and every sampling variant of padded steps, then every decode bucket (greedy;
-        its sampling variants when first needed)."""
+        every token bucket and every sampling variant of padded steps, then every decode bucket in every
+        sampling variant: a server's requests sample (OpenAI's temperature is 1), ask for logprobs or a
+        grammar's mask, and the first step of each kind at a new batch size would otherwise capture a graph
+        while requests wait."""
         shapes = self.buckets.shapes()
         tokens = list(reversed(self.buckets.token_buckets))
         variants = SAMPLING_VARIANTS if tokens else ()
         before = self.device.memory_stats().reserved_bytes
-        with current_progress().task("capturing graphs", total=len(shapes) + len(tokens) + len(variants),
-                                     unit="graphs") as task:
+        total = len(shapes) * len(SAMPLING_VARIANTS) + len(tokens) + len(variants)
+        with current_progress().task("capturing graphs", total=total, unit="graphs") as task:
             for count in tokens:
                 self._capture_prompt(count)
                 task.advance()
@@ -125,8 +127,9 @@ class ModelRunner:
                 self._capture_sampling(sampled, logprobs)
                 task.advance()
             for rows, kv in shapes:
-                self._capture(rows, kv, False, False)
-                task.advance()
+                for sampled, logprobs in SAMPLING_VARIANTS:
+                    self._capture(rows, kv, sampled, logprobs)
+                    task.advance()
         pool = self.device.graph_pool_bytes()
         logits = 0 if self._logits is None else self._logits.numel() * self._logits.element_size()
         # The pool's own count where the device has one: the allocator's growth also moves with memory

@@ -27,3 +27,7 @@ def test_upfront_capture_takes_every_bucket_at_start(make_engine: EngineFactory)
     engine = make_engine(["backend=npu", "engine.graph_capture=upfront", "engine.graph_batch_sizes=[1,2,4]"])
     assert not engine.options.lazy_capture
     assert {(rows, kv) for rows, kv, *_ in engine.local_runner.graphs} == set(engine.local_runner.buckets.shapes())
+    # every sampling variant too: a first sampled or logprobs step at a new batch size captures nothing
+    assert set(engine.local_runner.graphs) == {(rows, kv, sampled, logprobs)
+                                               for rows, kv in engine.local_runner.buckets.shapes()
+                                               for sampled in (False, True) for logprobs in (False, True)}

@@ -17,7 +17,7 @@ import torch
 
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
-from corelib.engine.structured import GrammarCache, StructuredOutputs
+from corelib.engine.structured import GrammarCache, StructuredOutputs, fill_rows
 from corelib.models.synthetic import write_text_checkpoint
 from corelib.ops.token_mask import apply_token_bitmask, mask_words
 from corelib.sampling_params import SamplingError
@@ -130,6 +130,24 @@ def engine(model_dir: Path) -> Iterator[Engine]:
 def schema_requests(count: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=80, temperature=0.9 if i % 2 else 0.0, seed=i,
                            structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(count)]
+
+
+def test_the_rows_filled_in_parallel_are_the_rows_filled_one_by_one(model_dir: Path) -> None:
+    import numpy as np
+
+    tokenizer = Tokenizer.from_directory(model_dir)
+    assert tokenizer is not None
+    outputs = StructuredOutputs(tokenizer, tokenizer.vocab_size, [1])
+    states = [outputs.state(StructuredOutputsParams(json=SCHEMA)) for _ in range(3)]
+    for token in tokenizer.encode('{"name":"ab', add_special_tokens=False):  # row 1 a few tokens in
+        assert states[1].advance(token) is None
+    words = mask_words(tokenizer.vocab_size)
+    together = np.full((4, words), -1, dtype=np.int32)  # row 3 has no grammar: left as it was
+    fill_rows([(state, row) for row, state in enumerate(states)], together.ctypes.data, together.strides[0], 4)
+    alone = np.full((4, words), -1, dtype=np.int32)
+    for row, state in enumerate(states):
+        state.fill(alone[row].ctypes.data, alone[row].nbytes)
+    assert (together == alone).all() and (together[0] != together[1]).any() and (together[3] == -1).all()
 
 
 @pytest.mark.slow
