@@ -123,12 +123,15 @@ def _numbers(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float
     return found
 
 
-def check_memory(config: CorelibConfig, spec: DeviceSpec) -> None:
+def check_memory(config: CorelibConfig, spec: DeviceSpec, default_context: bool = False) -> None:
     """Refuse a KV cache and weights that cannot fit in host memory, where the device's memory is the host's.
 
     The stream emulator and a device that is the host allocate from this machine's memory;
     a native accelerator's free memory is known only once it is opened, so it is left to the
-    device.
+    device. A pool sized from memory (:mod:`corelib.kv_pool`) is sized once the model is loaded;
+    an explicit ``model.max_model_len`` must fit one request of it already, as the model's tables
+    (RoPE's, one row per position) are built for that length first. ``default_context``: the
+    model's own length, which the pool may cut.
     """
     if spec.runtime is not Runtime.emulated and not spec.capabilities.device_is_host:
         return
@@ -136,13 +139,19 @@ def check_memory(config: CorelibConfig, spec: DeviceSpec) -> None:
     if available is None:
         return
     kv, per_block, num_blocks = kv_cache_bytes(config)
-    if not config.engine.num_kv_blocks:
-        kv = 0  # sized from what is left once the model is loaded (corelib.kv_pool), which refuses too little
     weights = weight_bytes(config)
+    engine = config.engine
+    if not engine.num_kv_blocks:
+        one = -(-config.model.max_model_len // engine.block_size) + 1  # one request, and the null block
+        if not default_context and one * per_block + weights > available:
+            raise ConfigError(f"model.max_model_len={config.model.max_model_len}: one request's KV cache needs "
+                              f"{_gib(one * per_block)} ({one} blocks of {per_block} bytes) and the weights "
+                              f"{_gib(weights)}, but {_gib(available)} of host memory are available; lower "
+                              "model.max_model_len")
+        kv = 0  # the rest is sized from what is left once the model is loaded, which refuses too little
     if kv + weights <= available:
         return
     have = f"{_gib(available)} of host memory are available"
-    engine = config.engine
     if kv >= weights:
         key = (f"engine.num_kv_blocks={engine.num_kv_blocks}" if engine.num_kv_blocks else
                f"engine.max_num_seqs={engine.max_num_seqs} x model.max_model_len={config.model.max_model_len}")

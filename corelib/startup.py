@@ -77,7 +77,7 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     check_limits(config)
     check_sampling_defaults(config.model.sampling_defaults)
     resolution = resolve_runtime(backend, config.backend, config.engine.timeout_s)
-    check_memory(config, resolution.spec)
+    check_memory(config, resolution.spec, default_context)
     messages.append(resolution.message)
     facts = model_facts(config.model)
     plan = evaluate(config.features, raw, resolution.spec.capabilities.as_dict(), facts)

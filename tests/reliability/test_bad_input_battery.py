@@ -168,8 +168,8 @@ TABLE: list[tuple[str, str, Case]] = [
     ("config", "kv-pool-beyond-memory", ConfigCase(("engine.num_kv_blocks=100000000",),
                                                    "engine.num_kv_blocks=100000000: the KV cache needs")),
     ("config", "max_model_len-beyond-memory", ConfigCase(("model.max_model_len=100000000",),
-                                                         "engine.max_num_seqs=64 x model.max_model_len=100000000: "
-                                                         "the KV cache needs")),
+                                                         "model.max_model_len=100000000: one request's KV cache "
+                                                         "needs")),
     ("config", "weights-beyond-memory", ConfigCase(("model.vocab_size=1000000000",),
                                                    "model=tiny: the weights need")),
     # where the run writes, and what it reads: once raw errors (FileExistsError, "Unable to configure handler")
