@@ -135,9 +135,10 @@ class SamplingParams:
         (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None"), api=False))
     # Each prompt token's log-probability given the tokens before it, its rank, and the ``prompt_logprobs`` most
     # likely tokens at its place (vLLM's; the first token has none); None: none. Such a request computes its whole
-    # prompt: it takes no blocks from the prefix cache (vLLM turns prefix caching off for it).
+    # prompt: it takes no blocks from the prefix cache (vLLM turns prefix caching off for it). The server takes it
+    # by name and also asks it for completions' echo with logprobs (corelib.server.inputs).
     prompt_logprobs: int | None = field(default=None, metadata=_meta(
-        (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None"), api=False))
+        (lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None")))
     # The output must be JSON of this schema (vLLM's StructuredOutputsParams, or a mapping of its fields): a
     # grammar masks every sampled token on the device (the server maps OpenAI's response_format to it).
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = field(  # stored as the params

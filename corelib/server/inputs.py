@@ -64,6 +64,8 @@ class Prepared:
 
     prompts: list[list[int]]  # token ids of each prompt
     requests: list[tuple[list[int], SamplingParams]]  # one per choice, in choice order
+    prompt_logprobs: int | None = None  # the body's prompt_logprobs: each choice (chat: the response) shows them
+    echo_logprobs: bool = False  # completions' echo with logprobs: each choice's logprobs start with its prompt's
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,13 +103,11 @@ def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: Req
 def echo_texts(request: CompletionRequest, prepared: Prepared, info: EngineInfo) -> list[str] | None:
     """With ``echo``: each prompt's text, put before its choices' text (a text prompt as sent; token ids decoded).
 
-    Echoing logprobs would need the prompt's own, which the server does not compute: refused in one line.
+    With ``logprobs`` too, the engine computes the prompt's own (:func:`_prompt_logprobs`), which the
+    choice's logprobs start with.
     """
     if not request.echo:
         return None
-    if request.logprobs is not None:
-        raise bad_request("echo: the prompt's logprobs are not computed here, so echo cannot go with logprobs; "
-                          "leave one of them out", "echo")
     prompt = request.prompt
     given = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
     texts: list[str] = []
@@ -308,7 +308,11 @@ def _prepared(
         raise ApiError(400, str(error), param=error.field) from None
     if base.n > MAX_CHOICES:
         raise bad_request(f"n={base.n}: at most {MAX_CHOICES} choices per prompt", "n")
+    shown, echo_logprobs = base.prompt_logprobs, _echo_logprobs(request)
+    computed = _prompt_logprobs(request, shown, base.logprobs if echo_logprobs else None)
+    base = base.replace(prompt_logprobs=None)
     requests: list[tuple[list[int], SamplingParams]] = []
+    computing: set[tuple[int, ...]] = set()  # prompts whose logprobs one choice already computes
     for prompt in prompts:
         room = info.max_model_len - len(prompt)
         wanted = min(room, defaults.get("max_tokens", room)) if max_tokens is None else max_tokens
@@ -323,5 +327,33 @@ def _prepared(
         except SamplingError as error:
             param = max_param if error.field == "max_tokens" else error.field
             raise ApiError(400, param + str(error).removeprefix(error.field), param=param) from None
-        requests += [(prompt, choice) for choice in choices(sized, first=len(requests))]
-    return Prepared(prompts, requests)
+        chosen = choices(sized, first=len(requests))
+        if computed is not None and tuple(prompt) not in computing:
+            # One choice per distinct prompt computes its logprobs: the others take its KV blocks (n), and a
+            # prompt sent twice would otherwise be computed twice; the response shows them for each.
+            computing.add(tuple(prompt))
+            chosen[0] = chosen[0].replace(prompt_logprobs=computed)
+        requests += [(prompt, choice) for choice in chosen]
+    return Prepared(prompts, requests, shown, echo_logprobs)
+
+
+def _echo_logprobs(request: CompletionRequest | ChatRequest) -> bool:
+    return isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None
+
+
+def _prompt_logprobs(request: CompletionRequest | ChatRequest, shown: int | None, echoed: int | None) -> int | None:
+    """How many alternatives the engine computes at each prompt token: the most that ``prompt_logprobs`` and an
+    echo's ``logprobs`` show (the response cuts each to its own); None: the prompt's logprobs are not computed.
+
+    They come with a request's last update, so a stream would show them only after every token it sent
+    (vLLM's shows them in each choice's first chunk): refused in one line.
+    """
+    if shown is None and echoed is None:
+        return None
+    if request.stream:
+        if shown is not None:
+            raise bad_request("prompt_logprobs: not streamed; leave stream out, and the whole response carries them",
+                              "prompt_logprobs")
+        raise bad_request("echo: with logprobs it shows the prompt's logprobs, which are not streamed; leave stream "
+                          "out, and the whole response carries them", "echo")
+    return max(shown or 0, echoed or 0)

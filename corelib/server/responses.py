@@ -9,6 +9,14 @@ Logprobs, where asked for, come as OpenAI shapes them: a completion choice's ``l
 ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob) and ``text_offset``; a chat
 choice's holds ``content``, one entry per token with its ``bytes`` and ``top_logprobs``. A stream's
 chunk carries those of the tokens it brings.
+
+A prompt's logprobs (``prompt_logprobs``, vLLM's extra) come as vLLM's server shows them: a completion
+choice's ``prompt_logprobs`` (a chat response's, once for its one prompt) is a list with one entry per
+prompt token, null for the first, else ``{"<token id>": {"logprob", "rank", "decoded_token"}}``, the
+prompt's token first. With ``echo`` and ``logprobs``, a completion choice's ``logprobs`` start with
+its prompt's tokens (the first one's logprob and top_logprobs null), and ``text_offset`` counts from
+the start of the echoed text. They come with each request's last update, so only whole responses
+carry them (a stream asking for them is refused in :mod:`corelib.server.inputs`).
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from corelib.engine.outputs import PromptLogprobs
 from corelib.engine.sequence import TokenLogprobs, token_logprobs_of
 from corelib.server.inputs import Prepared, token_text
 from corelib.server.messages import Delta, Final, LogprobDelta, Update
 from corelib.server.protocol import ApiError, JsonObject
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+# vLLM's floor for a prompt token's logprob: a prompt may hold a token the model all but rules out (-inf in
+# float32), and JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
 
 
 def failure(update: Final) -> ApiError | None:
@@ -122,23 +134,91 @@ class Formatter:
             return ""
         return (output.text or "") if self.has_tokenizer else token_text(output.output_token_ids)
 
+    # ------------------------------------------------------------------ prompt logprobs
+    def _prompts_logprobs(self, finals: list[Final]) -> dict[tuple[int, ...], PromptLogprobs]:
+        """Each prompt's logprobs, from the one choice that computed them (``_prepared`` asks one per prompt)."""
+        found: dict[tuple[int, ...], PromptLogprobs] = {}
+        for update in finals:
+            output = update.output
+            if output is not None and output.prompt_logprobs is not None \
+                    and len(output.prompt_logprobs) == len(output.prompt_token_ids):
+                found.setdefault(tuple(output.prompt_token_ids), output.prompt_logprobs)
+        return found
+
+    def _prompt_of(self, index: int) -> list[int]:
+        return self.prepared.prompts[index // self._per_prompt]
+
+    def _shown_prompt_logprobs(self, prompt: list[int], entries: PromptLogprobs, count: int) -> list[JsonObject | None]:
+        """vLLM's ``prompt_logprobs`` of a prompt: per token its own entry, then the ``count`` likeliest by rank."""
+        shown: list[JsonObject | None] = []
+        for token, entry in zip(prompt, entries, strict=True):
+            if entry is None:
+                shown.append(None)
+                continue
+            shown.append({str(t): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
+                                   "decoded_token": self.token_str(t) if lp.decoded_token is None else lp.decoded_token}
+                          for t, lp in entry.items() if t == token or (lp.rank or 0) <= count})
+        return shown
+
+    def _echo_logprobs(self, index: int, entries: PromptLogprobs, generated: JsonObject | None) -> JsonObject:
+        """Choice ``index``'s completions logprobs with echo: its prompt's tokens, then its generated ones."""
+        prompt, count = self._prompt_of(index), self.prepared.requests[index][1].logprobs or 0
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        at = 0
+        for token, entry in zip(prompt, entries, strict=True):
+            text = self.token_str(token)
+            tokens.append(text)
+            offsets.append(at)
+            at += len(text)
+            if entry is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            item = token_logprobs_of(token, entry, count)
+            values.append(max(item.logprob, LOGPROB_FLOOR))
+            tops.append({self.token_str(t): max(p, LOGPROB_FLOOR) for t, p in item.top})
+        joined: JsonObject = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        for key, value in (generated or {}).items():
+            joined[key] = [*cast(list[object], joined[key]), *cast(list[object], value)]
+        return joined
+
     # ------------------------------------------------------------------ whole responses
     def response(self, finals: list[Final]) -> JsonObject:
         choices: list[JsonObject] = []
         completion_tokens = 0
+        shown = self.prepared.prompt_logprobs
+        prompts = self._prompts_logprobs(finals) if shown is not None or self.prepared.echo_logprobs else {}
         for index, update in enumerate(finals):
             output = update.output
             assert output is not None, "a failed choice is answered with an error, not a response"
             completion_tokens += len(output.output_token_ids)
             reason = FINISH_REASONS[output.finish_reason]
+            echoed = self.echoed(index)
+            self._offsets[index] = len(echoed)  # the generated tokens' text_offset: after the echoed text
             logprobs = self._final_logprobs(update, index, whole=True)
+            prompt = self._prompt_of(index)
+            entries = prompts.get(tuple(prompt)) if prompts else None  # a request that asks none pays nothing
             if self.chat:
                 message = {"role": "assistant", "content": self.final_text(update)}
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
-            else:
-                choices.append({"index": index, "text": self.echoed(index) + self.final_text(update),
-                                "logprobs": logprobs, "finish_reason": reason})
-        return {**self._head(chunk=False), "choices": choices, "usage": self.usage(completion_tokens)}
+                continue
+            if self.prepared.echo_logprobs and entries is not None:
+                logprobs = self._echo_logprobs(index, entries, logprobs)
+            choice: JsonObject = {"index": index, "text": echoed + self.final_text(update), "logprobs": logprobs,
+                                  "finish_reason": reason}
+            if shown is not None:
+                choice["prompt_logprobs"] = None if entries is None else self._shown_prompt_logprobs(prompt, entries,
+                                                                                                     shown)
+            choices.append(choice)
+        body: JsonObject = {**self._head(chunk=False), "choices": choices, "usage": self.usage(completion_tokens)}
+        if self.chat and shown is not None:  # vLLM's chat response carries its one prompt's, beside the choices
+            entries = prompts.get(tuple(self.prepared.prompts[0]))
+            body["prompt_logprobs"] = None if entries is None else self._shown_prompt_logprobs(
+                self.prepared.prompts[0], entries, shown)
+        return body
 
     # ------------------------------------------------------------------ streaming
     def _chunk(self, index: int, text: str | None, reason: str | None, role: bool = False,
@@ -178,8 +258,11 @@ class Formatter:
         """The prompt text choice ``index`` starts with (its prompt's, with echo), else ''."""
         if self.echo is None:
             return ""
-        per_prompt = len(self.prepared.requests) // len(self.prepared.prompts)  # n choices per prompt
-        return self.echo[index // per_prompt]
+        return self.echo[index // self._per_prompt]
+
+    @property
+    def _per_prompt(self) -> int:
+        return len(self.prepared.requests) // len(self.prepared.prompts)  # n choices per prompt
 
     def events(self, batch: list[Update]) -> tuple[bytes, bool]:
         """The SSE events of every update since the last call, and whether the stream is complete.

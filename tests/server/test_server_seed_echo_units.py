@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 
-from corelib.engine.outputs import RequestOutput
+from corelib.engine.outputs import PromptLogprobs, RequestOutput
+from corelib.engine.sequence import Logprob
 from corelib.server.chat import ChatTemplate, check_template_kwargs
 from corelib.server.events import EngineInfo
 from corelib.server.inputs import RequestLimits, detokenize_ids, echo_texts, prepare_completion
@@ -42,8 +44,8 @@ def test_echo_texts_are_the_prompts_as_sent() -> None:
     prepared = prepare_completion(request, INFO, LIMITS)
     assert echo_texts(request, prepared, INFO) == ["<1><2>", "<3>"]
     assert echo_texts(completion(), prepared, INFO) is None
-    with pytest.raises(ApiError, match=r"^echo: the prompt's logprobs are not computed here"):
-        echo_texts(completion(echo=True, logprobs=1), prepared, INFO)
+    with pytest.raises(ApiError, match=r"^echo: with logprobs it shows the prompt's logprobs, which are not streamed"):
+        prepare_completion(completion(echo=True, logprobs=1, stream=True), INFO, LIMITS)
     formatter = Formatter(False, "m", prepared, False, echo=echo_texts(request, prepared, INFO))
     assert [formatter.echoed(i) for i in range(4)] == ["<1><2>", "<1><2>", "<3>", "<3>"], "n choices per prompt"
     started = formatter.start(["a", "b", "c", "d"]).decode()
@@ -54,6 +56,34 @@ def test_echo_texts_are_the_prompts_as_sent() -> None:
     choices = whole["choices"]
     assert isinstance(choices, list)
     assert [choice["text"] for choice in choices] == ["<1><2><9>", "<1><2><9>", "<3><9>", "<3><9>"]
+
+
+def test_one_choice_per_prompt_computes_its_logprobs_and_every_choice_of_it_shows_them() -> None:
+    request = completion(prompt=[[1, 2], [1, 2], [3, 4]], echo=True, logprobs=1, prompt_logprobs=0, n=2)
+    prepared = prepare_completion(request, INFO, LIMITS)
+    assert [sampling.prompt_logprobs for _, sampling in prepared.requests] == [1, None, None, None, 1, None]
+    computed: dict[tuple[int, ...], PromptLogprobs] = {
+        (1, 2): [None, {2: Logprob(-0.5, 2, None), 7: Logprob(-0.1, 1, None)}],
+        (3, 4): [None, {4: Logprob(-math.inf, 9, None), 8: Logprob(-0.2, 1, None)}]}
+    finals = []
+    for i, (prompt, sampling) in enumerate(prepared.requests):
+        output = RequestOutput(str(i), prompt, [9], "length", "", logprobs=[{9: Logprob(-0.3, 1, None)}],
+                               prompt_logprobs=computed[tuple(prompt)] if sampling.prompt_logprobs else None)
+        finals.append(Final(str(i), [9], "", output, None, False))
+    formatter = Formatter(False, "m", prepared, False, echo=echo_texts(request, prepared, INFO))
+    choices = formatter.response(finals)["choices"]
+    assert isinstance(choices, list) and len(choices) == 6
+    shown = [None, {"2": {"logprob": -0.5, "rank": 2, "decoded_token": "<2>"}}]
+    assert [choice["prompt_logprobs"] for choice in choices[:4]] == [shown] * 4, "prompt_logprobs=0: the token alone"
+    assert choices[1]["logprobs"] == choices[0]["logprobs"] == {
+        "tokens": ["<1>", "<2>", "<9>"], "token_logprobs": [None, -0.5, -0.3],
+        "top_logprobs": [None, {"<7>": -0.1}, {"<9>": -0.3}], "text_offset": [0, 3, 6]}
+    assert choices[5]["logprobs"]["token_logprobs"][1] == -9999.0, "JSON has no -inf: vLLM's floor"
+    json.dumps(choices, allow_nan=False)
+    plain = prepare_completion(completion(), INFO, LIMITS)
+    alone = Formatter(False, "m", plain, False).response(finals[:1])["choices"]
+    assert plain.requests[0][1].prompt_logprobs is None, "not computed unless asked"
+    assert isinstance(alone, list) and "prompt_logprobs" not in alone[0]
 
 
 def test_detokenize_without_a_tokenizer_and_outside_the_vocabulary() -> None:

@@ -4,6 +4,7 @@ chat_template_kwargs, min_tokens, and the metrics under vLLM's names."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,8 +82,48 @@ def test_echo_puts_the_prompt_before_the_text_whole_and_streamed(server: Running
     assert texts[0] == "The quick brown" and "".join(texts) == whole["choices"][0]["text"]
     ids = post(server, "/v1/completions", {**body, "prompt": reference.encode("The quick brown")}).json()
     assert ids["choices"][0]["text"].endswith(output.text or "")
-    refused = post(server, "/v1/completions", {**body, "logprobs": 1})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def test_prompt_logprobs_are_the_engines_per_prompt_token(server: RunningServer, reference: Engine) -> None:
+    prompt = "The quick brown fox jumps"
+    [expected] = reference.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    [choice] = post(server, "/v1/completions", body).json()["choices"]
+    shown, wanted = choice["prompt_logprobs"], expected.prompt_logprobs
+    assert wanted is not None and len(shown) == len(wanted) == len(expected.prompt_token_ids) > 2
+    assert shown[0] is None and wanted[0] is None
+    for entry, want in zip(shown[1:], wanted[1:], strict=True):
+        assert want is not None and list(entry) == [str(token) for token in want], "the prompt token, then by rank"
+        for token, logprob in want.items():
+            assert entry[str(token)]["rank"] == logprob.rank
+            assert entry[str(token)]["decoded_token"] == logprob.decoded_token
+            assert math.isclose(entry[str(token)]["logprob"], logprob.logprob, abs_tol=1e-5)
+    chat = post(server, "/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 1, "prompt_logprobs": 0})
+    assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"], "chat: beside the choices"
+
+
+def test_echo_with_logprobs_gives_the_prompts_tokens_then_the_output(server: RunningServer,
+                                                                     reference: Engine) -> None:
+    prompt = "The quick brown"
+    [expected] = reference.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1,
+                                                             prompt_logprobs=1))
+    body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0, "echo": True, "logprobs": 1}
+    [choice] = post(server, "/v1/completions", body).json()["choices"]
+    logprobs, text = choice["logprobs"], choice["text"]
+    assert text == prompt + (expected.text or "")
+    ids = [*expected.prompt_token_ids, *expected.output_token_ids]
+    tokenizer = reference.tokenizer
+    assert tokenizer is not None and logprobs["tokens"] == [tokenizer.decode([token]) for token in ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert expected.prompt_logprobs is not None and expected.logprobs is not None
+    entries = [*expected.prompt_logprobs[1:], *expected.logprobs]
+    for got, token, entry in zip(logprobs["token_logprobs"][1:], ids[1:], entries, strict=True):
+        assert entry is not None and math.isclose(got, entry[token].logprob, abs_tol=1e-5)
+    assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets[len(expected.prompt_token_ids)] == len(prompt), "the output after the echo"
+    for token, offset in zip(logprobs["tokens"], offsets, strict=True):
+        assert text[offset : offset + len(token)] == token
 
 
 def test_chat_template_kwargs_reach_the_template(server: RunningServer) -> None:
