@@ -91,6 +91,20 @@ def test_the_vllm_script_runs_unchanged(checkpoint: Path, capsys: pytest.Capture
     llm = LLM(model=PATH); out = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=16, n=2)); print(out[0].prompt, [o.text for o in out[0].outputs])  # noqa: E501, E702
     llm.close()
     assert capsys.readouterr().out.startswith("Hello [")
+    # ...and one with the keywords and fields vLLM's examples and evaluation scripts use
+    with pytest.warns(UserWarning, match="trust_remote_code"):
+        big = LLM(model=PATH, dtype="auto", max_model_len=256, gpu_memory_utilization=0.9, seed=0,
+                  trust_remote_code=True, enforce_eager=True)
+    params = SamplingParams(temperature=0.8, top_p=0.95, min_p=0.05, max_tokens=8, min_tokens=2, logprobs=2,
+                            prompt_logprobs=1, stop=["\n\n"], include_stop_str_in_output=False)
+    [scored] = big.generate(["The quick brown fox"], params)
+    big.close()
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+    sample = scored.outputs[0]
+    assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids) >= 2
+    chosen = zip(sample.logprobs, sample.token_ids, strict=True)
+    assert sample.cumulative_logprob == pytest.approx(sum(step[token].logprob for step, token in chosen))
+    assert sample.stop_reason in (None, "\n\n")
     [result] = out
     assert result.prompt == "Hello" and result.prompt_token_ids == llm.engine.encode("Hello")
     assert [o.index for o in result.outputs] == [0, 1]
