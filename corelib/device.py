@@ -4,6 +4,10 @@ The public methods live here and do the checking (template method); a backend ov
 private ``_`` methods. Device work is a closure handed to :meth:`Stream.launch`: a native
 backend runs it at once under the stream (its kernels are queued), the emulator queues it on
 the stream's worker. Either way the host sees results only after an event.
+
+Long: the whole contract a backend implements (streams, events, host memory, registration,
+memory queries, capabilities), each method checked here once; split, a backend author would
+read the contract in pieces.
 """
 
 from __future__ import annotations

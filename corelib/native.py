@@ -6,6 +6,9 @@ one implementation serves all three. A backend subclasses :class:`TorchDevice`, 
 graph class and capture mode, and overrides host registration or graph update where its
 vendor offers them; its plugin subclasses :class:`TorchModuleBackend`, which probes and opens
 devices of the module. The vendor module is named by the backend: corelib never imports one.
+
+Long: one implementation of every Device method for three vendors' modules, with its blocking-wait
+helper; the methods share the module, the index and the pool, so they stay together.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from corelib.startup import start
 
 
 def config(*overrides: str) -> CorelibConfig:
-    typed = OmegaConf.to_object(compose_config(["backend=cpu", *overrides]))
+    # the model's length as start resolves it (0, the default, is the model's own)
+    typed = OmegaConf.to_object(compose_config(["backend=cpu", "model.max_model_len=512", *overrides]))
     assert isinstance(typed, CorelibConfig)
     return typed
 

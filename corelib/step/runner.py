@@ -9,6 +9,11 @@ which leaves every row's logits in one static buffer, then the sampling of the r
 per sampling variant, shared by every bucket, since every padded step has the layout's rows).
 An oversize batch and a step past the largest token bucket run eagerly. How the inputs got into
 the arena is the stager's business; where the tokens go next is the handoff's.
+
+Long: every form a step's device work takes (decode graphs in every sampling variant, padded
+prompt graphs and their sampling graphs, eager steps, the penalties' counts, a grammar's mask,
+prompt logprobs) reads and writes the same static buffers; split, each piece would reach into the
+others' state.
 """
 
 from __future__ import annotations
