@@ -48,6 +48,7 @@ SLOT_TOKEN_BYTES = 8  # the runner's int64 token id per KV slot (the penalties c
 LOGITS_COPIES = 4  # a step's float32 logits: the model's, the sampler's scaled and sorted copies, the softmax
 ACTIVATION_MARGIN = 2.0  # an estimated peak counts twice: temporaries the shape alone does not show
 MIN_GRAPH_BYTES = 64 << 20  # graphs' pool at least this, where graphs are captured and nothing was measured
+RUNTIME_HEADROOM = 1 << 30  # a worker's runtime context and allocator rounding, where the pool is sized first
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ def memory_figures(config: CorelibConfig, options: EngineOptions, host: bool, de
         return None
     free, total = info  # read before the profile: what it takes stays cached for the steps' own use
     if device is None and not host:  # the workers' weights are not loaded yet: they will take their share
+        free -= RUNTIME_HEADROOM  # and each worker's runtime context, which the probe's reading does not see
         weights = weight_bytes(config) // max(1, config.engine.tp)
         activations = estimate_activations(config, profile_tokens(config, options.chunked_prefill))
         graphs = max(MIN_GRAPH_BYTES, activations // 4) if options.graphs else 0
