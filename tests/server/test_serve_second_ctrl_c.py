@@ -19,7 +19,7 @@ from corelib import faults
 from corelib.server.serve import FORCED_EXIT
 from server.servekit import alive, announced, data_lines
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # a whole serve process: with the long checks
 
 WAIT_S = 60.0  # how long a hang would take to show; the work itself takes seconds
 

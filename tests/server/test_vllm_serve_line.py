@@ -16,7 +16,7 @@ import pytest
 
 from server.servekit import CHAT_TEMPLATE, write_chat_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # a whole serve process: with the long checks
 
 WAIT_S = 60.0
 # As Qwen3's: enable_thinking=false writes an empty thinking block after the generation prompt.

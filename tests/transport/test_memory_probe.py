@@ -58,6 +58,7 @@ def test_probed_memory_fills_the_share_after_the_weights_the_workers_will_load()
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two interpreters importing torch
 def test_the_probe_reads_each_ranks_device_and_says_why_when_it_cannot() -> None:
     startup = _start("backend=npu", "model=tiny")
     answer = probe_memory(startup.spec, 2, timeout_s=120)

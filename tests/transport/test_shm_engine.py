@@ -130,6 +130,7 @@ def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
         assert device.memory_stats().pinned_bytes == 0
 
 
+@pytest.mark.long  # three SHM engines, one after the other
 def test_running_two_steps_ahead_over_shm_gives_the_tokens_of_one_ahead_and_of_sync() -> None:
     base = ["backend=npu", "backend.emulator.chaos=0.2", "engine.transport=shm"]
     deepest = 0

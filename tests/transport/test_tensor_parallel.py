@@ -223,6 +223,7 @@ def test_killing_one_rank_is_a_clean_error_within_the_timeout(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # waits out a collective's timeout
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     timeouts = counted_timeouts(monkeypatch)
