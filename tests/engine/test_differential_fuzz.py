@@ -353,7 +353,8 @@ def test_a_seed_makes_the_same_workload() -> None:
         for group in workload.groups:
             assert 1 <= len(group.prompt) <= 40 and all(t in VOCAB for t in group.prompt)
             assert all(s.seed is not None and s.ignore_eos for s in group.samplings)
-            assert len(group.prompt) + max(s.max_tokens for s in group.samplings) <= workload.config.max_model_len
+            assert len(group.prompt) + max(s.max_tokens or 0 for s in group.samplings) <= workload.config.max_model_len
+            assert all(s.max_tokens for s in group.samplings), "every drawn request asks a length"
 
 
 @pytest.mark.slow

@@ -17,8 +17,8 @@ def check_against_reference(make_engine: EngineFactory, overrides: list[str]) ->
     engine = make_engine(overrides)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outputs = engine.generate(PROMPTS, params)
-    for prompt, p, out in zip(PROMPTS, params, outputs, strict=True):
-        expected = reference_generate(local_weights(engine), prompt, p.max_tokens)
+    for prompt, n, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
+        expected = reference_generate(local_weights(engine), prompt, n)
         assert out.output_token_ids == expected, f"prompt {prompt[:4]}...: engine and reference disagree"
         assert out.finish_reason == "length"
     return engine

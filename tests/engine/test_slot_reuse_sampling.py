@@ -39,6 +39,7 @@ TARGETS = [
 def reference(prompt: tuple[int, ...], sampling: SamplingParams) -> list[int]:
     """The plain reference's tokens for one request (every target runs the default model)."""
     weights = seeded_weights([])
+    assert sampling.max_tokens is not None, "these requests ask a length"
     if sampling.temperature == 0:
         return reference_generate(weights, prompt, sampling.max_tokens)
     return reference_sampled(weights, prompt, sampling)
