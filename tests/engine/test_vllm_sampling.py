@@ -10,7 +10,7 @@ import pytest
 import torch
 from samplerkit import Sampling
 from samplerkit import sample as kit_sample
-from support import EngineFactory
+from support import EngineFactory, reference_sampled, seeded_weights
 
 from corelib import LLM
 from corelib.engine.requests import cut_at_stop
@@ -189,3 +189,37 @@ def test_llm_generate_raises_value_error_for_a_prompt_that_fills_the_context() -
             llm.generate([[2, 3], list(range(2, 18))], use_tqdm=False)
         [fits] = llm.generate([list(range(2, 17))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert fits.finish_reason == "length" and len(fits.output_token_ids) == 1, "15 tokens leave room for one"
+
+
+GRAPH_TARGETS = [
+    pytest.param("emulated", id="cuda-emulated"),
+    pytest.param("native", id="cuda-native", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+
+
+@pytest.mark.slow  # an engine run, and the reference's full forward per token
+@pytest.mark.parametrize("runtime", GRAPH_TARGETS)
+def test_inside_the_graphs_the_new_options_give_the_references_tokens(make_engine: EngineFactory,
+                                                                      runtime: str) -> None:
+    # min_p, logit_bias, min_tokens' ban and a penalty beside them, in float32 with every graph captured at start
+    # and async handoff: the tokens of the plain reference, which samples on the host (tests/samplerkit.py).
+    overrides = ["backend=cuda", f"backend.runtime={runtime}", "model.dtype=float32", "model.max_model_len=64",
+                 "engine.graph=on", "engine.graph_capture=upfront", "engine.async_token_handoff=on"]
+    engine = make_engine(overrides)
+    weights = seeded_weights(overrides)
+    prompts = [PROMPT, PROMPT[:5], [7, 8, 9, 7, 8], PROMPT[3:]]
+    [greedy] = engine.generate([prompts[2]], SamplingParams(max_tokens=3, ignore_eos=True))
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, seed=3, min_p=0.2, ignore_eos=True),
+        SamplingParams(max_tokens=10, logit_bias={33: 4.0, 40: -100.0}, ignore_eos=True),
+        SamplingParams(max_tokens=10, min_tokens=5, stop_token_ids=[greedy.output_token_ids[0]]),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=5, repetition_penalty=1.3, min_p=0.05,
+                       logit_bias={7: 2.0}, ignore_eos=True),
+    ]
+    outputs = engine.generate(prompts, params)
+    for prompt, p, output in zip(prompts, params, outputs, strict=True):
+        assert output.output_token_ids == reference_sampled(weights, prompt, p), f"prompt {prompt}, {p}"
+    assert greedy.output_token_ids[0] not in outputs[2].output_token_ids[:5]
+    metrics = engine.metrics(1.0)
+    assert metrics["graph_steps"] > 0 and metrics["steps_async"] > 0
