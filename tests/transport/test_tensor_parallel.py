@@ -62,6 +62,7 @@ SAMPLED = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, top_k=k,
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two ranks per case, each a process importing torch
 @pytest.mark.parametrize(
     "backend",
     [
@@ -245,6 +246,7 @@ def test_a_stalled_rank_stops_the_engine_naming_it(backend: list[str], monkeypat
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a torchrun launcher and its rank
 def test_torchrun_launches_one_process_and_its_rendezvous_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     from corelib.transport.parallel import rendezvous
 
