@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from corelib.config import Transport
-from corelib.device import Runtime
 from corelib.kv_pool import sized_layout
 from corelib.options import EngineOptions
 from corelib.startup import Startup
@@ -13,7 +12,7 @@ from corelib.step.arena import ArenaPool
 from corelib.step.build import ModelFactory, build_device_steps
 from corelib.step.layout import EngineLayout
 from corelib.transport.executor import SPARE_ARENAS, Executor, InprocExecutor
-from corelib.transport.memory_probe import probe_memory
+from corelib.transport.memory_probe import shm_layout
 from corelib.transport.nodes import Topology
 from corelib.transport.shm_executor import STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S, ShmExecutor
 
@@ -45,20 +44,13 @@ def build_shm(
 ) -> Executor:
     """Start the worker processes; each loads its own model (``model_factory`` is not used across processes)."""
     del model_factory
-    config, spec = startup.config, startup.spec
-    probed, notes = None, []
-    if not (config.engine.num_kv_blocks or spec.runtime is Runtime.emulated or spec.capabilities.device_is_host):
-        # The accelerator's memory, read before the workers take any of it (this process never opens it).
-        local = len(Topology.from_environment(config.engine.tp).local_ranks)
-        timeout = max(config.engine.timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
-        answer = probe_memory(spec, local, timeout)
-        probed = answer.info
-        if answer.reason is not None:
-            notes.append(f"KV pool: not sized from memory: {answer.reason}")
-    layout, pool = sized_layout(startup, options, layout, probed=probed)  # into the config every worker reads
+    config = startup.config
+    local = len(Topology.from_environment(config.engine.tp).local_ranks)
+    timeout = max(config.engine.timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
+    layout, lines = shm_layout(startup, options, layout, local, timeout)
     executor = ShmExecutor(startup, options, layout)
     executor.layout = layout
-    executor.notices.extend([*notes, *pool])
+    executor.notices.extend(lines)
     return executor
 
 

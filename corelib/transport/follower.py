@@ -13,6 +13,7 @@ import torch
 from corelib.errors import TransportError, WorkerDied
 from corelib.startup import Startup
 from corelib.step.layout import EngineLayout
+from corelib.transport.memory_probe import shm_layout
 from corelib.transport.nodes import (
     FOLLOWER_POLL_S,
     HEARTBEAT_S,
@@ -21,7 +22,7 @@ from corelib.transport.nodes import (
     Topology,
     lost_reason,
 )
-from corelib.transport.shm_executor import ShmExecutor
+from corelib.transport.shm_executor import STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S, ShmExecutor
 from corelib.transport.wire import FrameHeader, FrameKind
 
 
@@ -69,7 +70,12 @@ class Follower:
     @classmethod
     def start(cls, startup: Startup, topology: Topology, announce: Callable[[str], None]) -> Follower:
         """This node's ranks started, and the nodes' group joined."""
-        executor = ShmExecutor(startup, startup.options, EngineLayout.of(startup.config), topology=topology)
+        timeout = max(startup.config.engine.timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
+        layout, lines = shm_layout(startup, startup.options, EngineLayout.of(startup.config),
+                                   len(topology.local_ranks), timeout)  # as node 0 sizes its pool
+        for line in lines:
+            announce(line)
+        executor = ShmExecutor(startup, startup.options, layout, topology=topology)
         group = executor.follower_group
         assert group is not None, "a follower's executor joins the nodes' group"
         return cls(executor, group, topology, announce)

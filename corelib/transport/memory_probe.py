@@ -21,7 +21,12 @@ import subprocess
 import sys
 
 from corelib.backend import DeviceSpec
+from corelib.device import Runtime
 from corelib.isolation import worker_command, worker_environment
+from corelib.kv_pool import sized_layout
+from corelib.options import EngineOptions
+from corelib.startup import Startup
+from corelib.step.layout import EngineLayout
 
 MODULE = "corelib.transport.memory_probe"
 
@@ -55,6 +60,23 @@ def probe_memory(spec: DeviceSpec, ranks: int, timeout_s: float) -> Probed:
     if answer.get("reason"):
         return Probed(reason=str(answer["reason"]))
     return Probed(int(answer["free"]), int(answer["total"]))
+
+
+def shm_layout(startup: Startup, options: EngineOptions, layout: EngineLayout, local_ranks: int,
+               timeout_s: float) -> tuple[EngineLayout, list[str]]:
+    """``layout`` with its KV pool sized for worker processes (written into the config every worker reads), and
+    the startup lines: from the memory of the ``local_ranks`` devices read by a probe on an accelerator, from
+    the host's where that is the device's. Every node of several sizes its pool so; the nodes' digest holds
+    the block count, so nodes that came to different pools refuse to start together."""
+    config, spec = startup.config, startup.spec
+    probed, notes = None, []
+    if not (config.engine.num_kv_blocks or spec.runtime is Runtime.emulated or spec.capabilities.device_is_host):
+        answer = probe_memory(spec, local_ranks, timeout_s)
+        probed = answer.info
+        if answer.reason is not None:
+            notes.append(f"KV pool: not sized from memory: {answer.reason}")
+    layout, pool = sized_layout(startup, options, layout, probed=probed)
+    return layout, [*notes, *pool]
 
 
 def _read(spec: DeviceSpec, ranks: int) -> dict[str, object]:
