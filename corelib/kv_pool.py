@@ -192,19 +192,16 @@ def memory_figures(config: CorelibConfig, options: EngineOptions, host: bool, de
     if info is None:
         return None
     free, total = info  # read before the profile: what it takes stays cached for the steps' own use
-    if device is None and not host:  # the workers' weights are not loaded yet: they will take their share
-        free -= RUNTIME_HEADROOM  # and each worker's runtime context, which the probe's reading does not see
-        weights = weight_bytes(config) // max(1, config.engine.tp)
-        activations = estimate_activations(config, profile_tokens(config, options.chunked_prefill))
-        graphs = max(MIN_GRAPH_BYTES, activations // 4) if options.graphs else 0
-        return MemoryFigures(total, free - weights, weights, activations, graphs, False, "device memory")
     tokens = profile_tokens(config, options.chunked_prefill)
     measured = None
     if device is not None and model is not None and device.peak_memory_bytes() is not None:
         measured = profile_step(device, model, config, tokens)
-    used = device.memory_stats().device_bytes if device is not None and not host else 0
-    if host:  # the weights sit in host memory that no device ledger counts
+    if device is not None and not host:
+        used = device.memory_stats().device_bytes
+    else:  # weights in host memory no device ledger counts, or in workers that have not loaded them yet
         used = weight_bytes(config) // max(1, config.engine.tp)
+    if device is None and not host:  # probed: the workers' weights and runtime contexts will take from free
+        free -= RUNTIME_HEADROOM + used
     activations = measured if measured is not None else estimate_activations(config, tokens)
     graphs = max(MIN_GRAPH_BYTES, activations // 4) if options.graphs and not host else 0
     return MemoryFigures(total, free, used, activations, graphs, measured is not None,

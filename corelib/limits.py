@@ -20,6 +20,7 @@ import torch
 from corelib.backend import DeviceSpec
 from corelib.config import CorelibConfig
 from corelib.device import Runtime
+from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.models.hf_config import NO_EOS
 from corelib.models.registry import LlamaVariant, architecture
@@ -142,7 +143,7 @@ def check_memory(config: CorelibConfig, spec: DeviceSpec, default_context: bool 
     weights = weight_bytes(config)
     engine = config.engine
     if not engine.num_kv_blocks:
-        one = -(-config.model.max_model_len // engine.block_size) + 1  # one request, and the null block
+        one = blocks_for(config.model.max_model_len, engine.block_size) + 1  # one request, and the null block
         if not default_context and one * per_block + weights > available:
             raise ConfigError(f"model.max_model_len={config.model.max_model_len}: one request's KV cache needs "
                               f"{_gib(one * per_block)} ({one} blocks of {per_block} bytes) and the weights "

@@ -14,7 +14,7 @@ from corelib.step.layout import EngineLayout
 from corelib.transport.executor import SPARE_ARENAS, Executor, InprocExecutor
 from corelib.transport.memory_probe import shm_layout
 from corelib.transport.nodes import Topology
-from corelib.transport.shm_executor import STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S, ShmExecutor
+from corelib.transport.shm_executor import ShmExecutor
 
 
 def build_inproc(
@@ -44,10 +44,7 @@ def build_shm(
 ) -> Executor:
     """Start the worker processes; each loads its own model (``model_factory`` is not used across processes)."""
     del model_factory
-    config = startup.config
-    local = len(Topology.from_environment(config.engine.tp).local_ranks)
-    timeout = max(config.engine.timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
-    layout, lines = shm_layout(startup, options, layout, local, timeout)
+    layout, lines = shm_layout(startup, options, layout, Topology.from_environment(startup.config.engine.tp))
     executor = ShmExecutor(startup, options, layout)
     executor.layout = layout
     executor.notices.extend(lines)

@@ -22,7 +22,7 @@ from corelib.transport.nodes import (
     Topology,
     lost_reason,
 )
-from corelib.transport.shm_executor import STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S, ShmExecutor
+from corelib.transport.shm_executor import ShmExecutor
 from corelib.transport.wire import FrameHeader, FrameKind
 
 
@@ -70,9 +70,7 @@ class Follower:
     @classmethod
     def start(cls, startup: Startup, topology: Topology, announce: Callable[[str], None]) -> Follower:
         """This node's ranks started, and the nodes' group joined."""
-        timeout = max(startup.config.engine.timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
-        layout, lines = shm_layout(startup, startup.options, EngineLayout.of(startup.config),
-                                   len(topology.local_ranks), timeout)  # as node 0 sizes its pool
+        layout, lines = shm_layout(startup, startup.options, EngineLayout.of(startup.config), topology)  # as node 0
         for line in lines:
             announce(line)
         executor = ShmExecutor(startup, startup.options, layout, topology=topology)

@@ -27,6 +27,8 @@ from corelib.kv_pool import sized_layout
 from corelib.options import EngineOptions
 from corelib.startup import Startup
 from corelib.step.layout import EngineLayout
+from corelib.transport.nodes import Topology
+from corelib.transport.shm_executor import startup_timeout
 
 MODULE = "corelib.transport.memory_probe"
 
@@ -62,16 +64,16 @@ def probe_memory(spec: DeviceSpec, ranks: int, timeout_s: float) -> Probed:
     return Probed(int(answer["free"]), int(answer["total"]))
 
 
-def shm_layout(startup: Startup, options: EngineOptions, layout: EngineLayout, local_ranks: int,
-               timeout_s: float) -> tuple[EngineLayout, list[str]]:
+def shm_layout(startup: Startup, options: EngineOptions, layout: EngineLayout,
+               topology: Topology) -> tuple[EngineLayout, list[str]]:
     """``layout`` with its KV pool sized for worker processes (written into the config every worker reads), and
-    the startup lines: from the memory of the ``local_ranks`` devices read by a probe on an accelerator, from
+    the startup lines: from the memory of this node's ranks' devices read by a probe on an accelerator, from
     the host's where that is the device's. Every node of several sizes its pool so; the nodes' digest holds
     the block count, so nodes that came to different pools refuse to start together."""
     config, spec = startup.config, startup.spec
     probed, notes = None, []
     if not (config.engine.num_kv_blocks or spec.runtime is Runtime.emulated or spec.capabilities.device_is_host):
-        answer = probe_memory(spec, local_ranks, timeout_s)
+        answer = probe_memory(spec, len(topology.local_ranks), startup_timeout(config.engine.timeout_s))
         probed = answer.info
         if answer.reason is not None:
             notes.append(f"KV pool: not sized from memory: {answer.reason}")

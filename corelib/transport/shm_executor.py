@@ -48,6 +48,11 @@ STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allo
 STARTUP_TIMEOUT_MIN_S = 60.0
 
 
+def startup_timeout(timeout_s: float) -> float:
+    """How long workers (and the memory probe before them) may take to start, for ``engine.timeout_s``."""
+    return max(timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
+
+
 def _round_up(value: int, multiple: int = 64) -> int:
     return -(-value // multiple) * multiple
 
@@ -86,7 +91,7 @@ class ShmExecutor(Executor):
         if shm.spin_us < 0:
             raise ConfigError(f"engine.shm.spin_us={shm.spin_us}: must be at least 0 (0: block at once)")
         self.timeout = cfg.engine.timeout_s
-        self.startup_timeout_s = max(self.timeout * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
+        self.startup_timeout_s = startup_timeout(cfg.engine.timeout_s)
         stale = sweep_stale()
         self.notices = [
             f"removed {len(stale)} shared-memory segment(s) left by a run that crashed: " + ", ".join(stale)
@@ -111,13 +116,12 @@ class ShmExecutor(Executor):
         try:
             address, port = rendezvous() if cfg.engine.tp > 1 else ("127.0.0.1", 0)
             if topology.nodes > 1:
-                startup_timeout = self.startup_timeout_s
                 digest = engine_digest(startup, slot_bytes)
                 if topology.follower:
-                    self.follower_group = NodeGroup(topology, self.timeout, startup_timeout)
+                    self.follower_group = NodeGroup(topology, self.timeout, self.startup_timeout_s)
                     address, port = self.follower_group.agree(digest, 0)
                 else:
-                    self.link = NodeLink(topology, self.timeout, startup_timeout)
+                    self.link = NodeLink(topology, self.timeout, self.startup_timeout_s)
                     address, port = self.link.agree(digest)
             self.in_ring = Ring.create("in", shm.num_slots, slot_bytes, num_consumers=len(local))
             self.out_ring = Ring.create("out", shm.num_slots, result_slot_bytes)
