@@ -224,6 +224,11 @@ class ShmConfig:
     num_slots: int = field(default=4, metadata=doc("frames in the ring"))
     slot_bytes: int = field(default=1 << 20, metadata=doc("bytes per frame, header included"))
     register_host: bool = field(default=False, metadata=doc("pin the SHM region in place (shows the race on real DMA)"))
+    payload_crc: bool = field(
+        default=False,
+        metadata=doc("the CRC-32C of each frame covers its payload too, not only its header and the payload's "
+                     "length (a pass over every step's inputs on both ends: for chaos and fault runs)"),
+    )
     spin_us: float = field(
         default=150.0,
         metadata=doc("microseconds a waiting end re-checks the ring (yielding the GIL) before it sleeps on its "

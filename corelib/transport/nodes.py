@@ -245,9 +245,10 @@ def _finish(work: object, timeout: timedelta) -> None:
 
 
 def _frame_bytes(header: FrameHeader, payload: torch.Tensor | bytes | memoryview | None) -> torch.Tensor:
-    """The packed header and the payload in one buffer of its own (one copy of the payload)."""
-    head = header.packed()
+    """The packed header and the payload in one buffer of its own (one copy of the payload). Between nodes the
+    CRC-32C always covers the payload: the header is sent with that checksum, whatever the ring's."""
     body = as_bytes(payload).cast("B") if payload is not None else memoryview(b"")
+    head = header.packed(header.crc(body))
     frame = bytearray(len(head) + body.nbytes)
     frame[: len(head)] = head
     frame[len(head) :] = body

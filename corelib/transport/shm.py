@@ -12,8 +12,15 @@ counter per 64-byte cache line, each with a single writer:
 A slot is written again only after every consumer released the frame in it (back-pressure).
 Each frame: a fixed header (magic, version, kind, sequence number, step fields, send time,
 payload length, a CRC-32C, the arena layout) and an aligned payload arena. The CRC covers the
-header as well as the payload: a flipped step field or layout word would otherwise reach the
-model unnoticed.
+header, the payload's length with it: a flipped step field, layout word or length would
+otherwise reach the model unnoticed. With ``payload_crc`` (``engine.shm.payload_crc``, for
+chaos and fault runs) it covers the payload too; without it the payload is never read on the
+hop, so a step costs no pass over its bytes but the packer's writes.
+
+A producer may hand out the next slot's payload itself (:meth:`Producer.reserve`) for the
+packer to write in place, then publish it (:meth:`Producer.commit`): the slot is the step's
+arena, and nothing copies it. A consumer may likewise read a frame in place for as long as it
+holds it, releasing it once nothing reads it any more (a step's device work done).
 
 Memory ordering. The producer writes the payload, then the header, then stores ``COMMITTED``;
 a consumer loads ``COMMITTED``, then reads the header and payload. A consumer finishes reading
@@ -28,8 +35,10 @@ cast to ``Q``, one 8-byte load or store each (single-copy atomic on x86-64 and a
   store that publishes (a commit, a release) follows ``membarrier(2)``, which runs a full
   barrier in the calling thread (:func:`corelib.transport.doorbell.publish_fence`); the ring
   refuses to start without it there. A consumer may still load a frame's bytes before its
-  ``COMMITTED``: it checks the CRC over header and payload and re-reads for
-  :data:`SETTLE_S` before it calls the frame corrupt, so a frame is read whole or not at all.
+  ``COMMITTED``: it checks the CRC (over the header, and the payload where ``payload_crc``)
+  and re-reads for :data:`SETTLE_S` before it calls the frame corrupt. Its reads of the
+  payload come later still (the stager's, the model's), after the header's checks and a lock
+  or a system call on the way.
 
 The segments themselves (reservation, lease, sweep, cleanup at exit) are
 :mod:`corelib.transport.segment`.
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -168,6 +178,7 @@ class Producer:
         consumer_names: Sequence[str] | None = None,
         spin_us: float = 0.0,
         watch: Sequence[int] = (),
+        payload_crc: bool = False,
     ) -> None:
         if len(bells) != ring.num_consumers:
             raise ValueError(f"{name}: {len(bells)} doorbells for {ring.num_consumers} consumers")
@@ -180,6 +191,8 @@ class Producer:
         self._timeout = timeout_s
         self._name = name
         self._next_seq = 0
+        self._payload_crc = payload_crc
+        self._reserved = False  # the next frame's slot was handed out by reserve() and not committed yet
         # Test hook: called with the payload after the checksum, before the commit.
         self.tamper: Callable[[FrameHeader, torch.Tensor], None] | None = None
 
@@ -206,14 +219,28 @@ class Producer:
                              f"{previous % self.ring.num_slots} of {self._name} (frame {previous}); "
                              f"{self._released_so_far()}")
 
+    def reserve(self) -> torch.Tensor:
+        """The payload of the next frame's slot, to be written in place, once every consumer released it
+        (bounded wait). Until :meth:`commit` it stays the next frame's: reserving again hands out the same
+        slot, as does a write."""
+        seq = self._next_seq
+        if not self._reserved:
+            self._wait_for_room(seq)
+            self._reserved = True
+        return self.ring.payload(seq % self.ring.num_slots)
+
+    def is_reserved(self, payload: torch.Tensor) -> bool:
+        """``payload`` starts the reserved slot's payload (it was written in place)."""
+        slot = self.ring.payload(self._next_seq % self.ring.num_slots)
+        return self._reserved and payload.data_ptr() == slot.data_ptr()
+
     def write(self, header: FrameHeader, payload: torch.Tensor | bytes | memoryview | None = None) -> int:
         """Write one frame (payload copied into the slot); returns its sequence number."""
         seq = self._next_seq
         ring = self.ring
         slot = seq % ring.num_slots
-        self._wait_for_room(seq)
-        start = ring.slot_offset(slot) + HEADER_BYTES
-        view = ring.segment.view
+        if not self._reserved:
+            self._wait_for_room(seq)
         nbytes = 0
         if payload is not None:
             data = as_bytes(payload)
@@ -223,16 +250,36 @@ class Producer:
                     f"{self._name}: a frame of {nbytes} bytes does not fit a slot of {ring.capacity}; "
                     "raise engine.shm.slot_bytes"
                 )
-            view[start : start + nbytes] = data.cast("B")
+            start = ring.slot_offset(slot) + HEADER_BYTES
+            ring.segment.view[start : start + nbytes] = data.cast("B")
+        self._reserved = True
+        return self.commit(header, nbytes)
+
+    def commit(self, header: FrameHeader, nbytes: int) -> int:
+        """Publish the reserved slot as a frame of ``nbytes`` payload bytes (written in place); returns its
+        sequence number."""
+        if not self._reserved:
+            raise RuntimeError(f"{self._name}: commit without a reserved slot")
+        ring = self.ring
+        if nbytes > ring.capacity:
+            raise TransportError(f"{self._name}: a frame of {nbytes} bytes does not fit a slot of {ring.capacity}; "
+                                 "raise engine.shm.slot_bytes")
+        seq = self._next_seq
+        slot = seq % ring.num_slots
         header.seq = seq
         header.payload_len = nbytes
-        header.checksum = header.crc(view[start : start + nbytes])
+        if self._payload_crc:
+            start = ring.slot_offset(slot) + HEADER_BYTES
+            header.checksum = header.crc(ring.segment.view[start : start + nbytes])
+        else:
+            header.checksum = header.crc()
         if self.tamper is not None:
             self.tamper(header, ring.payload(slot)[:nbytes])
         header.pack_into(ring.header_view(slot))
         doorbell.publish_fence()
         self._words[COMMITTED] = seq + 1
         self._next_seq = seq + 1
+        self._reserved = False
         for bell in self._bells:
             bell.ring()
         return seq
@@ -261,9 +308,12 @@ class Consumer:
         name: str = "ring",
         spin_us: float = 0.0,
         watch: Sequence[int] = (),
+        payload_crc: bool = False,
     ) -> None:
         self.ring = ring
         self._words = ring.words
+        self._payload_crc = payload_crc
+        self._releasing = threading.Lock()  # frames are released by the thread whose step stopped reading them
         self._waiter = Waiter(bell, ring.words, asleep_word(index), spin_us, alive, watch, f"the producer of {name}")
         self._room = Bell(room, ring.words, PRODUCER_ASLEEP, ALWAYS)
         self._released_word = released_word(index)
@@ -332,8 +382,11 @@ class Consumer:
             raise TransportError(f"{where}: the header says frame {header.seq} (overwritten before it was read)")
         if header.payload_len > ring.capacity:
             raise TransportError(f"{where}: payload length {header.payload_len} exceeds the slot's {ring.capacity}")
-        start = ring.slot_offset(slot) + HEADER_BYTES
-        crc = frame_crc(header_view, header.nbytes, ring.segment.view[start : start + header.payload_len])
+        payload = None
+        if self._payload_crc:
+            start = ring.slot_offset(slot) + HEADER_BYTES
+            payload = ring.segment.view[start : start + header.payload_len]
+        crc = frame_crc(header_view, header.nbytes, payload)
         if crc != header.checksum:
             raise TransportError(
                 f"{where}: bad checksum (header says 0x{header.checksum:08x}, frame is 0x{crc:08x}); "
@@ -344,15 +397,16 @@ class Consumer:
     def release(self, frame: Frame) -> None:
         """Give the slot back: the producer may overwrite it from now on (once every older frame is back too)."""
         seq = frame.header.seq
-        if seq != self._released:
-            self._early.add(seq)
-            return
-        released = seq + 1
-        while released in self._early:
-            self._early.remove(released)
-            released += 1
-        self._released = released
-        doorbell.publish_fence()  # the slot's reads are done before the producer may see it free
-        self._words[self._released_word] = released
+        with self._releasing:
+            if seq != self._released:
+                self._early.add(seq)
+                return
+            released = seq + 1
+            while released in self._early:
+                self._early.remove(released)
+                released += 1
+            self._released = released
+            doorbell.publish_fence()  # the slot's reads are done before the producer may see it free
+            self._words[self._released_word] = released
         self._room.ring()
 

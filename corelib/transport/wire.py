@@ -168,12 +168,14 @@ _ZERO_CHECKSUM = bytes(4)
 _LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
 
 
-def frame_crc(header: memoryview, header_bytes: int, payload: memoryview) -> int:
-    """CRC-32C of a packed header (its checksum field read as zero) followed by the payload."""
+def frame_crc(header: memoryview, header_bytes: int, payload: memoryview | None = None) -> int:
+    """CRC-32C of a packed header (its checksum field read as zero), followed by the payload when one is given.
+
+    The header holds the payload's length, so a header-only CRC still refuses a truncated frame."""
     crc = crc32c.crc32c(header[:_CHECKSUM_AT])
     crc = crc32c.crc32c(_ZERO_CHECKSUM, crc)
     crc = crc32c.crc32c(header[_CHECKSUM_AT + 4 : header_bytes], crc)
-    return int(crc32c.crc32c(payload, crc))
+    return int(crc if payload is None else crc32c.crc32c(payload, crc))
 
 
 @dataclass
@@ -216,9 +218,10 @@ class FrameHeader:
         _FIXED.pack_into(buffer, 0, *self._fixed(self.checksum))
         struct.pack_into(f"<{len(self.layout)}q", buffer, _FIXED.size, *self.layout)
 
-    def crc(self, payload: memoryview | bytes) -> int:
-        """CRC-32C of the header (its checksum field as zero) followed by the payload."""
-        return int(crc32c.crc32c(payload, crc32c.crc32c(self.packed(0))))
+    def crc(self, payload: memoryview | bytes | None = None) -> int:
+        """CRC-32C of the header (its checksum field as zero), followed by the payload when one is given."""
+        crc = crc32c.crc32c(self.packed(0))
+        return int(crc if payload is None else crc32c.crc32c(payload, crc))
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:

@@ -103,11 +103,21 @@ def _cut_resealed(header: FrameHeader, payload: torch.Tensor) -> None:
     header.checksum = header.crc(memoryview(payload.numpy().tobytes())[: header.payload_len])
 
 
+def _cut_resealed_header(header: FrameHeader, payload: torch.Tensor) -> None:
+    # The same without the payload CRC: the checksum covers the header, whose payload length agrees.
+    header.payload_len -= 64
+    header.checksum = header.crc()
+
+
+PAYLOAD_CRC = ("engine.shm.payload_crc=true",)  # a payload's bytes are checked only with this
+
+
 @dataclass(frozen=True)
 class FrameCase:
     says: str  # regex after "input ring (rank 0) frame N (slot S): "
     tamper: Callable[[FrameHeader, torch.Tensor], None] | None = None  # before the header is packed
     poke: Callable[[memoryview], None] | None = None  # after: bytes the packing would have set
+    overrides: tuple[str, ...] = ()  # the engine's, beyond the frame cases' own
 
 
 TARGET_FRAME = 4  # a decode frame, after the prefill and a few decode steps
@@ -214,13 +224,15 @@ TABLE: list[tuple[str, str, Case]] = [
     ("sampling", "stop-string-empty", SamplingCase({"stop": ("",)}, "stop: an empty string")),
     ("sampling", "stop-strings-not-str", SamplingCase({"stop": [1]}, "stop=[1]: pass a string or a list of strings")),
     # -- SHM frames, end to end through a worker: damaged after the producer sealed them
-    ("frame", "payload-bit-flipped", FrameCase("bad checksum", tamper=_flip_payload)),
+    ("frame", "payload-bit-flipped", FrameCase("bad checksum", tamper=_flip_payload, overrides=PAYLOAD_CRC)),
     ("frame", "header-num_seqs-bit-flipped", FrameCase("bad checksum", tamper=_flip("num_seqs", 0x10))),
     ("frame", "header-kv_blocks-bit-flipped", FrameCase("bad checksum", tamper=_flip("kv_blocks", 0x04))),
     ("frame", "layout-bit-flipped", FrameCase("bad checksum", tamper=_flip_layout)),
     ("frame", "truncated", FrameCase("bad checksum .*corrupted or truncated", tamper=_cut_stale)),
     ("frame", "truncated-resealed", FrameCase(r"payload of \d+ bytes is shorter than its layout",
-                                              tamper=_cut_resealed)),
+                                              tamper=_cut_resealed, overrides=PAYLOAD_CRC)),
+    ("frame", "truncated-resealed-header-crc", FrameCase(r"payload of \d+ bytes is shorter than its layout",
+                                                         tamper=_cut_resealed_header)),
     ("frame", "wrong-version", FrameCase(f"frame version 9, this corelib speaks version {VERSION}",
                                          poke=_poke("version", 9))),
     ("frame", "bad-magic", FrameCase("bad magic 0x0badf00d", poke=_poke("magic", 0x0BADF00D))),
@@ -283,7 +295,7 @@ def check_sampling(case: SamplingCase, engine: Engine, alone: list[list[int]]) -
 
 def check_frame(case: FrameCase, monkeypatch: pytest.MonkeyPatch) -> None:
     before = Holdings.now()
-    engine = Engine.from_overrides([*ENGINE, "engine.transport=shm", "engine.timeout_s=10"])
+    engine = Engine.from_overrides([*ENGINE, "engine.transport=shm", "engine.timeout_s=10", *case.overrides])
     try:
         executor = engine.core.executor
         assert isinstance(executor, ShmExecutor)

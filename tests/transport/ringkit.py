@@ -25,12 +25,13 @@ class Wired:
 
 
 def wire(num_slots: int = 2, slot_bytes: int = 4096, consumers: int = 1, timeout: float = 2.0,
-         name: str = "test ring", spin_us: float = 50.0) -> Wired:
+         name: str = "test ring", spin_us: float = 50.0, payload_crc: bool = False) -> Wired:
     ring = Ring.create("test", num_slots, slot_bytes, num_consumers=consumers)
     bells = [new_eventfd() for _ in range(consumers)]
     room = new_eventfd()
-    producer = Producer(ring, bells, room, timeout, name=name, spin_us=spin_us)
-    ends = [Consumer(ring, i, bells[i], room, timeout, name=name, spin_us=spin_us) for i in range(consumers)]
+    producer = Producer(ring, bells, room, timeout, name=name, spin_us=spin_us, payload_crc=payload_crc)
+    ends = [Consumer(ring, i, bells[i], room, timeout, name=name, spin_us=spin_us, payload_crc=payload_crc)
+            for i in range(consumers)]
     return Wired(ring, producer, ends, [*bells, room])
 
 

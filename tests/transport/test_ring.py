@@ -53,22 +53,29 @@ def test_frames_round_trip_in_order(wired: Make) -> None:
         w.consumers[0].release(frame)
 
 
+_DAMAGE = [
+    ("header-bitflip", "bad checksum"),
+    ("truncated", "bad checksum"),
+    ("version", "frame version 99"),
+    ("magic", "bad magic"),
+    ("oversize", "exceeds the slot"),
+]
+
+
+# A payload's bits are checked only with the payload CRC (the test after this one shows it unchecked).
 @pytest.mark.parametrize(
-    ("damage", "message"),
-    [
-        ("bitflip", "bad checksum"),
-        ("truncated", "bad checksum"),
-        ("version", "frame version 99"),
-        ("magic", "bad magic"),
-        ("oversize", "exceeds the slot"),
-    ],
+    ("damage", "message", "payload_crc"),
+    [("bitflip", "bad checksum", True),
+     *[(*case, crc) for case in _DAMAGE for crc in (False, True)]],
 )
-def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str) -> None:
-    w = wired()
+def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str, payload_crc: bool) -> None:
+    w = wired(payload_crc=payload_crc)
 
     def tamper(h: FrameHeader, payload: torch.Tensor) -> None:
         if damage == "bitflip":
             payload[5] ^= 0x10
+        elif damage == "header-bitflip":
+            h.kv_blocks ^= 0x04
         elif damage == "truncated":
             h.payload_len -= 8
         elif damage == "oversize":
@@ -83,6 +90,42 @@ def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str) -> Non
         struct.pack_into("<I", view, 0, 0xDEADBEEF)
     with pytest.raises(TransportError, match=rf"test ring frame 0 \(slot 0\): .*{message}"):
         w.consumers[0].read()
+
+
+def test_without_the_payload_crc_the_payload_is_not_read_on_the_hop(wired: Make) -> None:
+    # The header's CRC covers the payload's length, not its bytes: a payload changed after the commit reaches
+    # the consumer as it is now (the slot is the step's arena, read in place).
+    w = wired()
+    w.producer.write(header(7), torch.arange(64, dtype=torch.uint8))
+    w.ring.payload(0)[5] ^= 0x10
+    frame = w.consumers[0].read()
+    assert frame.header.payload_len == 64 and int(frame.payload[5]) == 5 ^ 0x10
+
+
+def test_a_reserved_slot_is_written_in_place_and_published_by_its_commit(wired: Make) -> None:
+    w = wired(num_slots=2)
+    for step in range(5):
+        arena = w.producer.reserve()
+        assert w.producer.reserve().data_ptr() == arena.data_ptr(), "reserving again hands out the same slot"
+        assert not w.consumers[0].available(), "nothing is published before the commit"
+        arena[:16].view(torch.int64)[:] = torch.tensor([step, -step])
+        assert w.producer.is_reserved(arena[:16])
+        assert w.producer.commit(header(step), 16) == step
+        frame = w.consumers[0].read()
+        assert frame.payload.data_ptr() == arena.data_ptr(), "the consumer reads the slot the packer wrote"
+        assert frame.payload.view(torch.int64).tolist() == [step, -step]
+        w.consumers[0].release(frame)
+
+
+def test_reserve_waits_for_the_slot_to_be_released(wired: Make) -> None:
+    w = wired(num_slots=2, timeout=0.3)
+    w.producer.write(header(0))
+    w.producer.write(header(1))
+    held = w.consumers[0].read()
+    with pytest.raises(TransportError, match="consumer 0 to release slot 0 of test ring"):
+        w.producer.reserve()
+    w.consumers[0].release(held)
+    assert w.producer.reserve().data_ptr() == w.ring.payload(0).data_ptr()
 
 
 def test_back_pressure_waits_for_every_consumer(wired: Make) -> None:
