@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -109,6 +110,18 @@ class ArenaLayout:
 
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class Arenas(Protocol):
+    """Where the engine core packs each step: a pool of host arenas, or (over SHM) the ring's next slot."""
+
+    def acquire(self) -> torch.Tensor:
+        """An arena to pack the next step into (bounded wait)."""
+        ...
+
+    def release(self, arena: torch.Tensor) -> None:
+        """``arena`` is not needed any more: its step was refused, or the device is done with it."""
+        ...
 
 
 class ArenaPool:

@@ -21,7 +21,7 @@ from corelib.step.device_steps import DeviceSteps
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
 from corelib.step.runner import ModelRunner
-from corelib.step.staging import build_stager
+from corelib.step.staging import build_stager, reads_ring_in_place
 
 ModelFactory = Callable[[CorelibConfig, Device, TensorShard | None], Model]
 SNAPSHOT_SPARE = 2  # a worker's input snapshots beyond the pipeline: one being received, one queued
@@ -59,8 +59,10 @@ def build_device_steps(
     runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,
                          layout.buckets(options, device.capabilities.graph_param_update), handoff,
                          config.model.vocab_size)
-    snapshots = options.pipeline_depth + SNAPSHOT_SPARE if options.transport is Transport.shm else 0
-    stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s)
+    shm = options.transport is Transport.shm
+    snapshots = options.pipeline_depth + SNAPSHOT_SPARE if shm else 0
+    stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s,
+                          in_place=shm and reads_ring_in_place(staging, device))
     steps = DeviceSteps(runner, stager, handoff)
     try:
         if options.graphs and not options.lazy_capture:

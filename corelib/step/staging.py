@@ -4,12 +4,16 @@ One strategy per engine, chosen once at startup (``EngineOptions.staging``):
 
 - ``inline``: the host packed the step into pinned memory it owns; the H2D runs on the
   compute stream, in order with the forward.
-- ``host``: the device reads host memory (the cpu backend): no device copy at all. Frames from
-  shared memory are copied into a plain host buffer owned by the step, and the ring slot released.
-- ``ordered`` (SHM, as the second seed describes): on arrival, one contiguous copy of the
-  frame's arena into a pinned snapshot owned by the step, then the ring slot is released; at submit,
-  the H2D runs on the prepare stream after the previous step stopped reading the device arena,
-  and a ready event gates graph update and replay on the compute stream.
+- ``host``: the device reads host memory (the cpu backend): no device copy at all. A frame from
+  shared memory is read where it is, in its ring slot, which goes back once the step is done.
+- ``ordered`` (SHM): at submit, the H2D runs on the prepare stream after the previous step
+  stopped reading the device arena, and a ready event gates graph update and replay on the
+  compute stream; the prepare stream runs the steps' H2Ds in order, so no step's inputs reach
+  the device before the earlier step's have. Where the device registers host memory
+  (``capabilities.host_register``; the worker registers the ring) the H2D reads the ring slot
+  itself, which goes back once that copy is done: no host copy on the way. Elsewhere, on
+  arrival, one contiguous copy of the frame's arena into a pinned snapshot owned by the step,
+  and the ring slot is released at once.
 - ``early`` (SHM): on arrival, the receiving thread issues the H2D itself, straight from the
   ring slot, on its own stream, and releases the ring slot at once. Nothing orders that copy with
   the producer's next write: on a device that reads the source when the copy runs (pinned or
@@ -18,7 +22,9 @@ One strategy per engine, chosen once at startup (``EngineOptions.staging``):
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +34,8 @@ from corelib.device import Device, Event, Stream
 from corelib.options import Staging
 from corelib.step.arena import ArenaPool
 from corelib.step.forward_input import ForwardInput
+
+_RELEASING = threading.Lock()  # a step's inputs are given back by the first of two threads to see them done
 
 
 @dataclass
@@ -40,10 +48,15 @@ class Staged:
     _release: Callable[[], None] | None = None
 
     def release(self) -> None:
-        """The device no longer reads ``source``: give it back (called once)."""
-        callback, self._release = self._release, None
+        """The device no longer reads ``source``: give it back (once, whichever thread calls first)."""
+        with _RELEASING:
+            callback, self._release = self._release, None
         if callback is not None:
             callback()
+
+    @property
+    def released(self) -> bool:
+        return self._release is None
 
 
 class InputStager(ABC):
@@ -70,23 +83,20 @@ class InputStager(ABC):
     def after_forward(self) -> None:  # noqa: B027 - most stagers have nothing to do here
         """Called once the forward is queued behind ``to_device``."""
 
+    def release_read(self) -> None:  # noqa: B027 - only a stager that reads ring slots in place has any
+        """Give back the inputs the device has finished reading before their step is done (any thread)."""
+
     def close(self) -> None:  # noqa: B027 - most stagers hold nothing
         """Release what the stager holds."""
 
 
 class HostStager(InputStager):
-    """The device reads host memory: the model reads the packed arena where it is."""
+    """The device reads host memory: the model reads the packed arena where it is, a ring slot included."""
 
     mode = Staging.host
 
-    def __init__(self, device: Device, compute: Stream, snapshot_bytes: int = 0, snapshots: int = 0,
-                 timeout_s: float = 60.0) -> None:
-        super().__init__(device, compute)
-        self._pool = (ArenaPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), snapshot_bytes, snapshots,
-                                  timeout_s, "input snapshot") if snapshots else None)
-
     def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
-        return _snapshot(self._pool, fi, release_ring_slot)
+        return Staged(fi, fi.arena, None, release_ring_slot)  # the slot goes back once the step is done
 
     def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
         return staged.source
@@ -106,20 +116,31 @@ class InlineStager(InputStager):
 
 
 class OrderedStager(InputStager):
-    """A pinned snapshot per step, the H2D on the prepare stream, a ready event before the forward."""
+    """The H2D on the prepare stream, a ready event before the forward; from the registered ring slot itself
+    (``in_place``), else from a pinned snapshot per step."""
 
     mode = Staging.ordered
 
-    def __init__(self, device: Device, compute: Stream, snapshot_bytes: int, snapshots: int, timeout_s: float) -> None:
+    def __init__(self, device: Device, compute: Stream, snapshot_bytes: int, snapshots: int, timeout_s: float,
+                 in_place: bool = False) -> None:
         super().__init__(device, compute)
         self.prepare = device.stream("prepare")
-        self._pool = ArenaPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=True), snapshot_bytes,
-                                 snapshots, timeout_s, "pinned input snapshot")
+        self.in_place = in_place
+        self._pool = None if in_place else ArenaPool(
+            lambda shape, dtype: device.host_empty(shape, dtype, pinned=True), snapshot_bytes, snapshots, timeout_s,
+            "pinned input snapshot")
         self._ready = device.event(name="inputs.ready")
         self._consumed = device.event(name="inputs.consumed")
         self._any_consumed = False
+        # In place: the H2D of each step still reading its ring slot, oldest first, with the event that says
+        # the copy is done and what gives the slot back.
+        self._reading: deque[tuple[Event, Staged]] = deque()
+        self._copied = [device.event(name=f"inputs.h2d_done[{i}]") for i in range(max(snapshots, 1))]
+        self._next_copied = 0
 
     def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
+        if self.in_place:
+            return Staged(fi, fi.arena, None, release_ring_slot)  # back once the H2D read it
         return _snapshot(self._pool, fi, release_ring_slot)
 
     def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
@@ -129,6 +150,15 @@ class OrderedStager(InputStager):
         if self._any_consumed:
             self.prepare.wait(self._consumed)  # the previous step no longer reads the device arena
         self.prepare.copy(target[:nbytes], staged.source[:nbytes])
+        if self.in_place and self.device.capabilities.event_query:
+            # The slot can go back as soon as this copy has run, before the step is done (``release_read``).
+            reading = self._reading
+            while reading and reading[0][1].released:  # given back with their steps
+                reading.popleft()
+            copied = self._copied[self._next_copied]
+            self._next_copied = (self._next_copied + 1) % len(self._copied)
+            self.prepare.record(copied)
+            reading.append((copied, staged))
         self.prepare.record(self._ready)
         self.compute.wait(self._ready)  # graph update and replay only after the inputs landed
         return target
@@ -136,6 +166,17 @@ class OrderedStager(InputStager):
     def after_forward(self) -> None:
         self.compute.record(self._consumed)
         self._any_consumed = True
+
+    def release_read(self) -> None:
+        """Give back the ring slots whose H2D is done, oldest first (the others go back with their steps).
+        Called on the thread that stages steps, as ``to_device`` is."""
+        reading = self._reading
+        while reading:
+            copied, staged = reading[0]
+            if not staged.released and not copied.query():
+                return
+            reading.popleft()
+            staged.release()
 
 
 class EarlyStager(InputStager):
@@ -193,12 +234,18 @@ def _snapshot(pool: ArenaPool | None, fi: ForwardInput, release_ring_slot: Calla
 
 
 def build_stager(mode: Staging, device: Device, compute: Stream, snapshot_bytes: int, snapshots: int,
-                 timeout_s: float) -> InputStager:
-    """The stager for ``mode``; ``snapshots`` buffers of ``snapshot_bytes`` where frames are copied."""
+                 timeout_s: float, in_place: bool = False) -> InputStager:
+    """The stager for ``mode``; ``snapshots`` buffers of ``snapshot_bytes`` where frames are copied (steps in
+    flight, for the events of an ``in_place`` ordered stager, whose H2D reads registered ring slots)."""
     if mode is Staging.inline:
         return InlineStager(device, compute)
     if mode is Staging.host:
-        return HostStager(device, compute, snapshot_bytes, snapshots, timeout_s)
+        return HostStager(device, compute)
     if mode is Staging.ordered:
-        return OrderedStager(device, compute, snapshot_bytes, snapshots, timeout_s)
+        return OrderedStager(device, compute, snapshot_bytes, snapshots, timeout_s, in_place)
     return EarlyStager(device, compute, snapshots)
+
+
+def reads_ring_in_place(mode: Staging, device: Device) -> bool:
+    """An ordered stager's H2D reads the ring slot itself where the device registers host memory."""
+    return mode is Staging.ordered and device.capabilities.host_register

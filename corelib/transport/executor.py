@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from corelib.device import Device, MemoryStats
 from corelib.observe.trace import Tracer
-from corelib.step.arena import ArenaPool
+from corelib.step.arena import ArenaPool, Arenas
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepHandle, StepResult
@@ -36,7 +36,7 @@ class Executor(ABC):
     """Runs packed steps somewhere; results must be read in submission order."""
 
     #: host arenas the engine core packs steps into
-    arenas: ArenaPool
+    arenas: Arenas
     #: user-facing notes from building the executor (said once at start)
     notices: list[str]
     #: the layout the steps run with, its KV pool sized once the model is loaded (None: the one it was given)

@@ -29,12 +29,11 @@ from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
 from corelib.isolation import worker_command, worker_environment
 from corelib.options import EngineOptions
 from corelib.startup import Startup
-from corelib.step.arena import ArenaPool
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
 from corelib.transport.doorbell import new_eventfd
-from corelib.transport.executor import SPARE_ARENAS, Executor, StepFuture
+from corelib.transport.executor import Executor, StepFuture
 from corelib.transport.nodes import HEARTBEAT_S, NodeGroup, NodeLink, Topology, engine_digest
 from corelib.transport.parallel import rendezvous
 from corelib.transport.shm import Consumer, Producer, Ring, sweep_stale
@@ -77,6 +76,24 @@ class _ShmFuture(StepFuture):
         return self._executor.read_result(self._step_id, timeout)
 
 
+class SlotArenas:
+    """The ring's next slot as the arena a step is packed into: the packer writes the frame's payload in place.
+
+    ``acquire`` waits (bounded) until every worker released the slot's previous frame; the slot stays the next
+    frame's until a frame is written (the step's, published by ``submit``), so a step that was refused leaves
+    it to the next one. ``release`` has nothing to give back: the ring owns its slots."""
+
+    def __init__(self, executor: ShmExecutor, nbytes: int) -> None:
+        self._executor = executor
+        self.nbytes = nbytes
+
+    def acquire(self) -> torch.Tensor:
+        return self._executor.reserve_slot()[: self.nbytes]
+
+    def release(self, arena: torch.Tensor) -> None:
+        del arena
+
+
 class ShmExecutor(Executor):
     """Starts ``engine.tp`` worker processes and talks to them through two rings."""
 
@@ -96,9 +113,6 @@ class ShmExecutor(Executor):
         self.notices = [
             f"removed {len(stale)} shared-memory segment(s) left by a run that crashed: " + ", ".join(stale)
         ] if stale else []
-        # Frames are copied into shared memory at once: the host arenas need not be pinned.
-        self.arenas = ArenaPool(lambda shape, dtype: torch.empty(shape, dtype=dtype), layout.arena_bytes,
-                                options.pipeline_depth + SPARE_ARENAS, self.timeout)
         slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.arena_bytes))
         result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows, layout.max_step_tokens))
         self.ranks: list[_Rank] = []
@@ -158,9 +172,12 @@ class ShmExecutor(Executor):
             watch = [rank.control.fileno() for rank in self.ranks]
             names = [f"worker rank {rank}" for rank in local]
             self.producer = Producer(self.in_ring, doorbells, in_room, self.timeout, alive=self.why_gone,
-                                     name="input ring", consumer_names=names, spin_us=shm.spin_us, watch=watch)
+                                     name="input ring", consumer_names=names, spin_us=shm.spin_us, watch=watch,
+                                     payload_crc=shm.payload_crc)
+            self.arenas = SlotArenas(self, layout.arena_bytes)
             self.consumer = Consumer(self.out_ring, 0, out_bell, out_room, self.timeout, alive=self.why_gone,
-                                     name="result ring", spin_us=shm.spin_us, watch=watch)
+                                     name="result ring", spin_us=shm.spin_us, watch=watch,
+                                     payload_crc=shm.payload_crc)
         except BaseException:
             self._stop(graceful=False)
             raise
@@ -258,15 +275,29 @@ class ShmExecutor(Executor):
         except WorkerDied as error:
             self.failure = self._named(error, fi.step_id)
             raise self.failure from None
-        release()  # the frame holds a copy: the host arena is free
+        release()  # the frame is published: the ring owns the slot (or holds a copy of an arena packed elsewhere)
         return _ShmFuture(self, fi.step_id)
 
-    def _named(self, error: WorkerDied, step_id: int) -> WorkerDied:
+    def reserve_slot(self) -> torch.Tensor:
+        """The next input frame's payload, for the packer to write in place (waits, bounded, for the workers to
+        release the slot)."""
+        self._check_usable()
+        try:
+            return self.producer.reserve()
+        except TransportError as error:
+            self.failure = error
+            raise
+        except WorkerDied as error:
+            self.failure = self._named(error, "waiting for a free input slot")
+            raise self.failure from None
+
+    def _named(self, error: WorkerDied, step_id: int | str) -> WorkerDied:
         """With several ranks, the one that stopped first may only report a peer's silence (a collective
         that timed out): add how far each rank got, which names the one that stalled."""
         if len(self.ranks) < 2:
             return error
-        return WorkerDied(f"{error}; at step {step_id}: {self.producer.progress()}")
+        when = f"at step {step_id}" if isinstance(step_id, int) else step_id
+        return WorkerDied(f"{error}; {when}: {self.producer.progress()}")
 
     def check_alive(self) -> None:
         """Raise WorkerDied when a worker (or, across nodes, another node) is gone; for an idle engine."""
@@ -323,8 +354,12 @@ class ShmExecutor(Executor):
             wait([rank.control for rank in waiting], min(left, 0.25))
 
     def write_frame(self, header: FrameHeader, payload: torch.Tensor | memoryview | None = None) -> None:
-        """Into this node's ring; on node 0 of several, also to every other node."""
-        self.producer.write(header, payload)
+        """Into this node's ring; on node 0 of several, also to every other node. A payload packed in the
+        reserved slot (:class:`SlotArenas`) is published where it is, without a copy."""
+        if isinstance(payload, torch.Tensor) and self.producer.is_reserved(payload):
+            self.producer.commit(header, payload.numel())
+        else:
+            self.producer.write(header, payload)
         if header.kind is FrameKind.stop:
             self._stop_sent = True
         if self.link is not None:

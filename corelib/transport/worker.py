@@ -44,6 +44,7 @@ from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepHandle
 from corelib.step.layout import EngineLayout
+from corelib.step.staging import reads_ring_in_place
 from corelib.transport.doorbell import CHECK_S
 from corelib.transport.parallel import init_group, leave_group
 from corelib.transport.shm import Consumer, Producer, Ring
@@ -129,7 +130,9 @@ class StepLoop:
     def receive(self, memory: Callable[[], MemoryStats], send: Callable[[str, str | None, object], None]) -> None:
         """Take frames until the stop frame: memory questions answered, steps staged and submitted."""
         consumer = self.consumer
+        stager = self.steps.stager
         while True:
+            stager.release_read()  # ring slots whose H2D is done go back before their steps end
             frame = consumer.read(IDLE_S, who="the next step")  # spins on the doorbell, then sleeps on it
             kind = frame.header.kind
             if kind is FrameKind.stop:
@@ -261,17 +264,21 @@ class Worker:
         options = args.options
         steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging)
         spin_us = args.config.engine.shm.spin_us
+        payload_crc = args.config.engine.shm.payload_crc
         watch = self._parent_watch()
         ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes, num_consumers=args.local_world)
-        registration = device.register_host(ring.whole) if args.register_host else None
+        # An ordered stager that reads the slots in place needs them registered (pinned where they are).
+        in_place = reads_ring_in_place(options.staging, device)
+        registration = device.register_host(ring.whole) if args.register_host or in_place else None
         consumer = Consumer(ring, args.local_rank, args.doorbell_fd, args.release_fd, self.timeout,
-                            alive=self.parent_gone, name=f"input ring (rank {args.rank})", spin_us=spin_us, watch=watch)
+                            alive=self.parent_gone, name=f"input ring (rank {args.rank})", spin_us=spin_us, watch=watch,
+                            payload_crc=payload_crc)
         results: Producer | None = None
         if args.result_doorbell_fd >= 0 and args.result_release_fd >= 0:
             out = Ring.attach(args.result_ring, args.num_slots, args.result_slot_bytes)
             results = Producer(out, [args.result_doorbell_fd], args.result_release_fd, self.timeout,
                                alive=self.parent_gone, name="result ring", consumer_names=["the scheduler"],
-                               spin_us=spin_us, watch=watch)
+                               spin_us=spin_us, watch=watch, payload_crc=payload_crc)
         loop = StepLoop(consumer, steps, results, options.pipeline_depth, self.timeout,
                         inline_answers=device.capabilities.event_query, on_thread_start=device.bind_thread)
         self.send("ready", None, "")

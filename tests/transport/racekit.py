@@ -39,7 +39,9 @@ def race(
     num_slots: int = 2,
     register_host: bool = False,
     widen: Callable[[Device, object], None] | None = None,
+    in_place: bool = False,
 ) -> int:
+    """``in_place``: the ordered stager's H2D reads the (registered) ring slot itself, given back once read."""
     """Steps whose device inputs differed from what the producer sent (0 means no race seen)."""
     cfg = compose_config(["model.num_layers=1", "engine.graph=off", "engine.max_num_seqs=4", "model.max_model_len=64",
                           *overrides])
@@ -50,9 +52,10 @@ def race(
     words = decode.nbytes // 8
     timeout = startup.config.engine.timeout_s
     wired = wire(num_slots=num_slots, slot_bytes=decode.nbytes + 1024 + 64, timeout=timeout)
-    registration = device.register_host(wired.ring.whole) if register_host else None
+    registration = device.register_host(wired.ring.whole) if register_host or in_place else None
     compute = device.stream("compute")
-    stager = build_stager(Staging.ordered if ordered else Staging.early, device, compute, decode.nbytes, 4, timeout)
+    stager = build_stager(Staging.ordered if ordered else Staging.early, device, compute, decode.nbytes, 4, timeout,
+                          in_place=in_place)
     target = device.empty((decode.nbytes,), torch.uint8)  # the static inputs a graph would read
     mismatches = device.zeros((1,), torch.int64)
     failure: list[BaseException] = []
@@ -72,6 +75,14 @@ def race(
     consumer = wired.consumers[0]
     try:
         for step in range(steps):
+            stager.release_read()  # as a worker does before it takes the next frame
+            while in_place and in_flight and not consumer.available():
+                # The producer may wait for a slot whose step still reads it: a worker's answering thread
+                # gives it back when that step is done.
+                event, done = in_flight.popleft()
+                event.synchronize()
+                done.release()
+                stager.release_read()
             frame = consumer.read()
             if widen is not None and isinstance(stager, EarlyStager):
                 widen(device, stager.stream)

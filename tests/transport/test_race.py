@@ -26,6 +26,17 @@ def test_ordered_materialization_has_no_mismatch_over_5000_steps() -> None:
 
 
 @pytest.mark.slow
+def test_ordered_materialization_reading_the_registered_slot_in_place_has_no_mismatch_over_5000_steps() -> None:
+    # No snapshot: the H2D reads the ring slot, which goes back only once that copy has run.
+    assert race(NPU_CHAOS, ordered=True, steps=5000, in_place=True) == 0
+
+
+def test_ordered_in_place_over_a_ring_of_one_slot() -> None:
+    # Every frame lands in the slot of the one before: the producer waits until the H2D has read it.
+    assert race(NPU_CHAOS, ordered=True, steps=300, num_slots=1, in_place=True) == 0
+
+
+@pytest.mark.slow
 def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
     # cuda stages a pageable source when the copy is issued: the early path keeps working there
     assert race(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.5",

@@ -12,9 +12,11 @@ from ringkit import RecordingPoller
 
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import WorkerDied
+from corelib.step.forward_input import ForwardInput
 from corelib.transport import doorbell
 from corelib.transport.shm import PREFIX, SHM_DIR
 from corelib.transport.shm_executor import ShmExecutor
+from corelib.transport.wire import step_layout
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +86,8 @@ def test_a_killed_worker_is_named_quickly_and_nothing_leaks(monkeypatch: pytest.
 
 
 def test_a_corrupt_frame_stops_the_engine_naming_the_frame() -> None:
-    engine = Engine.from_overrides(["backend=cpu", "engine.transport=shm"])
+    # A payload's bytes are checked with the payload CRC only (the header's CRC covers its length).
+    engine = Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.shm.payload_crc=true"])
     executor = engine.core.executor
     assert isinstance(executor, ShmExecutor)
 
@@ -112,7 +115,7 @@ def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
     pytest.fail("no engine of five reported the segment it removed")
 
 
-def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
+def test_the_cpu_backend_reads_each_frame_in_its_ring_slot_until_the_step_is_done() -> None:
     from corelib.compose import compose_config
     from corelib.options import Staging
     from corelib.plugins import PluginRegistry
@@ -125,8 +128,17 @@ def test_the_cpu_backend_materializes_with_a_plain_host_copy() -> None:
     with startup.backend.open(startup.spec) as device:
         stager = build_stager(options.staging, device, device.stream("compute"), 1024, 2, 1.0)
         assert isinstance(stager, HostStager), "the cpu device reads its inputs where they are: no device copy"
-        snapshots = [stager._pool.acquire() for _ in range(2)] if stager._pool is not None else []
-        assert len(snapshots) == 2 and not any(s.is_pinned() for s in snapshots)
+        slot = torch.zeros(8192, dtype=torch.uint8)
+        layout = step_layout(1, 1, 1)
+        fi = ForwardInput(0, 1, 1, 1, 1, 1, False, layout, slot)
+        released: list[bool] = []
+        staged = stager.receive(fi, lambda: released.append(True))
+        assert staged.source.data_ptr() == slot.data_ptr(), "the step reads the slot itself: no snapshot"
+        assert stager.to_device(staged, None).data_ptr() == slot.data_ptr()
+        assert not released, "the slot went back while the step may still read it"
+        staged.release()
+        staged.release()
+        assert released == [True], "the slot goes back once, when the step is done"
         assert device.memory_stats().pinned_bytes == 0
 
 

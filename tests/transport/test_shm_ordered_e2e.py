@@ -1,9 +1,10 @@
 """Ordered SHM materialization end to end: the engine's tokens on the emulated npu equal the cpu's.
 
 The npu profile's host-to-device copy reads its source when the prepare stream runs it, late
-under chaos. Ordered materialization copies each frame into a snapshot the step owns before
-the ring slot is given back, so the producer may rewrite the slot at once. Without the
-snapshot the late copy reads whatever the scheduler wrote into the slot next.
+under chaos. The npu registers host memory, so ordered materialization's copy reads the ring
+slot itself, which goes back to the producer only once that copy has run; given back any
+earlier, the late copy would read whatever the scheduler packed into the slot next. The
+frames' CRC covers their payloads here too (``engine.shm.payload_crc``).
 
 Running one step ahead, the scheduler has at most two steps in flight and reads a step's
 tokens before writing the step after next, so with two ring slots a step's slot is reused
@@ -34,6 +35,7 @@ ORDERED_NPU = [
     "backend.emulator.seed=11",
     "engine.transport=shm",
     "engine.shm.materialization=ordered",
+    "engine.shm.payload_crc=true",
     "engine.async_token_handoff=on",
     "engine.max_num_seqs=8",
 ]

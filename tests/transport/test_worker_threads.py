@@ -61,6 +61,9 @@ class PassStager:
         release_ring_slot()
         return Staged(fi, fi.arena)
 
+    def release_read(self) -> None:
+        return None
+
 
 @dataclass
 class GatedSteps:
