@@ -140,7 +140,7 @@ class EngineOptions:
         """How SHM frames reach the device, for reports ("-" in process)."""
         if self.transport is not Transport.shm:
             return "-"
-        return "host copy" if self.staging is Staging.host else self.staging.value
+        return "in place" if self.staging is Staging.host else self.staging.value
 
 
 def _staging(transport: Transport, plan: Plan, capabilities: Capabilities) -> Staging:

@@ -2,7 +2,7 @@
 
 Two threads. The receiving thread waits on the input ring's doorbell (a bounded spin, then a
 sleep on its eventfd: never a fixed sleep), checks each frame, stages it (the stager the plan
-chose: ordered, early or a host copy), and submits it once one of the pipeline's token buffers is
+chose: ordered, early or in place), and submits it once one of the pipeline's token buffers is
 free, so a frame is taken in while earlier steps still run. The answering thread (the process's
 main thread) waits for the oldest submitted step's tokens, the device's own wait (a bounded spin
 on its event, then the vendor's blocking wait), and writes them to the result ring at once (rank
