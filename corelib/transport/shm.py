@@ -268,14 +268,16 @@ class Producer:
         slot = seq % ring.num_slots
         header.seq = seq
         header.payload_len = nbytes
+        payload = None
         if self._payload_crc:
             start = ring.slot_offset(slot) + HEADER_BYTES
-            header.checksum = header.crc(ring.segment.view[start : start + nbytes])
+            payload = ring.segment.view[start : start + nbytes]
+        if self.tamper is None:
+            header.seal_into(ring.header_view(slot), payload)
         else:
-            header.checksum = header.crc()
-        if self.tamper is not None:
+            header.checksum = header.crc(payload)
             self.tamper(header, ring.payload(slot)[:nbytes])
-        header.pack_into(ring.header_view(slot))
+            header.pack_into(ring.header_view(slot))
         doorbell.publish_fence()
         self._words[COMMITTED] = seq + 1
         self._next_seq = seq + 1

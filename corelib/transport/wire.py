@@ -218,6 +218,14 @@ class FrameHeader:
         _FIXED.pack_into(buffer, 0, *self._fixed(self.checksum))
         struct.pack_into(f"<{len(self.layout)}q", buffer, _FIXED.size, *self.layout)
 
+    def seal_into(self, buffer: memoryview, payload: memoryview | None = None) -> None:
+        """Pack the header into ``buffer`` (a slot's header area) with its CRC-32C, taken over the packed bytes
+        (and ``payload`` when given): the header is packed once."""
+        self.checksum = 0
+        self.pack_into(buffer)
+        self.checksum = frame_crc(buffer, self.nbytes, payload)
+        struct.pack_into("<I", buffer, _CHECKSUM_AT, self.checksum)
+
     def crc(self, payload: memoryview | bytes | None = None) -> int:
         """CRC-32C of the header (its checksum field as zero), followed by the payload when one is given."""
         crc = crc32c.crc32c(self.packed(0))
