@@ -290,12 +290,22 @@ class Worker:
         device.close()
 
 
+def compute_threads(cores: int, local_world: int, device_is_host: bool) -> int:
+    """Torch's threads in each worker: the cores shared by this node's ranks. A device that computes on the
+    host's cores shares them with the scheduler's process too, which packs the next step while a worker
+    computes: it keeps one core of its own (a thread pool that loses a core to it waits at every barrier)."""
+    if device_is_host and cores > 1:
+        cores -= 1
+    return max(1, cores // max(1, local_world))
+
+
 def main() -> None:
     """Entry point: ``python -m corelib.transport.worker`` with pickled WorkerArgs on stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the scheduler decides
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     args: WorkerArgs = pickle.loads(sys.stdin.buffer.read())
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.local_world)))
+    torch.set_num_threads(compute_threads(torch.get_num_threads(), args.local_world,
+                                          args.spec.capabilities.device_is_host))
     worker = Worker(args)
     try:
         worker.run()

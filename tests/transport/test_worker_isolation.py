@@ -69,3 +69,12 @@ def test_the_worker_interpreter_is_isolated_and_gets_this_sys_path(
     assert done.stdout.split() == ["1", str(mine)]
     assert not marker.exists()
     assert sys.path[0] == str(mine)
+
+
+def test_a_worker_on_a_device_that_is_the_host_leaves_a_core_to_the_scheduler() -> None:
+    from corelib.transport.worker import compute_threads
+
+    assert compute_threads(2, 1, device_is_host=True) == 1, "the scheduler packs the next step on the other core"
+    assert compute_threads(16, 2, device_is_host=True) == 7
+    assert compute_threads(16, 2, device_is_host=False) == 8, "an accelerator's workers keep every core"
+    assert compute_threads(1, 1, device_is_host=True) == 1
