@@ -61,7 +61,7 @@ class BenchPoint:
     decode_steps: int
     steps_async: int
     repeats_tpot_ms: list[float] = field(default_factory=list)
-    transport_us_p50: float | None = None  # shm: producer commit to inputs ready in the worker
+    transport_us_p50: float | None = None  # shm: commit (or the worker ready for it, if later) to inputs ready there
     transport_us_p99: float | None = None
     # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
     host_us: float | None = None

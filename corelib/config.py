@@ -224,6 +224,11 @@ class ShmConfig:
     num_slots: int = field(default=4, metadata=doc("frames in the ring"))
     slot_bytes: int = field(default=1 << 20, metadata=doc("bytes per frame, header included"))
     register_host: bool = field(default=False, metadata=doc("pin the SHM region in place (shows the race on real DMA)"))
+    overlap: Mode = field(
+        default=Mode.auto,
+        metadata=doc("where the device is the host's CPU: the scheduler packs and ships step N+1 while the worker "
+                     "computes step N, up to engine.run_ahead steps ahead (auto: its gate decides)"),
+    )
     payload_crc: bool = field(
         default=False,
         metadata=doc("the CRC-32C of each frame covers its payload too, not only its header and the payload's "

@@ -108,15 +108,17 @@ class EngineOptions:
         ``emulated``: the device is the stream emulator."""
         engine = config.engine
         async_handoff = plan.is_enabled("async_token_handoff")
-        decision = plan.decisions.get("async_token_handoff")
-        step_check = StepCheck(decision.step_requirements if decision is not None and async_handoff else ())
+        # Over SHM a worker whose device is the host overlaps the scheduler by itself (shm_overlap).
+        ahead = "async_token_handoff" if async_handoff else "shm_overlap" if plan.is_enabled("shm_overlap") else None
+        decision = plan.decisions.get(ahead) if ahead is not None else None
+        step_check = StepCheck(decision.step_requirements if decision is not None else ())
         fused = provider.op_names() if provider is not None and plan.is_enabled("fused_ops") else ()
         return cls(
             graphs=plan.is_enabled("graph"),
             lazy_capture=engine.graph_capture is GraphCapture.lazy
             or (engine.graph_capture is GraphCapture.auto and emulated),
             async_handoff=async_handoff,
-            run_ahead=engine.run_ahead if async_handoff else 0,
+            run_ahead=engine.run_ahead if ahead is not None else 0,
             transport=engine.transport,
             tp=engine.tp,
             fast_allreduce=plan.is_enabled("fast_allreduce"),

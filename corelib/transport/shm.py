@@ -42,6 +42,9 @@ cast to ``Q``, one 8-byte load or store each (single-copy atomic on x86-64 and a
 
 The segments themselves (reservation, lease, sweep, cleanup at exit) are
 :mod:`corelib.transport.segment`.
+
+Long: the producer and the consumers rest on one memory-ordering argument (above) and one slot
+protocol (reserve, commit, read in place, release in order); split, each half would restate them.
 """
 
 from __future__ import annotations

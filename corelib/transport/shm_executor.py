@@ -275,12 +275,11 @@ class ShmExecutor(Executor):
         except WorkerDied as error:
             self.failure = self._named(error, fi.step_id)
             raise self.failure from None
-        release()  # the frame is published: the ring owns the slot (or holds a copy of an arena packed elsewhere)
+        release()  # published: the ring owns the slot (or holds a copy of an arena packed elsewhere)
         return _ShmFuture(self, fi.step_id)
 
     def reserve_slot(self) -> torch.Tensor:
-        """The next input frame's payload, for the packer to write in place (waits, bounded, for the workers to
-        release the slot)."""
+        """The next input frame's payload, for the packer to write in place (bounded wait for its release)."""
         self._check_usable()
         try:
             return self.producer.reserve()

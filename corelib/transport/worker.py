@@ -83,7 +83,7 @@ class WorkerArgs:
 @dataclasses.dataclass(frozen=True)
 class _Submitted:
     handle: StepHandle
-    transport_us: float  # producer commit to inputs staged here
+    transport_us: float  # the later of the frame's commit and this worker's readiness for it, to inputs staged
 
 
 class StepLoop:
@@ -133,6 +133,8 @@ class StepLoop:
         stager = self.steps.stager
         while True:
             stager.release_read()  # ring slots whose H2D is done go back before their steps end
+            ready_at = time.perf_counter()  # from here the hop is on the step's path; a frame that came earlier
+            # waited behind the step in flight (a worker that computes on the host), hidden behind it
             frame = consumer.read(IDLE_S, who="the next step")  # spins on the doorbell, then sleeps on it
             kind = frame.header.kind
             if kind is FrameKind.stop:
@@ -150,7 +152,7 @@ class StepLoop:
                 raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
             fi = input_of(frame.header, frame.payload, where)
             staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
-            transport_us = (time.perf_counter() - frame.header.sent_at) * 1e6
+            transport_us = (time.perf_counter() - max(frame.header.sent_at, ready_at)) * 1e6
             if not self._free.acquire(timeout=self.timeout):
                 raise TransportError(f"{where}: no token buffer came free within {self.timeout:g} s: the "
                                      f"tokens of step {self._oldest_step()} never came")

@@ -52,6 +52,29 @@ def test_shm_tokens_equal_inproc(overrides: list[str]) -> None:
     assert our_segments() == before, "segments were left behind"
 
 
+def test_on_the_cpu_the_scheduler_runs_ahead_of_the_worker_with_the_tokens_of_in_process() -> None:
+    # shm_overlap: step N+1 is packed and shipped while the worker computes step N, its tokens from the worker's
+    # relay; sampled rows (seeded) and a row with a stop string (its steps run synchronously) among them.
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+              for i, n in enumerate((20, 33, 5, 1, 40, 9))]
+    params[2] = SamplingParams(max_tokens=12, ignore_eos=True, stop=["never printed"])
+    deepest = 0
+    outputs: dict[str, list[int]] = {}
+    with Engine.from_overrides(["backend=cpu", "engine.transport=shm"]) as engine:
+        assert engine.core.pipeline.run_ahead == 1 and not engine.async_handoff
+        ids = [engine.add_request(prompt, sampling) for prompt, sampling in zip(PROMPTS, params, strict=True)]
+        while engine.has_unfinished:
+            outputs |= {o.request_id: o.output_token_ids for o in engine.step()}
+            deepest = max(deepest, engine.core.num_in_flight)
+    assert deepest == 1, "the scheduler never left a step in flight while it scheduled the next"
+    ahead = [outputs[i] for i in ids]
+    with Engine.from_overrides(["backend=cpu"]) as engine:
+        assert [o.output_token_ids for o in engine.generate(PROMPTS, params)] == ahead
+    with Engine.from_overrides(["backend=cpu", "engine.transport=shm", "engine.shm.overlap=off"]) as engine:
+        assert engine.core.pipeline.run_ahead == 0
+        assert [o.output_token_ids for o in engine.generate(PROMPTS, params)] == ahead
+
+
 def test_a_killed_worker_is_named_quickly_and_nothing_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
     # No periodic liveness check, and every wait's poll recorded: the death must end a wait
     # through the worker's closed pipe (or be seen between waits), never by a wait running out.
