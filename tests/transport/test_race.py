@@ -52,10 +52,11 @@ def _busy_polling_stream(device: object, stream: object) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("ordered", [False, True], ids=["early", "ordered"])
-def test_host_registered_shm_on_a_gpu(ordered: bool) -> None:
+@pytest.mark.parametrize(("ordered", "in_place"), [(False, False), (True, False), (True, True)],
+                         ids=["early", "ordered-snapshot", "ordered-in-place"])
+def test_host_registered_shm_on_a_gpu(ordered: bool, in_place: bool) -> None:
     mismatches = race(["backend=cuda", "backend.runtime=native"], ordered=ordered, steps=5000 if ordered else 200,
-                      register_host=True, widen=_busy_polling_stream)
+                      register_host=True, widen=_busy_polling_stream, in_place=in_place)
     if ordered:
         assert mismatches == 0
     else:
