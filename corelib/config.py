@@ -252,6 +252,11 @@ class EngineConfig:
     run_ahead: int = field(
         default=1, metadata=doc("with async handoff: steps the scheduler submits beyond the one it reads (1 or 2)")
     )
+    structured_overlap: Mode = field(
+        default=Mode.auto,
+        metadata=doc("with async handoff: a structured-output step queues its forward ahead, its sampling waits for "
+                     "the grammar's mask"),
+    )
     fused_ops: Mode = field(
         default=Mode.auto, metadata=doc("run the backend's fused kernels in place of the reference ops")
     )

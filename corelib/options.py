@@ -29,6 +29,9 @@ class Staging(str, enum.Enum):
     early = "early"  # SHM: the receiving thread issues the H2D straight from the slot
 
 
+STRUCTURED_FACT = "request.structured_output"  # the per-step requirement structured_overlap lifts
+
+
 def request_facts(seq: Seq) -> dict[str, Any]:
     """The ``request.*`` facts of one request, as the per-step requirements of the gates name them."""
     return {"multimodal": seq.multimodal, "host_stop_strings": bool(seq.sampling.stop_strings),
@@ -94,6 +97,9 @@ class EngineOptions:
     mixed_graphs: bool = False  # steps with prompt tokens replay a graph per token bucket
     prefix_caching: bool = False  # full KV blocks shared by prompts that start alike
     share_prompt_blocks: bool = False  # requests of one prompt (n > 1) share its KV blocks: no recurrent state
+    # A structured-output step runs ahead: its forward is queued at once, its sampling once the host has written
+    # the grammar's mask from the previous step's tokens (EngineCore owes it; the in-process executor takes it).
+    structured_overlap: bool = False
 
     @property
     def pipeline_depth(self) -> int:
@@ -111,7 +117,11 @@ class EngineOptions:
         # Over SHM a worker whose device is the host overlaps the scheduler by itself (shm_overlap).
         ahead = "async_token_handoff" if async_handoff else "shm_overlap" if plan.is_enabled("shm_overlap") else None
         decision = plan.decisions.get(ahead) if ahead is not None else None
-        step_check = StepCheck(decision.step_requirements if decision is not None else ())
+        requirements = decision.step_requirements if decision is not None else ()
+        structured_overlap = async_handoff and plan.is_enabled("structured_overlap")
+        if structured_overlap:  # a grammar's mask is owed to the step, not waited for before it
+            requirements = tuple(r for r in requirements if r.fact != STRUCTURED_FACT)
+        step_check = StepCheck(requirements)
         fused = provider.op_names() if provider is not None and plan.is_enabled("fused_ops") else ()
         return cls(
             graphs=plan.is_enabled("graph"),
@@ -135,6 +145,7 @@ class EngineOptions:
             prefix_caching=plan.is_enabled("prefix_caching"),
             share_prompt_blocks=facts is not None and bool(facts.get("paged_kv"))
             and not facts.get("recurrent_state"),
+            structured_overlap=structured_overlap,
         )
 
     @property

@@ -46,9 +46,11 @@ class Scenario:
 
 # Gates that complement another, whose requirements cannot all hold in the one scenario above: each in a scenario
 # of its own where they do. shm_overlap runs the scheduler ahead over SHM where the device is the host, which is
-# where async token handoff (and ordered materialization) cannot be on.
+# where async token handoff (and ordered materialization) cannot be on. structured_overlap runs in process, where
+# ordered materialization (over SHM) is off.
 ALONE: dict[str, tuple[list[str], dict[str, Any]]] = {
     "shm_overlap": (["engine.async_token_handoff=off"], {"device_is_host": True}),
+    "structured_overlap": (["engine.transport=inproc"], {}),
 }
 
 

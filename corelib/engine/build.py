@@ -46,7 +46,10 @@ def build_engine_core(
         stops=StopChecker(model.max_model_len, eos, tokenizer.decode if tokenizer else None,
                           tokenizer.decode_special if tokenizer else None),
     )
-    builder = InputBuilder(layout)
+    if options.structured_overlap and not executor.defers_masks:
+        raise ValueError(f"structured_overlap is on but {type(executor).__name__} cannot take a step before its "
+                         f"grammar mask")
+    builder = InputBuilder(layout, defer_masks=options.structured_overlap)
     return EngineCore(
         scheduler, builder, layout.buckets(options, graph_param_update), executor,
         StepPipeline(options.pipeline_depth), options.step_check, engine.timeout_s, engine.metrics_window,

@@ -6,6 +6,12 @@ before the host reads step N's tokens, so the device has the next step queued wh
 host does its bookkeeping; the step pipeline says how far ahead. A step whose batch fails a
 per-step requirement of the gate (a multimodal request, host-side stop strings; decided once
 per request, when it is added) runs synchronously, after a drain.
+
+Structured output run ahead (``structured_overlap``): a step holding a grammar's row is queued
+before the previous step's tokens are read, owing its mask; once every earlier step is read
+(each grammar has taken its token) the host writes the masks and the step's sampling is queued
+behind its forward. No step is queued while one owes its mask, so no forward reads a token that
+is not sampled yet.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepReco
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 from corelib.options import StepCheck
 from corelib.step.buckets import BucketPolicy
-from corelib.step.forward_input import StepKind
+from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.pipeline import StepPipeline
 from corelib.transport.executor import Executor, StepFuture
 
@@ -53,7 +59,8 @@ class InFlight:
     future: StepFuture
     path: str
     schedule_s: float = 0.0  # host time the scheduler took to choose this step
-    pack_s: float = 0.0  # host time to pack it into its arena
+    pack_s: float = 0.0  # host time to pack it into its arena (its grammar masks included)
+    fi: ForwardInput | None = None  # a step that owes its grammar mask: what it was packed into
 
 
 class EngineCore:
@@ -156,11 +163,13 @@ class EngineCore:
         if isinstance(decision, ScheduledStep):
             if not self.pipeline.can_submit():
                 self._complete_oldest()
+            self._settle_masks()  # the step after one that owes its mask reads the tokens that mask decides
             self._submit(decision, scheduled)
             if decision.synchronous:
                 self.drain()
             while self.pipeline.must_read():
                 self._complete_oldest()
+            self._settle_masks()  # now, while the step's forward runs
             return True
         if self.pipeline:
             self._complete_oldest()
@@ -208,7 +217,38 @@ class EngineCore:
             arenas.release(arena)
             raise
         path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
-        self.pipeline.push(InFlight(step, future, path, schedule_s, packed))
+        self.pipeline.push(InFlight(step, future, path, schedule_s, packed, fi if fi.mask_deferred else None))
+
+    def _settle_masks(self) -> None:
+        """Supply the grammar mask a step in flight owes: every step before it is read first, so each grammar
+        has taken its token."""
+        owing = next((item for item in self.pipeline if item.fi is not None), None)
+        if owing is None:
+            return
+        while self.pipeline.oldest() is not owing:
+            self._complete_oldest()
+        self._supply_mask(owing)
+
+    def _supply_mask(self, item: InFlight) -> None:
+        """Write ``item``'s grammar masks into its arena and queue its sampling. A request whose grammar fails to
+        write its mask ends with the error; its row allows every token, and its token is never read."""
+        fi, started = item.fi, time.perf_counter()
+        if fi is None:
+            return
+        with self.tracer.span("grammar masks", SCHEDULER_LANE, step=fi.step_id):
+            for _ in range(len(item.step.seqs) + 1):
+                try:
+                    masks = self.builder.fill_owed_masks(item.step, fi)
+                    break
+                except PackingError as error:
+                    for seq in error.seqs:
+                        if not seq.is_finished:
+                            self.finish(seq, FinishReason.error, str(error))
+            else:
+                masks = None
+            item.fi = None
+            item.future.supply_mask(masks)
+        item.pack_s += time.perf_counter() - started
 
     def _refuse_packing(self, step: ScheduledStep, error: PackingError) -> None:
         """A step that could not be packed: its requests at fault fail, the others run in a later step."""
@@ -218,6 +258,7 @@ class EngineCore:
                 self.finish(seq, FinishReason.error, str(error))
 
     def _complete_oldest(self) -> None:
+        self._supply_mask(self.pipeline.oldest())  # a step that owes its mask is the oldest: its turn is now
         item = self.pipeline.pop()
         with self.tracer.span("wait for tokens", SCHEDULER_LANE):
             result = item.future.result(self.timeout_s)
@@ -241,7 +282,11 @@ class EngineCore:
     def cancel_in_flight(self) -> None:
         """Wait (bounded) for in-flight steps so the device no longer reads their inputs; drop their tokens."""
         while self.pipeline:
-            self.pipeline.pop().future.result(self.timeout_s)
+            item = self.pipeline.pop()
+            if item.fi is not None:  # its sampling is not queued: let it sample anything, its tokens are dropped
+                item.fi = None
+                item.future.supply_mask(None)
+            item.future.result(self.timeout_s)
 
     def attach_tracer(self, tracer: Tracer) -> None:
         """Record host spans of the loop and device spans of every completed step into ``tracer``."""

@@ -74,8 +74,10 @@ class InputBuilder:
     tables by state index, updated only when they change, so packing a decode step is a few vector ops.
     """
 
-    def __init__(self, layout: EngineLayout) -> None:
+    def __init__(self, layout: EngineLayout, defer_masks: bool = False) -> None:
         self.layout = layout
+        # Structured output run ahead: a step's grammar masks are written after it is queued (fill_owed_masks).
+        self.defer_masks = defer_masks
         self.max_rows = layout.rows
         self.max_blocks = layout.max_blocks
         self.block_size = layout.block_size
@@ -137,8 +139,10 @@ class InputBuilder:
             for name, row in table_rows(seq).items():
                 self.state_tables[name][index] = row
             self.state_prompt_lens[index] = seq.num_prompt_tokens
-            # A grammar's mask is applied by the sampling graphs: a structured row takes them even when greedy.
-            self.state_sampler[index] = seq.sampling.needs_sampler or seq.grammar is not None
+            # A grammar's mask is applied by the sampling graphs: a structured row takes them even when greedy, unless
+            # its mask is owed (then the runner samples through the mask in any variant).
+            self.state_sampler[index] = seq.sampling.needs_sampler or (seq.grammar is not None
+                                                                       and not self.defer_masks)
             self.state_logprobs[index] = seq.sampling.logprobs is not None
             self.state_penalized[index] = any(
                 self.state_sampling[name][index] != neutral for name, neutral in PENALTY_NEUTRAL.items())
@@ -192,7 +196,7 @@ class InputBuilder:
         if structured:
             layout = self.layout.masked(layout)
         v = self._numpy_views(layout, arena)
-        if structured:
+        if structured and not self.defer_masks:
             fill_masks(step, structured, v[TOKEN_MASK])
         if prompt_positions:
             fill_prompt_positions(step, v[PROMPT_LOGPROBS])
@@ -260,11 +264,22 @@ class InputBuilder:
         logprobs = bool(self.state_logprobs[index_t].any())
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         fi = ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
-                          leading, bool(padded), prompt_positions, num_recounts=len(recounts))
+                          leading, bool(padded), prompt_positions, num_recounts=len(recounts),
+                          mask_deferred=bool(structured) and self.defer_masks)
         for row in recounts:  # the step is packed whole: the device will have rebuilt these
             seq = step.seqs[row]
             self._counted[int(index_t[row])] = (seq.seq_id, seq.blocks_epoch)
         return fi
+
+    def fill_owed_masks(self, step: ScheduledStep, fi: ForwardInput) -> torch.Tensor:
+        """The grammar masks of a step queued before them (``fi.mask_deferred``), written into its arena now that
+        every earlier step's tokens were read: the rows [rows, words] int32 for the device to copy. A request
+        finished since the step was queued gets a neutral row (its token is never read). PackingError names a
+        request whose grammar failed; the caller ends it and asks again."""
+        structured = [row for row, (seq, samples) in enumerate(zip(step.seqs, step.samples, strict=True))
+                      if samples and seq.grammar is not None and not seq.is_finished]
+        fill_masks(step, structured, self._numpy_views(fi.layout, fi.arena)[TOKEN_MASK])
+        return fi.layout.views(fi.arena)[TOKEN_MASK]
 
     def _recounts(self, seqs: list[EngineSequence], index_t: npt.NDArray[np.int64]) -> list[int]:
         """The rows whose penalty counts the device rebuilds before the step's forward: those with a penalty whose

@@ -206,7 +206,7 @@ class TimelineTracer(Tracer):
         self._device_record(STEP_CATEGORY, f"{kind} {step_id}", start, end, None, args)
         if self._time_tokens:
             # The D2H stream waits for the step's end event, then copies: the span starts there.
-            self._device_record(COPY_CATEGORY, f"d2h {step_id}", end, handle.event, None, {"step": step_id})
+            self._device_record(COPY_CATEGORY, f"d2h {step_id}", end, handle.ready_event(), None, {"step": step_id})
 
     # ------------------------------------------------------------------ output
     def trace_events(self) -> list[dict[str, Any]]:

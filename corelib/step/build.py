@@ -58,7 +58,7 @@ def build_device_steps(
     handoff = TokenHandoff(device, compute, layout.rows, layout.rows, options.pipeline_depth, timing=True)
     runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,
                          layout.buckets(options, device.capabilities.graph_param_update), handoff,
-                         config.model.vocab_size)
+                         config.model.vocab_size, deferred_masks=options.structured_overlap)
     shm = options.transport is Transport.shm
     snapshots = options.pipeline_depth + SNAPSHOT_SPARE if shm else 0
     stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s,

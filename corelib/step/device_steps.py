@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from corelib.faults import maybe_fail
 from corelib.step.handoff import StepHandle, StepResult, TokenHandoff
 from corelib.step.runner import ModelRunner
@@ -26,15 +28,30 @@ class DeviceSteps:
         arena = self.stager.to_device(staged, target)
         prompt = self.handoff.prompt_buffers(fi.prompt_logprobs) if fi.prompt_logprobs else None
         graph = self.runner.run(fi, arena, None if prompt is None else prompt.device)
+        handle = StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, None, timing, graph, (staged, target),
+                            on_done=staged.release, logprobs=fi.logprobs, prompt=prompt)
+        if not fi.mask_deferred:
+            self._emit(handle)
+        return handle
+
+    def supply_mask(self, handle: StepHandle, masks: torch.Tensor | None) -> None:
+        """Queue the sampling of a step queued before its grammar mask (``ForwardInput.mask_deferred``), through
+        ``masks`` (host memory of the step's arena; None: every token allowed), then its tokens' handoff."""
+        if handle.event is not None:
+            raise RuntimeError(f"step {handle.step_id}: its mask was supplied already, or never owed")
+        self.runner.sample_owed(masks)
+        self._emit(handle)
+
+    def _emit(self, handle: StepHandle) -> None:
+        """After the step's sampling is queued: the stager's bookkeeping, and its tokens on their way to the host."""
         self.stager.after_forward()
-        event = self.handoff.emit(buffer, fi.num_seqs, timing, fi.logprobs, prompt)
-        return StepHandle(fi.step_id, fi.kind, fi.num_seqs, buffer, event, timing, graph, (staged, target),
-                          on_done=staged.release, logprobs=fi.logprobs, prompt=prompt)
+        handle.event = self.handoff.emit(handle.buffer, handle.num_seqs, handle.timing, handle.logprobs,
+                                         handle.prompt)
 
     def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
         """Until a step's tokens are in host memory (bounded); reads nothing, so any thread may wait."""
         if handle.tokens is None:
-            handle.event.synchronize(timeout)
+            handle.ready_event().synchronize(timeout)
 
     def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
         """Wait for a step's tokens (bounded) and give its inputs back."""

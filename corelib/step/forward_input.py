@@ -46,6 +46,10 @@ class ForwardInput:
     # Rows (the first entries of recount_rows) of sequences with a penalty that are new to their state index: their
     # penalty counts are rebuilt from the tokens their blocks hold, before the forward (outside any graph).
     num_recounts: int = 0
+    # Structured output run ahead: the step's token bitmask (its layout's last field) is written after it is queued,
+    # once the host has read the previous step's tokens; the device queues the forward now and the sampling when
+    # the mask is supplied (DeviceSteps.supply_mask).
+    mask_deferred: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -53,7 +53,7 @@ class StepHandle:
     """A submitted step. Its tokens are valid in pinned host memory once ``event`` completes."""
 
     def __init__(
-        self, step_id: int, kind: StepKind, num_seqs: int, buffer: int, event: Event, timing: StepTiming,
+        self, step_id: int, kind: StepKind, num_seqs: int, buffer: int, event: Event | None, timing: StepTiming,
         graph: bool, keepalive: tuple[object, ...], on_done: Callable[[], None] | None = None,
         logprobs: bool = False, prompt: PromptBuffers | None = None,
     ) -> None:
@@ -61,7 +61,7 @@ class StepHandle:
         self.kind = kind
         self.num_seqs = num_seqs
         self.buffer = buffer
-        self.event = event
+        self.event = event  # None while the step's sampling waits for its grammar mask
         self.timing = timing
         self.graph = graph  # the step replayed a captured graph
         # Inputs stay referenced until the output event completes: the device may still read them.
@@ -74,7 +74,15 @@ class StepHandle:
         self.prompt_rows: list[list[float]] | None = None
 
     def done(self) -> bool:
-        return self.tokens is not None or self.event.query()
+        return self.tokens is not None or (self.event is not None and self.event.query())
+
+    def ready_event(self) -> Event:
+        """The event the step's tokens are in host memory after; RuntimeError while its grammar mask is owed (the
+        tokens of a step whose sampling is not queued would never come)."""
+        if self.event is None:
+            raise RuntimeError(f"step {self.step_id}: its tokens were waited for before its grammar mask was supplied "
+                               f"(its sampling is not queued)")
+        return self.event
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,7 @@ class TokenHandoff:
     def read(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
         """Wait (bounded, without the GIL) for a step's tokens and read its device span. In submission order."""
         if handle.tokens is None:
-            handle.event.synchronize(timeout)
+            handle.ready_event().synchronize(timeout)
             handle.tokens = self.host[handle.buffer, : handle.num_seqs].tolist()
             if handle.logprobs:
                 handle.logprob_rows = self.host_logprobs[handle.buffer, : handle.num_seqs].tolist()

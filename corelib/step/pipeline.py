@@ -9,6 +9,7 @@ The scheduler side and the SHM worker use the same class with the same depth.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -33,6 +34,10 @@ class StepPipeline(Generic[T]):
 
     def __bool__(self) -> bool:
         return bool(self._steps)
+
+    def __iter__(self) -> Iterator[T]:
+        """Oldest first."""
+        return iter(self._steps)
 
     def can_submit(self) -> bool:
         return len(self._steps) < self.depth

@@ -69,6 +69,7 @@ class ModelRunner:
         buckets: BucketPolicy,
         handoff: TokenHandoff,
         vocab_size: int,
+        deferred_masks: bool = False,
     ) -> None:
         self.device = device
         self.compute = compute
@@ -107,6 +108,12 @@ class ModelRunner:
         self.prompt_graphs: dict[int, Graph] = {}
         self.sampling_graphs: dict[tuple[bool, bool], Graph] = {}
         self._logits: torch.Tensor | None = None  # where a padded step's forward leaves its rows' logits
+        # Structured output run ahead (``deferred_masks``): a decode step whose grammar mask is owed replays a
+        # forward-only graph of its shape, which leaves its rows' logits in the same buffer; its sampling is queued
+        # when the mask arrives (sample_owed). At most one step waits for its mask at a time.
+        self.deferred_masks = deferred_masks
+        self.forward_graphs: dict[tuple[int, int], Graph] = {}  # rows, KV width
+        self._owed: _OwedSampling | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.capture_s = 0.0  # wall time spent capturing graphs, all of them
@@ -123,7 +130,8 @@ class ModelRunner:
         tokens = list(reversed(self.buckets.token_buckets))
         variants = SAMPLING_VARIANTS if tokens else ()
         before = self.device.memory_stats().reserved_bytes
-        total = len(shapes) * len(SAMPLING_VARIANTS) + len(tokens) + len(variants)
+        forward_only = shapes if self.deferred_masks else []
+        total = len(shapes) * len(SAMPLING_VARIANTS) + len(tokens) + len(variants) + len(forward_only)
         with current_progress().task("capturing graphs", total=total, unit="graphs") as task:
             for count in tokens:
                 self._capture_prompt(count)
@@ -135,6 +143,9 @@ class ModelRunner:
                 for sampled, logprobs in SAMPLING_VARIANTS:
                     self._capture(rows, kv, sampled, logprobs)
                     task.advance()
+            for rows, kv in forward_only:
+                self._capture_forward(rows, kv)
+                task.advance()
         pool = self.device.graph_pool_bytes()
         logits = 0 if self._logits is None else self._logits.numel() * self._logits.element_size()
         # The pool's own count where the device has one: the allocator's growth also moves with memory
@@ -152,7 +163,10 @@ class ModelRunner:
                 self._capture_sampling(fi.sample, fi.logprobs)
         elif fi.is_decode:
             key = (fi.bucket, self.buckets.graph_kv(fi.kv_blocks))
-            if (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
+            if fi.mask_deferred:
+                if key not in self.forward_graphs and key in self._graph_shapes and not fi.prompt_logprobs:
+                    self._capture_forward(*key)
+            elif (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
                 self._capture(*key, fi.sample, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
 
     def _capture(self, rows: int, kv: int, sampled: bool, logprobs: bool) -> Graph:
@@ -171,6 +185,32 @@ class ModelRunner:
         self.graphs[(rows, kv, sampled, logprobs)] = graph
         return graph
 
+    def _capture_forward(self, rows: int, kv: int) -> Graph:
+        """The forward of a decode shape alone, its rows' logits into the static buffer: a step whose grammar mask
+        is owed samples them once the mask is there. It counts the tokens fed, as any sampled step does (a greedy
+        step's rows have no penalty, so for them it counts nothing)."""
+        param_update = self.buckets.param_update
+        views = self.decode_layout.views(self._device_arena())
+        graph = self.device.graph(f"decode_rows{rows}_kv{kv}_forward")
+
+        def step() -> None:
+            logits = self._body(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, counted=True)
+            self._static_logits(logits)[:rows].copy_(logits)
+
+        def padding(pad: dict[str, torch.Tensor]) -> None:
+            pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
+
+        self._record(graph, self.decode_layout, padding, step, {"kv_blocks": kv})
+        self.forward_graphs[(rows, kv)] = graph
+        return graph
+
+    def _static_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The one buffer [layout rows, V] where a graph's forward leaves its rows' logits; made by the first
+        warm-up (outside capture)."""
+        if self._logits is None:
+            self._logits = self.device.empty((self.layout.rows, *logits.shape[1:]), logits.dtype)
+        return self._logits
+
     def _capture_prompt(self, tokens: int) -> Graph:
         """The forward of a step padded to ``tokens``: every row's logits into the one static buffer."""
         layout, rows, kv = self.layout.padded_layout(tokens), self.layout.rows, self.buckets.max_blocks
@@ -179,9 +219,7 @@ class ModelRunner:
 
         def step() -> None:
             logits = self._body(views, rows, tokens, kv, tokens, captured=True, counted=True)  # any variant may sample
-            if self._logits is None:  # the warm-up, outside capture, makes it
-                self._logits = self.device.empty(tuple(logits.shape), logits.dtype)
-            self._logits.copy_(logits)
+            self._static_logits(logits).copy_(logits)
 
         def padding(pad: dict[str, torch.Tensor]) -> None:
             pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
@@ -256,6 +294,8 @@ class ModelRunner:
         if fi.num_recounts:  # after the copies (their blocks are read), before the forward (and outside any graph)
             recount = fi.layout.views(arena)
             self.compute.launch(lambda: self._recount(recount, fi))
+        if fi.mask_deferred:
+            return self._run_forward(fi, arena, prompt_out)
         self._stage_mask(fi, arena)
         if fi.padded:
             return self._run_padded(fi, arena)
@@ -274,6 +314,60 @@ class ModelRunner:
         graph.replay(self.compute)
         self.num_graph_steps += 1
         return True
+
+    def _run_forward(self, fi: ForwardInput, arena: torch.Tensor, prompt_out: torch.Tensor | None) -> bool:
+        """The forward of a step whose grammar mask is owed; its sampling waits in ``_owed`` for ``sample_owed``."""
+        if self._owed is not None:
+            raise RuntimeError(f"step {fi.step_id}: queued while step {self._owed.step_id} still waits for its "
+                               f"grammar mask (the engine supplies a mask before it queues the next step)")
+        rows, kv = fi.bucket, fi.kv_blocks
+        graph = None
+        if arena is self.arena and not fi.prompt_logprobs:
+            if fi.padded:
+                graph = self.prompt_graphs.get(fi.num_tokens)
+            elif fi.is_decode:
+                graph = self.forward_graphs.get((rows, self.buckets.graph_kv(kv)))
+        if graph is not None:
+            if self.buckets.param_update and not fi.padded:
+                graph.update(self.compute, kv_blocks=kv)
+            graph.replay(self.compute)
+            self.num_graph_steps += 1
+            logits = self._logits
+            views = self.decode_layout.views(arena)  # the row fields: the same place in every step layout
+            self._owed = _OwedSampling(fi.step_id, lambda: logits[:rows] if logits is not None else _no_logits(),
+                                       rows, views, kv if not fi.padded else self.buckets.max_blocks, fi.sample,
+                                       fi.logprobs)
+            return True
+        views = fi.layout.views(arena)
+        made: list[torch.Tensor] = []  # the eager forward's logits, once the stream has run it
+
+        def forward() -> None:
+            made.append(self._logits_of(views, rows, fi.num_tokens, kv, fi.num_tokens if fi.padded
+                                        else fi.max_query_len, fi.sample, fi.decode_rows, fi.padded, prompt_out))
+
+        self.compute.launch(forward)
+        self.num_eager_steps += 1
+        self._owed = _OwedSampling(fi.step_id, lambda: made[0] if made else _no_logits(), rows, views, kv, fi.sample,
+                                   fi.logprobs)
+        return False
+
+    def sample_owed(self, masks: torch.Tensor | None) -> None:
+        """Queue the sampling of the step whose forward waits for its grammar mask: ``masks`` [rows, words] int32
+        (host memory that stays valid until the step is done) into the mask buffer, then the rows sampled through
+        it; None: every token allowed (a step cancelled before its mask was written)."""
+        owed, self._owed = self._owed, None
+        if owed is None:
+            raise RuntimeError("a grammar mask was supplied with no step waiting for one")
+        rows, views = owed.rows, owed.views
+        if masks is None:
+            self.compute.launch(lambda: self.token_mask.fill_(ALL_ALLOWED))
+        else:  # the rows the sampling reads: past them the buffer is never read before it is written again
+            self.compute.copy(self.token_mask[:rows], masks[:rows])
+        self._mask_set = True
+        attention = PagedAttention(views["block_tables"][:rows, : owed.kv], views["seq_lens"][:rows],
+                                   self.layout.block_size)
+        self.compute.launch(lambda: self._emit(owed.logits(), rows, views, attention, views["seq_lens"][:rows],
+                                               owed.sampled, owed.logprobs, masked=True))
 
     def _stage_mask(self, fi: ForwardInput, arena: torch.Tensor) -> None:
         """The step's token bitmask into the buffer the sampling reads (stream-ordered before the forward); a
@@ -304,8 +398,8 @@ class ModelRunner:
 
     def graph_summary(self) -> GraphSummary:
         """How many graphs are captured, and the wall time their capture took."""
-        return GraphSummary(len(self.graphs), len(self.prompt_graphs), len(self.sampling_graphs), self.capture_s,
-                            self.graph_bytes)
+        return GraphSummary(len(self.graphs) + len(self.forward_graphs), len(self.prompt_graphs),
+                            len(self.sampling_graphs), self.capture_s, self.graph_bytes)
 
     # ------------------------------------------------------------------ device work
     def _copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
@@ -342,14 +436,21 @@ class ModelRunner:
                  prompt: torch.Tensor | None = None) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row; with
         ``prompt``, the logprobs of the step's prompt positions (``PROMPT_LOGPROBS``) into it."""
+        logits = self._logits_of(views, rows, tokens, kv, longest, sampled, decode_rows, captured, prompt)
+        attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows], self.layout.block_size)
+        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
+
+    def _logits_of(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
+                   sampled: bool, decode_rows: int = 0, captured: bool = False,
+                   prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward of ``_forward`` up to its rows' logits [rows, V], the prompt logprobs written."""
         # Only a sampled step counts the tokens it feeds for the penalties: a row with a penalty makes every step
         # that holds it a sampled one (the packer's state_sampler), so a greedy step has none to count.
         logits = self._body(views, rows, tokens, kv, longest, decode_rows, captured, prompt is not None, sampled)
         if prompt is not None:
             self._prompt_logprobs(logits[rows:], views[PROMPT_LOGPROBS][1], prompt)
             logits = logits[:rows]
-        attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows], self.layout.block_size)
-        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
+        return logits
 
     def _body(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
               decode_rows: int = 0, captured: bool = False, prompt: bool = False,
@@ -410,7 +511,7 @@ class ModelRunner:
         out.copy_(token_logprobs(logits, targets))
 
     def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], attention: PagedAttention,
-              sample_positions: torch.Tensor, sampled: bool, logprobs: bool) -> None:
+              sample_positions: torch.Tensor, sampled: bool, logprobs: bool, masked: bool = False) -> None:
         sampling = None
         if sampled:  # the counts are current: the forward added this step's tokens
             history = TokenHistory(self.output_counts, self.prompt_counts, views["state_indices"][:rows])
@@ -419,7 +520,7 @@ class ModelRunner:
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         # A sampled step masks what structured output disallows (-inf) before anything else of the sampler;
         # the finite check and the logprobs read the logits as the model made them.
-        mask = self.token_mask[:rows] if sampled else None
+        mask = self.token_mask[:rows] if sampled or masked else None
         if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
             if self.vocab_shard.size < self.vocab_shard.per_rank:
                 logits[:, self.vocab_shard.size:] = float("-inf")
@@ -434,9 +535,12 @@ class ModelRunner:
         self.handoff.publish(tokens, rows, views["sample_slots"][:rows], torch.where(finite, tokens, NONFINITE))
 
     def close(self) -> None:
-        for graph in [*self.graphs.values(), *self.prompt_graphs.values(), *self.sampling_graphs.values()]:
+        self._owed = None
+        for graph in [*self.graphs.values(), *self.prompt_graphs.values(), *self.sampling_graphs.values(),
+                      *self.forward_graphs.values()]:
             graph.reset()
         self.graphs.clear()
+        self.forward_graphs.clear()
         self.prompt_graphs.clear()
         self.sampling_graphs.clear()
 
@@ -445,6 +549,23 @@ def _token_rows(views: Mapping[str, torch.Tensor], rows: int, tokens: int, block
     """[tokens] int64: the row of each token of a step with prompt tokens, on the device."""
     return PagedAttention(views["block_tables"][:rows], views["seq_lens"][:rows], block_size,
                           views["query_start"][: rows + 1]).token_rows(tokens)
+
+
+@dataclass(frozen=True)
+class _OwedSampling:
+    """A step whose forward is queued and whose sampling waits for its grammar mask."""
+
+    step_id: int
+    logits: Callable[[], torch.Tensor]  # its rows' logits, once the stream has run the forward
+    rows: int
+    views: dict[str, torch.Tensor]  # the row fields the sampling reads (device memory, or the host arena)
+    kv: int
+    sampled: bool
+    logprobs: bool
+
+
+def _no_logits() -> torch.Tensor:
+    raise RuntimeError("a step's sampling ran before its forward made the logits")
 
 
 def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

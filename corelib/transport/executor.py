@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from corelib.device import Device, MemoryStats
 from corelib.observe.trace import Tracer
 from corelib.step.arena import ArenaPool, Arenas
@@ -31,6 +33,12 @@ class StepFuture(ABC):
     @abstractmethod
     def result(self, timeout: float) -> StepResult: ...
 
+    def supply_mask(self, masks: torch.Tensor | None) -> None:
+        """Queue the sampling of a step submitted before its grammar mask (``ForwardInput.mask_deferred``), through
+        ``masks`` [rows, words] int32 in the step's host arena (None: every token allowed). Only an executor whose
+        ``defers_masks`` is true is given such steps."""
+        raise NotImplementedError(f"{type(self).__name__} runs no step ahead of its grammar mask")
+
 
 class Executor(ABC):
     """Runs packed steps somewhere; results must be read in submission order."""
@@ -41,6 +49,8 @@ class Executor(ABC):
     notices: list[str]
     #: the layout the steps run with, its KV pool sized once the model is loaded (None: the one it was given)
     layout: EngineLayout | None = None
+    #: steps may be submitted before their grammar mask, which follows through ``StepFuture.supply_mask``
+    defers_masks: bool = False
 
     @abstractmethod
     def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
@@ -70,9 +80,14 @@ class _InprocFuture(StepFuture):
     def result(self, timeout: float) -> StepResult:
         return self._steps.result(self._handle, timeout)
 
+    def supply_mask(self, masks: torch.Tensor | None) -> None:
+        self._steps.supply_mask(self._handle, masks)
+
 
 class InprocExecutor(Executor):
     """The device of this process: steps are launched from the scheduler's own thread."""
+
+    defers_masks = True  # the mask is host memory the scheduler's thread copies, like the step's inputs
 
     def __init__(self, device: Device, steps: DeviceSteps, arenas: ArenaPool) -> None:
         self.device = device

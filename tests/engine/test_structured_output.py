@@ -6,6 +6,7 @@ here parsing and matching its schema is the mask at work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -176,6 +177,79 @@ def test_async_handoff_on_equals_off(engine: Engine, model_dir: Path) -> None:
                                 f"model.path={model_dir}"]) as sync:
         synchronous = sync.generate(prompts, schema_requests(6))
     assert [o.outputs[0].token_ids for o in ran_ahead] == [o.outputs[0].token_ids for o in synchronous]
+
+
+STRUCTURED_REASON = "a request in the batch has structured output (its grammar needs each token before the next mask)"
+CHAOS = ["backend.emulator.chaos=0.3", "backend.emulator.chaos_max_ms=0.3"]
+
+
+def mixed_requests() -> tuple[list[str], list[SamplingParams]]:
+    """Structured rows (greedy and sampled) beside plain ones, prompts of several lengths: steps with chunks and
+    decode steps, each holding structured rows."""
+    prompts = ["Hello, my name is", "The capital of France is a city that " * 3, "Hi", "A list: " * 5] * 3
+    params = [*schema_requests(8), *[SamplingParams(max_tokens=12, seed=i, temperature=0.7 * (i % 2),
+                                                    ignore_eos=True) for i in range(4)]]
+    return prompts, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["decode-graphs", "two-ahead", "mixed-graphs", "prompt-logprobs"])
+def test_structured_steps_run_ahead_and_give_the_synchronous_tokens(model_dir: Path, shape: str) -> None:
+    """structured_overlap under chaos: each step is queued before its grammar mask and sampled once the mask is
+    written, and the tokens are those of the synchronous path (which waits for each token before the next mask).
+    Writing the mask before the previous step's tokens were taken by the grammars breaks the equality (or the
+    grammar refuses a token); queuing a step while another owes its mask is refused by the runner."""
+    prompts, params = mixed_requests()
+    if shape == "prompt-logprobs":  # steps with prompt logprobs run eagerly, forward and sampling alike
+        params = [dataclasses.replace(p, prompt_logprobs=2) if i % 3 == 0 else p for i, p in enumerate(params)]
+    common = [f"model.path={model_dir}", "engine.max_num_seqs=8", "engine.max_num_batched_tokens=24",
+              "engine.chunked_prefill=on", "backend=npu"]
+    extra = {"mixed-graphs": ["engine.mixed_graphs=on"], "two-ahead": ["engine.run_ahead=2"]}.get(shape, [])
+    with Engine.from_overrides([*common, *CHAOS, *extra, "engine.async_token_handoff=on"]) as ahead:
+        ran_ahead = ahead.generate(prompts, params)
+        summary = ahead.metrics(1.0)
+    with Engine.from_overrides([*common, *extra, "engine.async_token_handoff=off"]) as sync:
+        synchronous = sync.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ran_ahead] == [o.outputs[0].token_ids for o in synchronous]
+    for output in ran_ahead[:8]:
+        check_schema(output.outputs[0].text)
+    assert summary["steps_async"] == summary["steps"], summary["sync_step_reasons"]
+    assert summary["graph_steps"] > 0
+    assert summary["eager_steps"] > 0 or shape == "mixed-graphs"  # chunks run eagerly unless they have graphs
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_structured_steps_run_ahead_with_the_synchronous_tokens(model_dir: Path) -> None:
+    """The same on CUDA itself, in float32, every graph captured at start: forward-only decode graphs, token-bucket
+    forwards, the masks copied behind them on the compute stream."""
+    prompts, params = mixed_requests()
+    common = ["backend=cuda", "backend.runtime=native", "model.dtype=float32", f"model.path={model_dir}",
+              "engine.max_num_seqs=8", "engine.max_num_batched_tokens=24", "engine.chunked_prefill=on",
+              "engine.mixed_graphs=on", "engine.graph_capture=upfront"]
+    with Engine.from_overrides([*common, "engine.async_token_handoff=on"]) as ahead:
+        ran_ahead = ahead.generate(prompts, params)
+        summary = ahead.metrics(1.0)
+    with Engine.from_overrides([*common, "engine.async_token_handoff=off"]) as sync:
+        synchronous = sync.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ran_ahead] == [o.outputs[0].token_ids for o in synchronous]
+    for output in ran_ahead[:8]:
+        check_schema(output.outputs[0].text)
+    assert summary["steps_async"] == summary["steps"] and summary["graph_steps"] > 0
+
+
+@pytest.mark.slow
+def test_with_the_overlap_off_structured_steps_run_synchronously(model_dir: Path) -> None:
+    prompts, params = mixed_requests()
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.structured_overlap=off",
+                                f"model.path={model_dir}", "engine.max_num_seqs=8"]) as engine:
+        outputs = engine.generate(prompts[:4], params[:4])
+        summary = engine.metrics(1.0)
+        plan = engine.plan.decisions["structured_overlap"]
+    assert STRUCTURED_REASON in summary["sync_step_reasons"] and not plan.enabled
+    for output in outputs:
+        check_schema(output.outputs[0].text)
 
 
 @pytest.mark.slow
