@@ -96,6 +96,47 @@ def mean_tpot(outputs: list[RequestOutput]) -> float:
     return statistics.fmean(o.tpot_ms for o in outputs if o.tpot_ms is not None)
 
 
+class Timers:
+    """Wall time inside the grammar's two host calls (the masks of a step, each request taking its token)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {"masks": 0.0, "advance": 0.0, "new matcher": 0.0}
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return taken
+
+
+def profile(engine: Engine, since: int, timers: dict[str, float]) -> str:
+    """Where a run's steps went: the host's work per step (medians) and the device's (busy, idle gap)."""
+    steps = engine.core.metrics.steps_since(since)
+    hosts = [s.host for s in steps if s.host is not None]
+    busy = [s.busy_ms for s in steps if s.busy_ms is not None]
+    gaps = [s.gap_ms for s in steps if s.gap_ms is not None]
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else float("nan")
+
+    paths = {path: sum(1 for s in steps if s.path == path) for path in ("async", "sync")}
+    grammar = ", ".join(f"{name} {seconds * 1e3 / max(len(steps), 1):.3f} ms" for name, seconds in timers.items())
+    return (f"{len(steps)} steps ({paths['async']} async, {paths['sync']} sync); host per step (median µs): "
+            f"schedule {median([h.schedule_us for h in hosts]):.0f}, pack {median([h.pack_us for h in hosts]):.0f}, "
+            f"post-process {median([h.postprocess_us for h in hosts]):.0f}; device busy {median(busy):.3f} ms, "
+            f"idle gap {median(gaps):.3f} ms (medians); grammar per step (mean): {grammar}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda")
@@ -116,9 +157,17 @@ def main() -> None:
         schema = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
                                  structured_outputs={"json": SCHEMA}) for i in range(args.requests)]
         engine.generate(prompts[:2], schema[:2])  # the tokenizer as llguidance sees it is built once, here
+        from corelib.engine import structured as grammar_module
+
+        timers = Timers()
+        timers.wrap(engine.core.builder, "fill_owed_masks", "masks")
+        timers.wrap(grammar_module.GrammarState, "advance", "advance")
+        timers.wrap(engine.structured, "state", "new matcher")
+        since = engine.core.metrics.num_steps
         started = time.perf_counter()
         structured = engine.generate(prompts, schema)
         json_s = time.perf_counter() - started
+        json_profile = profile(engine, since, timers.take())
         valid = 0
         for output in structured:
             try:
@@ -129,9 +178,11 @@ def main() -> None:
         tokens = round(statistics.fmean(len(o.outputs[0].token_ids) for o in structured))
         plain_params = [SamplingParams(max_tokens=max(tokens, 2), temperature=args.temperature, seed=i,
                                        ignore_eos=True) for i in range(args.requests)]
+        since = engine.core.metrics.num_steps
         started = time.perf_counter()
         plain = engine.generate(prompts, plain_params)
         plain_s = time.perf_counter() - started
+        plain_profile = profile(engine, since, timers.take())
     json_tpot, plain_tpot = mean_tpot(structured), mean_tpot(plain)
     print(f"requests {args.requests}, concurrency {args.concurrency}, backend {args.backend}, "
           f"{tokens} tokens per request on average")
@@ -139,6 +190,8 @@ def main() -> None:
     print(f"plain decoding: TPOT {plain_tpot:.3f} ms  ({plain_s:.2f} s)")
     print(f"JSON schema:    TPOT {json_tpot:.3f} ms  ({json_s:.2f} s)")
     print(f"ratio: {json_tpot / plain_tpot:.3f} (target <= 1.15)")
+    print(f"plain: {plain_profile}")
+    print(f"JSON:  {json_profile}")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,6 @@ def startup_timeout(timeout_s: float) -> float:
     return max(timeout_s * STARTUP_TIMEOUT_FACTOR, STARTUP_TIMEOUT_MIN_S)
 
 
-def _round_up(value: int, multiple: int = 64) -> int:
-    return -(-value // multiple) * multiple
-
-
 @dataclass
 class _Rank:
     process: subprocess.Popen[bytes]
@@ -113,8 +109,8 @@ class ShmExecutor(Executor):
         self.notices = [
             f"removed {len(stale)} shared-memory segment(s) left by a run that crashed: " + ", ".join(stale)
         ] if stale else []
-        slot_bytes = max(shm.slot_bytes, _round_up(HEADER_BYTES + layout.arena_bytes))
-        result_slot_bytes = _round_up(HEADER_BYTES + result_bytes(layout.rows, layout.max_step_tokens))
+        slot_bytes = max(shm.slot_bytes, -(-(HEADER_BYTES + layout.arena_bytes) // 64) * 64)  # rounded up to 64
+        result_slot_bytes = -(-(HEADER_BYTES + result_bytes(layout.rows, layout.max_step_tokens)) // 64) * 64
         self.ranks: list[_Rank] = []
         self._eventfds: list[int] = []
         self.in_ring: Ring | None = None
