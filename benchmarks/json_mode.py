@@ -4,8 +4,9 @@
 
 Writes a checkpoint of the small-0.6b shape (random bf16 weights) with a byte-level tokenizer of
 151,936 tokens (Qwen's vocabulary size; the grammar's mask work grows with it) into --workdir,
-then runs the same prompts on one engine for two schemas, each beside a plain run (ignore_eos, as
-many tokens as JSON mode gave on average). Every JSON output must parse and match the schema.
+then runs the same prompts on one engine for two schemas, each beside a plain run with the same
+sampling settings (ignore_eos, as many tokens as JSON mode gave on average). Every JSON output must
+parse and match the schema.
 
 - Unbounded strings (what OpenAI's strict structured outputs accept): random weights never close
   a string, so these requests bias the quote token (--quote-bias) as a trained model would close it.
@@ -160,7 +161,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="engine.max_num_seqs")
     parser.add_argument("--temperature", type=float, default=0.0, help="the same for every run")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--quote-bias", type=float, default=4.0,
+    parser.add_argument("--quote-bias", type=float, default=8.0,
                         help="logit bias of the quote token in the unbounded schema's requests: random weights "
                              "never close a string, a trained model does")
     parser.add_argument("--tiny", action="store_true", help="two narrow layers: try the script on a CPU")
@@ -205,7 +206,7 @@ def main() -> None:
                     print(f"invalid: {error}")
             tokens = round(statistics.fmean(len(o.outputs[0].token_ids) for o in structured))
             plain_params = [SamplingParams(max_tokens=max(tokens, 2), temperature=args.temperature, seed=i,
-                                           ignore_eos=True) for i in range(args.requests)]
+                                           logit_bias=bias, ignore_eos=True) for i in range(args.requests)]
             since = engine.core.metrics.num_steps
             started = time.perf_counter()
             plain = engine.generate(prompts, plain_params)

@@ -113,6 +113,8 @@ class ModelRunner:
         # when the mask arrives (sample_owed). At most one step waits for its mask at a time.
         self.deferred_masks = deferred_masks
         self.forward_graphs: dict[tuple[int, int], Graph] = {}  # rows, KV width
+        # ...and the sampling of such a step through the mask, from that buffer: rows, sampled, logprobs.
+        self.owed_sampling_graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._owed: _OwedSampling | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -131,7 +133,9 @@ class ModelRunner:
         variants = SAMPLING_VARIANTS if tokens else ()
         before = self.device.memory_stats().reserved_bytes
         forward_only = shapes if self.deferred_masks else []
-        total = len(shapes) * len(SAMPLING_VARIANTS) + len(tokens) + len(variants) + len(forward_only)
+        owed_rows = sorted({rows for rows, _ in shapes} | ({self.layout.rows} if tokens else set()))
+        owed = [(rows, *variant) for rows in owed_rows for variant in SAMPLING_VARIANTS] if self.deferred_masks else []
+        total = len(shapes) * len(SAMPLING_VARIANTS) + len(tokens) + len(variants) + len(forward_only) + len(owed)
         with current_progress().task("capturing graphs", total=total, unit="graphs") as task:
             for count in tokens:
                 self._capture_prompt(count)
@@ -146,6 +150,9 @@ class ModelRunner:
             for rows, kv in forward_only:
                 self._capture_forward(rows, kv)
                 task.advance()
+            for rows, sampled, logprobs in owed:
+                self._capture_owed_sampling(rows, sampled, logprobs)
+                task.advance()
         pool = self.device.graph_pool_bytes()
         logits = 0 if self._logits is None else self._logits.numel() * self._logits.element_size()
         # The pool's own count where the device has one: the allocator's growth also moves with memory
@@ -159,13 +166,19 @@ class ModelRunner:
         if fi.padded:
             if fi.num_tokens not in self.prompt_graphs and fi.num_tokens in self.buckets.token_buckets:
                 self._capture_prompt(fi.num_tokens)
-            if (fi.sample, fi.logprobs) not in self.sampling_graphs:
+            if fi.mask_deferred:
+                if (fi.bucket, fi.sample, fi.logprobs) not in self.owed_sampling_graphs:
+                    self._capture_owed_sampling(fi.bucket, fi.sample, fi.logprobs)
+            elif (fi.sample, fi.logprobs) not in self.sampling_graphs:
                 self._capture_sampling(fi.sample, fi.logprobs)
         elif fi.is_decode:
             key = (fi.bucket, self.buckets.graph_kv(fi.kv_blocks))
             if fi.mask_deferred:
-                if key not in self.forward_graphs and key in self._graph_shapes and not fi.prompt_logprobs:
-                    self._capture_forward(*key)
+                if key in self._graph_shapes and not fi.prompt_logprobs:
+                    if key not in self.forward_graphs:
+                        self._capture_forward(*key)
+                    if (fi.bucket, fi.sample, fi.logprobs) not in self.owed_sampling_graphs:
+                        self._capture_owed_sampling(fi.bucket, fi.sample, fi.logprobs)
             elif (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
                 self._capture(*key, fi.sample, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
 
@@ -203,6 +216,37 @@ class ModelRunner:
         self._record(graph, self.decode_layout, padding, step, {"kv_blocks": kv})
         self.forward_graphs[(rows, kv)] = graph
         return graph
+
+    def _capture_owed_sampling(self, rows: int, sampled: bool, logprobs: bool) -> Graph:
+        """The sampling of ``rows`` rows through the grammar mask from the static logits (a step whose forward
+        replayed a graph): after the mask's copy, one replay instead of the sampler's launches."""
+        if self._logits is None:  # a forward's warm-up makes the buffer
+            shapes = self.buckets.shapes()
+            if shapes:
+                self._capture_forward(*shapes[0])
+            else:
+                self._capture_prompt(self.buckets.token_buckets[0])
+        views = self.decode_layout.views(self._device_arena())
+        graph = self.device.graph(f"owed_sampling_rows{rows}{'_sampled' if sampled else ''}"
+                                  f"{'_logprobs' if logprobs else ''}")
+
+        def step() -> None:
+            logits = self._logits
+            if logits is None:
+                raise RuntimeError("a step's sampling runs after its forward made the logits")
+            self._emit(logits[:rows], rows, views, self._no_attention(views, rows), views["seq_lens"][:rows],
+                       sampled, logprobs, masked=True)
+
+        def padding(pad: dict[str, torch.Tensor]) -> None:
+            pad_rows(pad, 0, rows, self.buckets.max_blocks, self.layout.pad_state_index)
+
+        self._record(graph, self.decode_layout, padding, step)
+        self.owed_sampling_graphs[(rows, sampled, logprobs)] = graph
+        return graph
+
+    def _no_attention(self, views: dict[str, torch.Tensor], rows: int) -> PagedAttention:
+        """The rows' attention metadata as the sampling is handed it (it reads none of it)."""
+        return PagedAttention(views["block_tables"][:rows], views["seq_lens"][:rows], self.layout.block_size)
 
     def _static_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The one buffer [layout rows, V] where a graph's forward leaves its rows' logits; made by the first
@@ -336,7 +380,7 @@ class ModelRunner:
             views = self.decode_layout.views(arena)  # the row fields: the same place in every step layout
             self._owed = _OwedSampling(fi.step_id, lambda: logits[:rows] if logits is not None else _no_logits(),
                                        rows, views, kv if not fi.padded else self.buckets.max_blocks, fi.sample,
-                                       fi.logprobs)
+                                       fi.logprobs, self.owed_sampling_graphs.get((rows, fi.sample, fi.logprobs)))
             return True
         views = fi.layout.views(arena)
         made: list[torch.Tensor] = []  # the eager forward's logits, once the stream has run it
@@ -364,6 +408,9 @@ class ModelRunner:
         else:  # the rows the sampling reads: past them the buffer is never read before it is written again
             self.compute.copy(self.token_mask[:rows], masks[:rows])
         self._mask_set = True
+        if owed.graph is not None:
+            owed.graph.replay(self.compute)
+            return
         attention = PagedAttention(views["block_tables"][:rows, : owed.kv], views["seq_lens"][:rows],
                                    self.layout.block_size)
         self.compute.launch(lambda: self._emit(owed.logits(), rows, views, attention, views["seq_lens"][:rows],
@@ -399,7 +446,8 @@ class ModelRunner:
     def graph_summary(self) -> GraphSummary:
         """How many graphs are captured, and the wall time their capture took."""
         return GraphSummary(len(self.graphs) + len(self.forward_graphs), len(self.prompt_graphs),
-                            len(self.sampling_graphs), self.capture_s, self.graph_bytes)
+                            len(self.sampling_graphs) + len(self.owed_sampling_graphs), self.capture_s,
+                            self.graph_bytes)
 
     # ------------------------------------------------------------------ device work
     def _copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
@@ -537,10 +585,11 @@ class ModelRunner:
     def close(self) -> None:
         self._owed = None
         for graph in [*self.graphs.values(), *self.prompt_graphs.values(), *self.sampling_graphs.values(),
-                      *self.forward_graphs.values()]:
+                      *self.forward_graphs.values(), *self.owed_sampling_graphs.values()]:
             graph.reset()
         self.graphs.clear()
         self.forward_graphs.clear()
+        self.owed_sampling_graphs.clear()
         self.prompt_graphs.clear()
         self.sampling_graphs.clear()
 
@@ -562,6 +611,7 @@ class _OwedSampling:
     kv: int
     sampled: bool
     logprobs: bool
+    graph: Graph | None = None  # the captured sampling of such rows from the static logits, where there is one
 
 
 def _no_logits() -> torch.Tensor:
