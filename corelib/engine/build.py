@@ -49,7 +49,7 @@ def build_engine_core(
     if options.structured_overlap and not executor.defers_masks:
         raise ValueError(f"structured_overlap is on but {type(executor).__name__} cannot take a step before its "
                          f"grammar mask")
-    builder = InputBuilder(layout, defer_masks=options.structured_overlap)
+    builder = InputBuilder(layout, defer_masks=options.structured_overlap, eager_only=not options.graphs)
     return EngineCore(
         scheduler, builder, layout.buckets(options, graph_param_update), executor,
         StepPipeline(options.pipeline_depth), options.step_check, engine.timeout_s, engine.metrics_window,

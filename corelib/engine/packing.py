@@ -74,10 +74,12 @@ class InputBuilder:
     tables by state index, updated only when they change, so packing a decode step is a few vector ops.
     """
 
-    def __init__(self, layout: EngineLayout, defer_masks: bool = False) -> None:
+    def __init__(self, layout: EngineLayout, defer_masks: bool = False, eager_only: bool = False) -> None:
         self.layout = layout
         # Structured output run ahead: a step's grammar masks are written after it is queued (fill_owed_masks).
         self.defer_masks = defer_masks
+        # Every step runs eagerly (no graphs): a step carrying a mask samples through it in any variant.
+        self.eager_only = eager_only
         self.max_rows = layout.rows
         self.max_blocks = layout.max_blocks
         self.block_size = layout.block_size
@@ -139,10 +141,10 @@ class InputBuilder:
             for name, row in table_rows(seq).items():
                 self.state_tables[name][index] = row
             self.state_prompt_lens[index] = seq.num_prompt_tokens
-            # A grammar's mask is applied by the sampling graphs: a structured row takes them even when greedy, unless
-            # its mask is owed (then the runner samples through the mask in any variant).
-            self.state_sampler[index] = seq.sampling.needs_sampler or (seq.grammar is not None
-                                                                       and not self.defer_masks)
+            # A grammar's mask is applied by the sampled decode graphs: a structured row takes them even when greedy,
+            # unless its mask is owed or no step replays a graph (the runner then masks any variant).
+            self.state_sampler[index] = seq.sampling.needs_sampler or (
+                seq.grammar is not None and not self.defer_masks and not self.eager_only)
             self.state_logprobs[index] = seq.sampling.logprobs is not None
             self.state_penalized[index] = any(
                 self.state_sampling[name][index] != neutral for name, neutral in PENALTY_NEUTRAL.items())

@@ -349,8 +349,9 @@ class ModelRunner:
         if graph is None:
             views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
             tokens, longest, leading = fi.num_tokens, fi.max_query_len, fi.decode_rows
+            masked = _carries_mask(fi)
             self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs,
-                                                      leading, prompt=prompt_out))
+                                                      leading, prompt=prompt_out, masked=masked))
             self.num_eager_steps += 1
             return False
         if self.buckets.param_update:
@@ -419,7 +420,7 @@ class ModelRunner:
     def _stage_mask(self, fi: ForwardInput, arena: torch.Tensor) -> None:
         """The step's token bitmask into the buffer the sampling reads (stream-ordered before the forward); a
         sampled step without one sets the buffer back to all ones once, after a step that had one."""
-        if fi.layout.fields[-1].name == TOKEN_MASK:
+        if _carries_mask(fi):
             masks = fi.layout.views(arena)[TOKEN_MASK]
             self.compute.launch(lambda: self.token_mask.copy_(masks))
             self._mask_set = True
@@ -434,8 +435,9 @@ class ModelRunner:
         if forward is None or sampling is None:
             views = fi.layout.views(arena)
             rows, tokens, kv = fi.bucket, fi.num_tokens, fi.kv_blocks
+            masked = _carries_mask(fi)
             self.compute.launch(lambda: self._forward(views, rows, tokens, kv, tokens, fi.sample, fi.logprobs,
-                                                      captured=True))
+                                                      captured=True, masked=masked))
             self.num_eager_steps += 1
             return False
         forward.replay(self.compute)
@@ -481,12 +483,13 @@ class ModelRunner:
 
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
                  sampled: bool, logprobs: bool = False, decode_rows: int = 0, captured: bool = False,
-                 prompt: torch.Tensor | None = None) -> None:
+                 prompt: torch.Tensor | None = None, masked: bool = False) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row; with
-        ``prompt``, the logprobs of the step's prompt positions (``PROMPT_LOGPROBS``) into it."""
+        ``prompt``, the logprobs of the step's prompt positions (``PROMPT_LOGPROBS``) into it; ``masked``: the
+        rows are sampled through the grammar mask even when greedy (an eager step that carries one)."""
         logits = self._logits_of(views, rows, tokens, kv, longest, sampled, decode_rows, captured, prompt)
         attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows], self.layout.block_size)
-        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
+        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs, masked)
 
     def _logits_of(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
                    sampled: bool, decode_rows: int = 0, captured: bool = False,
@@ -612,6 +615,11 @@ class _OwedSampling:
     sampled: bool
     logprobs: bool
     graph: Graph | None = None  # the captured sampling of such rows from the static logits, where there is one
+
+
+def _carries_mask(fi: ForwardInput) -> bool:
+    """The step carries a grammar's token bitmask (its layout's last field)."""
+    return fi.layout.fields[-1].name == TOKEN_MASK
 
 
 def _no_logits() -> torch.Tensor:

@@ -240,6 +240,23 @@ def test_on_a_gpu_structured_steps_run_ahead_with_the_synchronous_tokens(model_d
 
 
 @pytest.mark.slow
+def test_where_no_step_replays_a_graph_greedy_rows_are_masked_without_the_sampler(model_dir: Path) -> None:
+    """The cpu backend runs every step eagerly: a greedy structured row is masked in its greedy sampling (no sort
+    over the vocabulary), and gives the tokens of the npu's run ahead, whose greedy rows take a masked argmax."""
+    prompts = ["Hello, my name is", "Hi", "A list: " * 5]
+    params = [SamplingParams(max_tokens=80, seed=i, structured_outputs={"json": SCHEMA}) for i in range(3)]
+    common = [f"model.path={model_dir}", "engine.max_num_seqs=4"]
+    with Engine.from_overrides(["backend=cpu", *common]) as cpu:
+        eager = cpu.generate(prompts, params)
+        assert not cpu.options.graphs and cpu.core.builder.eager_only
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", *common]) as npu:
+        ran_ahead = npu.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in ran_ahead]
+    for output in eager:
+        check_schema(output.outputs[0].text)
+
+
+@pytest.mark.slow
 def test_with_the_overlap_off_structured_steps_run_synchronously(model_dir: Path) -> None:
     prompts, params = mixed_requests()
     with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.structured_overlap=off",
