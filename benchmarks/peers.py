@@ -40,7 +40,6 @@ from corelib.compose import compose_config, prepare_config_store
 from corelib.config import CorelibConfig
 from corelib.device import Device
 from corelib.engine.api import Engine
-from corelib.engine.block_manager import blocks_for
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
 from corelib.models.base import Model
@@ -53,6 +52,7 @@ from corelib.models.sharding import TensorShard
 from corelib.models.weight_map import weight_map
 from corelib.plugins import PluginRegistry
 from corelib.startup import Startup, start
+from corelib.step.buckets import blocks_for
 
 FLOOR_WARMUP = 10  # replays before the timed ones
 Json = dict[str, Any]

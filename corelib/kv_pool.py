@@ -34,9 +34,9 @@ import torch
 
 from corelib.config import CorelibConfig
 from corelib.device import Device, Runtime
-from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.models.shape import DTYPES
+from corelib.step.buckets import blocks_for
 
 if TYPE_CHECKING:
     from corelib.models.base import Model

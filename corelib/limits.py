@@ -20,12 +20,12 @@ import torch
 from corelib.backend import DeviceSpec
 from corelib.config import CorelibConfig
 from corelib.device import Runtime
-from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.models.hf_config import NO_EOS
 from corelib.models.registry import LlamaVariant, architecture
 from corelib.models.rope import RopeScaling, inv_freq
 from corelib.models.weight_map import weight_map
+from corelib.step.buckets import blocks_for
 
 RUN_AHEAD = (1, 2)  # engine.run_ahead's values: one step ahead hides the host's work, a second one more
 MEMINFO = Path("/proc/meminfo")

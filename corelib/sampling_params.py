@@ -1,4 +1,5 @@
-"""How a request samples and stops: the one ``SamplingParams`` of the engine, ``corelib.LLM`` and the server.
+"""How a request samples and stops, and why it ended: the one ``SamplingParams`` of the engine, ``corelib.LLM`` and the
+server, and its ``FinishReason``.
 
 Torch-free: the HTTP process builds these. Every per-request value the device reads is a
 *sampler column*: a field whose metadata (:class:`Column`) gives its device dtype, its neutral
@@ -19,6 +20,7 @@ of a fixed width (``LOGIT_BIAS_WIDTH``, ``MIN_TOKENS_STOP_WIDTH``,
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 import operator
@@ -51,6 +53,16 @@ MAX_LOGIT_BIAS = 100.0
 # stop_token_ids may take all but 8 places (left for the EOS ids of the model's generation config).
 MIN_TOKENS_STOP_WIDTH = 32
 MAX_MIN_TOKENS_STOP_IDS = MIN_TOKENS_STOP_WIDTH - 8
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended: what its stops and its length allow, or what happened to it."""
+
+    stop = "stop"  # EOS, a stop token id or a stop string
+    length = "length"  # max_tokens or the model's maximum length
+    error = "error"  # the request was invalid or its work failed
+    cancelled = "cancelled"  # the engine shut down first
+    abort = "abort"  # the caller aborted it (Engine.abort, or a client that went away)
 
 
 class SamplingError(RequestError, ValueError):

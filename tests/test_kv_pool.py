@@ -13,13 +13,13 @@ import torch
 
 from corelib.compose import compose_config, prepare_config_store
 from corelib.config import CorelibConfig, EngineConfig, ModelConfig
-from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.kv_pool import MemoryFigures, block_bytes, size_pool
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint, write_toy_tokenizer
 from corelib.plugins import PluginRegistry
 from corelib.sampling_params import SamplingParams
 from corelib.startup import Startup, start
+from corelib.step.buckets import blocks_for
 
 GIB = 1 << 30
 GENERATION = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 5,

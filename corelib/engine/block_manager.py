@@ -17,12 +17,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from corelib.engine.sequence import Sequence
+from corelib.step.buckets import blocks_for
 
 NULL_BLOCK = 0
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Packing: a scheduled step written into one arena (the step layout of :mod:`corelib.transport.wire`).
+"""Packing: a scheduled step written into one arena (the step layout of :mod:`corelib.step.fields`).
 
 Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
 tables, sampling settings, by state index) live in host tables updated only when they change, so
@@ -31,9 +31,9 @@ from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY, ArenaLayout
+from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
-from corelib.transport.wire import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
 
 INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 

@@ -31,9 +31,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from corelib.engine.block_manager import BlockManager, blocks_for
+from corelib.engine.block_manager import BlockManager
 from corelib.engine.sequence import MAX_LOGPROBS, FinishReason, Sequence, Status, TokenLogprobs
 from corelib.engine.stops import StopChecker
+from corelib.step.buckets import blocks_for
 from corelib.step.forward_input import StepKind
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from corelib.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
+from corelib.sampling_params import MAX_LOGPROBS, SEED_LIMIT, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from corelib.engine.stops import StopScan
@@ -68,14 +68,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    stop = "stop"  # EOS, a stop token id or a stop string
-    length = "length"  # max_tokens or the model's maximum length
-    error = "error"  # the request was invalid or its work failed
-    cancelled = "cancelled"  # the engine shut down first
-    abort = "abort"  # the caller aborted it (Engine.abort, or a client that went away)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from corelib.engine.sequence import FinishReason, Sequence
+from corelib.sampling_params import FinishReason
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepResult
+
+if TYPE_CHECKING:
+    from corelib.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

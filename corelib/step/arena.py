@@ -3,7 +3,7 @@
 One arena per step means one host-to-device copy per step, and the same bytes travel through
 the SHM ring unchanged (:mod:`corelib.transport.wire` frames them). The scheduler side packs an
 arena (:mod:`corelib.engine.packing`), the device side reads it (:mod:`corelib.step.runner`):
-both read the one step layout that :mod:`corelib.transport.wire` defines by name, neither imports the
+both read the one step layout that :mod:`corelib.step.fields` defines by name, neither imports the
 other. An :class:`ArenaPool` keeps the
 host buffers arenas are packed into (or copied into, as a step's snapshot of an SHM frame) and
 reuses one only once its step has completed.

@@ -12,6 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The KV blocks ``num_tokens`` tokens span: a row's KV width, in blocks of ``block_size``."""
+    return -(-num_tokens // block_size)
+
+
 def powers_of_two_upto(limit: int) -> list[int]:
     values = []
     value = 1

@@ -1,4 +1,4 @@
-"""ForwardInput: one step's packed inputs (an arena in the step layout of :mod:`corelib.transport.wire`) and its shape.
+"""ForwardInput: one step's packed inputs (an arena in the step layout of :mod:`corelib.step.fields`) and its shape.
 
 A step is flat tokens (each row's queries, one after another) and one row per sequence. Its
 shape is host ints: rows computed, tokens computed, the longest row's query count, KV columns.

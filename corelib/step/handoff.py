@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from corelib.device import Device, Event, Stream
+from corelib.step.fields import LOGPROB_WIDTH
 from corelib.step.forward_input import StepKind
-from corelib.transport.wire import LOGPROB_WIDTH
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class StepResult:
     graph: bool = False  # a decode step that replayed a captured graph
     transport_us: float | None = None  # SHM: commit (or the worker ready for it, if later) to inputs ready there
     handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
-    logprobs: list[list[float]] | None = None  # per row: LOGPROB_WIDTH floats (see corelib.transport.wire)
+    logprobs: list[list[float]] | None = None  # per row: LOGPROB_WIDTH floats (see corelib.step.fields)
     prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed: LOGPROB_WIDTH floats
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from corelib.config import CorelibConfig, Transport
-from corelib.engine.block_manager import blocks_for
 from corelib.errors import ConfigError
 from corelib.models.registry import architecture
 from corelib.ops.token_mask import mask_words
 from corelib.options import EngineOptions
 from corelib.step.arena import ArenaLayout
-from corelib.step.buckets import BucketPolicy, token_ladder
-from corelib.transport.wire import step_layout, with_prompt_logprobs, with_token_mask
+from corelib.step.buckets import BucketPolicy, blocks_for, token_ladder
+from corelib.step.fields import step_layout, with_prompt_logprobs, with_token_mask
 
 TOKEN_GRANULE = 256  # a step's token slots are a multiple of this: a few distinct layouts, not one per length
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from corelib.device import Device, Stream
-from corelib.engine.sequence import MAX_LOGPROBS
 from corelib.faults import maybe_fail
 from corelib.graph import Graph
 from corelib.models.base import Model, StepBatch
@@ -34,13 +33,14 @@ from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
 from corelib.ops.sampling import PENALTY_NEUTRAL, count_fed_tokens, count_history, penalized
 from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
 from corelib.progress import current as current_progress
+from corelib.sampling_params import MAX_LOGPROBS
 from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy
+from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_rows
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
-from corelib.transport.wire import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_rows
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 

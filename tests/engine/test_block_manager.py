@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from corelib.engine.block_manager import NULL_BLOCK, BlockManager, blocks_for
+from corelib.engine.block_manager import NULL_BLOCK, BlockManager
 from corelib.engine.sequence import SamplingParams, Sequence
+from corelib.step.buckets import blocks_for
 
 
 def seq(i: int) -> Sequence:

@@ -16,6 +16,7 @@ from corelib.engine.outputs import PromptLogprobs
 from corelib.models.llama import ModelWeights
 from corelib.models.reference import reference_generate, reference_prompt_logits
 from corelib.sampling_params import MAX_LOGPROBS, SamplingError
+from corelib.step import fields
 from corelib.step.arena import ArenaLayout, Field
 from corelib.step.forward_input import ForwardInput
 from corelib.transport import wire
@@ -102,19 +103,19 @@ def test_n_samples_give_the_prompts_logprobs_once(engine: Engine, weights: Model
 
 
 def test_the_wire_carries_the_prompt_positions_and_their_logprobs() -> None:
-    base = wire.step_layout(8, 2, 3)
-    layout = wire.with_token_mask(wire.with_prompt_logprobs(base, 5), 2, 4)
+    base = fields.step_layout(8, 2, 3)
+    layout = fields.with_token_mask(fields.with_prompt_logprobs(base, 5), 2, 4)
     fi = ForwardInput(1, 2, 2, 8, 4, 3, False, layout, torch.zeros(layout.nbytes, dtype=torch.uint8),
                       prompt_logprobs=5)
     header = wire.input_header(fi, 0.0)
     header.payload_len = layout.nbytes
     assert wire.input_of(header, fi.arena, "test").prompt_logprobs == 5
-    assert header.input_layout("test").names[-2:] == (wire.PROMPT_LOGPROBS, wire.TOKEN_MASK)
-    plain = ArenaLayout.of([*base.fields, Field(wire.TOKEN_MASK, torch.int32, (2, 4))])
+    assert header.input_layout("test").names[-2:] == (fields.PROMPT_LOGPROBS, fields.TOKEN_MASK)
+    plain = ArenaLayout.of([*base.fields, Field(fields.TOKEN_MASK, torch.int32, (2, 4))])
     masked = wire.input_header(ForwardInput(1, 2, 2, 8, 4, 3, False, plain, fi.arena), 0.0)
     masked.payload_len = plain.nbytes
     assert wire.input_of(masked, fi.arena, "test").prompt_logprobs == 0
-    rows = [[float(i + j) for j in range(wire.LOGPROB_WIDTH)] for i in range(3)]
+    rows = [[float(i + j) for j in range(fields.LOGPROB_WIDTH)] for i in range(3)]
     result = wire.WireResult(1, False, False, [4, 5], None, None, 0.0, rows[:2], rows)
     back = wire.decode_result(wire.result_header(result, 0.0), wire.encode_result(result))
     assert back.logprobs == rows[:2] and back.prompt_logprobs == rows

@@ -12,11 +12,11 @@ from ringkit import RecordingPoller
 
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import WorkerDied
+from corelib.step.fields import step_layout
 from corelib.step.forward_input import ForwardInput
 from corelib.transport import doorbell
 from corelib.transport.shm import PREFIX, SHM_DIR
 from corelib.transport.shm_executor import ShmExecutor
-from corelib.transport.wire import step_layout
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,11 @@ from ringkit import Wired, wire
 
 from corelib.device import Device, Event, MemoryStats, Stream
 from corelib.step.device_steps import DeviceSteps
+from corelib.step.fields import step_layout
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepHandle, StepResult, StepTiming
 from corelib.step.staging import Staged
-from corelib.transport.wire import FrameHeader, FrameKind, decode_result, step_layout
+from corelib.transport.wire import FrameHeader, FrameKind, decode_result
 from corelib.transport.worker import StepLoop
 
 WAIT_S = 20.0  # a bound for the test's own waits, never reached when the loop works
