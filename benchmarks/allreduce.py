@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from corelib.isolation import NO_MULTICAST
 from corelib.transport.parallel import SymmetricAllReduce, collective_all_reduce
+from corelib.trust.isolation import NO_MULTICAST
 
 # model: (layers, hidden) of the presets in conf/model
 SHAPES = {"small-0.6b": (28, 1024), "llama-8b": (32, 4096)}

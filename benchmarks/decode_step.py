@@ -26,15 +26,15 @@ from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps
 from omegaconf import OmegaConf
 
-from corelib.backend import DeviceSpec
-from corelib.compose import compose_config
-from corelib.config import ModelConfig
-from corelib.device import Capabilities, Device, Runtime
+from corelib.config.schema import ModelConfig
 from corelib.models.base import StepBatch
 from corelib.models.llama import KVCache, LlamaModel
 from corelib.models.registry import architecture
 from corelib.ops import Ops, PagedAttention
 from corelib.ops.reference import reference_ops
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Device, Runtime
+from corelib.startup.compose import compose_config
 
 BLOCK = 16
 

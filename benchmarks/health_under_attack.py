@@ -25,7 +25,7 @@ from typing import TypedDict
 
 import httpx
 
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.models.synthetic import write_text_checkpoint
 from corelib.server.serve import start_in_thread
 

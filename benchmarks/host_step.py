@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from corelib.compose import compose_config
+from corelib.config.options import StepCheck
 from corelib.engine.core import EngineCore
 from corelib.engine.sequence import SamplingParams, Sequence
-from corelib.options import StepCheck
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 from corelib.testing.executor import instant_core, unit_config, unit_options
 
 PHASES = ("schedule", "pack", "postprocess")

@@ -208,8 +208,8 @@ def transformers_prefill(args: argparse.Namespace) -> Json:
     sys.path.insert(0, str(Path(__file__).parent))
     hf_model = importlib.import_module("peers").hf_model  # a sibling script, not a package
 
-    from corelib.compose import compose_config, prepare_config_store
     from corelib.plugins import PluginRegistry
+    from corelib.startup.compose import compose_config, prepare_config_store
 
     prepare_config_store(PluginRegistry())
     config = compose_config(args.overrides)

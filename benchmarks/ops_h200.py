@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps
 
-from corelib.backend import DeviceSpec
-from corelib.device import Capabilities, Runtime
 from corelib.ops import Ops, PagedAttention
 from corelib.ops.reference import reference_ops
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Runtime
 
 BLOCK_SIZE = 16
 

@@ -36,9 +36,7 @@ from typing import Any
 
 import torch
 
-from corelib.compose import compose_config, prepare_config_store
-from corelib.config import CorelibConfig
-from corelib.device import Device
+from corelib.config.schema import CorelibConfig
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
@@ -50,8 +48,10 @@ from corelib.models.rope import inv_freq
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
 from corelib.models.weight_map import weight_map
+from corelib.platform.device import Device
 from corelib.plugins import PluginRegistry
-from corelib.startup import Startup, start
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.start import Startup, start
 from corelib.step.buckets import blocks_for
 
 FLOOR_WARMUP = 10  # replays before the timed ones

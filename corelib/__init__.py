@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING
 # explicitly inside its probe, where a failure becomes that plugin's unavailability reason.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-__version__ = "0.1.0"
-
-# The environment a worker process gets is the one corelib saw first (see corelib/isolation.py):
+# The environment a worker process gets is the one corelib saw first (see corelib/trust/isolation.py):
 # import it here, before a Hydra job's env_set or anything else can change os.environ.
-from corelib import isolation as _isolation  # noqa: F401
+from corelib.trust import isolation as _isolation  # noqa: F401
+from corelib.version import __version__
 
 # ``corelib.LLM`` loads the engine (and torch) on first use only, so ``python -m corelib --help``
 # and config checks stay quick; ``corelib.SamplingParams`` never needs torch.

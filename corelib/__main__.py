@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-from corelib.cli import main
+from corelib.cli.main import main
 
 INTERRUPTED = (130, 128 + signal.SIGTERM)
 

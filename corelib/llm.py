@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 
 from rich.console import Console
 
-from corelib.cli_habits import IGNORED_SWITCHES, NO_EQUIVALENT, model_override, model_presets, quoted
-from corelib.config import engine_schema
+from corelib.cli.habits import IGNORED_SWITCHES, NO_EQUIVALENT, model_override, model_presets, quoted
+from corelib.config.gate_catalog import load_gates
+from corelib.config.schema import engine_schema
 from corelib.engine.api import Engine
 from corelib.engine.outputs import CompletionOutput, RequestOutput
 from corelib.errors import RequestError
-from corelib.gate_catalog import load_gates
-from corelib.progress import Progress, reporting
 from corelib.sampling_params import SEED_LIMIT, SamplingParams
-from corelib.text import Tokenizer
+from corelib.support.progress import Progress, reporting
+from corelib.support.text import Tokenizer
 
 if TYPE_CHECKING:
     from corelib.server.render import TemplateRenderer

@@ -27,11 +27,11 @@ from typing import Any
 
 import pluggy
 
-from corelib.backend import Backend
+from corelib.config.gate_catalog import checked_plugin_gates
 from corelib.errors import PluginError, one_line
-from corelib.gate_catalog import checked_plugin_gates
 from corelib.models.registry import Architecture
 from corelib.models.registry import register as register_architecture
+from corelib.platform.backend import Backend
 
 PROJECT = "corelib"
 ENTRY_POINT_GROUP = "corelib.backends"
@@ -281,7 +281,7 @@ class PluginRegistry:
                 if not isinstance(backend, Backend):
                     raise TypeError(
                         f"hook corelib_backends returned a {type(backend).__name__}; "
-                        "expected instances of corelib.backend.Backend"
+                        "expected instances of corelib.platform.backend.Backend"
                     )
             architectures = [a for result in self._call(record.name, "corelib_models") for a in result]
             gates = self._gates_of(record.name)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corelib.errors import RequestError
-from corelib.structured import StructuredOutputsError, StructuredOutputsParams
+from corelib.support.structured import StructuredOutputsError, StructuredOutputsParams
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 INT64_LIMIT = 2**63

@@ -166,12 +166,12 @@ def seeded_weights(overrides: Sequence[str]) -> ModelWeights:
     import torch
     from omegaconf import OmegaConf
 
-    from corelib.compose import compose_config
-    from corelib.config import CorelibConfig
+    from corelib.config.schema import CorelibConfig
     from corelib.models import random_init
     from corelib.models.llama import build_weights
     from corelib.models.random_init import random_state_dict
     from corelib.models.registry import model_shape
+    from corelib.startup.compose import compose_config
 
     config = OmegaConf.to_object(compose_config(list(overrides)))
     assert isinstance(config, CorelibConfig), "the composed config must follow the schema"

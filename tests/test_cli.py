@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 from support import Cli, assert_user_error, install_fixture_plugins
 
-from corelib.gate_catalog import shipped_gate_files
+from corelib.config.gate_catalog import shipped_gate_files
 
 # -- what works -------------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ import pytest
 from support import Cli
 
 from corelib import __version__
-from corelib.cli import main
-from corelib.cli_habits import FLAG_KEYS, SWITCHES, flag_hint, flags_help, habit_arguments, schema_keys
+from corelib.cli.habits import FLAG_KEYS, SWITCHES, flag_hint, flags_help, habit_arguments, schema_keys
+from corelib.cli.hydra_app import HYDRA_FLAGS, takes_value
+from corelib.cli.main import main
 from corelib.errors import ConfigError
-from corelib.hydra_app import HYDRA_FLAGS, takes_value
 
 
 def habits(*args: str, command: str = "serve", warn: list[str] | None = None) -> list[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from corelib import cli, hydra_app
+from corelib.cli import hydra_app
+from corelib.cli import main as cli
 from corelib.errors import ConfigError, CorelibError
 
 

@@ -10,11 +10,11 @@ import pytest
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from corelib.backend import declared_capabilities
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig, register_schemas
-from corelib.device import Capabilities
+from corelib.config.schema import CorelibConfig, register_schemas
 from corelib.errors import ConfigError
+from corelib.platform.backend import declared_capabilities
+from corelib.platform.device import Capabilities
+from corelib.startup.compose import compose_config
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from corelib import config
-from corelib.cli import main
-from corelib.config_help import HELP_KEY
+from corelib.cli.config_help import HELP_KEY
+from corelib.cli.main import main
+from corelib.config import schema as config
 
 
 def schemas() -> Iterator[type]:

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig, Mode
+from corelib.config.features import Plan, evaluate
+from corelib.config.schema import CorelibConfig, Mode
 from corelib.errors import ConfigError, PlanRefused
-from corelib.features import Plan, evaluate
 from corelib.models import model_facts
+from corelib.startup.compose import compose_config
 
 # Where every start requirement of every shipped gate holds: the npu profile, SHM transport, two
 # tensor-parallel ranks, and (below) symmetric memory and programmatic launch, which the npu

@@ -15,13 +15,13 @@ import pytest
 from omegaconf import OmegaConf
 from support import builtin_entry_points, fixture_entry_points
 
-from corelib.compose import compose_config, prepare_config_store
-from corelib.config import CorelibConfig, EngineConfig, Mode
+from corelib.config.gate_catalog import read_gate, shipped_gate_files
+from corelib.config.schema import CorelibConfig, EngineConfig, Mode
 from corelib.errors import ConfigError, PlanRefused
-from corelib.gate_catalog import read_gate, shipped_gate_files
-from corelib.plugin_catalog import PluginCatalog
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.plugin_catalog import PluginCatalog
+from corelib.startup.start import start
 
 # The plan's rows before the gates were found rather than listed; a gate added since may sit anywhere.
 FIRST_GATES = ["graph", "async_token_handoff", "shm_ordered_materialization", "fused_ops", "fast_allreduce", "pdl"]

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig
+from corelib.config.features import Decision, Plan, evaluate
+from corelib.config.schema import CorelibConfig
 from corelib.errors import PlanRefused
-from corelib.features import Decision, Plan, evaluate
 from corelib.models import model_facts
+from corelib.startup.compose import compose_config
 
 # (fact, op, value, scope, auto_only)
 Requirement = tuple[str, str, Any, str, bool]

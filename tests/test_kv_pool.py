@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from corelib.compose import compose_config, prepare_config_store
-from corelib.config import CorelibConfig, EngineConfig, ModelConfig
+from corelib.config.schema import CorelibConfig, EngineConfig, ModelConfig
 from corelib.errors import ConfigError
-from corelib.kv_pool import MemoryFigures, block_bytes, size_pool
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint, write_toy_tokenizer
 from corelib.plugins import PluginRegistry
 from corelib.sampling_params import SamplingParams
-from corelib.startup import Startup, start
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.kv_pool import MemoryFigures, block_bytes, size_pool
+from corelib.startup.start import Startup, start
 from corelib.step.buckets import blocks_for
 
 GIB = 1 << 30
@@ -188,15 +188,15 @@ def test_llm_takes_gpu_memory_utilization_and_reports_the_pool() -> None:
 def test_the_default_context_is_cut_when_the_pool_cannot_hold_it(bf16_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    ) -> None:
     """An engine whose (fake) host memory holds 11 blocks beside its weights and largest step."""
-    import corelib.device
+    import corelib.platform.device
     from corelib.engine.api import Engine
-    from corelib.kv_pool import estimate_activations, profile_tokens
-    from corelib.limits import weight_bytes
+    from corelib.startup.kv_pool import estimate_activations, profile_tokens
+    from corelib.startup.limits import weight_bytes
 
     started = _start("backend=npu", f"model.path={bf16_dir}", "engine.max_num_seqs=2")
     config = started.config
     need = weight_bytes(config) + estimate_activations(config, profile_tokens(config, True)) + 11 * block_bytes(config)
-    monkeypatch.setattr(corelib.device, "host_memory", lambda: (64 * GIB, int(need / 0.9) + 1))
+    monkeypatch.setattr(corelib.platform.device, "host_memory", lambda: (64 * GIB, int(need / 0.9) + 1))
     engine = Engine(started)
     try:
         assert engine.layout.num_blocks == 11

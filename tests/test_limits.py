@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from corelib import limits
-from corelib.backend import DeviceSpec
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig
-from corelib.device import Capabilities, Runtime
+from corelib.config.schema import CorelibConfig
 from corelib.errors import ConfigError
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Runtime
+from corelib.startup import limits
+from corelib.startup.compose import compose_config
 
 GIB = 2**30
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from corelib.compose import compose_config
-from corelib.options import EngineOptions
+from corelib.config.options import EngineOptions
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 
 
 def options(*overrides: str) -> EngineOptions:

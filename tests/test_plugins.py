@@ -12,10 +12,10 @@ from support import builtin_entry_points, fixture_entry_points
 
 import corelib
 from corelib import plugins
-from corelib.compose import compose_config, prepare_config_store
 from corelib.errors import PluginError
 from corelib.plugins import PluginRegistry, hookimpl
-from corelib.startup import start
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.start import start
 
 BUILTINS = {"cpu", "cuda", "npu", "mlu"}
 pytestmark = pytest.mark.usefixtures("fixture_plugins_importable")
@@ -97,7 +97,7 @@ def test_one_distribution_seen_twice_is_one_plugin() -> None:
     [
         ("misspelled_hook", "corelib_backend"),
         ("no_backends", "provides no backend"),
-        ("wrong_type", "hook corelib_backends returned a str; expected instances of corelib.backend.Backend"),
+        ("wrong_type", "hook corelib_backends returned a str; expected instances of corelib.platform.backend.Backend"),
         ("foreign_config", "config for backend 'somebody_else', which the plugin does not provide"),
     ],
 )

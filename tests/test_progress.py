@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from corelib.cli import main
-from corelib.progress import INTERVAL_ENV, Progress, current, reporting
+from corelib.cli.main import main
+from corelib.support.progress import INTERVAL_ENV, Progress, current, reporting
 
 
 class FakeClock:

@@ -11,12 +11,12 @@ import pytest
 from omegaconf import OmegaConf
 from support import Cli, assert_user_error
 
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig
+from corelib.config.schema import CorelibConfig
 from corelib.errors import ConfigError
-from corelib.limits import check_limits
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.limits import check_limits
+from corelib.startup.start import start
 
 
 def config(*overrides: str) -> CorelibConfig:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from support import HERMETIC_VARIABLES
 
-from corelib import faults
-from corelib.cli import main
-from corelib.files import RunDirError
-from corelib.rundir import RequestRecord, RunDir, read_outputs
+from corelib.cli.main import main
+from corelib.observe.rundir import RequestRecord, RunDir, read_outputs
+from corelib.support import faults
+from corelib.trust.files import RunDirError
 
 pytestmark = pytest.mark.slow
 

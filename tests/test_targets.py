@@ -9,10 +9,10 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 from support import builtin_entry_points, fixture_entry_points
 
-from corelib.compose import check_targets, compose_config, prepare_config_store
 from corelib.errors import ConfigError
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import check_targets, compose_config, prepare_config_store
+from corelib.startup.start import start
 
 TRUSTED = ["corelib", "corelib_toy"]
 
@@ -26,7 +26,7 @@ def _cfg(node: Any) -> DictConfig:
 @pytest.mark.usefixtures("fixture_plugins_importable")
 @pytest.mark.parametrize(
     "target",
-    ["corelib.rundir.RunDir", "corelib.features.evaluate", "corelib_toy.device.ToyBackend"],
+    ["corelib.observe.rundir.RunDir", "corelib.config.features.evaluate", "corelib_toy.device.ToyBackend"],
 )
 def test_targets_inside_corelib_and_the_plugins_are_allowed(target: str) -> None:
     check_targets(_cfg({"engine": {"sampler": {"_target_": target}}}), TRUSTED)
@@ -41,8 +41,8 @@ def test_targets_inside_corelib_and_the_plugins_are_allowed(target: str) -> None
             "'subprocess.run' is refused: configs may only build objects from corelib, corelib_toy",
         ),
         ("corelib_toyx.run", "'corelib_toyx.run' is refused"),  # a prefix is a whole package name
-        ("corelib.cli.os.system", "it is defined in posix"),  # re-exported by a corelib module
-        ("corelib.hydra_app.Path", "it is defined in pathlib"),
+        ("corelib.cli.main.os.system", "it is defined in posix"),  # re-exported by a corelib module
+        ("corelib.cli.hydra_app.Path", "it is defined in pathlib"),
         ("corelib.nothing.here", "cannot be found"),
     ],
 )

@@ -14,11 +14,11 @@ import pytest
 import torch
 from support import Cli, builtin_entry_points, fixture_entry_points, install_fixture_plugins
 
-from corelib.backend import DeviceSpec, resolve_runtime
-from corelib.compose import compose_config, prepare_config_store
-from corelib.device import Runtime
+from corelib.platform.backend import DeviceSpec, resolve_runtime
+from corelib.platform.device import Runtime
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.start import start
 
 
 def test_plan_runs_on_a_third_party_backend(cli: Cli, tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict, read_write
 
-from corelib.compose import hydra_context, prepare_config_store
 from corelib.errors import ConfigError
 from corelib.plugins import PluginRegistry
-from corelib.trust import check_hydra_node
-from corelib.trust_logging import check_resolved_files
+from corelib.startup.compose import hydra_context, prepare_config_store
+from corelib.trust.hydra_config import check_hydra_node
+from corelib.trust.logging_config import check_resolved_files
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from corelib import run as run_module
-from corelib import workload as workload_module
-from corelib.cli import main
-from corelib.config import WorkloadConfig
+from corelib.cli import run as run_module
+from corelib.cli.main import main
+from corelib.cli.run import drive
+from corelib.config.schema import WorkloadConfig
 from corelib.engine.api import Engine
 from corelib.engine.outputs import RequestOutput
 from corelib.errors import ConfigError
-from corelib.run import drive
-from corelib.rundir import read_outputs
-from corelib.workload import Request, arrival_offsets, build_workload
+from corelib.loadtest import workload as workload_module
+from corelib.loadtest.workload import Request, arrival_offsets, build_workload
+from corelib.observe.rundir import read_outputs
 
 
 def workload(**values: object) -> WorkloadConfig:

@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from corelib.device import Device, MemoryStats
+from corelib.config.features import Plan
 from corelib.engine.build import build_engine_core
 from corelib.engine.core import EngineStats
 from corelib.engine.outputs import RequestOutput, output_of
@@ -40,14 +40,14 @@ from corelib.engine.sequence import Sequence as Seq
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.engine.structured import StructuredOutputs
 from corelib.errors import ConcurrentUse, ConfigError, RequestError
-from corelib.features import Plan
 from corelib.observe.trace import NULL_TRACER, TimelineTracer, Tracer
+from corelib.platform.device import Device, MemoryStats
 from corelib.sampling_params import choices
-from corelib.startup import Startup
+from corelib.startup.start import Startup
 from corelib.step.build import ModelFactory, load_model
 from corelib.step.layout import EngineLayout
 from corelib.step.runner import GraphSummary, ModelRunner
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
 from corelib.transport.executor import InprocExecutor
 from corelib.transport.factory import EXECUTORS
 
@@ -133,7 +133,7 @@ class Engine:
     @classmethod
     def from_overrides(cls, overrides: Sequence[str] = ()) -> Engine:
         """Compose corelib's config with Hydra-style overrides and build an engine."""
-        from corelib.compose import compose_config
+        from corelib.startup.compose import compose_config
 
         return cls._started(lambda: compose_config(overrides))
 
@@ -144,9 +144,9 @@ class Engine:
 
     @classmethod
     def _started(cls, config: Callable[[], DictConfig]) -> Engine:
-        from corelib.compose import prepare_config_store
         from corelib.plugins import PluginRegistry
-        from corelib.startup import start
+        from corelib.startup.compose import prepare_config_store
+        from corelib.startup.start import start
 
         registry = PluginRegistry()
         prepare_config_store(registry)  # the plugins' config groups, before the config is composed

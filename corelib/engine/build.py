@@ -8,16 +8,16 @@ transport's executor (:mod:`corelib.transport.factory`), a unit test a scripted 
 
 from __future__ import annotations
 
-from corelib.config import CorelibConfig
+from corelib.config.options import EngineOptions
+from corelib.config.schema import CorelibConfig
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.core import EngineCore
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import Scheduler, SchedulerLimits
 from corelib.engine.stops import StopChecker
-from corelib.options import EngineOptions
 from corelib.step.layout import EngineLayout
 from corelib.step.pipeline import StepPipeline
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
 from corelib.transport.executor import Executor
 
 

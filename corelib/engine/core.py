@@ -21,13 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from corelib.device import MemoryStats
+from corelib.config.options import StepCheck
 from corelib.engine.packing import InputBuilder, PackingError
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
-from corelib.options import StepCheck
+from corelib.platform.device import MemoryStats
 from corelib.step.buckets import BucketPolicy, blocks_for
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.pipeline import StepPipeline

@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from corelib.engine.sequence import FinishReason, Logprob, Sequence, TokenLogprobs, logprob_dict
-from corelib.rundir import RequestRecord
+from corelib.observe.rundir import RequestRecord
 
 SampleLogprobs = list[dict[int, Logprob]]  # vLLM's name: one dict per output token
 PromptLogprobs = list[dict[int, Logprob] | None]  # one per prompt token, None for the first

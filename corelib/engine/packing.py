@@ -25,7 +25,6 @@ import torch
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.engine.structured import fill_rows
-from corelib.faults import maybe_fail
 from corelib.ops.sampling import PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
@@ -34,6 +33,7 @@ from corelib.step.arena import RELAY, ArenaLayout
 from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
+from corelib.support.faults import maybe_fail
 
 INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 

@@ -7,7 +7,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.errors import RequestError
 

@@ -122,7 +122,7 @@ class Sequence:
     # prompt_logprobs: entry i is prompt token i + 1's (the first has none), filled as the prompt's chunks are read.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The per-step requirements of the async gate this request fails, one bit each, computed once
-    # when it is added (corelib.options.StepCheck); None until then.
+    # when it is added (corelib.config.options.StepCheck); None until then.
     sync_mask: int | None = None
     ends: StopFacts | None = None  # set when the scheduler takes the request
     num_prompt_tokens: int = field(init=False, default=0)

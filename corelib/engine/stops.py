@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from corelib.engine.sequence import FinishReason, Sequence, StopFacts
-from corelib.text import IncrementalDecoder
+from corelib.support.text import IncrementalDecoder
 
 
 class StopScan:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corelib.engine.sequence import Sequence, TokenLogprobs
-from corelib.text import IncrementalDecoder, Tokenizer
+from corelib.support.text import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
     from corelib.engine.outputs import RequestOutput

@@ -24,9 +24,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from corelib.files import read_text
-from corelib.structured import StructuredOutputsError, StructuredOutputsParams
-from corelib.text import TOKENIZER_LIMIT, Tokenizer
+from corelib.support.structured import StructuredOutputsError, StructuredOutputsParams
+from corelib.support.text import TOKENIZER_LIMIT, Tokenizer
+from corelib.trust.files import read_text
 
 INSTALL_HINT = "pip install 'corelib[structured]' (the llguidance package)"
 MAX_CACHED_GRAMMARS = 256

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from corelib.config import Endpoint, ServeBenchConfig
+from corelib.config.schema import Endpoint, ServeBenchConfig
 from corelib.errors import CorelibError
 from corelib.loadtest.sse_client import ResponseError, SseClient
 

@@ -45,14 +45,14 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from corelib.config import Endpoint, ServeBenchConfig
+from corelib.config.schema import Endpoint, ServeBenchConfig
 from corelib.errors import ConfigError, CorelibError
-from corelib.files import parse_json, read_text
 from corelib.loadtest.loadclient import ENGINE_RSS, PREFIX_HITS, PREFIX_QUERIED, TPOT_HISTOGRAM, Client, Outcome
 from corelib.loadtest.plot import plot_latencies
-from corelib.progress import Progress, Task, current, reporting
-from corelib.rundir import RunDir
-from corelib.workload import DATASET_LIMIT
+from corelib.loadtest.workload import DATASET_LIMIT
+from corelib.observe.rundir import RunDir
+from corelib.support.progress import Progress, Task, current, reporting
+from corelib.trust.files import parse_json, read_text
 
 Prompt = str | list[int]
 WORDS = ("the", "engine", "decodes", "a", "token", "every", "step", "while", "clients", "stream", "their", "answers")

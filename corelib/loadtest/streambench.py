@@ -213,7 +213,7 @@ async def load(url: str, pids: dict[str, int], clients: int, tokens: int, warmup
 # ---------------------------------------------------------------------- the fake server's process
 def serve_fake(step_ms: float, host_ms: float, max_num_seqs: int, placement: str) -> None:
     """Serve the stand-in engine on a free port; print one JSON line with the URL and the pids."""
-    from corelib.config import LogLevel, ServerConfig
+    from corelib.config.schema import LogLevel, ServerConfig
     from corelib.server.fake import FakeSpec
     from corelib.server.serve import bind, build_state, serve
     from corelib.server.served import EngineRecipe

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from corelib.device import Device
 from corelib.ops import Ops, PagedAttention
+from corelib.platform.device import Device
 
 
 @dataclass(frozen=True)

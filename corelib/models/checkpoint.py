@@ -17,15 +17,15 @@ from typing import Any, Protocol
 
 import torch
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.errors import ConfigError
-from corelib.files import read_json
-from corelib.hub import checkpoint_directory
 from corelib.models.llama import ModelWeights, assemble_weights
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
 from corelib.models.weight_map import weight_map
-from corelib.progress import current as current_progress
+from corelib.support.progress import current as current_progress
+from corelib.trust.files import read_json
+from corelib.trust.hub import checkpoint_directory
 
 INDEX_FILE = "model.safetensors.index.json"
 

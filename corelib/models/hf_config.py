@@ -32,13 +32,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.errors import ConfigError
-from corelib.files import read_json
-from corelib.hub import checkpoint_directory, resolve_model_path
 from corelib.models import registry
 from corelib.models.rope import RopeScaling
 from corelib.models.shape import DTYPES
+from corelib.trust.files import read_json
+from corelib.trust.hub import checkpoint_directory, resolve_model_path
 
 NO_EOS = -1  # eos_token_id when the checkpoint names none: no token id is negative
 MAX_EOS_IDS = 1024  # end-of-sequence ids a checkpoint may name (real ones name one to a dozen)

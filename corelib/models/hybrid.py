@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from corelib.device import Device
 from corelib.models.base import ModelState, StepBatch
 from corelib.models.llama import KVCache, LayerWeights, LlamaModel
 from corelib.ops import Ops
+from corelib.platform.device import Device
 
 
 @dataclass

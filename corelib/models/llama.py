@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.device import Device
 from corelib.errors import ConfigError
 from corelib.models.base import ModelFacts, ModelState, StepBatch
 from corelib.models.rope import inv_freq
@@ -36,7 +35,8 @@ from corelib.models.shape import ModelShape
 from corelib.models.sharding import VocabShard
 from corelib.models.weight_map import weight_map
 from corelib.ops import Ops
-from corelib.progress import current as current_progress
+from corelib.platform.device import Device
+from corelib.support.progress import current as current_progress
 
 
 @dataclass

@@ -16,12 +16,12 @@ import hashlib
 
 import torch
 
-from corelib.config import ModelConfig, WeightInit
+from corelib.config.schema import ModelConfig, WeightInit
 from corelib.models.llama import ModelWeights, assemble_weights
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
 from corelib.models.weight_map import Init, Source, weight_map
-from corelib.progress import current as current_progress
+from corelib.support.progress import current as current_progress
 
 # model.init=auto draws models above this many parameters on the device. Up to it the CPU path
 # takes seconds and its weights are the same on every device, which cross-device tests rely on.

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.errors import ConfigError
 from corelib.models.base import Model, ModelFacts
 from corelib.models.checkpoint import load_checkpoint
@@ -37,7 +37,7 @@ from corelib.models.sharding import TensorShard, check_divisible
 from corelib.models.weight_map import weight_map
 
 if TYPE_CHECKING:
-    from corelib.device import Device
+    from corelib.platform.device import Device
 
 
 class Architecture(Protocol):

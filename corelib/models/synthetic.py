@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.models.checkpoint import INDEX_FILE
 from corelib.models.hf_config import read_checkpoint_config
 from corelib.models.random_init import random_state_dict
 from corelib.models.registry import model_shape
-from corelib.text import TOKENIZER_FILE
+from corelib.support.text import TOKENIZER_FILE
 
 
 def tiny_hf_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:

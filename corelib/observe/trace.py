@@ -26,9 +26,9 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from corelib.device import Device, Event, Stream
-from corelib.files import write_whole
+from corelib.platform.device import Device, Event, Stream
 from corelib.step.handoff import StepHandle, TokenHandoff
+from corelib.trust.files import write_whole
 
 MAX_EVENTS = 200_000
 REANCHOR_S = 1.0  # longest time between two anchors of the device clock

@@ -16,8 +16,8 @@ from typing import Protocol, cast
 
 import torch
 
-from corelib.device import Device
 from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_logits, norm_qkv_rope_kv_write
+from corelib.platform.device import Device
 from corelib.sampling_params import LOGIT_BIAS_WIDTH, MIN_TOKENS_STOP_WIDTH
 from corelib.sampling_params import columns as sampler_columns
 

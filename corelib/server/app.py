@@ -29,7 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from corelib import __version__
 from corelib.errors import one_line
 from corelib.server.bridge import Call, EngineBridge
 from corelib.server.chat import ChatTemplate
@@ -62,6 +61,7 @@ from corelib.server.protocol import (
 )
 from corelib.server.render import TemplateRenderer
 from corelib.server.responses import DONE, Formatter, event, failure
+from corelib.version import __version__
 
 log = logging.getLogger("corelib.server")
 

@@ -43,7 +43,7 @@ from corelib.server.messages import (
 )
 from corelib.server.metrics import ServerMetrics
 from corelib.server.served import EngineRecipe
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
 
 log = logging.getLogger("corelib.server")
 

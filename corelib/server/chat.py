@@ -26,7 +26,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from corelib.errors import ConfigError
-from corelib.files import read_json, read_text
+from corelib.trust.files import read_json, read_text
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"

@@ -6,7 +6,7 @@ runs the startup (backend choice, probe, feature plan), records ``config.yaml`` 
 process binds the port, answers HTTP, and streams what the engine sends.
 
 On a node other than 0 of a multi-node run there is no HTTP server: that node follows node 0's
-steps (:func:`corelib.commands.serve_follower_task`, which loads the engine there).
+steps (:func:`corelib.cli.commands.serve_follower_task`, which loads the engine there).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from corelib.config import ServerConfig, checked_api_key
+from corelib.config.schema import ServerConfig, checked_api_key
 from corelib.errors import ConfigError
-from corelib.hub import is_hub_id
-from corelib.progress import say
-from corelib.rundir import redacted
+from corelib.observe.rundir import redacted
+from corelib.support.progress import say
+from corelib.trust.hub import is_hub_id
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx", "httptools")
 console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)  # status: stderr

@@ -1,7 +1,7 @@
 """The engine in a process of its own, so that streaming never competes with it for one GIL.
 
-The server starts ``python -I`` on this module (:func:`corelib.isolation.worker_command`, the
-controlled environment of :func:`~corelib.isolation.worker_environment`) with an
+The server starts ``python -I`` on this module (:func:`corelib.trust.isolation.worker_command`, the
+controlled environment of :func:`~corelib.trust.isolation.worker_environment`) with an
 :class:`EngineProcessArgs` on stdin. Two pipes join them: commands to the engine, and from it
 one frame per step holding every request's new tokens (:mod:`corelib.server.messages`).
 
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corelib.errors import CorelibError, one_line
-from corelib.isolation import worker_command, worker_environment
 from corelib.server.events import EngineFacts
 from corelib.server.messages import Command, Decoder, Failed, Frame, Ready, Stop, encode
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
+from corelib.trust.isolation import worker_command, worker_environment
 
 log = logging.getLogger("corelib.server")
 MODULE = "corelib.server.engine_process"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
 
 SHUTDOWN = "the server is shutting down"
 

@@ -18,7 +18,7 @@ from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.errors import RequestError
 from corelib.server.events import EngineFacts
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
 
 
 @dataclass(frozen=True)

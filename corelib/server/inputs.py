@@ -40,8 +40,8 @@ from corelib.server.protocol import (
     bad_request,
 )
 from corelib.server.render import TemplateRenderer
-from corelib.structured import StructuredOutputsError, StructuredOutputsParams
-from corelib.text import Tokenizer
+from corelib.support.structured import StructuredOutputsError, StructuredOutputsParams
+from corelib.support.text import Tokenizer
 
 MAX_CHOICES = 128  # n per prompt
 NO_TOKENIZER = (

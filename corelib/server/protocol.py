@@ -3,7 +3,7 @@
 Bodies are validated here, before anything reaches the engine: a wrong type or value is a 400
 whose ``param`` names the field, never a 500. Types are strict, as JSON has them: ``"5"``, ``true``
 and ``5.0`` are not the integer 5. A body that is not JSON Python can hold (nested beyond
-:data:`corelib.files.MAX_JSON_DEPTH`, an integer of thousands of digits, a lone UTF-16 surrogate
+:data:`corelib.trust.files.MAX_JSON_DEPTH`, an integer of thousands of digits, a lone UTF-16 surrogate
 in a string) is a 400 too. The sampling parameters are not named here: every field of
 :class:`corelib.SamplingParams` the server offers (``API_FIELDS``: temperature, top_p, top_k, the
 penalties, seed, stop, n, ...) is taken from the body by its own name and checked by
@@ -25,7 +25,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, ValidationError
 
 from corelib.sampling_params import API_FIELDS, MAX_LOGPROBS
-from corelib.structured import StructuredOutputsError, from_response_format
+from corelib.support.structured import StructuredOutputsError, from_response_format
 
 JsonObject = dict[str, object]
 

@@ -35,9 +35,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from corelib.errors import ConfigError, one_line
-from corelib.faults import maybe_fail
-from corelib.isolation import worker_command, worker_environment
 from corelib.server.chat import ChatTemplate, ChatTemplateError, check_template_kwargs
+from corelib.support.faults import maybe_fail
+from corelib.trust.isolation import worker_command, worker_environment
 
 MODULE = "corelib.server.render"
 NUM_WORKERS = 2  # renders at once; a hostile template holds one until its time is up

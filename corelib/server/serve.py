@@ -25,7 +25,7 @@ from types import FrameType
 
 import uvicorn
 
-from corelib.config import ServerConfig, checked_api_key
+from corelib.config.schema import ServerConfig, checked_api_key
 from corelib.errors import ConfigError, CorelibError
 from corelib.sampling_params import SEED_LIMIT
 from corelib.server.app import ServerState, build_app
@@ -51,7 +51,7 @@ def model_name(server: ServerConfig, name: str, path: str | None) -> str:
 
 def early_template(model_path: str | None, server: ServerConfig) -> ChatTemplate:
     """The chat template, read before the engine loads the model: a bad ``server.chat_template`` fails at once."""
-    from corelib.hub import resolve_model_path
+    from corelib.trust.hub import resolve_model_path
 
     return ChatTemplate.load(resolve_model_path(model_path) if model_path else None, server.chat_template)
 

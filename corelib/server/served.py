@@ -22,7 +22,7 @@ from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import DeltaTracker, TokenDelta
 from corelib.server.events import EngineFacts
 from corelib.server.fake import FakeEngine, FakeSpec
-from corelib.text import Tokenizer
+from corelib.support.text import Tokenizer
 
 if TYPE_CHECKING:
     from corelib.engine.api import Engine
@@ -132,11 +132,11 @@ class ComposedRun:
 
     def build(self) -> EngineAdapter:
         """Check the config, choose the backend, plan, record ``config.yaml`` and ``plan.json``, build."""
-        from corelib.compose import prepare_config_store
         from corelib.engine.api import Engine
+        from corelib.observe.rundir import RunDir
         from corelib.plugins import PluginRegistry
-        from corelib.rundir import RunDir
-        from corelib.startup import start
+        from corelib.startup.compose import prepare_config_store
+        from corelib.startup.start import start
 
         plugins = self.config.plugins
         registry = PluginRegistry(allow=plugins.allow, block=plugins.block)

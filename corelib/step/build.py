@@ -8,15 +8,15 @@ from collections.abc import Callable
 
 import torch
 
-from corelib.backend import Backend
-from corelib.config import CorelibConfig, Transport
-from corelib.device import Device
+from corelib.config.options import EngineOptions, Staging
+from corelib.config.schema import CorelibConfig, Transport
 from corelib.models.base import Model
 from corelib.models.registry import architecture
 from corelib.models.sharding import TensorShard
 from corelib.ops import Ops, load_provider
 from corelib.ops.reference import reference_ops
-from corelib.options import EngineOptions, Staging
+from corelib.platform.backend import Backend
+from corelib.platform.device import Device
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from corelib.faults import maybe_fail
 from corelib.step.handoff import StepHandle, StepResult, TokenHandoff
 from corelib.step.runner import ModelRunner
 from corelib.step.staging import InputStager, Staged
+from corelib.support.faults import maybe_fail
 
 
 class DeviceSteps:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.device import Device, Event, Stream
+from corelib.platform.device import Device, Event, Stream
 from corelib.step.fields import LOGPROB_WIDTH
 from corelib.step.forward_input import StepKind
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corelib.config import CorelibConfig, Transport
+from corelib.config.options import EngineOptions
+from corelib.config.schema import CorelibConfig, Transport
 from corelib.errors import ConfigError
 from corelib.models.registry import architecture
 from corelib.ops.token_mask import mask_words
-from corelib.options import EngineOptions
 from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy, blocks_for, token_ladder
 from corelib.step.fields import step_layout, with_prompt_logprobs, with_token_mask

@@ -24,15 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.device import Device, Stream
-from corelib.faults import maybe_fail
-from corelib.graph import Graph
 from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
 from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
 from corelib.ops.sampling import PENALTY_NEUTRAL, count_fed_tokens, count_history, penalized
 from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
-from corelib.progress import current as current_progress
+from corelib.platform.device import Device, Stream
+from corelib.platform.graph import Graph
 from corelib.sampling_params import MAX_LOGPROBS
 from corelib.step.arena import ArenaLayout
 from corelib.step.buckets import BucketPolicy
@@ -41,6 +39,8 @@ from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import TokenHandoff
 from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
+from corelib.support.faults import maybe_fail
+from corelib.support.progress import current as current_progress
 
 NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.device import Device, Event, Stream
-from corelib.options import Staging
+from corelib.config.options import Staging
+from corelib.platform.device import Device, Event, Stream
 from corelib.step.arena import ArenaPool
 from corelib.step.forward_input import ForwardInput
 

@@ -15,9 +15,9 @@ from functools import partial
 import pytest
 import torch
 
-from corelib.device import Device, Stream
 from corelib.errors import DeviceError, DeviceTimeout, UnsupportedOperation
-from corelib.memory import MemoryKind
+from corelib.platform.device import Device, Stream
+from corelib.platform.memory import MemoryKind
 from corelib.testing.helpers import (
     Busy,
     busy_or_skip,

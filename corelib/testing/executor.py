@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.config import BackendConfig, CorelibConfig, EngineConfig, ModelConfig, Transport, WorkloadConfig
-from corelib.device import MemoryStats
+from corelib.config.options import EngineOptions, Staging, StepCheck
+from corelib.config.schema import BackendConfig, CorelibConfig, EngineConfig, ModelConfig, Transport, WorkloadConfig
 from corelib.engine.build import build_engine_core
 from corelib.engine.core import EngineCore
-from corelib.options import EngineOptions, Staging, StepCheck
+from corelib.platform.device import MemoryStats
 from corelib.step.arena import RELAY, ArenaPool
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepResult

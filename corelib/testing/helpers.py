@@ -9,8 +9,8 @@ from functools import partial
 import pytest
 import torch
 
-from corelib.device import Device, Runtime, Stream
-from corelib.memory import MemoryKind
+from corelib.platform.device import Device, Runtime, Stream
+from corelib.platform.memory import MemoryKind
 
 #: queue device work on ``stream`` that keeps it busy for about ``seconds``
 Busy = Callable[[Stream, float], None]

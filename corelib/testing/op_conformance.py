@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from corelib.device import Device
 from corelib.ops import Ops, PagedAttention
 from corelib.ops.reference import reference_ops
+from corelib.platform.device import Device
 from corelib.testing.op_cases import (
     BF16,
     F32,

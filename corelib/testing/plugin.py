@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from corelib.backend import DeviceSpec
-from corelib.config import RuntimeMode
-from corelib.device import Device, Runtime
+from corelib.config.schema import RuntimeMode
 from corelib.errors import BackendUnavailable, CorelibError
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Device, Runtime
 from corelib.plugins import PluginRegistry
 from corelib.testing.helpers import Busy, default_busy
 from corelib.testing.targets import Target, discover_targets, resolve_spec

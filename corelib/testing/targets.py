@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from corelib.backend import DeviceSpec, resolve_runtime
-from corelib.compose import compose_config, prepare_config_store
-from corelib.config import CorelibConfig, RuntimeMode
+from corelib.config.schema import CorelibConfig, RuntimeMode
 from corelib.errors import ConfigError
+from corelib.platform.backend import DeviceSpec, resolve_runtime
 from corelib.plugins import PluginRegistry
+from corelib.startup.compose import compose_config, prepare_config_store
 
 
 @dataclass(frozen=True)

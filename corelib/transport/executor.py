@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from corelib.device import Device, MemoryStats
 from corelib.observe.trace import Tracer
+from corelib.platform.device import Device, MemoryStats
 from corelib.step.arena import ArenaPool, Arenas
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput

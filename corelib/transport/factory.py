@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from corelib.config import Transport
-from corelib.kv_pool import sized_layout
-from corelib.options import EngineOptions
-from corelib.startup import Startup
+from corelib.config.options import EngineOptions
+from corelib.config.schema import Transport
+from corelib.startup.kv_pool import sized_layout
+from corelib.startup.start import Startup
 from corelib.step.arena import ArenaPool
 from corelib.step.build import ModelFactory, build_device_steps
 from corelib.step.layout import EngineLayout

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from corelib.errors import TransportError, WorkerDied
-from corelib.startup import Startup
+from corelib.startup.start import Startup
 from corelib.step.layout import EngineLayout
 from corelib.transport.memory_probe import shm_layout
 from corelib.transport.nodes import (

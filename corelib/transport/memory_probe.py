@@ -3,10 +3,10 @@
 Over ``engine.transport=shm`` the scheduler's process never opens the accelerator (a device
 context there would cost memory the workers need), yet it must size the KV pool before the
 workers build it: every worker derives its layout, the pool included, from the config. So a
-short-lived process, started as a worker is (:mod:`corelib.isolation`), opens each device this
+short-lived process, started as a worker is (:mod:`corelib.trust.isolation`), opens each device this
 node's ranks will open, reads its ``(free, total)`` memory and exits; its device context goes
 with it before any worker starts. The pool is then sized as in process
-(:mod:`corelib.kv_pool`), with the weights counted from the config and the largest step's
+(:mod:`corelib.startup.kv_pool`), with the weights counted from the config and the largest step's
 activations estimated from the model's shape.
 
     python -m corelib.transport.memory_probe   (a pickled (DeviceSpec, ranks) on stdin)
@@ -20,15 +20,15 @@ import pickle
 import subprocess
 import sys
 
-from corelib.backend import DeviceSpec
-from corelib.device import Runtime
-from corelib.isolation import worker_command, worker_environment
-from corelib.kv_pool import sized_layout
-from corelib.options import EngineOptions
-from corelib.startup import Startup
+from corelib.config.options import EngineOptions
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Runtime
+from corelib.startup.kv_pool import sized_layout
+from corelib.startup.start import Startup
 from corelib.step.layout import EngineLayout
 from corelib.transport.nodes import Topology
 from corelib.transport.shm_executor import startup_timeout
+from corelib.trust.isolation import worker_command, worker_environment
 
 MODULE = "corelib.transport.memory_probe"
 

@@ -43,7 +43,7 @@ from corelib.transport.shm import as_bytes
 from corelib.transport.wire import FrameHeader, FrameKind
 
 if TYPE_CHECKING:
-    from corelib.startup import Startup
+    from corelib.startup.start import Startup
 
 HEARTBEAT_S = 1.0  # each side sends at least this often, so silence longer than the timeout means a hung node
 FOLLOWER_POLL_S = 0.1  # how often a follower looks at its own ranks between heartbeats

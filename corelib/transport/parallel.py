@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from corelib.device import Device, Runtime
 from corelib.errors import one_line
-from corelib.isolation import NO_MULTICAST
+from corelib.platform.device import Device, Runtime
+from corelib.trust.isolation import NO_MULTICAST
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -24,11 +24,10 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from corelib.device import MemoryStats
+from corelib.config.options import EngineOptions
 from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
-from corelib.isolation import worker_command, worker_environment
-from corelib.options import EngineOptions
-from corelib.startup import Startup
+from corelib.platform.device import MemoryStats
+from corelib.startup.start import Startup
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
@@ -39,6 +38,7 @@ from corelib.transport.parallel import rendezvous
 from corelib.transport.shm import Consumer, Producer, Ring, sweep_stale
 from corelib.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, decode_result, input_header, result_bytes
 from corelib.transport.worker import WorkerArgs
+from corelib.trust.isolation import worker_command, worker_environment
 
 ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait

@@ -32,19 +32,19 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from corelib.backend import DeviceSpec
-from corelib.config import CorelibConfig
-from corelib.device import MemoryStats
+from corelib.config.options import EngineOptions
+from corelib.config.schema import CorelibConfig
 from corelib.errors import TransportError, one_line
-from corelib.faults import maybe_fail
 from corelib.models.sharding import TensorShard
-from corelib.options import EngineOptions
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import MemoryStats
 from corelib.step.build import build_device_steps, load_model
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepHandle
 from corelib.step.layout import EngineLayout
 from corelib.step.staging import reads_ring_in_place
+from corelib.support.faults import maybe_fail
 from corelib.transport.doorbell import CHECK_S
 from corelib.transport.parallel import init_group, leave_group
 from corelib.transport.shm import Consumer, Producer, Ring

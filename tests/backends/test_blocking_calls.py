@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from corelib.native import BlockingCalls
+from corelib.platform.native import BlockingCalls
 
 PATIENCE_S = 10.0  # far longer than any of these calls takes: reached only when a result is lost
 

@@ -10,15 +10,15 @@ from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps
 from omegaconf import OmegaConf
 
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig
-from corelib.device import Capabilities, Device
-from corelib.features import evaluate
+from corelib.config.features import evaluate
+from corelib.config.options import EngineOptions
+from corelib.config.schema import CorelibConfig
 from corelib.models import model_facts
 from corelib.ops import load_provider
-from corelib.options import EngineOptions
+from corelib.platform.device import Capabilities, Device
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 
 
 class FakeCuda:

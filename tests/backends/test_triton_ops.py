@@ -33,10 +33,7 @@ from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import decode_config
 from omegaconf import OmegaConf
 
-from corelib.backend import DeviceSpec
-from corelib.compose import compose_config
-from corelib.config import ModelConfig
-from corelib.device import Capabilities, Device, Runtime
+from corelib.config.schema import ModelConfig
 from corelib.models.base import StepBatch
 from corelib.models.hybrid import HybridState
 from corelib.models.llama import KVCache, LlamaModel
@@ -44,6 +41,9 @@ from corelib.models.registry import architecture as architecture_of
 from corelib.models.shape import ModelShape
 from corelib.ops import OP_NAMES, PagedAttention
 from corelib.ops.reference import reference_ops
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Device, Runtime
+from corelib.startup.compose import compose_config
 from corelib.testing.op_cases import (
     BF16,
     F32,

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from corelib.backend import Backend, resolve_runtime
-from corelib.config import BackendConfig, RuntimeMode
-from corelib.device import Capabilities, Runtime
+from corelib.config.schema import BackendConfig, RuntimeMode
 from corelib.errors import BackendUnavailable, DeviceError
+from corelib.platform.backend import Backend, resolve_runtime
+from corelib.platform.device import Capabilities, Runtime
 from corelib.plugins import PluginRegistry
 
 NPU_CAPABILITIES = Capabilities(

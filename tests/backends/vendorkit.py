@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from corelib_mlu.backend import MLUBackend
 from corelib_npu.backend import NPUBackend
 
-from corelib.device import Device
+from corelib.platform.device import Device
 
 HALF = (torch.float16, torch.bfloat16)
 Op = Callable[..., Any]

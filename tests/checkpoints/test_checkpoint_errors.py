@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from support import error_lines
 
-from corelib.cli import main
+from corelib.cli.main import main
 from corelib.engine.api import Engine
 from corelib.errors import ConfigError
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from support import error_lines, run_python
 
-from corelib.cli import main
+from corelib.cli.main import main
 from corelib.models import hf_config
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from support import local_weights
 
-from corelib.compose import compose_config, prepare_config_store
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.models.hf_config import resolved_model_config
@@ -21,7 +20,8 @@ from corelib.models.reference import reference_generate, reference_logits
 from corelib.models.registry import llama_weights, model_shape
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.start import start
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 64, 11]
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

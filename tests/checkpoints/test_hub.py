@@ -9,8 +9,8 @@ import pytest
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
-from corelib.hub import is_hub_id, resolve_model_path
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
+from corelib.trust.hub import is_hub_id, resolve_model_path
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from corelib.cli import main
+from corelib.cli.main import main
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 from corelib.engine.streaming import TokenDelta
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint, write_toy_tokenizer
-from corelib.rundir import read_outputs
-from corelib.text import Tokenizer
+from corelib.observe.rundir import read_outputs
+from corelib.support.text import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.engine.api import Engine
 from corelib.errors import ConfigError
 from corelib.models import registry

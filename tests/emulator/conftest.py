@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 import pytest
 from omegaconf import OmegaConf
 
-from corelib.backend import DeviceSpec
-from corelib.compose import load_group_option
-from corelib.config import EmulatorConfig, register_schemas
-from corelib.device import Capabilities, Runtime
-from corelib.emulator import EmulatedDevice
+from corelib.config.schema import EmulatorConfig, register_schemas
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Runtime
+from corelib.platform.emulator import EmulatedDevice
+from corelib.startup.compose import load_group_option
 
 OpenDevice = Callable[..., EmulatedDevice]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from holdkit import Hold
 
-from corelib.emulator import EmulatedDevice
 from corelib.errors import DeviceError
+from corelib.platform.emulator import EmulatedDevice
 
 OpenDevice = Callable[..., EmulatedDevice]
 

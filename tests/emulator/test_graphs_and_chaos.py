@@ -8,11 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from corelib.config import EmulatorConfig
-from corelib.emulator import EmulatedDevice
-from corelib.emulator.ops import LaunchOp
-from corelib.emulator.stream_thread import Pacer
+from corelib.config.schema import EmulatorConfig
 from corelib.errors import ConfigError, UnsupportedOperation
+from corelib.platform.emulator import EmulatedDevice
+from corelib.platform.emulator.ops import LaunchOp
+from corelib.platform.emulator.stream_thread import Pacer
 
 OpenDevice = Callable[..., EmulatedDevice]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from holdkit import Hold
 
-from corelib.emulator import EmulatedDevice
-from corelib.emulator.device import _stop_forgotten_devices
 from corelib.errors import DeviceError, DeviceTimeout
+from corelib.platform.emulator import EmulatedDevice
+from corelib.platform.emulator.device import _stop_forgotten_devices
 
 OpenDevice = Callable[..., EmulatedDevice]
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 from support import EngineFactory
 
-from corelib import faults
 from corelib.engine import SamplingParams
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import ScheduledStep
@@ -21,6 +20,7 @@ from corelib.step.arena import ArenaPool
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepHandle, StepResult
+from corelib.support import faults
 
 
 def test_the_arena_of_a_step_on_the_device_is_not_back_in_the_pool(

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from corelib import faults
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import DeviceError, DeviceTimeout
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.runner import ModelRunner
+from corelib.support import faults
 
 ASYNC = ["backend=npu", "engine.async_token_handoff=on", "backend.emulator.chaos=0.2"]
 

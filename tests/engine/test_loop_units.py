@@ -11,13 +11,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from corelib.backend import DeviceSpec
-from corelib.device import Capabilities, Runtime
-from corelib.emulator import EmulatedDevice
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence
 from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Runtime
+from corelib.platform.emulator import EmulatedDevice
 from corelib.step.arena import RELAY
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepHandle, TokenHandoff

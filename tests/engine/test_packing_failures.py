@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from corelib import faults
 from corelib.engine import Engine, SamplingParams
 from corelib.engine.packing import column_value
 from corelib.ops.spec import SAMPLING_COLUMNS
+from corelib.support import faults
 
 ENGINE = ["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=4", "model.max_model_len=64"]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from corelib.config import CorelibConfig
+from corelib.config.schema import CorelibConfig
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from corelib.engine.sequence import SamplingParams, Sequence

@@ -10,8 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from support import EngineFactory, local_weights
 
-from corelib.compose import compose_config
-from corelib.config import CorelibConfig, ModelConfig, WeightInit
+from corelib.config.schema import CorelibConfig, ModelConfig, WeightInit
 from corelib.engine import Engine, SamplingParams
 from corelib.models.llama import LayerWeights, ModelWeights
 from corelib.models.random_init import init_on_device, parameter_count, seeded_tensor, seeded_weights, tensor_seed
@@ -19,6 +18,7 @@ from corelib.models.reference import reference_generate
 from corelib.models.registry import llama_weights, model_shape
 from corelib.models.sharding import TensorShard
 from corelib.models.weight_map import Init, Source, Split
+from corelib.startup.compose import compose_config
 
 CPU = torch.device("cpu")
 

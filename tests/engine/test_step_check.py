@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from corelib.compose import compose_config
+from corelib.config.features import Requirement, failing_step_requirements
+from corelib.config.options import StepCheck
 from corelib.engine.sequence import SamplingParams, Sequence
-from corelib.features import Requirement, failing_step_requirements
-from corelib.options import StepCheck
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 from corelib.testing.executor import scripted_core, unit_options
 
 

@@ -22,8 +22,8 @@ from corelib.engine.structured import GrammarCache, StructuredOutputs, fill_rows
 from corelib.models.synthetic import write_text_checkpoint
 from corelib.ops.token_mask import apply_token_bitmask, mask_words
 from corelib.sampling_params import SamplingError
-from corelib.structured import StructuredOutputsError, StructuredOutputsParams
-from corelib.text import Tokenizer
+from corelib.support.structured import StructuredOutputsError, StructuredOutputsParams
+from corelib.support.text import Tokenizer
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from corelib.cli import main
+from corelib.cli.main import main
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import ConfigError
 from corelib.observe.trace import NULL_TRACER, TimelineTracer

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from corelib.cli import main
+from corelib.cli.main import main
+from corelib.cli.trace_plot import load_trace, plot_traces, render, select_window
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import ConfigError
-from corelib.trace_plot import load_trace, plot_traces, render, select_window
 
 EMULATED = ["backend=cuda", "backend.runtime=emulated", "engine.max_num_seqs=2", "model.max_model_len=128",
             "engine.trace=true"]

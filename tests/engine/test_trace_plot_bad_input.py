@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from corelib.cli import main
+from corelib.cli.main import main
 
 SPAN = {"ph": "X", "name": "step", "cat": "step", "pid": 1, "tid": 0, "ts": 10.0, "dur": 5.0, "args": {}}
 

@@ -4,7 +4,7 @@ One table, two surfaces. Through the API a fault is an exception from the engine
 request is finished, later steps are refused, and close releases everything); through
 ``python -m corelib run`` it is a non-zero exit with the cause on stderr, no traceback, no
 worker left running and no SHM segment left in /dev/shm. Faults inside the engine are armed
-with ``CORELIB_FAULTS`` (corelib.faults): in this process through ``faults.injected``, in worker
+with ``CORELIB_FAULTS`` (corelib.support.faults): in this process through ``faults.injected``, in worker
 processes through the environment they inherit.
 """
 
@@ -26,10 +26,10 @@ import pytest
 from leakkit import Holdings, children, is_running, segments, settled
 from support import HERMETIC_VARIABLES
 
-from corelib import faults
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import DeviceError, DeviceTimeout, TransportError, WorkerDied
-from corelib.rundir import read_outputs
+from corelib.observe.rundir import read_outputs
+from corelib.support import faults
 from corelib.transport.shm_executor import ShmExecutor
 
 TIMEOUT_S = 1.0  # engine.timeout_s of the stall cases: what a stalled wait may cost

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from support import error_lines
 
-from corelib.cli import main
+from corelib.cli.main import main
 from corelib.errors import ConfigError
 from corelib.models.rope import RopeScaling
 from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint

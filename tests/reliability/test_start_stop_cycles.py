@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import pytest
 from leakkit import Holdings, rss_bytes, settled
 
-from corelib.device import Device, MemoryStats
 from corelib.engine import Engine, SamplingParams
+from corelib.platform.device import Device, MemoryStats
 
 # CORELIB_CYCLES=50: the count docs/reliability.md reports. By default fewer with a worker: its
 # start (a fresh interpreter) is most of a cycle, and each cycle is checked on its own anyway.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.engine.api import Engine
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import write_chat_checkpoint

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 import corelib
-from corelib import LLM, SamplingParams, faults
+from corelib import LLM, SamplingParams
 from corelib.errors import ConfigError
 from corelib.llm import llm_overrides
 from corelib.models.synthetic import write_text_checkpoint
+from corelib.support import faults
 
 
 def overrides_of(model: str = "tiny", backend: str | None = None, tp: int = 1, **options: object) -> list[str]:

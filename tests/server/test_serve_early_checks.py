@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from corelib.cli import main
+from corelib.cli.main import main
 from corelib.server.bridge import EngineBridge
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from corelib import faults
 from corelib.server.serve import FORCED_EXIT
+from corelib.support import faults
 from server.servekit import alive, announced, data_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # a whole serve process: with the long checks

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from support import Cli, assert_user_error
 
-from corelib import faults
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.errors import ConfigError
 from corelib.server.serve import RunningServer, start_in_thread
+from corelib.support import faults
 from server.test_server_errors import error_of
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.errors import ConfigError
 from corelib.server.fake import FakeSpec
 from corelib.server.serve import RunningServer, start_in_thread
@@ -126,7 +126,7 @@ def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error_and_leave
 
 SERVER = textwrap.dedent("""
     import sys, time
-    from corelib.config import LogLevel, ServerConfig
+    from corelib.config.schema import LogLevel, ServerConfig
     from corelib.server.fake import FakeSpec
     from corelib.server.serve import start_in_thread
     from corelib.server.served import EngineRecipe

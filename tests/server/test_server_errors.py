@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from corelib.cli import main
-from corelib.config import LogLevel, ServerConfig
+from corelib.cli.main import main
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import metrics, wait_idle
 

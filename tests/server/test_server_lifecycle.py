@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from corelib import faults
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
+from corelib.support import faults
 from server.servekit import alive, announced, data_lines, finished, metrics, wait_idle
 
 pytestmark = pytest.mark.slow

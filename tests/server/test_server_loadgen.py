@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from corelib.config import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
+from corelib.config.schema import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
 from corelib.errors import ConfigError
 from corelib.loadtest.loadgen import bench_serve, run_bench
 from corelib.loadtest.plot import plot_latencies
-from corelib.rundir import RunDir
+from corelib.observe.rundir import RunDir
 from corelib.server.serve import RunningServer, start_in_thread
 
 pytestmark = pytest.mark.slow

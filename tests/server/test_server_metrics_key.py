@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.server.fake import FakeSpec
 from corelib.server.serve import RunningServer, start_in_thread
 from corelib.server.served import EngineRecipe

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.server import inputs
 from corelib.server.events import EngineInfo
 from corelib.server.fake import FakeSpec

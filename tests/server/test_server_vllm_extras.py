@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from corelib import __version__
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.engine.api import Engine
 from corelib.sampling_params import SamplingParams
 from corelib.server.chat import ChatTemplate

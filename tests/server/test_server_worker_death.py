@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from corelib.config import LogLevel, ServerConfig
+from corelib.config.schema import LogLevel, ServerConfig
 from corelib.server.serve import RunningServer, start_in_thread
 from server.servekit import alive
 from server.test_server_errors import error_of

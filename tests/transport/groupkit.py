@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from corelib.backend import DeviceSpec
-from corelib.device import Capabilities, Runtime
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Runtime
 from corelib.transport.parallel import (
     AllReduce,
     collective_all_reduce,

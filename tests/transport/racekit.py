@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 import torch
 from ringkit import wire
 
-from corelib.compose import compose_config
-from corelib.device import Device, Event
-from corelib.options import Staging
+from corelib.config.options import Staging
+from corelib.platform.device import Device, Event
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 from corelib.step.layout import EngineLayout
 from corelib.step.staging import EarlyStager, Staged, build_stager
 from corelib.transport.wire import FrameHeader, FrameKind, input_of

@@ -12,11 +12,10 @@ import pytest
 import torch
 from groupkit import run_two_ranks
 
-from corelib.compose import compose_config
-from corelib.isolation import NO_MULTICAST, worker_environment
-from corelib.options import EngineOptions
+from corelib.config.options import EngineOptions
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 from corelib.transport.parallel import (
     ONE_SHOT_MAX_BYTES,
     SYMMETRIC_BUFFER_BYTES,
@@ -24,6 +23,7 @@ from corelib.transport.parallel import (
     SymmetricAllReduce,
     route,
 )
+from corelib.trust.isolation import NO_MULTICAST, worker_environment
 
 HIDDEN = 4096
 
@@ -255,7 +255,7 @@ def test_the_cuda_probe_narrows_symmetric_memory_where_torch_lacks_it(monkeypatc
 def test_the_gate_enables_symmetric_memory_only_for_the_dtypes_its_kernels_sum(dtype: str, enabled: bool) -> None:
     from omegaconf import OmegaConf
 
-    from corelib.features import evaluate
+    from corelib.config.features import evaluate
     from corelib.models import model_facts
 
     cfg = compose_config(["backend=npu", "engine.transport=shm", "engine.tp=2", f"model.dtype={dtype}"])

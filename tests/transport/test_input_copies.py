@@ -17,11 +17,11 @@ import pytest
 import torch
 from ringkit import Wired, wire
 
-from corelib.compose import compose_config
-from corelib.device import Device, Stream
 from corelib.engine import Engine, SamplingParams
+from corelib.platform.device import Device, Stream
 from corelib.plugins import PluginRegistry
-from corelib.startup import start
+from corelib.startup.compose import compose_config
+from corelib.startup.start import start
 from corelib.step import staging
 from corelib.step.arena import ArenaPool
 from corelib.step.layout import EngineLayout

@@ -11,10 +11,14 @@ from typing import cast
 import pytest
 import torch
 
-from corelib.compose import compose_config, prepare_config_store
-from corelib.config import CorelibConfig, EngineConfig, ModelConfig
+from corelib.config.options import EngineOptions
+from corelib.config.schema import CorelibConfig, EngineConfig, ModelConfig
 from corelib.engine.api import Engine
-from corelib.kv_pool import (
+from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
+from corelib.plugins import PluginRegistry
+from corelib.sampling_params import SamplingParams
+from corelib.startup.compose import compose_config, prepare_config_store
+from corelib.startup.kv_pool import (
     RUNTIME_HEADROOM,
     block_bytes,
     estimate_activations,
@@ -22,12 +26,8 @@ from corelib.kv_pool import (
     profile_tokens,
     size_pool,
 )
-from corelib.limits import weight_bytes
-from corelib.models.synthetic import tiny_hf_config, write_random_checkpoint
-from corelib.options import EngineOptions
-from corelib.plugins import PluginRegistry
-from corelib.sampling_params import SamplingParams
-from corelib.startup import Startup, start
+from corelib.startup.limits import weight_bytes
+from corelib.startup.start import Startup, start
 from corelib.transport.memory_probe import probe_memory
 
 GIB = 1 << 30

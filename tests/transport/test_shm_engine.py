@@ -139,10 +139,10 @@ def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
 
 
 def test_the_cpu_backend_reads_each_frame_in_its_ring_slot_until_the_step_is_done() -> None:
-    from corelib.compose import compose_config
-    from corelib.options import Staging
+    from corelib.config.options import Staging
     from corelib.plugins import PluginRegistry
-    from corelib.startup import start
+    from corelib.startup.compose import compose_config
+    from corelib.startup.start import start
     from corelib.step.staging import HostStager, build_stager
 
     startup = start(compose_config(["backend=cpu", "engine.transport=shm"]), PluginRegistry())

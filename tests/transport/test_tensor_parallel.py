@@ -12,7 +12,7 @@ import pytest
 import torch
 from ringkit import RecordingPoller
 
-from corelib.config import ModelConfig
+from corelib.config.schema import ModelConfig
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import ConfigError, CorelibError, WorkerDied
 from corelib.models.random_init import random_state_dict

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from corelib import isolation
 from corelib.engine import Engine, SamplingParams
+from corelib.trust import isolation
 
 SITECUSTOMIZE = "from pathlib import Path\nPath({marker!r}).write_text('imported')\n"
 

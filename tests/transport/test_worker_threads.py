@@ -18,7 +18,7 @@ import pytest
 import torch
 from ringkit import Wired, wire
 
-from corelib.device import Device, Event, MemoryStats, Stream
+from corelib.platform.device import Device, Event, MemoryStats, Stream
 from corelib.step.device_steps import DeviceSteps
 from corelib.step.fields import step_layout
 from corelib.step.forward_input import ForwardInput, StepKind

@@ -1,0 +1,370 @@
+"""`python -m corelib bench`: sweep batch size, handoff, transport, materialization and backend.
+
+Every point runs in this one process, one after another, so every ratio in the table is
+measured side by side. One engine is built per (backend, transport, materialization,
+handoff) and reused across batch sizes; each batch size first runs a warm-up round.
+A point decodes ``batch_size`` requests of ``prompt_len`` tokens for ``output_len`` new
+tokens each (EOS ignored), so every decode step has exactly ``batch_size`` sequences.
+
+Where the workload says how requests arrive (``workload.request_rate``,
+``workload.max_concurrency`` or ``workload.dataset``), every engine also serves that workload,
+as ``run`` would, and a second table gives its TTFT, TPOT and throughput side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from corelib.cli.bench_prompts import PromptPoint, measure_prompts, prompt_table
+from corelib.config.schema import WorkloadConfig
+from corelib.engine.api import Engine
+from corelib.engine.outputs import RequestOutput
+from corelib.engine.sequence import SamplingParams
+from corelib.errors import ConfigError
+from corelib.loadtest.workload import Request, arrival_offsets, build_workload
+from corelib.observe.metrics import percentile
+from corelib.observe.rundir import RunDir
+from corelib.plugins import PluginRegistry
+from corelib.startup.compose import compose_config
+from corelib.startup.start import Startup, start
+from corelib.support.progress import say, show
+
+
+@dataclass
+class BenchPoint:
+    backend: str
+    runtime: str
+    tp: int
+    transport: str
+    materialization: str
+    handoff: str
+    batch_size: int
+    tpot_ms: float
+    ops: str  # who runs the ops: "reference", or the provider's name
+    pdl: bool  # the provider's kernels were launched with programmatic dependent launch
+    tokens_per_s: float
+    occupancy: float | None
+    idle_gap_median_us: float | None
+    decode_steps: int
+    steps_async: int
+    repeats_tpot_ms: list[float] = field(default_factory=list)
+    transport_us_p50: float | None = None  # shm: commit (or the worker ready for it, if later) to inputs ready there
+    transport_us_p99: float | None = None
+    # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
+    host_us: float | None = None
+    host_schedule_us: float | None = None
+    host_pack_us: float | None = None
+    host_postprocess_us: float | None = None
+    # tp > 1: the decode graphs' all-reduces ran through symmetric memory (else the collective library)
+    fast_allreduce: bool = False
+
+
+@dataclass
+class ServePoint:
+    """One engine serving the configured workload (arrivals, concurrency, dataset), as ``run`` does."""
+
+    label: str
+    handoff: str
+    requests: int
+    requests_failed: int
+    request_rate: float
+    max_concurrency: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p99: float | None
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix cache / looked up
+
+
+def wants_serving(workload: WorkloadConfig) -> bool:
+    """Whether the workload describes traffic (arrivals, a concurrency cap or a dataset) worth serving."""
+    steady = 0 < workload.request_rate < math.inf
+    return steady or workload.max_concurrency > 0 or bool(workload.dataset)
+
+
+def serve(engine: Engine, workload: WorkloadConfig, label: str) -> ServePoint:
+    """Serve ``workload`` to the end through ``engine``; latency percentiles and throughput."""
+    from corelib.cli.run import drive
+
+    model = engine.startup.config.model
+    requests = build_workload(workload, model.vocab_size, model.eos_token_id, engine.tokenizer)
+    outputs: list[RequestOutput] = []
+
+    def keep(request: Request, output: RequestOutput) -> None:
+        outputs.append(output)
+
+    start = time.perf_counter()
+    drive(engine, requests, arrival_offsets(workload, len(requests)), workload.max_concurrency, keep)
+    wall = time.perf_counter() - start
+    ttft = [o.ttft_ms for o in outputs if o.ttft_ms is not None]
+    tpot = [o.tpot_ms for o in outputs if o.tpot_ms is not None]
+    return ServePoint(
+        label=label,
+        handoff="on" if engine.async_handoff else "off",
+        requests=len(outputs),
+        requests_failed=sum(1 for o in outputs if o.finish_reason == "error"),
+        request_rate=workload.request_rate,
+        max_concurrency=workload.max_concurrency,
+        wall_s=wall,
+        tokens_per_s=sum(len(o.output_token_ids) for o in outputs) / wall if wall > 0 else 0.0,
+        ttft_ms_p50=percentile(ttft, 50),
+        ttft_ms_p99=percentile(ttft, 99),
+        tpot_ms_p50=percentile(tpot, 50),
+        tpot_ms_p99=percentile(tpot, 99),
+        prefix_cache_hit_rate=engine.metrics(wall).get("prefix_cache_hit_rate"),
+    )
+
+
+def serve_table(points: list[ServePoint]) -> Table:
+    table = Table(title="corelib bench: the workload served (arrivals as configured)")
+    for column in ("engine", "requests (error)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "wall s",
+                   "prefix hits"):
+        table.add_column(column, justify="right")
+
+    def pair(low: float | None, high: float | None) -> str:
+        return "-" if low is None else f"{low:.2f}/{high or 0:.2f}"
+
+    for p in points:
+        hits = "-" if p.prefix_cache_hit_rate is None else f"{p.prefix_cache_hit_rate * 100:.1f} %"
+        table.add_row(p.label, f"{p.requests} ({p.requests_failed})", pair(p.ttft_ms_p50, p.ttft_ms_p99),
+                      pair(p.tpot_ms_p50, p.tpot_ms_p99), f"{p.tokens_per_s:.0f}", f"{p.wall_s:.2f}", hits)
+    return table
+
+
+def _overrides(cfg: DictConfig) -> list[str]:
+    """The overrides this bench was started with, minus the bench's own and hydra's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        task = list(HydraConfig.get().overrides.task)
+    except ValueError:
+        task = []
+    return [o for o in task if not o.startswith(("bench", "hydra.", "engine.async_token_handoff=", "engine.tp=",
+                                                   "engine.transport=", "engine.shm.materialization=",
+                                                   "engine.fused_ops=", "engine.pdl=", "engine.fast_allreduce="))]
+
+
+def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
+    """(median TPOT ms, output tokens/s) for one batch decoded to the end."""
+    vocab = engine.vocab_size
+    prompts = [[(seed * 7919 + i * 131 + j * 17) % (vocab - 2) + 2 for j in range(prompt_len)]
+               for i in range(batch_size)]
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, sampling)
+    wall = time.perf_counter() - start
+    tpots = [o.tpot_ms for o in outputs if o.tpot_ms is not None]
+    return statistics.median(tpots), batch_size * output_len / wall
+
+
+def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: Console) -> list[BenchPoint]:
+    spec = cfg.bench
+    base = _overrides(cfg)
+    backends = list(spec.backends) or [None]
+    points: list[BenchPoint] = []
+    served: list[ServePoint] = []
+    prompted: list[PromptPoint] = []
+    largest = max(spec.batch_sizes)
+    seen: set[tuple[object, ...]] = set()
+    devices: list[str] = []
+    for backend, fused, pdl, tp, allreduce_mode, requested, asked, handoff in itertools.product(
+        backends, spec.fused_ops, spec.pdl, spec.tp, spec.fast_allreduce, spec.transport, spec.materialization,
+        spec.handoff
+    ):
+        transport = "shm" if tp > 1 else requested  # ranks are worker processes fed over shm
+        materialization = asked if transport == "shm" else "auto"  # it only matters for shm
+        allreduce = allreduce_mode if tp > 1 else "auto"  # one rank: no all-reduce to choose
+        key = (backend, fused, pdl, tp, allreduce, transport, materialization, handoff)
+        if key in seen:
+            continue
+        seen.add(key)
+        overrides = [
+            *base,
+            *([f"backend={backend}"] if backend else []),
+            f"engine.tp={tp}",
+            f"engine.transport={transport}",
+            f"engine.shm.materialization={materialization}",
+            f"engine.async_token_handoff={handoff}",
+            f"engine.fused_ops={fused}",
+            f"engine.pdl={pdl}",
+            f"engine.fast_allreduce={allreduce}",
+            f"engine.max_num_seqs={max(largest, 1, *spec.prompt_counts)}",
+            f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, cfg.engine.max_num_batched_tokens)}",
+        ]
+        try:
+            startup = start(compose_config(overrides), registry)
+        except ConfigError as error:
+            say(console, f"bench: skipping {backend or 'default'}/{transport}/{materialization}/{handoff}: {error}")
+            continue
+        devices.extend(startup.messages)
+        ops = _ops_label(startup)
+        with Engine(startup) as engine:
+            label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp}{_allreduce_note(startup)} "
+                     f"{transport} {engine.materialization} handoff={handoff} ops={ops} pdl={_on(startup.options.pdl)}")
+            for batch_size in spec.batch_sizes:
+                _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
+                first_step = engine.stats().num_steps
+                repeats = [_measure(engine, batch_size, spec.prompt_len, spec.output_len, seed=2 + r)
+                           for r in range(spec.repeats)]
+                stats = engine.stats(since_step=first_step)
+                device, steps = stats.device, stats.steps
+                transport_us = [s.transport_us for s in steps if s.transport_us is not None]
+                host = [s.host for s in steps if s.host is not None and s.kind.value == "decode"]
+                tpot = statistics.median(r[0] for r in repeats)
+                point = BenchPoint(
+                    backend=startup.spec.backend,
+                    runtime=startup.spec.runtime.value,
+                    tp=tp,
+                    transport=transport,
+                    materialization=engine.materialization,
+                    handoff="on" if engine.async_handoff else "off",
+                    batch_size=batch_size,
+                    tpot_ms=tpot,
+                    ops=ops,
+                    pdl=startup.options.pdl,
+                    tokens_per_s=statistics.median(r[1] for r in repeats),
+                    occupancy=device["occupancy"],
+                    idle_gap_median_us=device["idle_gap_median_us"],
+                    decode_steps=sum(1 for s in steps if s.kind.value == "decode"),
+                    steps_async=sum(1 for s in steps if s.path == "async"),
+                    repeats_tpot_ms=[r[0] for r in repeats],
+                    transport_us_p50=percentile(transport_us, 50),
+                    transport_us_p99=percentile(transport_us, 99),
+                    host_us=percentile([h.total_us for h in host], 50),
+                    host_schedule_us=percentile([h.schedule_us for h in host], 50),
+                    host_pack_us=percentile([h.pack_us for h in host], 50),
+                    host_postprocess_us=percentile([h.postprocess_us for h in host], 50),
+                    fast_allreduce=startup.options.fast_allreduce,
+                )
+                points.append(point)
+                say(console, f"bench {label} bs={batch_size}: TPOT {tpot:.3f} ms{_host_note(point)}"
+                             f"{_transport_note(point)}")
+            for length, count in itertools.product(spec.prompt_lens, spec.prompt_counts):
+                if length >= startup.config.model.max_model_len:
+                    say(console, f"bench: skipping {count} x {length} prompt tokens: model.max_model_len="
+                                 f"{startup.config.model.max_model_len} leaves no room for a new token")
+                    continue
+                prompted.append(measure_prompts(engine, label, length, count, spec.repeats))
+                say(console, f"bench {label}: {count} x {length} prompt tokens, first tokens in "
+                             f"{prompted[-1].ttft_ms:.2f} ms")
+            if wants_serving(startup.config.workload):
+                served.append(serve(engine, startup.config.workload, label))
+                say(console, f"bench {label}: served the workload in {served[-1].wall_s:.2f} s")
+    show(console, bench_table(points))
+    if prompted:
+        show(console, prompt_table(prompted))
+    if served:
+        show(console, serve_table(served))
+    payload = {
+        "machine": _machine(devices),
+        "overrides": base,
+        "bench": {k: list(v) if isinstance(v, list | tuple) else v for k, v in dict(spec).items()},
+        "points": [asdict(p) for p in points],
+        "ratios": ratios(points),
+        "served": [asdict(p) for p in served],
+        "prompts": [asdict(p) for p in prompted],
+    }
+    run_dir.write_file("bench.json", json.dumps(payload, indent=2, default=str) + "\n")
+    say(console, f"wrote {run_dir.path / 'bench.json'}")
+    return points
+
+
+def _host_note(point: BenchPoint) -> str:
+    """The scheduler side's work per decode step (schedule + pack + post-process)."""
+    if point.host_us is None:
+        return ""
+    return (f", host {point.host_us:.0f} µs/step (schedule {point.host_schedule_us or 0:.0f}, pack "
+            f"{point.host_pack_us or 0:.0f}, post-process {point.host_postprocess_us or 0:.0f})")
+
+
+def _transport_note(point: BenchPoint) -> str:
+    """The SHM hop (producer commit to inputs staged in the worker), where there is one."""
+    if point.transport_us_p50 is None:
+        return ""
+    return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
+
+
+def _allreduce_note(startup: Startup) -> str:
+    """tp > 1: which all-reduce the graphs run (symmetric memory, or the collective library)."""
+    if startup.options.tp < 2:
+        return ""
+    return " symm" if startup.options.fast_allreduce else " lib"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _ops_label(startup: Startup) -> str:
+    fused = startup.options.fused_ops
+    provider = startup.backend.op_provider()
+    return "reference" if not fused or provider is None else provider.name
+
+
+def ratios(points: list[BenchPoint]) -> list[dict[str, Any]]:
+    """Async/sync TPOT at equal everything else, from the same run."""
+    out = []
+    index = {(p.backend, p.ops, p.pdl, p.tp, p.fast_allreduce, p.transport, p.materialization, p.handoff,
+              p.batch_size): p for p in points}
+    for (backend, ops, pdl, tp, symm, transport, materialization, handoff, batch_size), point in index.items():
+        if handoff != "on":
+            continue
+        sync = index.get((backend, ops, pdl, tp, symm, transport, materialization, "off", batch_size))
+        if sync is not None:
+            out.append({"backend": backend, "ops": ops, "pdl": pdl, "tp": tp, "fast_allreduce": symm,
+                        "transport": transport, "materialization": materialization, "batch_size": batch_size,
+                        "async_over_sync_tpot": point.tpot_ms / sync.tpot_ms})
+    return out
+
+
+def bench_table(points: list[BenchPoint]) -> Table:
+    table = Table(title="corelib bench (one process, side by side)")
+    for column in ("backend", "ops", "pdl", "tp", "transport", "mat.", "handoff", "bs", "TPOT ms", "tok/s",
+                   "occupancy", "gap µs", "host µs/step", "xport µs p50/p99", "async/sync"):
+        table.add_column(column, justify="right")
+    ratio = {(r["backend"], r["ops"], r["pdl"], r["tp"], r["fast_allreduce"], r["transport"], r["materialization"],
+              r["batch_size"]): r["async_over_sync_tpot"] for r in ratios(points)}
+    for p in points:
+        key = (p.backend, p.ops, p.pdl, p.tp, p.fast_allreduce, p.transport, p.materialization, p.batch_size)
+        r = ratio.get(key) if p.handoff == "on" else None
+        xport = "-" if p.transport_us_p50 is None else f"{p.transport_us_p50:.0f}/{p.transport_us_p99 or 0:.0f}"
+        table.add_row(
+            f"{p.backend}/{p.runtime}", p.ops, _on(p.pdl),
+            str(p.tp) + ("" if p.tp < 2 else " symm" if p.fast_allreduce else " lib"), p.transport,
+            p.materialization, p.handoff,
+            str(p.batch_size),
+            f"{p.tpot_ms:.3f}", f"{p.tokens_per_s:.0f}",
+            "-" if p.occupancy is None else f"{100 * p.occupancy:.1f} %",
+            "-" if p.idle_gap_median_us is None else f"{p.idle_gap_median_us:.1f}",
+            "-" if p.host_us is None else f"{p.host_us:.0f}",
+            xport,
+            "-" if r is None else f"{r:.3f}",
+        )
+    return table
+
+
+def _machine(devices: list[str]) -> dict[str, Any]:
+    """Where the figures come from: the host, torch, and what each backend said about its device."""
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "devices": sorted(set(devices)),
+    }
