@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from corelib.config.features import Plan, Requirement, failing_step_requirements
 from corelib.config.schema import CorelibConfig, GraphCapture, Transport
-from corelib.ops.spec import OpProvider
-from corelib.platform.device import Capabilities
 
 if TYPE_CHECKING:
     from corelib.engine.sequence import Sequence as Seq
+    from corelib.ops.spec import OpProvider
+    from corelib.platform.device import Capabilities
 
 
 class Staging(str, enum.Enum):

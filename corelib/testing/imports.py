@@ -1,14 +1,19 @@
-"""The import graph of a package, read from its source, and the cycles in it (a test facility).
+"""The import graph of a package, read from its source, its cycles, and its layers (a test facility).
 
 An import inside a function counts (a lazy import that dodges a cycle is still a cycle); one
 under ``if TYPE_CHECKING:`` does not. ``from pkg.mod import name`` depends on ``pkg.mod``;
 ``from pkg import name`` depends on ``pkg`` itself (its ``__init__``), and on ``pkg.name`` too
 when that is a module.
+
+The same graph, folded by :func:`unit_graph` into the package's units (each subpackage of the
+top package, each module at its root, and the root ``__init__``), is what :func:`layer_violations`
+holds against an ordered list of layers: a unit may import its own layer and those below it.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from pathlib import Path
 
 Graph = dict[str, set[str]]
@@ -116,3 +121,30 @@ def import_cycles(graph: Graph) -> list[list[str]]:
         if node not in index:
             visit(node)
     return sorted(cycles)
+
+
+def unit_of(module: str) -> str:
+    """The unit a module belongs to: ``pkg.sub`` for anything in subpackage ``sub``, ``pkg.mod`` for a root module,
+    ``pkg`` for the root ``__init__``."""
+    return ".".join(module.split(".")[:2])
+
+
+def unit_graph(graph: Graph) -> dict[tuple[str, str], set[str]]:
+    """Each import between two units -> the module imports that make it (``"a.b -> c.d"``)."""
+    edges: dict[tuple[str, str], set[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            pair = (unit_of(module), unit_of(target))
+            if pair[0] != pair[1]:
+                edges.setdefault(pair, set()).add(f"{module} -> {target}")
+    return edges
+
+
+def layer_violations(graph: Graph, layers: Sequence[Sequence[str]]) -> list[str]:
+    """Every import that goes up the ``layers`` (listed top first), and every unit with no layer (sorted)."""
+    rank = {unit: depth for depth, layer in enumerate(layers) for unit in layer}
+    found = [f"{unit} has no layer" for unit in sorted({unit_of(module) for module in graph} - rank.keys())]
+    for (importer, imported), imports in sorted(unit_graph(graph).items()):
+        if importer in rank and imported in rank and rank[imported] < rank[importer]:
+            found.append(f"{importer} imports {imported}, a layer above it: {'; '.join(sorted(imports))}")
+    return found
