@@ -281,7 +281,7 @@ class PluginRegistry:
                 if not isinstance(backend, Backend):
                     raise TypeError(
                         f"hook corelib_backends returned a {type(backend).__name__}; "
-                        "expected instances of corelib.platform.backend.Backend"
+                        "expected instances of corelib.backend.Backend"
                     )
             architectures = [a for result in self._call(record.name, "corelib_models") for a in result]
             gates = self._gates_of(record.name)

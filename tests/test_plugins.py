@@ -97,7 +97,7 @@ def test_one_distribution_seen_twice_is_one_plugin() -> None:
     [
         ("misspelled_hook", "corelib_backend"),
         ("no_backends", "provides no backend"),
-        ("wrong_type", "hook corelib_backends returned a str; expected instances of corelib.platform.backend.Backend"),
+        ("wrong_type", "hook corelib_backends returned a str; expected instances of corelib.backend.Backend"),
         ("foreign_config", "config for backend 'somebody_else', which the plugin does not provide"),
     ],
 )

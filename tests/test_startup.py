@@ -54,7 +54,7 @@ def _start(overrides: Sequence[str], registry: PluginRegistry | None = None) -> 
 
 
 def test_auto_falls_back_to_cpu_in_one_short_sentence_and_logs_why(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="corelib.startup.start"):
+    with caplog.at_level(logging.INFO, logger="corelib.startup"):
         startup = _start([])
     assert startup.spec.backend == "cpu"
     assert startup.raw.backend.name == "cpu"
@@ -143,7 +143,7 @@ def test_auto_says_why_a_candidate_plugin_is_not_there(
 ) -> None:
     monkeypatch.setenv("CORELIB_BLOCK_PLUGINS", "mlu")
     registry = _builtin_registry(without="cuda")
-    with caplog.at_level(logging.INFO, logger="corelib.startup.start"):
+    with caplog.at_level(logging.INFO, logger="corelib.startup"):
         _start([], registry)
     assert "cuda: no plugin installed" in caplog.text
     assert "mlu: plugin blocked (blocked by CORELIB_BLOCK_PLUGINS)" in caplog.text

@@ -28,7 +28,7 @@ from corelib.startup.limits import check_limits, check_memory
 if TYPE_CHECKING:
     from corelib.config.options import EngineOptions
 
-log = logging.getLogger("corelib.startup.start")
+log = logging.getLogger("corelib.startup")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from rich.console import Console, RenderableType
 from rich.progress import BarColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-log = logging.getLogger("corelib.support.progress")
+log = logging.getLogger("corelib.progress")
 console_log = logging.getLogger("corelib.console")
 
 T = TypeVar("T")

@@ -93,6 +93,7 @@ class GatedSteps:
     def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
         self._note("wait")
         self.waiting.setdefault(handle.step_id, threading.Event()).set()
+        assert handle.event is not None  # submit gives every step its gate
         handle.event.synchronize(timeout)
 
     def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:

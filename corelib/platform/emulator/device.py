@@ -19,7 +19,7 @@ from corelib.platform.emulator.stream_thread import Marker, RecordOp, StreamThre
 from corelib.platform.graph import Graph
 from corelib.platform.memory import HostRegistration, MemoryKind, MemoryLedger
 
-log = logging.getLogger("corelib.platform.emulator")
+log = logging.getLogger("corelib.emulator")
 INTERRUPT_GRACE_S = 0.2  # how long an interrupted close waits for a running closure
 
 if TYPE_CHECKING:
