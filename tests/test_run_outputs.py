@@ -57,10 +57,10 @@ def test_a_disk_that_fills_mid_line_leaves_whole_lines_and_names_the_file(
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (needs root, as in CI); skipped where it cannot be mounted."""
+    """A 128 KiB tmpfs (needs root, as in CI); skipped where it cannot be mounted."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount)], capture_output=True,
                           check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip() or done.returncode}")
