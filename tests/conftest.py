@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.core.config_store import ConfigStore
 from support import HERMETIC_VARIABLES, PLUGIN_FIXTURES, Cli, CliResult, EngineFactory, run_python
 
@@ -18,6 +20,15 @@ from corelib.transport import segment
 # SIG_IGN, is not inherited across exec.)
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# pytest-xdist runs a test process per core: each one's torch gets its share of the cores, not all
+# of them. With every test process's thread pool as wide as the machine, the pools of two processes
+# on two cores wait for each other at every op's barrier, and the in-process engine runs and the
+# reference's forwards take several times the CPU. Processes the tests start (CLI runs, SHM
+# workers, servers) keep torch's own choice, as a user's would.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
 @pytest.fixture

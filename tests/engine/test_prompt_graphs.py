@@ -56,15 +56,20 @@ def tokens_of(engine: Engine, work: list[tuple[list[int], SamplingParams]]) -> l
     return [outputs[str(i)] for i in range(len(work))]
 
 
+@pytest.fixture(scope="module")
+def eager() -> list[list[int]]:
+    """The workload's tokens with every step run eagerly, in process: what either transport's graphs must give."""
+    with Engine.from_overrides([*EMULATED, "engine.mixed_graphs=off"]) as engine:
+        return tokens_of(engine, requests())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["inproc", "shm"])
 def test_padded_steps_give_the_tokens_of_eager_steps_in_every_bucket(make_engine: EngineFactory,
-                                                                       transport: str) -> None:
+                                                                       eager: list[list[int]], transport: str) -> None:
     shm = ["engine.transport=shm", "engine.shm.materialization=ordered"] if transport == "shm" else []
-    work = requests()
-    eager = tokens_of(make_engine([*EMULATED, *shm, "engine.mixed_graphs=off"]), work)
     engine = make_engine([*EMULATED, *shm, "engine.mixed_graphs=on"])
-    assert tokens_of(engine, work) == eager
+    assert tokens_of(engine, requests()) == eager
     summary = engine.metrics(1.0)
     assert summary["graph_steps"] == summary["steps"] > summary["steps_decode"] > 0, "every step replayed a graph"
     if transport == "inproc":
