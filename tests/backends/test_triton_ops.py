@@ -120,6 +120,7 @@ def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tu
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "hybrid"])
 @pytest.mark.slow
+@pytest.mark.long  # a whole decode step in Triton's CPU interpreter (the op conformance suite checks each op)
 def test_a_decode_step_through_the_triton_ops_gives_the_reference_logits(op_target: OpTarget,
                                                                          architecture: str) -> None:
     cfg = compose_config(["model=tiny" if architecture != "hybrid" else "model=hybrid-tiny",

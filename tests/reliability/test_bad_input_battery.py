@@ -243,8 +243,18 @@ TABLE: list[tuple[str, str, Case]] = [
                                                     poke=_poke("seq", TARGET_FRAME - 1))),
 ]
 # A config case runs the CLI and a frame case starts an SHM worker: a second or more each.
-PARAMS = [pytest.param(kind, case, id=f"{n:02d}-{kind}-{name}",
-                       marks=[pytest.mark.slow] if kind in ("config", "frame") else [])
+FRAMES_IN_THE_DEFAULT_RUN = 3  # each frame case starts and kills a worker: the rest run with the long checks
+
+
+def _marks(kind: str, name: str) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.slow] if kind in ("config", "frame") else []
+    frames = [n for k, n, _ in TABLE if k == "frame"]
+    if kind == "frame" and frames.index(name) >= FRAMES_IN_THE_DEFAULT_RUN:
+        marks.append(pytest.mark.long)
+    return marks
+
+
+PARAMS = [pytest.param(kind, case, id=f"{n:02d}-{kind}-{name}", marks=_marks(kind, name))
           for n, (kind, name, case) in enumerate(TABLE, 1)]
 
 

@@ -147,9 +147,10 @@ def test_beyond_running_and_waiting_a_request_is_429_and_served_once_there_is_ro
 @pytest.mark.parametrize(
     ("override", "fragment"),
     [("server.port=70000", "server.port=70000: must be in [0, 65535]"),
-     ("server.max_waiting=-1", "server.max_waiting=-1: must be >= 0"),
-     ("server.log_level=loud", "server.log_level"),
-     ("server.bench.endpoint=chatty", "server.bench.endpoint")],
+     # each reads the plugin catalog in a fresh interpreter: one in the default run, the rest with the long checks
+     pytest.param("server.max_waiting=-1", "server.max_waiting=-1: must be >= 0", marks=pytest.mark.long),
+     pytest.param("server.log_level=loud", "server.log_level", marks=pytest.mark.long),
+     pytest.param("server.bench.endpoint=chatty", "server.bench.endpoint", marks=pytest.mark.long)],
 )
 @pytest.mark.slow
 def test_a_bad_server_setting_is_one_line_naming_the_key(
