@@ -149,6 +149,7 @@ def test_an_engine_on_device_drawn_weights_matches_the_reference(make_engine: En
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two ranks, each a process importing torch
 def test_tp2_on_device_drawn_weights_gives_the_tokens_of_tp1() -> None:
     prompts = [[5, 6, 7], list(range(10, 40)), [3, 4]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -22,7 +22,8 @@ from server.test_server_errors import error_of
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("key", ["", "  ", "key\n", " key"])
+@pytest.mark.parametrize("key", ["", "  ", pytest.param("key\n", marks=pytest.mark.long),  # each: a server
+                                 pytest.param(" key", marks=pytest.mark.long)])  # start; two with the long checks
 def test_an_empty_or_broken_api_key_never_means_no_authentication(cli: Cli, key: str) -> None:
     # CORELIB_API_KEY=$(cat key.txt) with key.txt missing sets the variable to "".
     result = cli("serve", "backend=cpu", "server.port=0", env={"CORELIB_API_KEY": key})

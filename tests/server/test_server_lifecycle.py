@@ -93,7 +93,8 @@ def test_stopping_lets_a_running_request_finish_within_the_grace_period(override
     assert not running._thread.is_alive()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.long)],  # streamed: long checks
+                         ids=["whole", "streamed"])
 def test_an_engine_failure_ends_the_request_with_it_and_the_server_says_so(
     overrides: list[str], stream: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -129,8 +130,8 @@ def healthy(url: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize(("stop", "code", "said"), [
     ("sigterm", 128 + signal.SIGTERM, "corelib: terminated (SIGTERM)"),  # a service manager: the main process
-    ("ctrl-c", 130, "corelib: interrupted"),  # a terminal: the whole group, the engine process too
-], ids=["sigterm", "ctrl-c"])
+    pytest.param("ctrl-c", 130, "corelib: interrupted", marks=pytest.mark.long),  # a terminal: the whole group,
+], ids=["sigterm", "ctrl-c"])  # the engine process too (a serve process each: the second with the long checks)
 def test_a_stop_signal_aborts_what_runs_with_a_reason_and_ends_the_engine_process(
     tmp_path: Path, stop: str, code: int, said: str
 ) -> None:
