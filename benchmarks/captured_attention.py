@@ -1,10 +1,10 @@
 """The attention of a captured step with prompt tokens, by tile configuration, against the eager kernels.
 
-One step of ``--decoders`` decode rows (contexts of ``--decode-context``) and one chunk of
-``--chunk`` queries at the end of a ``--context``-token prompt, padded to ``--bucket`` tokens and
-``--rows`` rows, small-0.6b's heads (16 query, 8 KV, 128 wide), bf16. Each configuration is
-checked against the eager kernels' output, then timed with device events over ``--repeats``
-calls captured in one graph (the kernel compiled and warm first; the host's launches left out).
+Each scenario (``SCENARIOS``) is one step: decode rows and one chunk of queries at the end of a
+prompt, padded to a token bucket and a number of row slots, small-0.6b's heads (16 query, 8 KV,
+128 wide), bf16. Each configuration (query tile, key tile, warps, stages, key splits) is checked
+against the eager kernels' output, then timed with device events over ``--repeats`` calls captured
+in one graph (the kernel compiled and warm first; the host's launches left out).
 
     python3 benchmarks/captured_attention.py --out captured.json
 """
@@ -14,71 +14,100 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from corelib_cuda.triton_ops import paged_attention as kernels
 
 from corelib.ops import PagedAttention
 
+#: name: (decoders, decode context, chunk queries, chunk context, bucket tokens, row slots)
+SCENARIOS = {
+    "mixed": (32, 300, 512, 1500, 576, 40),  # 32 decode rows beside a 512-token chunk of a 1,500-token prompt
+    "mixed-long": (32, 2000, 512, 1500, 576, 40),  # the same beside decoders 2,000 tokens in
+    "prompt-500": (0, 0, 500, 500, 512, 8),  # one 500-token prompt
+    "prompt-2000": (0, 0, 2000, 2000, 2048, 8),  # one 2,000-token prompt
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--decoders", type=int, default=32)
-    parser.add_argument("--decode-context", type=int, default=300)
-    parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--context", type=int, default=1500)
-    parser.add_argument("--bucket", type=int, default=576)
-    parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--block-m", type=int, nargs="*", default=[32, 64, 128])
+    parser.add_argument("--block-n", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--warps", type=int, nargs="*", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="*", default=[2])
+    parser.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--decode-rows", type=int, nargs="*", default=[0, 1],
+                        help="1: rows of one query by the flash-decoding kernel")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    results: dict[str, dict[str, float]] = {}
+    configs = list(itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.splits,
+                                     args.decode_rows))
+    for scenario in args.scenarios:
+        results[scenario] = sweep(SCENARIOS[scenario], configs, args.repeats)
+        best = sorted(results[scenario].items(), key=lambda item: item[1])
+        print(f"== {scenario}: " + ", ".join(f"{name} {us:.1f}" for name, us in best[:6]))
+        for name, us in best:
+            if name.startswith("eager") or name.startswith("default"):
+                print(f"   {name}: {us:.1f} µs")
+    names = sorted({name for table in results.values() for name in table})
+    print(f"{'configuration':>34} " + " ".join(f"{s:>12}" for s in args.scenarios))
+    for name in sorted(names, key=lambda n: sum(results[s].get(n, 1e9) for s in args.scenarios)):
+        print(f"{name:>34} " + " ".join(f"{results[s].get(name, float('nan')):12.1f}" for s in args.scenarios))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(results, handle, indent=1)
+
+
+def sweep(scenario: tuple[int, ...], configs: Sequence[tuple[int, ...]], repeats: int) -> dict[str, float]:
+    """µs per call of each configuration on one step (nan: wrong output), the eager kernels and the default."""
+    decoders, decode_context, chunk, context, bucket, rows = scenario
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 16, 8, 128, 16
-    lengths = [args.decode_context] * args.decoders + [args.context]
-    queries = [1] * args.decoders + [args.chunk]
+    lengths = [decode_context] * decoders + [context]
+    queries = [1] * decoders + [chunk]
     width = -(-max(lengths) // block) + 1
-    blocks = args.rows * width + 1
+    blocks = rows * width + 1
     k_cache = torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    tables = torch.zeros(args.rows, width, dtype=torch.int32, device="cuda")
+    tables = torch.zeros(rows, width, dtype=torch.int32, device="cuda")
     for row, length in enumerate(lengths):
         tables[row, : -(-length // block)] = torch.arange(1 + row * width, 1 + row * width + -(-length // block))
-    seq_lens = torch.tensor(lengths + [1] * (args.rows - len(lengths)), device="cuda")
+    seq_lens = torch.tensor(lengths + [1] * (rows - len(lengths)), device="cuda")
     ends = list(itertools.accumulate(queries))
-    starts = torch.tensor([0, *ends, *[ends[-1]] * (args.rows - len(lengths))], device="cuda")
-    q = torch.randn(args.bucket, heads, dim, device="cuda", dtype=torch.bfloat16)
-    captured = PagedAttention(tables, seq_lens, block, starts, args.bucket, 0, captured=True)
+    starts = torch.tensor([0, *ends, *[ends[-1]] * (rows - len(lengths))], device="cuda")
+    q = torch.randn(bucket, heads, dim, device="cuda", dtype=torch.bfloat16)
+    captured = PagedAttention(tables, seq_lens, block, starts, bucket, 0, captured=True)
     total = ends[-1]
     eager = PagedAttention(tables[: len(lengths)], seq_lens[: len(lengths)], block, starts[: len(lengths) + 1],
-                           args.chunk, args.decoders)
+                           chunk, decoders)
     scale = dim**-0.5
     expected = kernels.paged_attention(q[:total], k_cache, v_cache, eager, scale)
     results = {"eager (decode kernel + chunk kernel)": timed(
-        lambda: kernels.paged_attention(q[:total], k_cache, v_cache, eager, scale), args.repeats)}
+        lambda: kernels.paged_attention(q[:total], k_cache, v_cache, eager, scale), repeats),
+        "default": timed(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)}
     default = kernels.captured_config
     try:
-        for block_m, block_n, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
-            config = kernels.CapturedConfig(block_m, block_m // 2, block_n, dim, warps, stages)
-            setattr(kernels, "captured_config", lambda group, head_dim, c=config: c)  # noqa: B010 - a sweep's stand-in
-            name = f"captured m{block_m} n{block_n} w{warps} s{stages}"
+        for block_m, block_n, warps, stages, splits, decode_rows in configs:
+            config = kernels.CapturedConfig(block_m, block_m // 2, block_n, dim, warps, stages, splits,
+                                            bool(decode_rows))
+            setattr(kernels, "captured_config", lambda *_, c=config: c)  # noqa: B010 - a sweep's stand-in
+            name = f"m{block_m} n{block_n} w{warps} s{stages} k{splits}" + (" +decode" if decode_rows else "")
             try:
                 out = kernels.paged_attention(q, k_cache, v_cache, captured, scale)
                 error = float((out[:total].float() - expected.float()).abs().max())
                 if error > 5e-2 or out[total:].abs().max() != 0:
                     results[name] = float("nan")
                     continue
-                results[name] = timed(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale),
-                                      args.repeats)
+                results[name] = timed(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)
             except Exception as failure:  # noqa: BLE001 - a configuration that does not compile is reported
                 print(f"{name}: {type(failure).__name__}: {str(failure)[:120]}")
     finally:
         setattr(kernels, "captured_config", default)  # noqa: B010
-    for name, us in sorted(results.items(), key=lambda item: item[1]):
-        print(f"{name:>44}: {us:8.1f} µs")
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=1)
+    return results
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

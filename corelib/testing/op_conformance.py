@@ -133,6 +133,10 @@ CAPTURED_CASES = [
     CapturedChunkCase(F32, 1, 64, 16, 48, 8, (((7, 1), (8, 1), (9, 1), (0, 40)), ((1500, 16), (0, 30)))),
     CapturedChunkCase(BF16, 8, 128, 16, 96, 3, (((700, 1), (17, 64), (64, 31)), ((0, 1),))),
 ]
+# A large bucket: the wide query tiles split over their keys (captured_config), decode rows beside chunks.
+CAPTURED_SWEEP = [
+    CapturedChunkCase(BF16, 2, 128, 16, 1024, 6, (((300, 1), (0, 700), (20, 1), (1100, 300)), ((5, 1), (0, 1000)))),
+]
 CHUNK_SWEEP = [ChunkCase(d, g, hd, bs, ((0, 1), (bs - 1, 2), (bs, bs), (bs + 1, 130), (3 * bs, 1), (0, 300)))
                for d, g, hd, bs in _GEOMETRY[1::2]]
 ROPE_CASES = [RopeCase(F32, 5, 2, 64, 16), RopeCase(BF16, 3, 2, 128, 32, kv_heads=8), RopeCase(F32, 1, 8, 128, 16)]
@@ -289,7 +293,7 @@ def test_rope_kv_write_matches_reference(op_target: OpTarget, case: RopeCase) ->
 
 
 @pytest.mark.parametrize("case", _params([*DECODE_CASES, *CHUNK_CASES, *CAPTURED_CASES],
-                                         [*DECODE_SWEEP, *CHUNK_SWEEP]))
+                                         [*DECODE_SWEEP, *CHUNK_SWEEP, *CAPTURED_SWEEP]))
 def test_paged_attention_matches_reference(op_target: OpTarget,
                                            case: DecodeCase | ChunkCase | CapturedChunkCase) -> None:
     _check(op_target, "paged_attention", case, _paged)
@@ -364,7 +368,7 @@ def test_op_replays_in_a_graph_on_new_inputs(op_target: OpTarget, op: str) -> No
     _replay_on_new_inputs(op_target, op, GRAPH_CASES[op])
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CAPTURED_CASES])
+@pytest.mark.parametrize("case", _params(CAPTURED_CASES, CAPTURED_SWEEP))
 def test_a_captured_step_replays_on_a_step_of_other_query_lengths(op_target: OpTarget,
                                                                    case: CapturedChunkCase) -> None:
     _replay_on_new_inputs(op_target, "paged_attention", case)

@@ -29,6 +29,7 @@ from corelib_cpu.device import CpuBackend
 from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps
 from corelib_cuda.triton_ops import linear as projections
+from corelib_cuda.triton_ops import paged_attention as attention
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import decode_config
 from omegaconf import OmegaConf
@@ -56,7 +57,14 @@ from corelib.testing.op_cases import (
     NormQkvCase,
 )
 from corelib.testing.op_conformance import *  # noqa: F403
-from corelib.testing.op_conformance import CALLS, DECODE_CASES, DECODE_SWEEP, OpTarget, assert_matches
+from corelib.testing.op_conformance import (
+    CALLS,
+    CAPTURED_CASES,
+    DECODE_CASES,
+    DECODE_SWEEP,
+    OpTarget,
+    assert_matches,
+)
 
 
 def _cpu() -> Device:
@@ -177,3 +185,19 @@ def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))
     for a, e in zip(actual, expected, strict=True):
         assert_matches(a, e, f"{op} on the tensor-core kernel", getattr(case, "tolerance_dtype", None))
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_a_captured_step_split_over_its_keys_matches_the_reference(op_target: OpTarget, splits: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each query block's keys shared among programs, merged by their log-sum-exp: forced here on the captured
+    # steps whose rows reach past one key tile (contexts of 1,500 and 700 tokens), padding tokens included.
+    chosen = attention.captured_config
+    monkeypatch.setattr(attention, "captured_config", lambda *shape: chosen(*shape)._replace(splits=splits))
+    call = CALLS["paged_attention"]
+    for case in CAPTURED_CASES[2:]:
+        for seed in (0, 1):  # each case's two steps
+            actual = call(op_target.ops, case.build(seed, torch.device("cpu")))
+            expected = call(reference_ops(), case.build(seed, torch.device("cpu")))
+            for a, e in zip(actual, expected, strict=True):
+                assert_matches(a, e, f"a captured step in {splits} key splits, step {seed}")

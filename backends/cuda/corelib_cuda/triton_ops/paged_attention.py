@@ -16,6 +16,10 @@ heads (one tile for the whole group, so each key tile is read once for all of th
 finds its row by a binary search over the rows' first blocks (row i's are from
 query_start[i] // BLOCK_Q + i: a row never needs more than that bound), and exits when its block
 is past the row's queries; the blocks past every row write 0 for the tokens that belong to none.
+The rows of one query are left to the flash-decoding kernel, launched over all B rows after this
+one (``ROW_TOKENS``: a row of any other query count exits there), so that they are split over their
+context. A large bucket also splits each query block's keys among SPLITS programs, whose partial
+results are merged by their log-sum-exp (``captured_config``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,12 @@ from corelib_cuda.triton_ops.common import (
     next_power_of_2,
     upcast_in_kernel,
 )
-from corelib_cuda.triton_ops.decode_attention import load_kv_tile, paged_decode_attention
+from corelib_cuda.triton_ops.decode_attention import (
+    launch_decode,
+    load_kv_tile,
+    merge_partials,
+    paged_decode_attention,
+)
 
 _OP = "paged_attention"
 
@@ -108,13 +117,15 @@ def _block_row(qs_ptr, pid, num_rows, BLOCK_Q: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_rows", "num_tokens"])
 def _captured_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, scale, block_size, num_rows, num_tokens,
-    q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale, block_size,
+    num_rows, num_tokens, q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     row = _block_row(qs_ptr, pid, num_rows, BLOCK_Q)
     start = tl.load(qs_ptr + row)
     local = pid - (start // BLOCK_Q + row)  # this program's block among its row's
@@ -126,14 +137,24 @@ def _captured_kernel(
     d_ok = d < HEAD_DIM
     token = start + j  # int64: the query's index among the step's tokens
     heads = tl.num_programs(1) * GROUP
-    out_at = out_ptr + (token * heads + head)[:, None] * HEAD_DIM + d[None, :]
+    out_row = token * heads + head  # a row of the output [T * nh, hd]
     if row == num_rows:  # past every row: the padding tokens' output is 0
         tail = m_ok & (token < num_tokens)
-        tl.store(out_at, tl.zeros([BLOCK_M, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=tail[:, None] & d_ok[None, :])
+        zeros = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        if SPLITS == 1:
+            tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], zeros.to(out_ptr.dtype.element_ty),
+                     mask=tail[:, None] & d_ok[None, :])
+        else:  # a zero partial of weight 1 in split 0, none in the others
+            part_row = out_row * SPLITS + split
+            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], zeros,
+                     mask=tail[:, None] & d_ok[None, :])
+            weight = tl.where(split == 0, 0.0, float("-inf")) + tl.zeros([BLOCK_M], tl.float32)
+            tl.store(part_lse_ptr + part_row, weight, mask=tail)
         return
     queries = tl.load(qs_ptr + row + 1) - start
     if local * BLOCK_Q >= queries:
+        return
+    if SKIP_SINGLE and queries == 1:  # a row of one query: the flash-decoding kernel's
         return
     seq_len = tl.load(sl_ptr + row)
     q_ok = m_ok & (j < queries)
@@ -148,20 +169,36 @@ def _captured_kernel(
     table = bt_ptr + row.to(tl.int64) * bt_s0
     # Keys up to the block's last live query: causal, so later keys are never read.
     end = (seq_len - queries + tl.minimum((local + 1) * BLOCK_Q, queries)).to(tl.int32)
-    for key_first in range(0, end, BLOCK_N):
+    # This split's share of them, in whole key tiles; split 0 holds key 0, which every query sees.
+    per_split = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+    first_key = split * per_split
+    last_key = tl.minimum(first_key + per_split, end)
+    for key_first in range(first_key, last_key, BLOCK_N):
         pos = key_first + tl.arange(0, BLOCK_N)
-        live = pos < end
+        live = pos < last_key
         k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
                             kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_use = m_new
+        if SPLITS > 1:  # a later split's first tiles can hold no key an early query sees: all -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    tl.store(out_at, acc / l_i[:, None], mask=q_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
+                 mask=q_ok[:, None] & d_ok[None, :])
+    else:  # partials [T, nh, SPLITS, (hd | 1)], merged by their log-sum-exp; an empty share weighs 0
+        empty = l_i == 0.0
+        part_row = out_row * SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
+                 mask=q_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + part_row, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))),
+                 mask=q_ok)
 
 
 class CapturedConfig(NamedTuple):
@@ -171,17 +208,35 @@ class CapturedConfig(NamedTuple):
     dim_pad: int
     warps: int
     stages: int = 3
+    splits: int = 1  # programs per query block, each over a share of its keys, merged after (a power of 2)
+    decode_rows: bool = False  # the rows of one query by the flash-decoding kernel, split over their context
 
 
-@functools.lru_cache(maxsize=16)
-def captured_config(group: int, head_dim: int) -> CapturedConfig:
-    """The captured step's tiles: 32 rows (or the group, if larger) of queries times heads, 128 keys, 4 warps,
-    2 stages: the fastest of 36 configurations on an H200 for 32 decode rows beside a 512-token chunk at a
-    1,500-token context, 16 query and 8 KV heads of 128 (benchmarks/captured_attention.py); 32 keys past
-    128-wide heads, for shared memory."""
-    block_m = max(32, next_power_of_2(group))
+#: from this many token slots a bucket takes the large query tiles, split over their keys
+LARGE_BUCKET = 1024
+
+
+@functools.lru_cache(maxsize=64)
+def captured_config(group: int, head_dim: int, tokens: int = 0, rows: int = 0) -> CapturedConfig:
+    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots), measured on an H200
+    with small-0.6b's heads (16 query, 8 KV, 128 wide; benchmarks/captured_attention.py, every scenario):
+
+    - the rows of one query go to the flash-decoding kernel (split over their context), the others to this
+      kernel: 75 against 90 µs for 32 decode rows beside a 512-token chunk, the same at 2,000-token decoders;
+    - up to LARGE_BUCKET tokens, 32 tile rows (queries times the group's heads), 128 keys, 4 warps, 2 stages,
+      one split (a lone 500-token prompt: 24 µs, 21 without the decode kernel's launch);
+    - from LARGE_BUCKET, 128 tile rows, 64 keys, 8 warps, 2 key splits: 148 against 180 µs for one 2,000-token
+      prompt, the same (157 against 152) beside 32 decoders.
+
+    Heads past 128 wide keep the small tiles with 32 keys, for shared memory.
+    """
     dim_pad = next_power_of_2(head_dim)
-    return CapturedConfig(block_m, block_m // group, 128 if dim_pad <= 128 else 32, dim_pad, 4, 2)
+    if tokens >= LARGE_BUCKET and dim_pad <= 128:
+        block_m = max(128, next_power_of_2(group))
+        return CapturedConfig(block_m, block_m // group, 64, dim_pad, 8, 2, splits=2, decode_rows=True)
+    block_m = max(32, next_power_of_2(group))
+    return CapturedConfig(block_m, block_m // group, 128 if dim_pad <= 128 else 32, dim_pad, 4, 2,
+                          decode_rows=True)
 
 
 def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention,
@@ -198,16 +253,27 @@ def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     q = last_dim_contiguous(q)
     group = heads // kv_heads
-    config = captured_config(group, head_dim)
-    grid = (tokens // config.block_q + rows + 1, kv_heads)
+    config = captured_config(group, head_dim, tokens, rows)
+    splits = config.splits
+    if splits > 1:
+        part_out = torch.empty((tokens, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((tokens, heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: the kernel writes the output itself
+    grid = (tokens // config.block_q + rows + 1, kv_heads, splits)
     _captured_kernel[grid](
-        q, k_cache, v_cache, tables, seq_lens, starts, out, scale, block_size, rows, tokens,
+        q, k_cache, v_cache, tables, seq_lens, starts, out, part_out, part_lse, scale, block_size, rows, tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
-        BLOCK_N=config.block_n, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), num_warps=config.warps,
-        num_stages=config.stages,
+        BLOCK_N=config.block_n, SPLITS=splits, SKIP_SINGLE=config.decode_rows, UPCAST=upcast_in_kernel(),
+        PRECISION=dot_precision(q.dtype), num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
+    if splits > 1:
+        merge_partials[(tokens * heads,)](part_out, part_lse, out, starts, heads, SPLITS=splits, HEAD_DIM=head_dim,
+                                          DIM_PAD=config.dim_pad, PDL=False, ROW_TOKENS=False)
+    if config.decode_rows:  # after the merge, which also wrote (unused) values at these rows' tokens
+        launch_decode(q, k_cache, v_cache, tables, seq_lens, starts, out, scale)
     return out
 
 
