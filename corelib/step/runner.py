@@ -116,6 +116,7 @@ class ModelRunner:
         # ...and the sampling of such a step through the mask, from that buffer: rows, sampled, logprobs.
         self.owed_sampling_graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._owed: _OwedSampling | None = None
+        self._arena_views: dict[str, torch.Tensor] | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.capture_s = 0.0  # wall time spent capturing graphs, all of them
@@ -203,7 +204,7 @@ class ModelRunner:
         is owed samples them once the mask is there. It counts the tokens fed, as any sampled step does (a greedy
         step's rows have no penalty, so for them it counts nothing)."""
         param_update = self.buckets.param_update
-        views = self.decode_layout.views(self._device_arena())
+        views = self._decode_views()
         graph = self.device.graph(f"decode_rows{rows}_kv{kv}_forward")
 
         def step() -> None:
@@ -226,7 +227,7 @@ class ModelRunner:
                 self._capture_forward(*shapes[0])
             else:
                 self._capture_prompt(self.buckets.token_buckets[0])
-        views = self.decode_layout.views(self._device_arena())
+        views = self._decode_views()
         graph = self.device.graph(f"owed_sampling_rows{rows}{'_sampled' if sampled else ''}"
                                   f"{'_logprobs' if logprobs else ''}")
 
@@ -298,6 +299,13 @@ class ModelRunner:
         self._record(graph, self.decode_layout, padding, step)
         self.sampling_graphs[(sampled, logprobs)] = graph
         return graph
+
+    def _decode_views(self) -> dict[str, torch.Tensor]:
+        """The decode layout's views of the device arena, made once (a step that owes its mask reads its row
+        fields there, every step)."""
+        if self._arena_views is None:
+            self._arena_views = self.decode_layout.views(self._device_arena())
+        return self._arena_views
 
     def _device_arena(self) -> torch.Tensor:
         if self.arena is None:
@@ -378,7 +386,7 @@ class ModelRunner:
             graph.replay(self.compute)
             self.num_graph_steps += 1
             logits = self._logits
-            views = self.decode_layout.views(arena)  # the row fields: the same place in every step layout
+            views = self._decode_views()  # the row fields: the same place in every step layout
             self._owed = _OwedSampling(fi.step_id, lambda: logits[:rows] if logits is not None else _no_logits(),
                                        rows, views, kv if not fi.padded else self.buckets.max_blocks, fi.sample,
                                        fi.logprobs, self.owed_sampling_graphs.get((rows, fi.sample, fi.logprobs)))
