@@ -1,10 +1,11 @@
 """The attention of a captured step with prompt tokens, by tile configuration, against the eager kernels.
 
 Each scenario (``SCENARIOS``) is one step: decode rows and one chunk of queries at the end of a
-prompt, padded to a token bucket and a number of row slots, small-0.6b's heads (16 query, 8 KV,
-128 wide), bf16. Each configuration (query tile, key tile, warps, stages, key splits) is checked
-against the eager kernels' output, then timed with device events over ``--repeats`` calls captured
-in one graph (the kernel compiled and warm first; the host's launches left out).
+prompt, padded to a token bucket and a number of row slots, 16 query and 8 KV heads of
+``--head-dims`` (64: the small-0.6b preset; 128: Qwen3-0.6B), bf16. Each configuration (query
+tile, key tile, warps, stages, key splits, decode rows apart) is checked against the eager
+kernels' output, then timed with device events over ``--repeats`` calls captured in one graph
+(the kernel compiled and warm first; the host's launches left out).
 
     python3 benchmarks/captured_attention.py --out captured.json
 """
@@ -37,7 +38,9 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--warps", type=int, nargs="*", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="*", default=[2])
-    parser.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--splits", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128],
+                        help="64: the small-0.6b preset's; 128: Qwen3-0.6B's")
     parser.add_argument("--decode-rows", type=int, nargs="*", default=[0, 1],
                         help="1: rows of one query by the flash-decoding kernel")
     parser.add_argument("--repeats", type=int, default=50)
@@ -46,27 +49,28 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     configs = list(itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.splits,
                                      args.decode_rows))
-    for scenario in args.scenarios:
-        results[scenario] = sweep(SCENARIOS[scenario], configs, args.repeats)
-        best = sorted(results[scenario].items(), key=lambda item: item[1])
-        print(f"== {scenario}: " + ", ".join(f"{name} {us:.1f}" for name, us in best[:6]))
-        for name, us in best:
-            if name.startswith("eager") or name.startswith("default"):
-                print(f"   {name}: {us:.1f} µs")
+    columns = [f"{scenario} hd{dim}" for dim in args.head_dims for scenario in args.scenarios]
+    for dim in args.head_dims:
+        for scenario in args.scenarios:
+            column = f"{scenario} hd{dim}"
+            results[column] = sweep(SCENARIOS[scenario], dim, configs, args.repeats)
+            best = sorted(results[column].items(), key=lambda item: item[1])
+            print(f"== {column}: " + ", ".join(f"{name} {us:.1f}" for name, us in best[:4]) + " | " +
+                  ", ".join(f"{name} {us:.1f}" for name, us in best if name[0] in "de"))
     names = sorted({name for table in results.values() for name in table})
-    print(f"{'configuration':>34} " + " ".join(f"{s:>12}" for s in args.scenarios))
-    for name in sorted(names, key=lambda n: sum(results[s].get(n, 1e9) for s in args.scenarios)):
-        print(f"{name:>34} " + " ".join(f"{results[s].get(name, float('nan')):12.1f}" for s in args.scenarios))
+    print(f"{'configuration':>34} " + " ".join(f"{c:>16}" for c in columns))
+    for name in sorted(names, key=lambda n: sum(results[c].get(n, 1e9) for c in columns))[:24]:
+        print(f"{name:>34} " + " ".join(f"{results[c].get(name, float('nan')):16.1f}" for c in columns))
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)
 
 
-def sweep(scenario: tuple[int, ...], configs: Sequence[tuple[int, ...]], repeats: int) -> dict[str, float]:
+def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]], repeats: int) -> dict[str, float]:
     """µs per call of each configuration on one step (nan: wrong output), the eager kernels and the default."""
     decoders, decode_context, chunk, context, bucket, rows = scenario
     torch.manual_seed(0)
-    heads, kv_heads, dim, block = 16, 8, 128, 16
+    heads, kv_heads, block = 16, 8, 16
     lengths = [decode_context] * decoders + [context]
     queries = [1] * decoders + [chunk]
     width = -(-max(lengths) // block) + 1

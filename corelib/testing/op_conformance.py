@@ -133,9 +133,10 @@ CAPTURED_CASES = [
     CapturedChunkCase(F32, 1, 64, 16, 48, 8, (((7, 1), (8, 1), (9, 1), (0, 40)), ((1500, 16), (0, 30)))),
     CapturedChunkCase(BF16, 8, 128, 16, 96, 3, (((700, 1), (17, 64), (64, 31)), ((0, 1),))),
 ]
-# A large bucket: the wide query tiles split over their keys (captured_config), decode rows beside chunks.
+# Large buckets: the wide query tiles split over their keys (captured_config), decode rows beside chunks.
 CAPTURED_SWEEP = [
     CapturedChunkCase(BF16, 2, 128, 16, 1024, 6, (((300, 1), (0, 700), (20, 1), (1100, 300)), ((5, 1), (0, 1000)))),
+    CapturedChunkCase(F32, 2, 64, 16, 1024, 5, (((0, 1000), (40, 1), (900, 23)), ((2000, 1), (3, 900), (0, 100)))),
 ]
 CHUNK_SWEEP = [ChunkCase(d, g, hd, bs, ((0, 1), (bs - 1, 2), (bs, bs), (bs + 1, 130), (3 * bs, 1), (0, 300)))
                for d, g, hd, bs in _GEOMETRY[1::2]]

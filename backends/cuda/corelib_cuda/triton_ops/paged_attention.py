@@ -218,19 +218,25 @@ LARGE_BUCKET = 1024
 
 @functools.lru_cache(maxsize=64)
 def captured_config(group: int, head_dim: int, tokens: int = 0, rows: int = 0) -> CapturedConfig:
-    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots), measured on an H200
-    with small-0.6b's heads (16 query, 8 KV, 128 wide; benchmarks/captured_attention.py, every scenario):
+    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots), from one sweep on
+    an H200 (benchmarks/captured_attention.py, 16 query and 8 KV heads, µs per layer, graph-replayed):
 
-    - the rows of one query go to the flash-decoding kernel (split over their context), the others to this
-      kernel: 75 against 90 µs for 32 decode rows beside a 512-token chunk, the same at 2,000-token decoders;
     - up to LARGE_BUCKET tokens, 32 tile rows (queries times the group's heads), 128 keys, 4 warps, 2 stages,
-      one split (a lone 500-token prompt: 24 µs, 21 without the decode kernel's launch);
-    - from LARGE_BUCKET, 128 tile rows, 64 keys, 8 warps, 2 key splits: 148 against 180 µs for one 2,000-token
-      prompt, the same (157 against 152) beside 32 decoders.
+      and the rows of one query left to the flash-decoding kernel: 32 decode rows beside a 512-token chunk
+      take 46 against 55 µs (heads of 64) and 76 against 91 (heads of 128). The decode kernel's launch costs
+      2.5 µs where there are none (a lone 500-token prompt: 16 against 13.5 µs), and at heads of 64 decoders
+      2,000 tokens in are slower there (110 against 97 µs);
+    - from LARGE_BUCKET, heads of 64: 64 tile rows, 128 keys, two key splits (93 against 103 µs for one
+      2,000-token prompt; 97 beside 32 decoders 2,000 tokens in); heads of 128: 128 tile rows, 64 keys, 8 warps,
+      two key splits and the decode kernel (149 against 178 µs; 158 beside those decoders, where the wide
+      tiles alone take 234).
 
     Heads past 128 wide keep the small tiles with 32 keys, for shared memory.
     """
     dim_pad = next_power_of_2(head_dim)
+    if tokens >= LARGE_BUCKET and dim_pad <= 64:
+        block_m = max(64, next_power_of_2(group))
+        return CapturedConfig(block_m, block_m // group, 128, dim_pad, 4, 2, splits=2)
     if tokens >= LARGE_BUCKET and dim_pad <= 128:
         block_m = max(128, next_power_of_2(group))
         return CapturedConfig(block_m, block_m // group, 64, dim_pad, 8, 2, splits=2, decode_rows=True)
