@@ -3,7 +3,7 @@
 Each scenario (``SCENARIOS``) is one step: decode rows and one chunk of queries at the end of a
 prompt, padded to a token bucket and a number of row slots, 16 query and 8 KV heads of
 ``--head-dims`` (64: the small-0.6b preset; 128: Qwen3-0.6B), bf16. Each configuration (query
-tile, key tile, warps, stages, key splits, decode rows apart) is checked against the eager
+tile, key tile, warps, stages, key splits) is checked against the eager
 kernels' output, then timed with device events over ``--repeats`` calls captured in one graph
 (the kernel compiled and warm first; the host's launches left out).
 
@@ -41,14 +41,11 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128],
                         help="64: the small-0.6b preset's; 128: Qwen3-0.6B's")
-    parser.add_argument("--decode-rows", type=int, nargs="*", default=[0, 1],
-                        help="1: rows of one query by the flash-decoding kernel")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
-    configs = list(itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.splits,
-                                     args.decode_rows))
+    configs = list(itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.splits))
     columns = [f"{scenario} hd{dim}" for dim in args.head_dims for scenario in args.scenarios]
     for dim in args.head_dims:
         for scenario in args.scenarios:
@@ -95,11 +92,10 @@ def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]
         "default": timed(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)}
     default = kernels.captured_config
     try:
-        for block_m, block_n, warps, stages, splits, decode_rows in configs:
-            config = kernels.CapturedConfig(block_m, block_m // 2, block_n, dim, warps, stages, splits,
-                                            bool(decode_rows))
+        for block_m, block_n, warps, stages, splits in configs:
+            config = kernels.CapturedConfig(block_m, block_m // 2, block_n, dim, warps, stages, splits)
             setattr(kernels, "captured_config", lambda *_, c=config: c)  # noqa: B010 - a sweep's stand-in
-            name = f"m{block_m} n{block_n} w{warps} s{stages} k{splits}" + (" +decode" if decode_rows else "")
+            name = f"m{block_m} n{block_n} w{warps} s{stages} k{splits}"
             try:
                 out = kernels.paged_attention(q, k_cache, v_cache, captured, scale)
                 error = float((out[:total].float() - expected.float()).abs().max())

@@ -55,12 +55,12 @@ def load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale, block_size,
     q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, ROW_TOKENS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched early: wait for the kernel before this one before touching anything
         tl.extra.cuda.gdc_launch_dependents()
@@ -68,11 +68,6 @@ def _decode_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    token = seq  # the row's query among the step's tokens
-    if ROW_TOKENS:  # a step of rows of any query count (query_start [B+1]): only the rows of one query here
-        token = tl.load(qs_ptr + seq).to(tl.int64)
-        if tl.load(qs_ptr + seq + 1) - token != 1:
-            return
     seq_len = tl.load(sl_ptr + seq).to(tl.int32)
     # Splits take whole BLOCK_N tiles, so a short context leaves the last splits empty.
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -83,8 +78,7 @@ def _decode_kernel(
     d = tl.arange(0, DIM_PAD)
     g_ok, d_ok = g < GROUP, d < HEAD_DIM
     heads = kv_head * GROUP + g  # the query heads that read this KV head
-    q = tl.load(q_ptr + token * q_s0 + heads[:, None] * q_s1 + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    q = tl.load(q_ptr + seq * q_s0 + heads[:, None] * q_s1 + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -106,9 +100,8 @@ def _decode_kernel(
         m = m_new
 
     out_mask = g_ok[:, None] & d_ok[None, :]
-    out_row = seq * (GROUP * tl.num_programs(1)) + heads  # a row of the partials [B * nh, ...]
+    out_row = seq * (GROUP * tl.num_programs(1)) + heads  # a row of the output [B * nh, hd]
     if SPLITS == 1:
-        out_row = token * (GROUP * tl.num_programs(1)) + heads  # a row of the output [T * nh, hd]
         tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], acc / l[:, None], mask=out_mask)
     else:
         # Partials [B, nh, SPLITS, (hd | 1)]; an empty split has l = 0: lse -inf, weight 0 in the merge.
@@ -121,21 +114,12 @@ def _decode_kernel(
 
 
 @triton.jit
-def merge_partials(part_out_ptr, part_lse_ptr, out_ptr, qs_ptr, heads, SPLITS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PDL: tl.constexpr, ROW_TOKENS: tl.constexpr):
-    """The output of each (row, query head) from its splits' partials, weighed by their log-sum-exp; with
-    ROW_TOKENS, only the rows of one query, each written at its token (query_start at ``qs_ptr``)."""
+def merge_partials(part_out_ptr, part_lse_ptr, out_ptr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DIM_PAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # one (sequence, query head)
-    out_row = row
-    if ROW_TOKENS:
-        seq = row // heads
-        token = tl.load(qs_ptr + seq).to(tl.int64)
-        if tl.load(qs_ptr + seq + 1) - token != 1:
-            return
-        out_row = token * heads + row % heads
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, DIM_PAD)
     lse = tl.load(part_lse_ptr + row * SPLITS + sp)
@@ -143,7 +127,7 @@ def merge_partials(part_out_ptr, part_lse_ptr, out_ptr, qs_ptr, heads, SPLITS: t
     part = tl.load(part_out_ptr + (row * SPLITS + sp)[:, None] * HEAD_DIM + d[None, :],
                    mask=(d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    tl.store(out_ptr + out_row * HEAD_DIM + d, out, mask=d < HEAD_DIM)
+    tl.store(out_ptr + row * HEAD_DIM + d, out, mask=d < HEAD_DIM)
 
 
 class DecodeConfig(NamedTuple):
@@ -195,41 +179,6 @@ def paged_decode_attention(
     out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    return launch_decode(q, k_cache, v_cache, tables, seq_lens, None, out, scale, pdl=pdl)
-
-
-def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start: torch.Tensor | None, out: torch.Tensor, scale: float, *,
-                  pdl: bool = False) -> torch.Tensor:
-    """The flash-decoding launch of checked inputs into ``out``. With ``query_start`` [B+1] (a step whose rows
-    take any number of queries, q and out [T, nh, hd]) only the rows of one query are computed, each at its token;
-    the grid still follows the static sizes alone."""
-    batch, (heads, head_dim), kv_heads, block_size = tables.shape[0], q.shape[1:], k_cache.shape[2], k_cache.shape[1]
-    q = last_dim_contiguous(q)
-    group = heads // kv_heads
-    config = decode_config(batch, kv_heads, group, head_dim, tables.shape[1] * block_size, sm_count(q.device))
-    splits = config.splits
-    launch = {"launch_pdl": True} if pdl else {}
-    if splits > 1:
-        part_out = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused: the kernel writes the output itself
-    starts = query_start if query_start is not None else seq_lens  # unused without ROW_TOKENS
-    _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, tables, seq_lens, starts, out, part_out, part_lse,
-        scale, block_size,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
-        GROUP=group, GROUP_PAD=config.group_pad, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_N=config.block_n,
-        SPLITS=splits, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), PDL=pdl,
-        ROW_TOKENS=query_start is not None, num_warps=config.warps, num_stages=config.stages, **launch,
-    )  # fmt: skip
-    if splits > 1:
-        merge_partials[(batch * heads,)](part_out, part_lse, out, starts, heads, SPLITS=splits, HEAD_DIM=head_dim,
-                                         DIM_PAD=config.dim_pad, PDL=pdl, ROW_TOKENS=query_start is not None,
-                                         **launch)
-    return out
     q = last_dim_contiguous(q)
     group = heads // kv_heads
     config = decode_config(batch, kv_heads, group, head_dim, tables.shape[1] * block_size, sm_count(q.device))

@@ -16,10 +16,8 @@ heads (one tile for the whole group, so each key tile is read once for all of th
 finds its row by a binary search over the rows' first blocks (row i's are from
 query_start[i] // BLOCK_Q + i: a row never needs more than that bound), and exits when its block
 is past the row's queries; the blocks past every row write 0 for the tokens that belong to none.
-The rows of one query are left to the flash-decoding kernel, launched over all B rows after this
-one (``ROW_TOKENS``: a row of any other query count exits there), so that they are split over their
-context. A large bucket also splits each query block's keys among SPLITS programs, whose partial
-results are merged by their log-sum-exp (``captured_config``).
+A large bucket splits each query block's keys among SPLITS programs, whose partial results are
+merged by their log-sum-exp (``captured_config``).
 """
 
 from __future__ import annotations
@@ -40,12 +38,7 @@ from corelib_cuda.triton_ops.common import (
     next_power_of_2,
     upcast_in_kernel,
 )
-from corelib_cuda.triton_ops.decode_attention import (
-    launch_decode,
-    load_kv_tile,
-    merge_partials,
-    paged_decode_attention,
-)
+from corelib_cuda.triton_ops.decode_attention import load_kv_tile, merge_partials, paged_decode_attention
 
 _OP = "paged_attention"
 
@@ -120,8 +113,8 @@ def _captured_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale, block_size,
     num_rows, num_tokens, q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,8 +146,6 @@ def _captured_kernel(
         return
     queries = tl.load(qs_ptr + row + 1) - start
     if local * BLOCK_Q >= queries:
-        return
-    if SKIP_SINGLE and queries == 1:  # a row of one query: the flash-decoding kernel's
         return
     seq_len = tl.load(sl_ptr + row)
     q_ok = m_ok & (j < queries)
@@ -209,7 +200,6 @@ class CapturedConfig(NamedTuple):
     warps: int
     stages: int = 3
     splits: int = 1  # programs per query block, each over a share of its keys, merged after (a power of 2)
-    decode_rows: bool = False  # the rows of one query by the flash-decoding kernel, split over their context
 
 
 #: from this many token slots a bucket takes the large query tiles, split over their keys
@@ -218,31 +208,23 @@ LARGE_BUCKET = 1024
 
 @functools.lru_cache(maxsize=64)
 def captured_config(group: int, head_dim: int, tokens: int = 0, rows: int = 0) -> CapturedConfig:
-    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots), from one sweep on
-    an H200 (benchmarks/captured_attention.py, 16 query and 8 KV heads, µs per layer, graph-replayed):
+    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots): 32 tile rows (queries
+    times the group's heads, or the group if larger), 128 keys, 4 warps, 2 stages; 32 keys past 128-wide heads,
+    for shared memory. From LARGE_BUCKET tokens with heads of 64 (the small-0.6b preset): 64 tile rows and
+    each query block's keys split in two.
 
-    - up to LARGE_BUCKET tokens, 32 tile rows (queries times the group's heads), 128 keys, 4 warps, 2 stages,
-      and the rows of one query left to the flash-decoding kernel: 32 decode rows beside a 512-token chunk
-      take 46 against 55 µs (heads of 64) and 76 against 91 (heads of 128). The decode kernel's launch costs
-      2.5 µs where there are none (a lone 500-token prompt: 16 against 13.5 µs), and at heads of 64 decoders
-      2,000 tokens in are slower there (110 against 97 µs);
-    - from LARGE_BUCKET, heads of 64: 64 tile rows, 128 keys, two key splits (93 against 103 µs for one
-      2,000-token prompt; 97 beside 32 decoders 2,000 tokens in); heads of 128: 128 tile rows, 64 keys, 8 warps,
-      two key splits and the decode kernel (149 against 178 µs; 158 beside those decoders, where the wide
-      tiles alone take 234).
-
-    Heads past 128 wide keep the small tiles with 32 keys, for shared memory.
+    Measured on an H200 (benchmarks/captured_attention.py, 16 query and 8 KV heads, graph-replayed, µs per
+    layer), heads of 64: one 2,000-token prompt 93 against 103 µs, and beside 32 decoders 2,000 tokens in, 97
+    for both; in the engine, one 2,000-token prompt's first token 7.6 against 8.1 ms (benchmarks/mixed_step.py).
+    Heads of 128 keep the small tiles everywhere: the best large ones there (128 rows, 64 keys, 8 warps, two
+    splits) take 145 against 178 µs for the lone prompt but 234 against 154 beside those decoders.
     """
     dim_pad = next_power_of_2(head_dim)
     if tokens >= LARGE_BUCKET and dim_pad <= 64:
         block_m = max(64, next_power_of_2(group))
         return CapturedConfig(block_m, block_m // group, 128, dim_pad, 4, 2, splits=2)
-    if tokens >= LARGE_BUCKET and dim_pad <= 128:
-        block_m = max(128, next_power_of_2(group))
-        return CapturedConfig(block_m, block_m // group, 64, dim_pad, 8, 2, splits=2, decode_rows=True)
     block_m = max(32, next_power_of_2(group))
-    return CapturedConfig(block_m, block_m // group, 128 if dim_pad <= 128 else 32, dim_pad, 4, 2,
-                          decode_rows=True)
+    return CapturedConfig(block_m, block_m // group, 128 if dim_pad <= 128 else 32, dim_pad, 4, 2)
 
 
 def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention,
@@ -272,14 +254,12 @@ def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
-        BLOCK_N=config.block_n, SPLITS=splits, SKIP_SINGLE=config.decode_rows, UPCAST=upcast_in_kernel(),
-        PRECISION=dot_precision(q.dtype), num_warps=config.warps, num_stages=config.stages,
+        BLOCK_N=config.block_n, SPLITS=splits, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype),
+        num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     if splits > 1:
-        merge_partials[(tokens * heads,)](part_out, part_lse, out, starts, heads, SPLITS=splits, HEAD_DIM=head_dim,
-                                          DIM_PAD=config.dim_pad, PDL=False, ROW_TOKENS=False)
-    if config.decode_rows:  # after the merge, which also wrote (unused) values at these rows' tokens
-        launch_decode(q, k_cache, v_cache, tables, seq_lens, starts, out, scale)
+        merge_partials[(tokens * heads,)](part_out, part_lse, out, SPLITS=splits, HEAD_DIM=head_dim,
+                                          DIM_PAD=config.dim_pad, PDL=False)
     return out
 
 
