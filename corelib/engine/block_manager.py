@@ -71,13 +71,21 @@ class BlockManager:
         keys = seq.block_keys
         if len(keys) < count:
             size = self.block_size
-            prompt = seq.prompt_token_ids
-            ids = prompt if count * size <= len(prompt) else seq.all_token_ids()
             parent = keys[-1] if keys else self._root
-            for i in range(len(keys), count):
-                parent = hashlib.blake2b(parent + array.array("q", ids[i * size : (i + 1) * size]).tobytes(),
-                                         digest_size=16).digest()
-                keys.append(parent)
+            blake2b = hashlib.blake2b
+            prompt_blocks = min(count, seq.num_prompt_tokens // size)
+            if len(keys) < prompt_blocks:  # blocks of the prompt: their bytes straight from its int64 buffer
+                prompt = seq.prompt_ids()
+                data, width = memoryview(prompt).cast("B"), size * prompt.itemsize
+                for i in range(len(keys), prompt_blocks):
+                    parent = blake2b(parent + data[i * width : (i + 1) * width], digest_size=16).digest()
+                    keys.append(parent)
+            if len(keys) < count:  # blocks that reach the outputs
+                ids = seq.all_token_ids()
+                for i in range(len(keys), count):
+                    parent = blake2b(parent + array.array("q", ids[i * size : (i + 1) * size]).tobytes(),
+                                     digest_size=16).digest()
+                    keys.append(parent)
         return keys[:count]
 
     def _matchable(self, seq: Sequence) -> int:

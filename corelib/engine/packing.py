@@ -12,7 +12,6 @@ it, so the engine fails that request alone and runs the others.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import math
 import operator
 from collections.abc import Iterable
@@ -220,20 +219,18 @@ class InputBuilder:
                    for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)]
             positions = seq_lens - 1
             token_states = index_t
+            v["input_ids"][:num_tokens] = ids
         else:
-            ids = list(itertools.chain.from_iterable(
-                _row_tokens(seq, start, q, relay)
-                for seq, start, q, relay in zip(step.seqs, step.starts, step.query_lens, step.from_relay, strict=True)))
+            _write_input_ids(step, v["input_ids"])
             lengths = np.array(step.query_lens, dtype=np.int64)
             ends = np.cumsum(lengths)
             token_states = np.repeat(index_t, lengths)
             # Each token's position: its row's start plus its place in the row.
-            positions = (np.arange(num_tokens, dtype=np.int64) - np.repeat(ends - lengths, lengths)
-                         + np.repeat(np.array(step.starts, dtype=np.int64), lengths))
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+                np.array(step.starts, dtype=np.int64) - (ends - lengths), lengths)
             v["query_start"][0] = 0
             v["query_start"][1 : n + 1] = ends
         size = self.block_size
-        v["input_ids"][:num_tokens] = ids
         v["positions"][:num_tokens] = positions
         block = self.state_block_tables[token_states, positions // size].astype(np.int64)
         v["slot_mapping"][:num_tokens] = block * size + positions % size
@@ -336,6 +333,28 @@ def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) ->
             grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
         except Exception as error:  # whatever it is, it is this request's
             raise _failed(step.seqs[row], error) from error
+
+
+def _write_input_ids(step: ScheduledStep, out: npt.NDArray[np.int64]) -> None:
+    """The input ids of a step with prompt tokens into ``out``, its rows' one after another: a chunk of a prompt
+    copied from the prompt's int64 buffer, a row of one token (a decode row) gathered with the others' in one
+    write (RELAY where its token is still on the device), any other row token by token."""
+    singles: list[int] = []  # where each row of one token has it
+    single_ids: list[int] = []
+    at = 0
+    for seq, start, count, relay in zip(step.seqs, step.starts, step.query_lens, step.from_relay, strict=True):
+        if count == 1:
+            singles.append(at)
+            single_ids.append(RELAY if relay else seq.token_at(start))
+        elif start >= 0 and start + count <= seq.num_prompt_tokens:
+            prompt = seq.prompt_ids()
+            out[at : at + count] = np.frombuffer(prompt, np.int64, count, start * prompt.itemsize)
+            if relay:
+                out[at + count - 1] = RELAY
+        else:
+            out[at : at + count] = _row_tokens(seq, start, count, relay)
+        at += count
+    out[singles] = single_ids
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:

@@ -184,6 +184,8 @@ class Scheduler:
                 break
             if len(chosen) >= len(self._free_state_indices):
                 break
+            if chunked and budget <= 0:
+                break  # no token of the budget left for it: its cached prefix need not be looked up now
             cached = self.blocks.cached_prefix_tokens(seq)
             tokens = seq.num_tokens - cached
             if chunked:
