@@ -29,7 +29,7 @@ from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import RELAY, ArenaLayout
-from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
+from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
 from corelib.support.faults import maybe_fail
@@ -39,6 +39,12 @@ INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_,
           torch.uint8: np.uint8}
+# What a state index may hold other than the neutral value: a sampling column or table, or one of these flags.
+SAMPLER, LOGPROBS, PENALIZED = "needs the sampler", "logprobs", "penalized"
+_SPECIAL_NAMES = frozenset(
+    {*(c.name for c in SAMPLING_COLUMNS), *(t.name for t in SAMPLING_TABLES), SAMPLER, LOGPROBS, PENALIZED}
+)
+FEW_ROWS = 4  # a step's rows of several tokens written one by one (each a few slice writes); more, as vectors
 
 
 class PackingError(Exception):
@@ -106,6 +112,18 @@ class InputBuilder:
         self._counted: list[tuple[int, int]] = [(-1, -1)] * states
         # Numpy views of each (layout, arena) packed so far; the layout is kept so that its id stays its own.
         self._views: dict[tuple[int, int, int], tuple[ArenaLayout, dict[str, npt.NDArray[Any]]]] = {}
+        # Which state indices hold a value other than the neutral one, by column, table or flag (_SPECIAL_NAMES): a
+        # column no index holds one of is written as its neutral value over the step's rows, padding included, not
+        # gathered by index; a flag none holds needs no look at the step's rows. Exact: the bytes are compared.
+        self._specials: list[frozenset[str]] = [frozenset()] * states
+        self._special_counts: dict[str, int] = dict.fromkeys(_SPECIAL_NAMES, 0)
+        self._neutral: dict[str, float] = {c.name: c.neutral for c in SAMPLING_COLUMNS}
+        self._neutral.update((t.name, t.neutral) for t in SAMPLING_TABLES)
+        self._neutral_bytes = {name: self.state_sampling[name][:1].tobytes() for name in self.state_sampling}
+        self._neutral_bytes.update((name, table[0].tobytes()) for name, table in self.state_tables.items())
+        # 0, 1, 2, ...: a row's token offsets and the rows' first tokens, sliced (a view), never made per step.
+        self._counting = np.arange(max(layout.max_step_tokens, layout.rows) + 1, dtype=np.int64)
+        self._block_offsets = np.arange(self.block_size, dtype=np.int64)  # a token's place in its KV block
 
     def _numpy_views(self, layout: ArenaLayout, arena: torch.Tensor) -> dict[str, npt.NDArray[Any]]:
         """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena.
@@ -135,6 +153,7 @@ class InputBuilder:
         owner, epoch, written = self._owners[index]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
+            self._set_specials(index, _SPECIAL_NAMES)  # until its values are all written: gathered, whatever they are
             for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
                 self.state_sampling[column.name][index] = value
             for name, row in table_rows(seq).items():
@@ -147,11 +166,30 @@ class InputBuilder:
             self.state_logprobs[index] = seq.sampling.logprobs is not None
             self.state_penalized[index] = any(
                 self.state_sampling[name][index] != neutral for name, neutral in PENALTY_NEUTRAL.items())
+            self._set_specials(index, self._specials_of(index))
             written = 0
         if written < len(table):
             self.state_block_tables[index, written : len(table)] = table[written:]
             written = len(table)
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
+
+    def _specials_of(self, index: int) -> frozenset[str]:
+        """The columns, tables and flags whose value at state ``index`` is not the neutral one (its bytes differ)."""
+        neutral = self._neutral_bytes
+        rows = {**{name: column[index : index + 1] for name, column in self.state_sampling.items()},
+                **{name: table[index] for name, table in self.state_tables.items()}}
+        names = {name for name, row in rows.items() if row.tobytes() != neutral[name]}
+        flags = {SAMPLER: self.state_sampler, LOGPROBS: self.state_logprobs, PENALIZED: self.state_penalized}
+        names.update(name for name, flag in flags.items() if flag[index])
+        return frozenset(names)
+
+    def _set_specials(self, index: int, names: frozenset[str]) -> None:
+        counts = self._special_counts
+        for name in self._specials[index]:
+            counts[name] -= 1
+        for name in names:
+            counts[name] += 1
+        self._specials[index] = names
 
     @staticmethod
     def sampling_row(seq: EngineSequence) -> list[float | int]:
@@ -202,66 +240,56 @@ class InputBuilder:
         if prompt_positions:
             fill_prompt_positions(step, v[PROMPT_LOGPROBS])
         pad = self.pad_state_index
-        indices: list[int] = []
-        for seq in step.seqs:
-            index = seq.state_index if seq.state_index is not None else pad
-            try:
-                self._sync_state(seq, index)
-            except PackingError:
-                raise
-            except Exception as error:  # this request's values or tables
-                raise _failed(seq, error) from error
-            indices.append(index)
-        index_t = np.array(indices, dtype=np.int64)
+        index_t = np.array(self._sync_rows(step.seqs), dtype=np.int64)
         seq_lens = np.array(step.seq_lens, dtype=np.int64)
+        leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         if decode:
-            ids = [RELAY if relay else seq.token_at(p)
-                   for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)]
-            positions = seq_lens - 1
-            token_states = index_t
-            v["input_ids"][:num_tokens] = ids
+            v["input_ids"][:n] = [
+                RELAY if relay else seq.token_at(p)
+                for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)
+            ]
+            self._write_slots(v, 0, n, index_t, np.subtract(seq_lens, 1, out=v["positions"][:n]))
+        elif n - leading <= FEW_ROWS:
+            self._write_rows(step, v, index_t, seq_lens, leading)
         else:
-            _write_input_ids(step, v["input_ids"])
-            lengths = np.array(step.query_lens, dtype=np.int64)
-            ends = np.cumsum(lengths)
-            token_states = np.repeat(index_t, lengths)
-            # Each token's position: its row's start plus its place in the row.
-            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
-                np.array(step.starts, dtype=np.int64) - (ends - lengths), lengths)
-            v["query_start"][0] = 0
-            v["query_start"][1 : n + 1] = ends
-        size = self.block_size
-        v["positions"][:num_tokens] = positions
-        block = self.state_block_tables[token_states, positions // size].astype(np.int64)
-        v["slot_mapping"][:num_tokens] = block * size + positions % size
+            self._write_tokens(step, v, index_t)
+        # Rows of the layout this step writes: its own, and those it is padded to (a graph's).
+        filled = bucket if padded or (decode and bucket > n) else n
+        counts = self._special_counts
         v["seq_lens"][:n] = seq_lens
         v["state_indices"][:n] = index_t
         v["sample_slots"][:n] = np.where(step.samples, index_t, pad)
         v["prompt_lens"][:n] = self.state_prompt_lens[index_t]
-        for name, table in self.state_sampling.items():
-            v[name][:n] = table[index_t]
-        for name, table in self.state_tables.items():
-            v[name][:n] = table[index_t]
+        for tables in (self.state_sampling, self.state_tables):
+            for name, table in tables.items():
+                if counts[name]:
+                    v[name][:n] = table[index_t]
+                    if filled > n:
+                        v[name][n:filled] = self._neutral[name]
+                else:  # no row of any step holds a value of its own here
+                    v[name][:filled] = self._neutral[name]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
         copies = len(step.copies)
         if copies:
             v["copy_from"][:copies] = [source for source, _ in step.copies]
             v["copy_to"][:copies] = [copy for _, copy in step.copies]
-        recounts = self._recounts(step.seqs, index_t)
-        v["recount_rows"][: len(recounts)] = recounts
-        if padded:  # rows past the step's are empty, and its tokens past num_tokens belong to none
-            pad_row_fields(v, n, bucket, kv_blocks, pad)
+        recounts = self._recounts(step.seqs, index_t) if counts[PENALIZED] else []
+        if recounts:
+            v["recount_rows"][: len(recounts)] = recounts
+        if filled > n:  # rows past the step's are empty (their sampling columns are written above)
+            pad_row_fields(v, n, filled, kv_blocks, pad, sampling=False)
+        if padded:  # and its tokens past num_tokens belong to none
             v["query_start"][n + 1 : bucket + 1] = num_tokens
             for name in TOKEN_NAMES:
                 v[name][num_tokens:padded] = 0
-        elif decode and bucket > n:
-            pad_rows(v, n, bucket, kv_blocks, pad)
+        elif filled > n:  # a decode step padded to its graph's rows: one token each
+            for name in TOKEN_NAMES:
+                v[name][n:filled] = 0
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
         if padded:
             rows, tokens = bucket, padded
-        sample = bool(self.state_sampler[index_t].any())
-        logprobs = bool(self.state_logprobs[index_t].any())
-        leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
+        sample = bool(counts[SAMPLER]) and bool(self.state_sampler[index_t].any())
+        logprobs = bool(counts[LOGPROBS]) and bool(self.state_logprobs[index_t].any())
         fi = ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                           leading, bool(padded), prompt_positions, num_recounts=len(recounts),
                           mask_deferred=bool(structured) and self.defer_masks)
@@ -269,6 +297,91 @@ class InputBuilder:
             seq = step.seqs[row]
             self._counted[int(index_t[row])] = (seq.seq_id, seq.blocks_epoch)
         return fi
+
+    def _sync_rows(self, seqs: list[EngineSequence]) -> list[int]:
+        """Each row's state index, its cached values brought up to date first where they are not (a new owner, a
+        table grown): most rows of most steps need nothing, and are only looked at."""
+        pad, owners = self.pad_state_index, self._owners
+        indices: list[int] = []
+        for seq in seqs:
+            index = seq.state_index
+            if index is None:
+                index = pad
+            owner, epoch, written = owners[index]
+            if owner != seq.seq_id or epoch != seq.blocks_epoch or written < len(seq.block_table):
+                try:
+                    self._sync_state(seq, index)
+                except PackingError:
+                    raise
+                except Exception as error:  # this request's values or tables
+                    raise _failed(seq, error) from error
+            indices.append(index)
+        return indices
+
+    def _write_slots(
+        self,
+        v: dict[str, npt.NDArray[Any]],
+        first: int,
+        last: int,
+        states: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+    ) -> None:
+        """The KV slots of tokens ``[first, last)``, one a row, of the given state indices and positions."""
+        size = self.block_size
+        slots = v["slot_mapping"][first:last]
+        np.multiply(self.state_block_tables[states, positions // size], size, out=slots, dtype=np.int64)
+        slots += positions % size
+
+    def _write_rows(
+        self,
+        step: ScheduledStep,
+        v: dict[str, npt.NDArray[Any]],
+        index_t: npt.NDArray[np.int64],
+        seq_lens: npt.NDArray[np.int64],
+        leading: int,
+    ) -> None:
+        """Input ids, positions, KV slots and query starts of a step with prompt tokens whose rows after the
+        ``leading`` ones of one token (decode rows, written as a decode step's) are few: each of those a handful of
+        slice writes (a prompt chunk's ids copied from the prompt's buffer, its slots from its blocks in order)."""
+        ids, positions, slots, query_start = v["input_ids"], v["positions"], v["slot_mapping"], v["query_start"]
+        seqs, starts, lens, relays = step.seqs, step.starts, step.query_lens, step.from_relay
+        if leading:
+            ids[:leading] = [
+                RELAY if relay else seq.token_at(p)
+                for seq, p, relay in zip(seqs[:leading], starts[:leading], relays[:leading], strict=True)
+            ]
+            lead = np.subtract(seq_lens[:leading], 1, out=positions[:leading])
+            self._write_slots(v, 0, leading, index_t[:leading], lead)
+        query_start[: leading + 1] = self._counting[: leading + 1]
+        size, tables, counting = self.block_size, self.state_block_tables, self._counting
+        at = leading
+        for row in range(leading, len(seqs)):
+            seq, start, count, relay = seqs[row], starts[row], lens[row], relays[row]
+            end = at + count
+            _write_row_ids(ids[at:end], seq, start, count, relay)
+            np.add(counting[:count], start, out=positions[at:end])
+            first, offset = divmod(start, size)
+            blocks = tables[index_t[row], first : (start + count - 1) // size + 1].astype(np.int64)
+            slots[at:end] = (blocks[:, None] * size + self._block_offsets).ravel()[offset : offset + count]
+            at = end
+            query_start[row + 1] = at
+
+    def _write_tokens(
+        self, step: ScheduledStep, v: dict[str, npt.NDArray[Any]], index_t: npt.NDArray[np.int64]
+    ) -> None:
+        """Input ids, positions, KV slots and query starts of a step with prompt tokens, as vectors over its tokens."""
+        n, num_tokens = len(step.seqs), step.num_tokens
+        _write_input_ids(step, v["input_ids"])
+        lengths = np.array(step.query_lens, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        # Each token's position: its row's start plus its place in the row.
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+            np.array(step.starts, dtype=np.int64) - (ends - lengths), lengths
+        )
+        v["query_start"][0] = 0
+        v["query_start"][1 : n + 1] = ends
+        v["positions"][:num_tokens] = positions
+        self._write_slots(v, 0, num_tokens, np.repeat(index_t, lengths), positions)
 
     def fill_owed_masks(self, step: ScheduledStep, fi: ForwardInput) -> torch.Tensor:
         """The grammar masks of a step queued before them (``fi.mask_deferred``), written into its arena now that
@@ -346,15 +459,21 @@ def _write_input_ids(step: ScheduledStep, out: npt.NDArray[np.int64]) -> None:
         if count == 1:
             singles.append(at)
             single_ids.append(RELAY if relay else seq.token_at(start))
-        elif start >= 0 and start + count <= seq.num_prompt_tokens:
-            prompt = seq.prompt_ids()
-            out[at : at + count] = np.frombuffer(prompt, np.int64, count, start * prompt.itemsize)
-            if relay:
-                out[at + count - 1] = RELAY
         else:
-            out[at : at + count] = _row_tokens(seq, start, count, relay)
+            _write_row_ids(out[at : at + count], seq, start, count, relay)
         at += count
     out[singles] = single_ids
+
+
+def _write_row_ids(out: npt.NDArray[np.int64], seq: EngineSequence, start: int, count: int, relay: bool) -> None:
+    """A row's ``count`` input ids from position ``start`` into ``out`` (its last from the relay when ``relay``)."""
+    if start >= 0 and start + count <= seq.num_prompt_tokens:  # a chunk of its prompt: from the prompt's buffer
+        prompt = seq.prompt_ids()
+        out[:] = np.frombuffer(prompt, np.int64, count, start * prompt.itemsize)
+        if relay:
+            out[count - 1] = RELAY
+    else:
+        out[:] = _row_tokens(seq, start, count, relay)
 
 
 def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:
