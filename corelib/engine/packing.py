@@ -44,6 +44,7 @@ SAMPLER, LOGPROBS, PENALIZED = "needs the sampler", "logprobs", "penalized"
 _SPECIAL_NAMES = frozenset(
     {*(c.name for c in SAMPLING_COLUMNS), *(t.name for t in SAMPLING_TABLES), SAMPLER, LOGPROBS, PENALIZED}
 )
+_TABLE_NAMES = frozenset(t.name for t in SAMPLING_TABLES)
 FEW_ROWS = 4  # a step's rows of several tokens written one by one (each a few slice writes); more, as vectors
 
 
@@ -153,35 +154,37 @@ class InputBuilder:
         owner, epoch, written = self._owners[index]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
+            held = self._specials[index]
             self._set_specials(index, _SPECIAL_NAMES)  # until its values are all written: gathered, whatever they are
+            neutral_bytes, special = self._neutral_bytes, set()
             for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
-                self.state_sampling[column.name][index] = value
-            for name, row in table_rows(seq).items():
-                self.state_tables[name][index] = row
+                values = self.state_sampling[column.name]
+                values[index] = value
+                if values[index : index + 1].tobytes() != neutral_bytes[column.name]:
+                    special.add(column.name)
+            sampling = seq.sampling
+            # Without logit_bias and min_tokens a request's table rows are neutral: written only over another's.
+            if sampling.logit_bias or sampling.min_tokens or not held.isdisjoint(_TABLE_NAMES):
+                for name, row in table_rows(seq).items():
+                    self.state_tables[name][index] = row
+                    if row.tobytes() != neutral_bytes[name]:
+                        special.add(name)
             self.state_prompt_lens[index] = seq.num_prompt_tokens
             # A grammar's mask is applied by the sampled decode graphs: a structured row takes them even when greedy,
             # unless its mask is owed or no step replays a graph (the runner then masks any variant).
-            self.state_sampler[index] = seq.sampling.needs_sampler or (
+            self.state_sampler[index] = sampling.needs_sampler or (
                 seq.grammar is not None and not self.defer_masks and not self.eager_only)
-            self.state_logprobs[index] = seq.sampling.logprobs is not None
+            self.state_logprobs[index] = sampling.logprobs is not None
             self.state_penalized[index] = any(
                 self.state_sampling[name][index] != neutral for name, neutral in PENALTY_NEUTRAL.items())
-            self._set_specials(index, self._specials_of(index))
+            flags = {SAMPLER: self.state_sampler, LOGPROBS: self.state_logprobs, PENALIZED: self.state_penalized}
+            special.update(name for name, flag in flags.items() if flag[index])
+            self._set_specials(index, frozenset(special))
             written = 0
         if written < len(table):
             self.state_block_tables[index, written : len(table)] = table[written:]
             written = len(table)
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
-
-    def _specials_of(self, index: int) -> frozenset[str]:
-        """The columns, tables and flags whose value at state ``index`` is not the neutral one (its bytes differ)."""
-        neutral = self._neutral_bytes
-        rows = {**{name: column[index : index + 1] for name, column in self.state_sampling.items()},
-                **{name: table[index] for name, table in self.state_tables.items()}}
-        names = {name for name, row in rows.items() if row.tobytes() != neutral[name]}
-        flags = {SAMPLER: self.state_sampler, LOGPROBS: self.state_logprobs, PENALIZED: self.state_penalized}
-        names.update(name for name, flag in flags.items() if flag[index])
-        return frozenset(names)
 
     def _set_specials(self, index: int, names: frozenset[str]) -> None:
         counts = self._special_counts
