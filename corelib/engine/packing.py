@@ -122,9 +122,11 @@ class InputBuilder:
         self._neutral.update((t.name, t.neutral) for t in SAMPLING_TABLES)
         self._neutral_bytes = {name: self.state_sampling[name][:1].tobytes() for name in self.state_sampling}
         self._neutral_bytes.update((name, table[0].tobytes()) for name, table in self.state_tables.items())
-        # 0, 1, 2, ...: a row's token offsets and the rows' first tokens, sliced (a view), never made per step.
-        self._counting = np.arange(max(layout.max_step_tokens, layout.rows) + 1, dtype=np.int64)
-        self._block_offsets = np.arange(self.block_size, dtype=np.int64)  # a token's place in its KV block
+        # 0, 1, 2, ... up to the longest sequence and the most rows: a run of positions, or the rows' first tokens, is
+        # a slice of it (a view), and so are the KV block and the place in it of each of a run of positions.
+        self._counting = np.arange(max(layout.max_step_tokens, layout.max_model_len, layout.rows) + 1, dtype=np.int64)
+        self._block_of = self._counting // self.block_size
+        self._place_in_block = self._counting % self.block_size
 
     def _numpy_views(self, layout: ArenaLayout, arena: torch.Tensor) -> dict[str, npt.NDArray[Any]]:
         """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena.
@@ -261,7 +263,8 @@ class InputBuilder:
         counts = self._special_counts
         v["seq_lens"][:n] = seq_lens
         v["state_indices"][:n] = index_t
-        v["sample_slots"][:n] = np.where(step.samples, index_t, pad)
+        # The relay slot of each row's sample: its state index, the padding one for a row that samples nothing.
+        v["sample_slots"][:n] = index_t if all(step.samples) else np.where(step.samples, index_t, pad)
         v["prompt_lens"][:n] = self.state_prompt_lens[index_t]
         for tables in (self.state_sampling, self.state_tables):
             for name, table in tables.items():
@@ -357,15 +360,16 @@ class InputBuilder:
             self._write_slots(v, 0, leading, index_t[:leading], lead)
         query_start[: leading + 1] = self._counting[: leading + 1]
         size, tables, counting = self.block_size, self.state_block_tables, self._counting
+        block_of, place_in_block = self._block_of, self._place_in_block
         at = leading
         for row in range(leading, len(seqs)):
             seq, start, count, relay = seqs[row], starts[row], lens[row], relays[row]
-            end = at + count
+            end, stop = at + count, start + count
             _write_row_ids(ids[at:end], seq, start, count, relay)
-            np.add(counting[:count], start, out=positions[at:end])
-            first, offset = divmod(start, size)
-            blocks = tables[index_t[row], first : (start + count - 1) // size + 1].astype(np.int64)
-            slots[at:end] = (blocks[:, None] * size + self._block_offsets).ravel()[offset : offset + count]
+            positions[at:end] = counting[start:stop]
+            row_slots = slots[at:end]
+            np.multiply(tables[index_t[row]][block_of[start:stop]], size, out=row_slots, dtype=np.int64)
+            row_slots += place_in_block[start:stop]
             at = end
             query_start[row + 1] = at
 
