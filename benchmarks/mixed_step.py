@@ -258,9 +258,11 @@ def summary(result: Json) -> str:
     lines = []
     for mode, out in result["modes"].items():
         lines.append(f"== mixed_graphs={mode}: startup {out['startup_s']:.1f} s; {out['graphs'] or 'no graphs'}")
-        lines.append(f"   decode steps: wall {out['decode']['wall_ms_median']:.3f} ms, device "
-                     f"{out['decode']['device_ms_median'] or 0:.3f} ms; host per step: "
-                     f"{host_phases(out['decode'], {'decode'})}")
+        lines.append(
+            f"   decode steps: wall {out['decode']['wall_ms_median']:.3f} ms, device "
+            f"{out['decode']['device_ms_median'] or 0:.3f} ms; host per step: "
+            f"{host_phases(out['decode'], {'decode'})}"
+        )
         for round_ in (0, 1):
             r = out[f"mixed_round{round_}"]
             mixed = [(w, d) for w, d, k in zip(r["wall_ms"], r["device_ms"], r["kinds"], strict=False) if k != "decode"]
@@ -268,9 +270,11 @@ def summary(result: Json) -> str:
                 walls = sorted(w for w, _ in mixed)
                 device = statistics.median(d for _, d in mixed)
                 wall = statistics.median(walls)
-                lines.append(f"   mixed steps, round {round_}: {len(mixed)}, wall median {wall:.2f} ms (max "
-                             f"{walls[-1]:.2f}), device median {device:.2f} ms, host share {wall - device:.2f} ms; "
-                             f"host per step: {host_phases(r, {'prefill'})}")
+                lines.append(
+                    f"   mixed steps, round {round_}: {len(mixed)}, wall median {wall:.2f} ms (max "
+                    f"{walls[-1]:.2f}), device median {device:.2f} ms, host share {wall - device:.2f} ms; "
+                    f"host per step: {host_phases(r, {'prefill'})}"
+                )
         if "eager_host" in out:
             e = out["eager_host"]
             launches = ", ".join(f"{k} {v:.0f}" for k, v in e["launches_per_step"].items())
