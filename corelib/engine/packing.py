@@ -2,7 +2,8 @@
 
 Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
 tables, sampling settings, by state index) live in host tables updated only when they change, so
-packing a decode step is a few vector ops; a step with prompt chunks adds each row's tokens.
+packing a decode step is a few vector ops; a step with prompt chunks adds each row's tokens
+(:mod:`corelib.engine.token_fields`).
 
 A request whose values the step's columns cannot hold (a temperature beyond float32, a seed
 beyond int64) or whose packing fails for any other reason raises :class:`PackingError` naming
@@ -24,11 +25,12 @@ import torch
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.engine.structured import fill_rows
+from corelib.engine.token_fields import TokenWriter
 from corelib.ops.sampling import PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
-from corelib.step.arena import RELAY, ArenaLayout
+from corelib.step.arena import ArenaLayout
 from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
@@ -45,7 +47,6 @@ _SPECIAL_NAMES = frozenset(
     {*(c.name for c in SAMPLING_COLUMNS), *(t.name for t in SAMPLING_TABLES), SAMPLER, LOGPROBS, PENALIZED}
 )
 _TABLE_NAMES = frozenset(t.name for t in SAMPLING_TABLES)
-FEW_ROWS = 4  # a step's rows of several tokens written one by one (each a few slice writes); more, as vectors
 
 
 class PackingError(Exception):
@@ -122,11 +123,8 @@ class InputBuilder:
         self._neutral.update((t.name, t.neutral) for t in SAMPLING_TABLES)
         self._neutral_bytes = {name: self.state_sampling[name][:1].tobytes() for name in self.state_sampling}
         self._neutral_bytes.update((name, table[0].tobytes()) for name, table in self.state_tables.items())
-        # 0, 1, 2, ... up to the longest sequence and the most rows: a run of positions, or the rows' first tokens, is
-        # a slice of it (a view), and so are the KV block and the place in it of each of a run of positions.
-        self._counting = np.arange(max(layout.max_step_tokens, layout.max_model_len, layout.rows) + 1, dtype=np.int64)
-        self._block_of = self._counting // self.block_size
-        self._place_in_block = self._counting % self.block_size
+        self.tokens = TokenWriter(self.state_block_tables, self.block_size,
+                                  max(layout.max_step_tokens, layout.max_model_len, layout.rows))
 
     def _numpy_views(self, layout: ArenaLayout, arena: torch.Tensor) -> dict[str, npt.NDArray[Any]]:
         """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena.
@@ -249,15 +247,9 @@ class InputBuilder:
         seq_lens = np.array(step.seq_lens, dtype=np.int64)
         leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         if decode:
-            v["input_ids"][:n] = [
-                RELAY if relay else seq.token_at(p)
-                for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)
-            ]
-            self._write_slots(v, 0, n, index_t, np.subtract(seq_lens, 1, out=v["positions"][:n]))
-        elif n - leading <= FEW_ROWS:
-            self._write_rows(step, v, index_t, seq_lens, leading)
+            self.tokens.decode(step, v, index_t, seq_lens)
         else:
-            self._write_tokens(step, v, index_t)
+            self.tokens.with_prompts(step, v, index_t, seq_lens, leading)
         # Rows of the layout this step writes: its own, and those it is padded to (a graph's).
         filled = bucket if padded or (decode and bucket > n) else n
         counts = self._special_counts
@@ -324,72 +316,6 @@ class InputBuilder:
             indices.append(index)
         return indices
 
-    def _write_slots(
-        self,
-        v: dict[str, npt.NDArray[Any]],
-        first: int,
-        last: int,
-        states: npt.NDArray[np.int64],
-        positions: npt.NDArray[np.int64],
-    ) -> None:
-        """The KV slots of tokens ``[first, last)``, one a row, of the given state indices and positions."""
-        size = self.block_size
-        slots = v["slot_mapping"][first:last]
-        np.multiply(self.state_block_tables[states, positions // size], size, out=slots, dtype=np.int64)
-        slots += positions % size
-
-    def _write_rows(
-        self,
-        step: ScheduledStep,
-        v: dict[str, npt.NDArray[Any]],
-        index_t: npt.NDArray[np.int64],
-        seq_lens: npt.NDArray[np.int64],
-        leading: int,
-    ) -> None:
-        """Input ids, positions, KV slots and query starts of a step with prompt tokens whose rows after the
-        ``leading`` ones of one token (decode rows, written as a decode step's) are few: each of those a handful of
-        slice writes (a prompt chunk's ids copied from the prompt's buffer, its slots from its blocks in order)."""
-        ids, positions, slots, query_start = v["input_ids"], v["positions"], v["slot_mapping"], v["query_start"]
-        seqs, starts, lens, relays = step.seqs, step.starts, step.query_lens, step.from_relay
-        if leading:
-            ids[:leading] = [
-                RELAY if relay else seq.token_at(p)
-                for seq, p, relay in zip(seqs[:leading], starts[:leading], relays[:leading], strict=True)
-            ]
-            lead = np.subtract(seq_lens[:leading], 1, out=positions[:leading])
-            self._write_slots(v, 0, leading, index_t[:leading], lead)
-        query_start[: leading + 1] = self._counting[: leading + 1]
-        size, tables, counting = self.block_size, self.state_block_tables, self._counting
-        block_of, place_in_block = self._block_of, self._place_in_block
-        at = leading
-        for row in range(leading, len(seqs)):
-            seq, start, count, relay = seqs[row], starts[row], lens[row], relays[row]
-            end, stop = at + count, start + count
-            _write_row_ids(ids[at:end], seq, start, count, relay)
-            positions[at:end] = counting[start:stop]
-            row_slots = slots[at:end]
-            np.multiply(tables[index_t[row]][block_of[start:stop]], size, out=row_slots, dtype=np.int64)
-            row_slots += place_in_block[start:stop]
-            at = end
-            query_start[row + 1] = at
-
-    def _write_tokens(
-        self, step: ScheduledStep, v: dict[str, npt.NDArray[Any]], index_t: npt.NDArray[np.int64]
-    ) -> None:
-        """Input ids, positions, KV slots and query starts of a step with prompt tokens, as vectors over its tokens."""
-        n, num_tokens = len(step.seqs), step.num_tokens
-        _write_input_ids(step, v["input_ids"])
-        lengths = np.array(step.query_lens, dtype=np.int64)
-        ends = np.cumsum(lengths)
-        # Each token's position: its row's start plus its place in the row.
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
-            np.array(step.starts, dtype=np.int64) - (ends - lengths), lengths
-        )
-        v["query_start"][0] = 0
-        v["query_start"][1 : n + 1] = ends
-        v["positions"][:num_tokens] = positions
-        self._write_slots(v, 0, num_tokens, np.repeat(index_t, lengths), positions)
-
     def fill_owed_masks(self, step: ScheduledStep, fi: ForwardInput) -> torch.Tensor:
         """The grammar masks of a step queued before them (``fi.mask_deferred``), written into its arena now that
         every earlier step's tokens were read: the rows [rows, words] int32 for the device to copy. A request
@@ -453,44 +379,3 @@ def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) ->
             grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
         except Exception as error:  # whatever it is, it is this request's
             raise _failed(step.seqs[row], error) from error
-
-
-def _write_input_ids(step: ScheduledStep, out: npt.NDArray[np.int64]) -> None:
-    """The input ids of a step with prompt tokens into ``out``, its rows' one after another: a chunk of a prompt
-    copied from the prompt's int64 buffer, a row of one token (a decode row) gathered with the others' in one
-    write (RELAY where its token is still on the device), any other row token by token."""
-    singles: list[int] = []  # where each row of one token has it
-    single_ids: list[int] = []
-    at = 0
-    for seq, start, count, relay in zip(step.seqs, step.starts, step.query_lens, step.from_relay, strict=True):
-        if count == 1:
-            singles.append(at)
-            single_ids.append(RELAY if relay else seq.token_at(start))
-        else:
-            _write_row_ids(out[at : at + count], seq, start, count, relay)
-        at += count
-    out[singles] = single_ids
-
-
-def _write_row_ids(out: npt.NDArray[np.int64], seq: EngineSequence, start: int, count: int, relay: bool) -> None:
-    """A row's ``count`` input ids from position ``start`` into ``out`` (its last from the relay when ``relay``)."""
-    if start >= 0 and start + count <= seq.num_prompt_tokens:  # a chunk of its prompt: from the prompt's buffer
-        prompt = seq.prompt_ids()
-        out[:] = np.frombuffer(prompt, np.int64, count, start * prompt.itemsize)
-        if relay:
-            out[count - 1] = RELAY
-    else:
-        out[:] = _row_tokens(seq, start, count, relay)
-
-
-def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:
-    """The input ids of a row's ``count`` tokens from position ``start`` (its last from the relay when ``relay``)."""
-    known = seq.num_tokens
-    prompt = seq.prompt_token_ids
-    end = start + count
-    ids = prompt[start:min(end, len(prompt))]
-    if end > len(prompt):
-        ids = ids + seq.output_token_ids[max(start - len(prompt), 0) : min(end, known) - len(prompt)]
-    if relay:
-        ids = [*ids[: count - 1], RELAY]
-    return ids

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from corelib.engine import packing
+from corelib.engine import token_fields
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import SamplingParams, Sequence
@@ -73,11 +73,11 @@ def reference(step: ScheduledStep) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("few_rows", [0, packing.FEW_ROWS, 1000], ids=["vectors", "default", "row-by-row"])
+@pytest.mark.parametrize("few_rows", [0, token_fields.FEW_ROWS, 1000], ids=["vectors", "default", "row-by-row"])
 def test_every_token_is_packed_as_the_step_reads_whichever_way_it_is_written(
     few_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(packing, "FEW_ROWS", few_rows)
+    monkeypatch.setattr(token_fields, "FEW_ROWS", few_rows)
     rng = random.Random(few_rows)
     builder = InputBuilder(LAYOUT)
     arena = torch.zeros(LAYOUT.arena_bytes, dtype=torch.uint8)
