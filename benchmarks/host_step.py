@@ -5,7 +5,15 @@ model), so each step costs only the host's own work; each phase is timed around 
 the median over the decode steps is printed per batch size, with calls per step (a CPU
 profile of the same loop names where they go: ``--profile BS``).
 
+``--mixed``: the same for the step of benchmarks/mixed_step.py part 1 (32 decode rows beside
+512-token chunks of 1,500-token prompts, padded to the 512-token bucket, prefix caching on)
+against the decode-only steps of the same 32 rows: each phase as the step records it
+(``HostTime``), per step the least over ``--repeats`` runs of the same steps (the same work
+each run: the least is what the step costs without the machine's noise), then the median over
+the steps (``--profile-mixed``: a CPU profile of the mixed steps).
+
     python3 benchmarks/host_step.py [--batch-sizes 1 8 64 128 256] [--steps 128] [--profile 128]
+    python3 benchmarks/host_step.py --mixed [--repeats 8]
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 from corelib.config.options import StepCheck
 from corelib.engine.core import EngineCore
 from corelib.engine.sequence import SamplingParams, Sequence
+from corelib.observe.metrics import HostTime
 from corelib.plugins import PluginRegistry
 from corelib.startup.compose import compose_config
 from corelib.startup.start import start
@@ -98,6 +107,73 @@ def profile(batch: int, steps: int, top: int = 18) -> str:
     return text.getvalue()
 
 
+def build_mixed(decoders: int, budget: int) -> EngineCore:
+    """mixed_step.py's engine on the instant executor: chunked prefill under ``budget`` tokens, steps with prompt
+    tokens padded to their token bucket, prefix caching, one step ahead, small-0.6b's vocabulary."""
+    config = unit_config(max_num_seqs=decoders + 8, block_size=16, max_model_len=4096, vocab_size=151936)
+    config.engine.max_num_batched_tokens = budget
+    options = dataclasses.replace(
+        unit_options(run_ahead=1, step_check=gate_check()),
+        graphs=True,
+        mixed_graphs=True,
+        chunked_prefill=True,
+        prefix_caching=True,
+    )
+    core, _ = instant_core(config, options)
+    return core
+
+
+def mixed_run(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -> dict[str, list[HostTime]]:
+    """One run: the decoders' decode-only steps, then rounds of ``--prompts`` prompts fed in chunks beside them."""
+    core = build_mixed(args.decoders, args.budget)
+    number = 0
+
+    def add(length: int, seed: int, max_tokens: int) -> None:
+        nonlocal number
+        prompt = [(seed * 7919 + j * 31 + j * j) % 151934 + 2 for j in range(length)]
+        core.add(Sequence(number, f"r{number}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        number += 1
+
+    for i in range(args.decoders):
+        add(16, 10_000 + i, 3500)
+    for _ in range(8):  # their prompts done: decode steps alone
+        core.iterate()
+    first = core.metrics.num_steps
+    for _ in range(24):
+        core.iterate()
+    decode = [r.host for r in core.metrics.steps_since(first)[1:-1] if r.host is not None]
+    mixed: list[HostTime] = []
+    for round_ in range(args.rounds):
+        for i in range(args.prompts):
+            add(args.prompt, 100 * round_ + i, 4)
+        first = core.metrics.num_steps
+        if profiler is not None:
+            profiler.enable()
+        for _ in range(args.mixed_steps):
+            core.iterate()
+        if profiler is not None:
+            profiler.disable()
+        mixed += [
+            r.host for r in core.metrics.steps_since(first) if r.host is not None and r.num_tokens > args.decoders
+        ]
+    return {"decode": decode, "mixed": mixed}
+
+
+def measure_mixed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per phase: each step's least over the runs, then the median over the steps (decode-only and mixed)."""
+    runs = [mixed_run(args) for _ in range(args.repeats)]
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("decode", "mixed"):
+        steps = list(zip(*(run[kind] for run in runs), strict=False))
+        row = {
+            phase: statistics.median(min(getattr(h, f"{phase}_us") for h in step) for step in steps) for phase in PHASES
+        }
+        row["host"] = row["schedule"] + row["pack"] + row["postprocess"]
+        row["steps"] = len(steps)
+        out[kind] = row
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
@@ -105,7 +181,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per batch size; the median is printed")
     parser.add_argument("--profile", type=int, default=0, help="also print a CPU profile at this batch size")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--mixed", action="store_true", help="the mixed step of mixed_step.py against decode-only")
+    parser.add_argument("--profile-mixed", action="store_true", help="also print a CPU profile of the mixed steps")
+    parser.add_argument("--decoders", type=int, default=32, help="--mixed: decoding requests")
+    parser.add_argument("--prompt", type=int, default=1500, help="--mixed: tokens of each arriving prompt")
+    parser.add_argument("--prompts", type=int, default=4, help="--mixed: prompts per round")
+    parser.add_argument("--budget", type=int, default=512, help="--mixed: engine.max_num_batched_tokens")
+    parser.add_argument("--rounds", type=int, default=4, help="--mixed: rounds of prompts per run")
+    parser.add_argument("--mixed-steps", type=int, default=13, help="--mixed: steps per round")
     args = parser.parse_args()
+    if args.mixed:
+        table = measure_mixed(args)
+        print(f"µs per step, the least of {args.repeats} runs, the median over the steps")
+        print(f"{'step':>28} {'schedule':>9} {'pack':>9} {'post':>9} {'host':>9}")
+        for kind, row in table.items():
+            label = f"{args.decoders} decode rows" + (f" + {args.budget}-token chunks" if kind == "mixed" else "")
+            print(f"{label:>28} " + " ".join(f"{row[k]:>9.1f}" for k in (*PHASES, "host")), flush=True)
+        if args.out:
+            with open(args.out, "w") as out:
+                json.dump(table, out, indent=2)
+        if args.profile_mixed:
+            profiler = cProfile.Profile()
+            mixed_run(args, profiler)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue())
+        return
     rows = []
     print("medians per decode step, µs")
     print(f"{'bs':>4} {'schedule':>9} {'pack':>9} {'post':>9} {'host':>9} {'loop':>9}")

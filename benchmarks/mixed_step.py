@@ -5,7 +5,9 @@ graphs (engine.mixed_graphs=on) and without (off), in one process.
    beside them. Each step's wall time is taken with the device synchronized after it; the device
    time is the step's own (its start and end events); the host's share is the difference. The
    first mixed steps of each kind are reported apart: a kernel compiled for a new token count
-   shows there.
+   shows there. Of the host's share, the scheduler side's part before the step's device work
+   starts (choosing the batch, packing it) is each step's record (``HostTime``, µs), beside its
+   post-process (which runs while the next step's device work does).
 2. Where the eager host time goes (without graphs): the wall time of the step's Python on the
    host (engine.step() without a synchronization, the device still running), the launches it
    makes (torch's and Triton's, counted by wrapping their entry points) and the time per launch.
@@ -37,6 +39,7 @@ from corelib.models.random_init import random_state_dict
 from corelib.models.registry import model_shape
 
 Json = dict[str, Any]
+PHASES = ("schedule", "pack", "postprocess")  # the scheduler side's work per step (its record's HostTime)
 
 
 def main() -> None:
@@ -108,20 +111,37 @@ def prompt(engine: Engine, length: int, seed: int) -> list[int]:
 
 
 def timed_steps(engine: Engine, steps: int) -> Json:
-    """Wall (device synchronized after each), device and host ms of ``steps`` steps, and their tokens."""
-    first = engine.stats().num_steps
+    """Wall (device synchronized after each), device and host ms of ``steps`` steps, their tokens, and the scheduler
+    side's µs per phase (each step's record)."""
+    stats = engine.stats()
+    first, ahead = stats.num_steps, stats.num_in_flight  # steps submitted before the timed ones, read first
     walls = []
     for _ in range(steps):
         began = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - began) * 1e3)
-    engine.step()  # the last timed step's record is read by the next step
-    records = engine.stats(since_step=first).steps[:steps]
+    for _ in range(max(ahead, 1)):  # the last timed steps' records are read by the next steps
+        engine.step()
+    records = engine.stats(since_step=first).steps[ahead : ahead + steps]
     device = [r.busy_ms for r in records if r.busy_ms is not None]
+    host = {
+        f"{phase}_us": [None if r.host is None else getattr(r.host, f"{phase}_us") for r in records] for phase in PHASES
+    }
     return {"wall_ms": walls, "device_ms": device, "kinds": [r.kind.value for r in records],
             "graph": [r.graph for r in records], "wall_ms_median": statistics.median(walls),
-            "device_ms_median": statistics.median(device) if device else None}
+            "device_ms_median": statistics.median(device) if device else None, **host}
+
+
+def host_phases(r: Json, kinds: set[str]) -> str:
+    """The median µs of each phase over the steps of ``kinds``, as a summary's words."""
+    chosen = [i for i, kind in enumerate(r["kinds"]) if kind in kinds]
+    words = []
+    for phase in PHASES:
+        column = r.get(f"{phase}_us") or []
+        values = [column[i] for i in chosen if i < len(column) and column[i] is not None]
+        words.append(f"{phase} {statistics.median(values):.0f}" if values else f"{phase} -")
+    return ", ".join(words) + " µs"
 
 
 def eager_host(engine: Engine, args: argparse.Namespace) -> Json:
@@ -238,8 +258,11 @@ def summary(result: Json) -> str:
     lines = []
     for mode, out in result["modes"].items():
         lines.append(f"== mixed_graphs={mode}: startup {out['startup_s']:.1f} s; {out['graphs'] or 'no graphs'}")
-        lines.append(f"   decode steps: wall {out['decode']['wall_ms_median']:.3f} ms, device "
-                     f"{out['decode']['device_ms_median'] or 0:.3f} ms")
+        lines.append(
+            f"   decode steps: wall {out['decode']['wall_ms_median']:.3f} ms, device "
+            f"{out['decode']['device_ms_median'] or 0:.3f} ms; host per step: "
+            f"{host_phases(out['decode'], {'decode'})}"
+        )
         for round_ in (0, 1):
             r = out[f"mixed_round{round_}"]
             mixed = [(w, d) for w, d, k in zip(r["wall_ms"], r["device_ms"], r["kinds"], strict=False) if k != "decode"]
@@ -247,8 +270,11 @@ def summary(result: Json) -> str:
                 walls = sorted(w for w, _ in mixed)
                 device = statistics.median(d for _, d in mixed)
                 wall = statistics.median(walls)
-                lines.append(f"   mixed steps, round {round_}: {len(mixed)}, wall median {wall:.2f} ms (max "
-                             f"{walls[-1]:.2f}), device median {device:.2f} ms, host share {wall - device:.2f} ms")
+                lines.append(
+                    f"   mixed steps, round {round_}: {len(mixed)}, wall median {wall:.2f} ms (max "
+                    f"{walls[-1]:.2f}), device median {device:.2f} ms, host share {wall - device:.2f} ms; "
+                    f"host per step: {host_phases(r, {'prefill'})}"
+                )
         if "eager_host" in out:
             e = out["eager_host"]
             launches = ", ".join(f"{k} {v:.0f}" for k, v in e["launches_per_step"].items())

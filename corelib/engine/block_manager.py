@@ -71,14 +71,29 @@ class BlockManager:
         keys = seq.block_keys
         if len(keys) < count:
             size = self.block_size
-            prompt = seq.prompt_token_ids
-            ids = prompt if count * size <= len(prompt) else seq.all_token_ids()
             parent = keys[-1] if keys else self._root
-            for i in range(len(keys), count):
-                parent = hashlib.blake2b(parent + array.array("q", ids[i * size : (i + 1) * size]).tobytes(),
-                                         digest_size=16).digest()
-                keys.append(parent)
+            blake2b = hashlib.blake2b
+            prompt_blocks = min(count, seq.num_prompt_tokens // size)
+            if len(keys) < prompt_blocks:  # blocks of the prompt: their bytes straight from its int64 buffer
+                prompt = seq.prompt_ids()
+                data, width = memoryview(prompt).cast("B"), size * prompt.itemsize
+                for i in range(len(keys), prompt_blocks):
+                    parent = blake2b(parent + data[i * width : (i + 1) * width], digest_size=16).digest()
+                    keys.append(parent)
+            if len(keys) < count:  # blocks that reach the outputs
+                ids = seq.all_token_ids()
+                for i in range(len(keys), count):
+                    parent = blake2b(parent + array.array("q", ids[i * size : (i + 1) * size]).tobytes(),
+                                     digest_size=16).digest()
+                    keys.append(parent)
         return keys[:count]
+
+    def prepare(self, seq: Sequence) -> None:
+        """On a request's arrival: its prompt's int64 buffer and, with prefix caching, the keys of the blocks its
+        prefix is looked up by, so that the step that admits it hashes nothing."""
+        seq.prompt_ids()
+        if self.prefix_caching:
+            self._keys(seq, self._matchable(seq))
 
     def _matchable(self, seq: Sequence) -> int:
         # A prompt found whole still computes its last token: at most (known - 1) tokens come from the cache.
@@ -126,13 +141,15 @@ class BlockManager:
         if not self.prefix_caching:
             return
         full = min(num_computed, seq.num_tokens) // self.block_size
-        if full <= seq.num_registered_blocks:
+        registered = seq.num_registered_blocks
+        if full <= registered:
             return
-        for i, key in enumerate(self._keys(seq, full)[seq.num_registered_blocks :], seq.num_registered_blocks):
-            block = seq.block_table[i]
-            if key not in self._cached and self._key_of[block] is None:
-                self._cached[key] = block
-                self._key_of[block] = key
+        self._keys(seq, full)
+        cached, key_of, table = self._cached, self._key_of, seq.block_table
+        for block, key in zip(table[registered:full], seq.block_keys[registered:full], strict=True):
+            if key not in cached and key_of[block] is None:
+                cached[key] = block
+                key_of[block] = key
         seq.num_registered_blocks = full
 
     def unregister(self, seq: Sequence, num_computed: int) -> None:
@@ -165,15 +182,16 @@ class BlockManager:
             raise RuntimeError(
                 f"sequence {seq.request_id} needs {missing} more KV blocks, {self.num_free_blocks} are free"
             )
+        pop, key_of, refs, table = self._free.popitem, self._key_of, self.ref_counts, seq.block_table
         for _ in range(missing):
-            block, _ = self._free.popitem(last=False)
-            key = self._key_of[block]
+            block, _ = pop(last=False)
+            key = key_of[block]
             if key is not None:  # the least recently freed cached block: its prefix is evicted
                 del self._cached[key]
-                self._key_of[block] = None
+                key_of[block] = None
                 self.stats.evicted_blocks += 1
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            refs[block] = 1
+            table.append(block)
 
     def share(self, source: Sequence, target: Sequence, num_tokens: int) -> None:
         """Give ``target`` (without blocks) ``source``'s blocks that hold its first ``num_tokens`` tokens, counted

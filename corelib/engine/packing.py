@@ -2,7 +2,8 @@
 
 Runs on the scheduler side and needs no device. Per-sequence values that change rarely (block
 tables, sampling settings, by state index) live in host tables updated only when they change, so
-packing a decode step is a few vector ops; a step with prompt chunks adds each row's tokens.
+packing a decode step is a few vector ops; a step with prompt chunks adds each row's tokens
+(:mod:`corelib.engine.token_fields`).
 
 A request whose values the step's columns cannot hold (a temperature beyond float32, a seed
 beyond int64) or whose packing fails for any other reason raises :class:`PackingError` naming
@@ -12,7 +13,6 @@ it, so the engine fails that request alone and runs the others.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import math
 import operator
 from collections.abc import Iterable
@@ -25,12 +25,13 @@ import torch
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.engine.structured import fill_rows
+from corelib.engine.token_fields import TokenWriter
 from corelib.ops.sampling import PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
-from corelib.step.arena import RELAY, ArenaLayout
-from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields, pad_rows
+from corelib.step.arena import ArenaLayout
+from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
 from corelib.support.faults import maybe_fail
@@ -40,6 +41,12 @@ INT64_RANGE = range(-INT64_LIMIT, INT64_LIMIT)
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_,
           torch.uint8: np.uint8}
+# What a state index may hold other than the neutral value: a sampling column or table, or one of these flags.
+SAMPLER, LOGPROBS, PENALIZED = "needs the sampler", "logprobs", "penalized"
+_SPECIAL_NAMES = frozenset(
+    {*(c.name for c in SAMPLING_COLUMNS), *(t.name for t in SAMPLING_TABLES), SAMPLER, LOGPROBS, PENALIZED}
+)
+_TABLE_NAMES = frozenset(t.name for t in SAMPLING_TABLES)
 
 
 class PackingError(Exception):
@@ -107,6 +114,17 @@ class InputBuilder:
         self._counted: list[tuple[int, int]] = [(-1, -1)] * states
         # Numpy views of each (layout, arena) packed so far; the layout is kept so that its id stays its own.
         self._views: dict[tuple[int, int, int], tuple[ArenaLayout, dict[str, npt.NDArray[Any]]]] = {}
+        # Which state indices hold a value other than the neutral one, by column, table or flag (_SPECIAL_NAMES): a
+        # column no index holds one of is written as its neutral value over the step's rows, padding included, not
+        # gathered by index; a flag none holds needs no look at the step's rows. Exact: the bytes are compared.
+        self._specials: list[frozenset[str]] = [frozenset()] * states
+        self._special_counts: dict[str, int] = dict.fromkeys(_SPECIAL_NAMES, 0)
+        self._neutral: dict[str, float] = {c.name: c.neutral for c in SAMPLING_COLUMNS}
+        self._neutral.update((t.name, t.neutral) for t in SAMPLING_TABLES)
+        self._neutral_bytes = {name: self.state_sampling[name][:1].tobytes() for name in self.state_sampling}
+        self._neutral_bytes.update((name, table[0].tobytes()) for name, table in self.state_tables.items())
+        self.tokens = TokenWriter(self.state_block_tables, self.block_size,
+                                  max(layout.max_step_tokens, layout.max_model_len, layout.rows))
 
     def _numpy_views(self, layout: ArenaLayout, arena: torch.Tensor) -> dict[str, npt.NDArray[Any]]:
         """``layout``'s fields over host ``arena`` as numpy arrays (writes go to the arena), made once per arena.
@@ -136,23 +154,45 @@ class InputBuilder:
         owner, epoch, written = self._owners[index]
         table = seq.block_table
         if owner != seq.seq_id or epoch != seq.blocks_epoch:
+            held = self._specials[index]
+            self._set_specials(index, _SPECIAL_NAMES)  # until its values are all written: gathered, whatever they are
+            neutral_bytes, special = self._neutral_bytes, set()
             for column, value in zip(SAMPLING_COLUMNS, self.sampling_row(seq), strict=True):
-                self.state_sampling[column.name][index] = value
-            for name, row in table_rows(seq).items():
-                self.state_tables[name][index] = row
+                values = self.state_sampling[column.name]
+                values[index] = value
+                if values[index : index + 1].tobytes() != neutral_bytes[column.name]:
+                    special.add(column.name)
+            sampling = seq.sampling
+            # Without logit_bias and min_tokens a request's table rows are neutral: written only over another's.
+            if sampling.logit_bias or sampling.min_tokens or not held.isdisjoint(_TABLE_NAMES):
+                for name, row in table_rows(seq).items():
+                    self.state_tables[name][index] = row
+                    if row.tobytes() != neutral_bytes[name]:
+                        special.add(name)
             self.state_prompt_lens[index] = seq.num_prompt_tokens
             # A grammar's mask is applied by the sampled decode graphs: a structured row takes them even when greedy,
             # unless its mask is owed or no step replays a graph (the runner then masks any variant).
-            self.state_sampler[index] = seq.sampling.needs_sampler or (
+            self.state_sampler[index] = sampling.needs_sampler or (
                 seq.grammar is not None and not self.defer_masks and not self.eager_only)
-            self.state_logprobs[index] = seq.sampling.logprobs is not None
+            self.state_logprobs[index] = sampling.logprobs is not None
             self.state_penalized[index] = any(
                 self.state_sampling[name][index] != neutral for name, neutral in PENALTY_NEUTRAL.items())
+            flags = {SAMPLER: self.state_sampler, LOGPROBS: self.state_logprobs, PENALIZED: self.state_penalized}
+            special.update(name for name, flag in flags.items() if flag[index])
+            self._set_specials(index, frozenset(special))
             written = 0
         if written < len(table):
             self.state_block_tables[index, written : len(table)] = table[written:]
             written = len(table)
         self._owners[index] = (seq.seq_id, seq.blocks_epoch, written)
+
+    def _set_specials(self, index: int, names: frozenset[str]) -> None:
+        counts = self._special_counts
+        for name in self._specials[index]:
+            counts[name] -= 1
+        for name in names:
+            counts[name] += 1
+        self._specials[index] = names
 
     @staticmethod
     def sampling_row(seq: EngineSequence) -> list[float | int]:
@@ -203,68 +243,51 @@ class InputBuilder:
         if prompt_positions:
             fill_prompt_positions(step, v[PROMPT_LOGPROBS])
         pad = self.pad_state_index
-        indices: list[int] = []
-        for seq in step.seqs:
-            index = seq.state_index if seq.state_index is not None else pad
-            try:
-                self._sync_state(seq, index)
-            except PackingError:
-                raise
-            except Exception as error:  # this request's values or tables
-                raise _failed(seq, error) from error
-            indices.append(index)
-        index_t = np.array(indices, dtype=np.int64)
+        index_t = np.array(self._sync_rows(step.seqs), dtype=np.int64)
         seq_lens = np.array(step.seq_lens, dtype=np.int64)
+        leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
         if decode:
-            ids = [RELAY if relay else seq.token_at(p)
-                   for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)]
-            positions = seq_lens - 1
-            token_states = index_t
+            self.tokens.decode(step, v, index_t, seq_lens)
         else:
-            ids = list(itertools.chain.from_iterable(
-                _row_tokens(seq, start, q, relay)
-                for seq, start, q, relay in zip(step.seqs, step.starts, step.query_lens, step.from_relay, strict=True)))
-            lengths = np.array(step.query_lens, dtype=np.int64)
-            ends = np.cumsum(lengths)
-            token_states = np.repeat(index_t, lengths)
-            # Each token's position: its row's start plus its place in the row.
-            positions = (np.arange(num_tokens, dtype=np.int64) - np.repeat(ends - lengths, lengths)
-                         + np.repeat(np.array(step.starts, dtype=np.int64), lengths))
-            v["query_start"][0] = 0
-            v["query_start"][1 : n + 1] = ends
-        size = self.block_size
-        v["input_ids"][:num_tokens] = ids
-        v["positions"][:num_tokens] = positions
-        block = self.state_block_tables[token_states, positions // size].astype(np.int64)
-        v["slot_mapping"][:num_tokens] = block * size + positions % size
+            self.tokens.with_prompts(step, v, index_t, seq_lens, leading)
+        # Rows of the layout this step writes: its own, and those it is padded to (a graph's).
+        filled = bucket if padded or (decode and bucket > n) else n
+        counts = self._special_counts
         v["seq_lens"][:n] = seq_lens
         v["state_indices"][:n] = index_t
-        v["sample_slots"][:n] = np.where(step.samples, index_t, pad)
+        # The relay slot of each row's sample: its state index, the padding one for a row that samples nothing.
+        v["sample_slots"][:n] = index_t if all(step.samples) else np.where(step.samples, index_t, pad)
         v["prompt_lens"][:n] = self.state_prompt_lens[index_t]
-        for name, table in self.state_sampling.items():
-            v[name][:n] = table[index_t]
-        for name, table in self.state_tables.items():
-            v[name][:n] = table[index_t]
+        for tables in (self.state_sampling, self.state_tables):
+            for name, table in tables.items():
+                if counts[name]:
+                    v[name][:n] = table[index_t]
+                    if filled > n:
+                        v[name][n:filled] = self._neutral[name]
+                else:  # no row of any step holds a value of its own here
+                    v[name][:filled] = self._neutral[name]
         v["block_tables"][:n, :kv_blocks] = self.state_block_tables[index_t, :kv_blocks]
         copies = len(step.copies)
         if copies:
             v["copy_from"][:copies] = [source for source, _ in step.copies]
             v["copy_to"][:copies] = [copy for _, copy in step.copies]
-        recounts = self._recounts(step.seqs, index_t)
-        v["recount_rows"][: len(recounts)] = recounts
-        if padded:  # rows past the step's are empty, and its tokens past num_tokens belong to none
-            pad_row_fields(v, n, bucket, kv_blocks, pad)
+        recounts = self._recounts(step.seqs, index_t) if counts[PENALIZED] else []
+        if recounts:
+            v["recount_rows"][: len(recounts)] = recounts
+        if filled > n:  # rows past the step's are empty (their sampling columns are written above)
+            pad_row_fields(v, n, filled, kv_blocks, pad, sampling=False)
+        if padded:  # and its tokens past num_tokens belong to none
             v["query_start"][n + 1 : bucket + 1] = num_tokens
             for name in TOKEN_NAMES:
                 v[name][num_tokens:padded] = 0
-        elif decode and bucket > n:
-            pad_rows(v, n, bucket, kv_blocks, pad)
+        elif filled > n:  # a decode step padded to its graph's rows: one token each
+            for name in TOKEN_NAMES:
+                v[name][n:filled] = 0
         rows, tokens = (bucket, bucket) if decode else (n, num_tokens)
         if padded:
             rows, tokens = bucket, padded
-        sample = bool(self.state_sampler[index_t].any())
-        logprobs = bool(self.state_logprobs[index_t].any())
-        leading = 0 if decode else next(i for i, q in enumerate(step.query_lens) if q > 1)
+        sample = bool(counts[SAMPLER]) and bool(self.state_sampler[index_t].any())
+        logprobs = bool(counts[LOGPROBS]) and bool(self.state_logprobs[index_t].any())
         fi = ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                           leading, bool(padded), prompt_positions, num_recounts=len(recounts),
                           mask_deferred=bool(structured) and self.defer_masks)
@@ -272,6 +295,26 @@ class InputBuilder:
             seq = step.seqs[row]
             self._counted[int(index_t[row])] = (seq.seq_id, seq.blocks_epoch)
         return fi
+
+    def _sync_rows(self, seqs: list[EngineSequence]) -> list[int]:
+        """Each row's state index, its cached values brought up to date first where they are not (a new owner, a
+        table grown): most rows of most steps need nothing, and are only looked at."""
+        pad, owners = self.pad_state_index, self._owners
+        indices: list[int] = []
+        for seq in seqs:
+            index = seq.state_index
+            if index is None:
+                index = pad
+            owner, epoch, written = owners[index]
+            if owner != seq.seq_id or epoch != seq.blocks_epoch or written < len(seq.block_table):
+                try:
+                    self._sync_state(seq, index)
+                except PackingError:
+                    raise
+                except Exception as error:  # this request's values or tables
+                    raise _failed(seq, error) from error
+            indices.append(index)
+        return indices
 
     def fill_owed_masks(self, step: ScheduledStep, fi: ForwardInput) -> torch.Tensor:
         """The grammar masks of a step queued before them (``fi.mask_deferred``), written into its arena now that
@@ -336,16 +379,3 @@ def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) ->
             grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
         except Exception as error:  # whatever it is, it is this request's
             raise _failed(step.seqs[row], error) from error
-
-
-def _row_tokens(seq: EngineSequence, start: int, count: int, relay: bool) -> list[int]:
-    """The input ids of a row's ``count`` tokens from position ``start`` (its last from the relay when ``relay``)."""
-    known = seq.num_tokens
-    prompt = seq.prompt_token_ids
-    end = start + count
-    ids = prompt[start:min(end, len(prompt))]
-    if end > len(prompt):
-        ids = ids + seq.output_token_ids[max(start - len(prompt), 0) : min(end, known) - len(prompt)]
-    if relay:
-        ids = [*ids[: count - 1], RELAY]
-    return ids

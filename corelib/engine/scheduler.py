@@ -127,6 +127,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         seq.ends = self.stops.facts_of(seq)  # once per request: the per-token check reads it
+        self.blocks.prepare(seq)  # its prompt's blocks' keys now, not in the step that admits it
         self.waiting.append(seq)
 
     def add_group(self, seqs: list[Sequence]) -> None:
@@ -184,6 +185,8 @@ class Scheduler:
                 break
             if len(chosen) >= len(self._free_state_indices):
                 break
+            if chunked and budget <= 0:
+                break  # no token of the budget left for it: its cached prefix need not be looked up now
             cached = self.blocks.cached_prefix_tokens(seq)
             tokens = seq.num_tokens - cached
             if chunked:
@@ -298,8 +301,11 @@ class Scheduler:
             starts.append(start)
             relay.append(pending > 0)
             seq.num_computed_tokens = start + 1
+            # Prefix caching keys a block once the host knows its every token: at most one in a few steps a row.
             if caching:
-                blocks.register(seq, start + 1)
+                known = seq.num_prompt_tokens + len(seq.output_token_ids)
+                if min(start + 1, known) // size > seq.num_registered_blocks:
+                    blocks.register(seq, start + 1)
             if forks and not pending and seq.seq_id in forks and not seq.output_token_ids:
                 step.forked += self._fork(seq, forks.pop(seq.seq_id))
             seq.num_pending = pending + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import enum
 import secrets
 from collections.abc import Callable
@@ -126,6 +127,7 @@ class Sequence:
     sync_mask: int | None = None
     ends: StopFacts | None = None  # set when the scheduler takes the request
     num_prompt_tokens: int = field(init=False, default=0)
+    _prompt_ids: array.array[int] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)  # a prompt never changes
@@ -154,6 +156,15 @@ class Sequence:
     @property
     def needs_host_checks(self) -> bool:
         return bool(self.sampling.stop_strings)
+
+    def prompt_ids(self) -> array.array[int]:
+        """The prompt as int64 values in one buffer, made at its first use and kept (a prompt never changes): the
+        prefix cache hashes its blocks from it and the packer copies its chunks from it, neither converting each
+        token again."""
+        ids = self._prompt_ids
+        if ids is None:
+            ids = self._prompt_ids = array.array("q", self.prompt_token_ids)
+        return ids
 
     def token_at(self, position: int) -> int:
         prompt = self.num_prompt_tokens

@@ -91,8 +91,11 @@ def pad_rows(views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pa
     pad_row_fields(views, first, last, kv_blocks, pad_state_index)
 
 
-def pad_row_fields(views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pad_state_index: int) -> None:
-    """The row fields of rows ``[first, last)``, as :func:`pad_rows` writes them, and none of the tokens."""
+def pad_row_fields(
+    views: Mapping[str, Any], first: int, last: int, kv_blocks: int, pad_state_index: int, sampling: bool = True
+) -> None:
+    """The row fields of rows ``[first, last)``, as :func:`pad_rows` writes them, and none of the tokens; without
+    ``sampling``, none of the sampling columns and tables either (the caller writes those)."""
     views["seq_lens"][first:last] = 1
     views["state_indices"][first:last] = pad_state_index
     views["sample_slots"][first:last] = pad_state_index
@@ -100,10 +103,11 @@ def pad_row_fields(views: Mapping[str, Any], first: int, last: int, kv_blocks: i
     views["copy_from"][first:last] = 0
     views["copy_to"][first:last] = 0
     views["recount_rows"][first:last] = 0
-    for column in SAMPLING_COLUMNS:
-        views[column.name][first:last] = column.neutral
-    for table in SAMPLING_TABLES:
-        views[table.name][first:last] = table.neutral
+    if sampling:
+        for column in SAMPLING_COLUMNS:
+            views[column.name][first:last] = column.neutral
+        for table in SAMPLING_TABLES:
+            views[table.name][first:last] = table.neutral
     views["block_tables"][first:last, :kv_blocks] = 0
 
 
