@@ -320,9 +320,10 @@ def _prepared(
     values = {name: request.sampling.get(name, defaults.get(name, api_default(name))) for name in API_FIELDS}
     if seeds is not None and "seed" not in request.sampling:  # server.seed: repeatable in the order requests come
         values["seed"] = seeds.randrange(SEED_LIMIT)
-    try:
-        base = SamplingParams.from_mapping(values).replace(logprobs=request.num_logprobs,
-                                                           structured_outputs=request.sampling.get("structured_outputs"))
+    values["logprobs"] = request.num_logprobs
+    values["structured_outputs"] = request.sampling.get("structured_outputs")
+    try:  # built and checked once; each prompt's copy below sets its max_tokens
+        base = SamplingParams.from_mapping(values)
         if base.structured_outputs is not None:  # compiled here, in a worker thread: once per distinct schema
             check_grammar(StructuredOutputsParams.of(base.structured_outputs))
     except StructuredOutputsError as error:
@@ -333,7 +334,6 @@ def _prepared(
         raise bad_request(f"n={base.n}: at most {MAX_CHOICES} choices per prompt", "n")
     shown, echo_logprobs = base.prompt_logprobs, _echo_logprobs(request)
     computed = _prompt_logprobs(request, shown, base.logprobs if echo_logprobs else None)
-    base = base.replace(prompt_logprobs=None)
     requests: list[tuple[list[int], SamplingParams]] = []
     computing: set[tuple[int, ...]] = set()  # prompts whose logprobs one choice already computes
     for prompt in prompts:
@@ -345,7 +345,7 @@ def _prepared(
                 f"{info.max_model_len}, so at most {room} tokens can be generated", max_param,
             )
         try:
-            sized = base.replace(max_tokens=wanted)
+            sized = base.replace(max_tokens=wanted, prompt_logprobs=None)
             sized.validate(info.vocab_size)
         except SamplingError as error:
             param = max_param if error.field == "max_tokens" else error.field
