@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from corelib.engine.sequence import SamplingParams
-from corelib.server.engine_process import CommandWriter
+from corelib.server.commands import CommandWriter
 from corelib.server.messages import Abort, Command, Decoder, Drain, Submit
 
 F_SETPIPE_SZ = 1031
