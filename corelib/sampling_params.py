@@ -236,6 +236,8 @@ def choices(params: SamplingParams, first: int = 0) -> list[SamplingParams]:
     With ``seed=None`` each choice draws its own. The one place ``n`` becomes requests, so
     samples that share the prompt's KV blocks can replace it.
     """
+    if params.n == 1 and (params.seed is None or first == 0):
+        return [params]  # the one request it stands for: itself (a seed is below SEED_LIMIT already)
     if params.seed is None:
         return [params.replace(n=1)] * params.n
     return [params.replace(n=1, seed=(params.seed + first + i) % SEED_LIMIT) for i in range(params.n)]

@@ -43,6 +43,7 @@ from corelib.server.inputs import (
     echo_texts,
     prepare_chat,
     prepare_completion,
+    prepares_on_loop,
     render_chat,
     token_text,
     tokenize_chat,
@@ -256,11 +257,14 @@ def build_app(state: ServerState) -> ASGIApp:
                 raise problem
         return JSONResponse(formatter.response(whole))
 
-    # Tokenizing and rendering run off the event loop, so a long prompt or a slow template holds no one else.
+    # Tokenizing and rendering run off the event loop, so a long prompt or a slow template holds no one else; a
+    # short prompt of token ids is prepared on it, sooner than a worker thread would get the GIL.
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = await body(request, CompletionRequest)
-        prepared = await asyncio.to_thread(prepare_completion, parsed, bridge.info, state.limits, state.seeds)
+        args = (parsed, bridge.info, state.limits, state.seeds)
+        prepared = prepare_completion(*args) if prepares_on_loop(parsed) else await asyncio.to_thread(
+            prepare_completion, *args)
         echo = echo_texts(parsed, prepared, bridge.info)
         formatter = Formatter(False, state.model_name, prepared, bridge.info.tokenizer is not None,
                               parsed.include_usage, token_str=token_strings(bridge.info), echo=echo)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corelib.errors import CorelibError, one_line
+from corelib.server.commands import CommandWriter
 from corelib.server.events import EngineFacts
 from corelib.server.messages import Command, Decoder, Failed, Frame, Ready, Stop, encode
 from corelib.support.text import Tokenizer
@@ -79,7 +80,6 @@ class EngineProcess:
         self._startup_timeout_s = startup_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._decoder = Decoder()
-        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self._build_failed = False
@@ -103,8 +103,7 @@ class EngineProcess:
             self.process.stdin.write(args)
         with contextlib.suppress(BrokenPipeError):
             self.process.stdin.close()
-        self._pump = threading.Thread(target=self._send_commands, name="corelib-engine-commands", daemon=True)
-        self._pump.start()
+        self._commands = CommandWriter(self._command_fd)
 
     @property
     def pid(self) -> int:
@@ -126,7 +125,7 @@ class EngineProcess:
 
     def _abandon(self, wait_s: float) -> None:
         self._stopped = True
-        self._commands.put(None)
+        self._commands.end()
         try:
             self.process.wait(wait_s)
         except subprocess.TimeoutExpired:
@@ -135,10 +134,9 @@ class EngineProcess:
         self._close_pipes()
 
     def _close_pipes(self) -> None:
-        self._pump.join(5.0)
-        for fd in (self._command_fd, self._frame_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._commands.close(5.0)
+        with contextlib.suppress(OSError):
+            os.close(self._frame_fd)
 
     def _await_ready(self) -> EngineFacts:
         deadline = time.monotonic() + self._startup_timeout_s
@@ -178,17 +176,9 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ commands
     def send(self, command: Command) -> None:
-        """Queue a command; a thread writes it. Safe from any thread and from a signal handler."""
-        self._commands.put(command)
-
-    def _send_commands(self) -> None:
-        while (command := self._commands.get()) is not None:
-            data = encode(command)
-            try:
-                while data:
-                    data = data[os.write(self._command_fd, data):]
-            except OSError:
-                return  # the engine process is gone: the frame pipe's end-of-file reports it
+        """Send a command, at once where the pipe takes it (see :class:`CommandWriter`). Never blocks; safe from any
+        thread and from a signal handler."""
+        self._commands.send(command)
 
     # ------------------------------------------------------------------ frames
     def attach(self, loop: asyncio.AbstractEventLoop, on_frame: Callable[[Frame], None],
@@ -222,7 +212,7 @@ class EngineProcess:
         self._stopped = True
         running = self.process.poll() is None
         self.send(Stop(why))
-        self._commands.put(None)
+        self._commands.end()
         waited = self._stop_timeout_s
         try:
             self.process.wait(waited)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from corelib.engine.structured import check_grammar
 from corelib.sampling_params import API_FIELDS, SEED_LIMIT, SamplingError, SamplingParams, api_default, choices
@@ -44,6 +45,11 @@ from corelib.support.structured import StructuredOutputsError, StructuredOutputs
 from corelib.support.text import Tokenizer
 
 MAX_CHOICES = 128  # n per prompt
+# A completion of token ids is prepared on the event loop when it has at most these: a pass over them at C speed
+# and a few SamplingParams cost less than the hop to a worker thread and back, which waits for the GIL while the
+# loop is busy (streaming, or a burst of requests being parsed).
+ON_LOOP_TOKENS = 8192
+ON_LOOP_CHOICES = 8
 NO_TOKENIZER = (
     "this model has no tokenizer (random weights, or a checkpoint without tokenizer.json), so it takes "
     "token ids only"
@@ -77,6 +83,23 @@ def token_text(token_ids: Sequence[int]) -> str:
     return "".join(f"<{t}>" for t in token_ids)
 
 
+def prepares_on_loop(request: CompletionRequest) -> bool:
+    """Whether :func:`prepare_completion` of ``request`` is cheap enough for the event loop: token ids only (nothing
+    to tokenize), at most ON_LOOP_TOKENS of them and ON_LOOP_CHOICES choices, and no grammar to compile. Decided at
+    the cost of a few ``len``; a request it cannot read at a glance is prepared off the loop."""
+    prompt = request.prompt
+    n = request.sampling.get("n", api_default("n"))
+    if isinstance(prompt, str) or type(n) is not int or request.sampling.get("structured_outputs") is not None:
+        return False
+    if not prompt or isinstance(prompt[0], int):
+        prompts, tokens = 1, len(prompt)
+    elif all(isinstance(p, list) for p in prompt[:ON_LOOP_CHOICES + 1]):
+        prompts, tokens = len(prompt), sum(len(p) for p in prompt[:ON_LOOP_CHOICES + 1])
+    else:
+        return False
+    return prompts * n <= ON_LOOP_CHOICES and tokens <= ON_LOOP_TOKENS
+
+
 def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: RequestLimits,
                        seeds: random.Random | None = None) -> Prepared:
     """The engine requests of a completions body; ``seeds`` (``server.seed``) seeds a request that sends none."""
@@ -92,7 +115,7 @@ def prepare_completion(request: CompletionRequest, info: EngineInfo, limits: Req
     if isinstance(prompt, str):
         raw = [prompt]
     elif single:
-        raw = [[int(p) for p in prompt if isinstance(p, int)]]
+        raw = [list(cast(list[int], prompt))]  # the body's validation let integers only into a list of ids
     else:
         raw = [p if isinstance(p, str) else list(p) for p in prompt if isinstance(p, str | list)]
     prompts = [_encode(p, info) for p in raw]
@@ -277,9 +300,9 @@ def _check_length(text: str, info: EngineInfo, param: str) -> None:
 def _check_prompt(ids: list[int], info: EngineInfo, param: str) -> None:
     if not ids:
         raise bad_request(f"{param}: the prompt is empty", param)
-    bad = [t for t in ids if not 0 <= t < info.vocab_size]
-    if bad:
-        raise bad_request(f"{param}: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", param)
+    if ids and (min(ids) < 0 or max(ids) >= info.vocab_size):  # at C speed: most prompts have no bad id
+        bad = next(t for t in ids if not 0 <= t < info.vocab_size)
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {info.vocab_size})", param)
     if len(ids) >= info.max_model_len:
         raise bad_request(
             f"{param}: the prompt has {len(ids)} tokens; this model's context is {info.max_model_len} tokens "
@@ -297,9 +320,10 @@ def _prepared(
     values = {name: request.sampling.get(name, defaults.get(name, api_default(name))) for name in API_FIELDS}
     if seeds is not None and "seed" not in request.sampling:  # server.seed: repeatable in the order requests come
         values["seed"] = seeds.randrange(SEED_LIMIT)
-    try:
-        base = SamplingParams.from_mapping(values).replace(logprobs=request.num_logprobs,
-                                                           structured_outputs=request.sampling.get("structured_outputs"))
+    values["logprobs"] = request.num_logprobs
+    values["structured_outputs"] = request.sampling.get("structured_outputs")
+    try:  # built and checked once; each prompt's copy below sets its max_tokens
+        base = SamplingParams.from_mapping(values)
         if base.structured_outputs is not None:  # compiled here, in a worker thread: once per distinct schema
             check_grammar(StructuredOutputsParams.of(base.structured_outputs))
     except StructuredOutputsError as error:
@@ -310,7 +334,6 @@ def _prepared(
         raise bad_request(f"n={base.n}: at most {MAX_CHOICES} choices per prompt", "n")
     shown, echo_logprobs = base.prompt_logprobs, _echo_logprobs(request)
     computed = _prompt_logprobs(request, shown, base.logprobs if echo_logprobs else None)
-    base = base.replace(prompt_logprobs=None)
     requests: list[tuple[list[int], SamplingParams]] = []
     computing: set[tuple[int, ...]] = set()  # prompts whose logprobs one choice already computes
     for prompt in prompts:
@@ -322,7 +345,7 @@ def _prepared(
                 f"{info.max_model_len}, so at most {room} tokens can be generated", max_param,
             )
         try:
-            sized = base.replace(max_tokens=wanted)
+            sized = base.replace(max_tokens=wanted, prompt_logprobs=None)
             sized.validate(info.vocab_size)
         except SamplingError as error:
             param = max_param if error.field == "max_tokens" else error.field

@@ -121,3 +121,24 @@ def test_an_n_that_is_not_a_positive_integer_is_left_to_sampling_params_to_name(
     error = refusal({"prompt": [[7]] * 200, "n": n})
     assert error.param == "n" and "choices" not in error.message
 
+
+
+@pytest.mark.parametrize("body", [{"max_tokens": 8}, {"max_tokens": 8, "seed": 3, "logprobs": 2}],
+                         ids=["plain", "seed-and-logprobs"])
+def test_a_single_choice_checks_its_sampling_parameters_twice_not_once_per_field_it_sets(
+    monkeypatch: pytest.MonkeyPatch, body: dict[str, object]
+) -> None:
+    """Every SamplingParams checks all its fields (tens of microseconds); the event loop prepares a short request
+    of token ids, so each one built is time to first token: the body's values once, then its max_tokens."""
+    built: list[SamplingParams] = []
+    check = SamplingParams.__post_init__
+
+    def counted(params: SamplingParams) -> None:
+        built.append(params)
+        check(params)
+
+    monkeypatch.setattr(SamplingParams, "__post_init__", counted)
+    prepared = prepare_completion(completion({"prompt": [5] * 40, **body}), INFO, LIMITS)
+    [(_, params)] = prepared.requests
+    assert (params.n, params.max_tokens, params.seed, params.logprobs) == (1, 8, body.get("seed"), body.get("logprobs"))
+    assert len(built) == 2, f"{len(built)} SamplingParams built for one choice"
