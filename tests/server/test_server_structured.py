@@ -38,8 +38,8 @@ def test_json_schema_on_chat_and_completions_gives_valid_json(server: RunningSer
         value = json.loads(text)
         assert list(value) == ["city", "rank"] and isinstance(value["city"], str) and len(value["city"]) <= 8
         assert isinstance(value["rank"], int) and 1 <= value["rank"] <= 9
-    objects = post(server, "completions", {"prompt": "Hello", "max_tokens": 100, "response_format":
-                                           {"type": "json_object"}})
+    objects = post(server, "completions", {"prompt": "Hello", "max_tokens": 100, "seed": 1, "response_format":
+                                           {"type": "json_object"}})  # unseeded, 1 in 13 ran out of tokens
     assert objects.status_code == 200, objects.text
     assert isinstance(json.loads(objects.json()["choices"][0]["text"]), dict)
 
