@@ -39,12 +39,7 @@ class TokenWriter:
         self, step: ScheduledStep, v: Views, index_t: npt.NDArray[np.int64], seq_lens: npt.NDArray[np.int64]
     ) -> None:
         """A decode step: token i is row i's, the one it sampled last (from the relay where still on the device)."""
-        n = len(step.seqs)
-        v["input_ids"][:n] = [
-            RELAY if relay else seq.token_at(p)
-            for seq, p, relay in zip(step.seqs, step.starts, step.from_relay, strict=True)
-        ]
-        self._slots(v, 0, n, index_t, np.subtract(seq_lens, 1, out=v["positions"][:n]))
+        self._one_token_rows(step, v, index_t, seq_lens, len(step.seqs))
 
     def with_prompts(
         self,
@@ -59,6 +54,18 @@ class TokenWriter:
             self._rows(step, v, index_t, seq_lens, leading)
         else:
             self._vectors(step, v, index_t)
+
+    def _one_token_rows(
+        self, step: ScheduledStep, v: Views, index_t: npt.NDArray[np.int64], seq_lens: npt.NDArray[np.int64], n: int
+    ) -> None:
+        """The first ``n`` rows, one token each (the last one sampled), as tokens ``[0, n)``: ids, positions, slots."""
+        seqs, starts, relays = step.seqs, step.starts, step.from_relay
+        if n < len(seqs):  # a decode step's rows are all of them: no copies of its lists
+            seqs, starts, relays = seqs[:n], starts[:n], relays[:n]
+        v["input_ids"][:n] = [
+            RELAY if relay else seq.token_at(p) for seq, p, relay in zip(seqs, starts, relays, strict=True)
+        ]
+        self._slots(v, 0, n, index_t[:n], np.subtract(seq_lens[:n], 1, out=v["positions"][:n]))
 
     def _slots(
         self, v: Views, first: int, last: int, states: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]
@@ -81,12 +88,7 @@ class TokenWriter:
         ids, positions, slots, query_start = v["input_ids"], v["positions"], v["slot_mapping"], v["query_start"]
         seqs, starts, lens, relays = step.seqs, step.starts, step.query_lens, step.from_relay
         if leading:
-            ids[:leading] = [
-                RELAY if relay else seq.token_at(p)
-                for seq, p, relay in zip(seqs[:leading], starts[:leading], relays[:leading], strict=True)
-            ]
-            lead = np.subtract(seq_lens[:leading], 1, out=positions[:leading])
-            self._slots(v, 0, leading, index_t[:leading], lead)
+            self._one_token_rows(step, v, index_t, seq_lens, leading)
         counting, block_of, place_in_block = self._counting, self._block_of, self._place_in_block
         query_start[: leading + 1] = counting[: leading + 1]
         size, tables = self.block_size, self.block_tables
