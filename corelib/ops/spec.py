@@ -294,10 +294,12 @@ class Linear(Protocol):
 
 class LinearResidual(Protocol):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ weight.T: x [M, K], weight [N, K], residual [M, N] -> a new [M, N].
+        """residual + x @ weight.T: x [M, K], weight [N, K], residual [M, N] -> [M, N].
 
         The product is rounded to the model dtype before the add (as F.linear, then +): the
-        o-projection and the down projection with the residual add of the decoder layer.
+        o-projection and the down projection with the residual add of the decoder layer. The
+        result may be written over ``residual`` and returned (the layer never reads the old
+        stream again), which saves a provider that adds in its GEMM's epilogue a copy of it.
         """
         ...
 

@@ -160,8 +160,24 @@ def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarg
     ops = op_target.ops
     for seed in (0, 1):
         args: tuple[Any, ...] = LinearResidualCase(torch.float32, rows, 48, 512).build(seed, torch.device("cpu"))
-        assert_matches(ops.linear_residual(*args), reference_ops().linear_residual(*args),
-                       f"split-K linear_residual, launch {seed + 1}")
+        expected = reference_ops().linear_residual(*args)  # first: the op may write over the residual
+        assert_matches(ops.linear_residual(*args), expected, f"split-K linear_residual, launch {seed + 1}")
+
+
+def test_on_cublas_linear_residual_adds_into_the_residual_without_copying_it() -> None:
+    # torch.addmm(residual, ...) copies the residual into a new output before the GEMM: a copy kernel per
+    # projection of every step with prompt tokens. The op may write over the residual (the layer never reads it).
+    x, weight = torch.randn(20, 64), torch.randn(48, 64)
+    residual = torch.randn(20, 48)
+    assert projections.kernel_for(20, 48, 64, 4) is projections.Kernel.CUBLAS
+    expected = residual + x @ weight.t()
+    out = projections.linear_residual(x, weight, residual)
+    assert out.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(out, expected)
+    strided = torch.randn(48, 20).t()  # not contiguous: added out of place
+    out = projections.linear_residual(x, weight, strided)
+    assert out.data_ptr() != strided.data_ptr()
+    torch.testing.assert_close(out, strided + x @ weight.t())
 
 
 FORCED_GEMM = [

@@ -9,7 +9,7 @@ measured on an H200 (``Tuning``; benchmarks/projections.py is the sweep they com
 - the tensor-core kernel (split over K) for ``gemm_min_m`` to ``gemm_max_m`` rows, where it
   beats cuBLAS: measured at the decode shapes it did not (M = 8-256, 0.6-8 B), so that range
   is empty by default and the kernel stays for the sweep that would show otherwise;
-- cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm``, the residual in its epilogue).
+- cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
 captured graph replays the launch it captured.
@@ -246,8 +246,10 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     check(residual.shape == (flat.shape[0], n) and residual.dtype == x.dtype, "linear_residual",
           f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} {(flat.shape[0], n)}")
     kernel = kernel_for(flat.shape[0], n, flat.shape[1], weight.element_size())
-    if kernel is Kernel.CUBLAS:
-        return torch.addmm(residual, flat, weight.t())  # the residual added in cuBLAS's epilogue
+    if kernel is Kernel.CUBLAS:  # the residual added in cuBLAS's epilogue, in place: addmm would copy it first
+        if residual.is_contiguous():
+            return residual.addmm_(flat, weight.t())
+        return torch.addmm(residual, flat, weight.t())
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
     return Projection(proj.RESIDUAL, flat, weight, out, n, residual=residual).run(kernel, pdl)

@@ -108,12 +108,59 @@ def _block_row(qs_ptr, pid, num_rows, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
+#: log2(e): the captured kernel's softmax runs in base 2, its scores scaled once by scale * LOG2E
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # the partials' log-sum-exp back to base e
+
+
+@triton.jit
+def _attend_tiles(q, kc_ptr, vc_ptr, table, key_first, key_end, q_pos, m_i, l_i, acc, qk_scale, d, d_ok, kv_head,
+                  kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SAFE: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Online softmax of a query tile (queries at positions ``q_pos``) over one sequence's keys [key_first, key_end),
+    read through its block table, in base 2 (``qk_scale``: scale * LOG2E). Unmasked (MASKED False): every key
+    exists and every query sees it, so the tiles load and score without predicates; masked: keys past key_end or
+    past a query's position are left out. SAFE: a tile may hold no key some query sees (a later split's first
+    tiles), whose max stays -inf."""
+    for first in range(key_first, key_end, BLOCK_N):
+        pos = first + tl.arange(0, BLOCK_N)
+        if MASKED:
+            live = pos < key_end
+            k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, PAGE,
+                                kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+        else:  # whole pages of live keys: no predicate but the head's padding
+            block = tl.load(table + pos // PAGE).to(tl.int64)
+            offset = pos % PAGE
+            k_at = kc_ptr + (block * kc_sb + offset * kc_st + kv_head * kc_sh)[:, None] + d[None, :]
+            v_at = vc_ptr + (block * vc_sb + offset * vc_st + kv_head * vc_sh)[:, None] + d[None, :]
+            if HEAD_DIM == DIM_PAD:
+                k, v = tl.load(k_at), tl.load(v_at)
+            else:
+                k, v = tl.load(k_at, mask=d_ok[None, :], other=0.0), tl.load(v_at, mask=d_ok[None, :], other=0.0)
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+        if SAFE:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_tokens"])
 def _captured_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale, block_size,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, qs_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
     num_rows, num_tokens, q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -164,32 +211,26 @@ def _captured_kernel(
     per_split = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
     first_key = split * per_split
     last_key = tl.minimum(first_key + per_split, end)
-    for key_first in range(first_key, last_key, BLOCK_N):
-        pos = key_first + tl.arange(0, BLOCK_N)
-        live = pos < last_key
-        k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
-                            kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = m_new
-        if SPLITS > 1:  # a later split's first tiles can hold no key an early query sees: all -inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Keys up to the block's first query's position are seen by every query of the block: whole tiles of them
+    # run unmasked, the rest (the causal edge, the share's end) masked.
+    seen_by_all = (seq_len - queries + local * BLOCK_Q + 1).to(tl.int32)
+    full_end = first_key + tl.maximum(tl.minimum(last_key, seen_by_all) - first_key, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_tiles(q, kc_ptr, vc_ptr, table, first_key, full_end, q_pos, m_i, l_i, acc, qk_scale,
+                                  d, d_ok, kv_head, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, HEAD_DIM, DIM_PAD, PAGE,
+                                  BLOCK_N, False, False, UPCAST, PRECISION)
+    m_i, l_i, acc = _attend_tiles(q, kc_ptr, vc_ptr, table, full_end, last_key, q_pos, m_i, l_i, acc, qk_scale,
+                                  d, d_ok, kv_head, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, HEAD_DIM, DIM_PAD, PAGE,
+                                  BLOCK_N, True, SPLITS > 1, UPCAST, PRECISION)
     if SPLITS == 1:
         tl.store(out_ptr + out_row[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
                  mask=q_ok[:, None] & d_ok[None, :])
-    else:  # partials [T, nh, SPLITS, (hd | 1)], merged by their log-sum-exp; an empty share weighs 0
+    else:  # partials [T, nh, SPLITS, (hd | 1)], merged by their natural log-sum-exp; an empty share weighs 0
         empty = l_i == 0.0
         part_row = out_row * SPLITS + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
                  mask=q_ok[:, None] & d_ok[None, :])
-        tl.store(part_lse_ptr + part_row, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))),
-                 mask=q_ok)
+        lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2
+        tl.store(part_lse_ptr + part_row, tl.where(empty, float("-inf"), lse), mask=q_ok)
 
 
 class CapturedConfig(NamedTuple):
@@ -202,29 +243,32 @@ class CapturedConfig(NamedTuple):
     splits: int = 1  # programs per query block, each over a share of its keys, merged after (a power of 2)
 
 
-#: from this many token slots a bucket takes the large query tiles, split over their keys
-LARGE_BUCKET = 1024
+#: buckets of at most this many token slots split each query block's keys in two (few query blocks, long rows)
+SPLIT_BUCKET = 256
 
 
 @functools.lru_cache(maxsize=64)
 def captured_config(group: int, head_dim: int, tokens: int = 0, rows: int = 0) -> CapturedConfig:
-    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots): 32 tile rows (queries
-    times the group's heads, or the group if larger), 128 keys, 4 warps, 2 stages; 32 keys past 128-wide heads,
-    for shared memory. From LARGE_BUCKET tokens with heads of 64 (the small-0.6b preset): 64 tile rows and
-    each query block's keys split in two.
+    """The captured step's tiles for a bucket of ``tokens`` token slots (``rows`` row slots): 64 tile rows (queries
+    times the group's heads, or the group if larger), 64 keys, 4 warps; 3 stages at heads of 64, 2 at 128; past
+    128-wide heads 32 tile rows and 32 keys, for shared memory. Buckets up to SPLIT_BUCKET tokens split each query
+    block's keys in two.
 
-    Measured on an H200 (benchmarks/captured_attention.py, 16 query and 8 KV heads, graph-replayed, µs per
-    layer), heads of 64: one 2,000-token prompt 93 against 103 µs, and beside 32 decoders 2,000 tokens in, 97
-    for both; in the engine, one 2,000-token prompt's first token 7.6 against 8.1 ms (benchmarks/mixed_step.py).
-    Heads of 128 keep the small tiles everywhere: the best large ones there (128 rows, 64 keys, 8 warps, two
-    splits) take 145 against 178 µs for the lone prompt but 234 against 154 beside those decoders.
+    Measured on an H200 (benchmarks/captured_attention.py, 16 query and 8 KV heads, bf16, graph-replayed, µs per
+    layer, against the 32-row tiles of 128 keys before), heads of 64 / 128:
+    - 32 decoders 300 tokens in beside a 512-token chunk: 34.5 / 63.6 against 55.8 / 91.3;
+    - the same decoders 2,000 tokens in: 64.4 / 140.9 against 98.8 / 155.4;
+    - one 2,000-token prompt: 55.7 / 94.9 against 94.1 / 179.5;
+    - 16 decoders beside 32 new tokens of a 1,056-token prompt (a 128-token bucket), split in two: 18.7 / 36.0
+      against 25.5 / 45.8 (22.2 / 39.8 unsplit).
     """
     dim_pad = next_power_of_2(head_dim)
-    if tokens >= LARGE_BUCKET and dim_pad <= 64:
+    splits = 2 if 0 < tokens <= SPLIT_BUCKET else 1
+    if dim_pad <= 128:
         block_m = max(64, next_power_of_2(group))
-        return CapturedConfig(block_m, block_m // group, 128, dim_pad, 4, 2, splits=2)
+        return CapturedConfig(block_m, block_m // group, 64, dim_pad, 4, 3 if dim_pad <= 64 else 2, splits)
     block_m = max(32, next_power_of_2(group))
-    return CapturedConfig(block_m, block_m // group, 128 if dim_pad <= 128 else 32, dim_pad, 4, 2)
+    return CapturedConfig(block_m, block_m // group, 32, dim_pad, 4, 2, splits)
 
 
 def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention,
@@ -250,12 +294,12 @@ def _captured_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         part_out = part_lse = out  # unused: the kernel writes the output itself
     grid = (tokens // config.block_q + rows + 1, kv_heads, splits)
     _captured_kernel[grid](
-        q, k_cache, v_cache, tables, seq_lens, starts, out, part_out, part_lse, scale, block_size, rows, tokens,
+        q, k_cache, v_cache, tables, seq_lens, starts, out, part_out, part_lse, scale * LOG2E, rows, tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
-        BLOCK_N=config.block_n, SPLITS=splits, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype),
-        num_warps=config.warps, num_stages=config.stages,
+        BLOCK_N=config.block_n, SPLITS=splits, PAGE=block_size, UPCAST=upcast_in_kernel(),
+        PRECISION=dot_precision(q.dtype), num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     if splits > 1:
         merge_partials[(tokens * heads,)](part_out, part_lse, out, SPLITS=splits, HEAD_DIM=head_dim,
