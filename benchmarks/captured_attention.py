@@ -5,17 +5,27 @@ prompt, padded to a token bucket and a number of row slots, 16 query and 8 KV he
 ``--head-dims`` (64: the small-0.6b preset; 128: Qwen3-0.6B), bf16. Each configuration (query
 tile, key tile, warps, stages, key splits) is checked against the eager
 kernels' output, then timed with device events over ``--repeats`` calls captured in one graph
-(the kernel compiled and warm first; the host's launches left out).
+(the kernel compiled and warm first; the host's launches left out). Every graph of a scenario is
+timed once per round, the rounds interleaved (``--rounds``), and the median is reported: single
+timings of one configuration moved by up to 15 % on an H200.
+
+``--against FILE``: another version of ``corelib_cuda/triton_ops/paged_attention.py`` (an older
+commit's, say) whose default tiles are timed beside this one's, as ``against``.
 
     python3 benchmarks/captured_attention.py --out captured.json
+    git show REV:backends/cuda/corelib_cuda/triton_ops/paged_attention.py > /tmp/before.py
+    python3 benchmarks/captured_attention.py --against /tmp/before.py --block-m 64 --block-n 64 128 --warps 4
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
+import statistics
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 from corelib_cuda.triton_ops import paged_attention as kernels
@@ -28,6 +38,7 @@ SCENARIOS = {
     "mixed-long": (32, 2000, 512, 1500, 576, 40),  # the same beside decoders 2,000 tokens in
     "prompt-500": (0, 0, 500, 500, 512, 8),  # one 500-token prompt
     "prompt-2000": (0, 0, 2000, 2000, 2048, 8),  # one 2,000-token prompt
+    "prefix-32": (16, 600, 32, 1056, 128, 24),  # 16 decoders beside 32 new tokens after a cached 1,024-token prefix
 }
 
 
@@ -41,19 +52,22 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128],
                         help="64: the small-0.6b preset's; 128: Qwen3-0.6B's")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=20, help="calls per graph")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timings of every graph (median)")
+    parser.add_argument("--against", default=None, help="another paged_attention.py, its default timed beside")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    against = load_module(args.against) if args.against else None
     results: dict[str, dict[str, float]] = {}
     configs = list(itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.splits))
     columns = [f"{scenario} hd{dim}" for dim in args.head_dims for scenario in args.scenarios]
     for dim in args.head_dims:
         for scenario in args.scenarios:
             column = f"{scenario} hd{dim}"
-            results[column] = sweep(SCENARIOS[scenario], dim, configs, args.repeats)
+            results[column] = sweep(SCENARIOS[scenario], dim, configs, args.repeats, args.rounds, against)
             best = sorted(results[column].items(), key=lambda item: item[1])
             print(f"== {column}: " + ", ".join(f"{name} {us:.1f}" for name, us in best[:4]) + " | " +
-                  ", ".join(f"{name} {us:.1f}" for name, us in best if name[0] in "de"))
+                  ", ".join(f"{name} {us:.1f}" for name, us in best if name[0] in "dea"))
     names = sorted({name for table in results.values() for name in table})
     print(f"{'configuration':>34} " + " ".join(f"{c:>16}" for c in columns))
     for name in sorted(names, key=lambda n: sum(results[c].get(n, 1e9) for c in columns))[:24]:
@@ -63,8 +77,19 @@ def main() -> None:
             json.dump(results, handle, indent=1)
 
 
-def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]], repeats: int) -> dict[str, float]:
-    """µs per call of each configuration on one step (nan: wrong output), the eager kernels and the default."""
+def load_module(path: str) -> ModuleType:
+    """Another version of the kernels' module, loaded beside this one (its imports resolve to this install)."""
+    spec = importlib.util.spec_from_file_location("captured_attention_against", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]], repeats: int, rounds: int,
+          against: ModuleType | None = None) -> dict[str, float]:
+    """µs per call of each configuration on one step (nan: wrong output), the eager kernels, the default and
+    ``against``'s default: the median over interleaved rounds."""
     decoders, decode_context, chunk, context, bucket, rows = scenario
     torch.manual_seed(0)
     heads, kv_heads, block = 16, 8, 16
@@ -87,9 +112,18 @@ def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]
                            chunk, decoders)
     scale = dim**-0.5
     expected = kernels.paged_attention(q[:total], k_cache, v_cache, eager, scale)
-    results = {"eager (decode kernel + chunk kernel)": timed(
+    graphs = {"eager (decode kernel + chunk kernel)": captured_graph(
         lambda: kernels.paged_attention(q[:total], k_cache, v_cache, eager, scale), repeats),
-        "default": timed(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)}
+        "default": captured_graph(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)}
+    results: dict[str, float] = {}
+    if against is not None:
+        error = float((against.paged_attention(q, k_cache, v_cache, captured, scale)[:total].float()
+                       - expected.float()).abs().max())
+        if error > 5e-2:
+            results["against"] = float("nan")
+        else:
+            graphs["against"] = captured_graph(
+                lambda: against.paged_attention(q, k_cache, v_cache, captured, scale), repeats)
     default = kernels.captured_config
     try:
         for block_m, block_n, warps, stages, splits in configs:
@@ -102,17 +136,22 @@ def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]
                 if error > 5e-2 or out[total:].abs().max() != 0:
                     results[name] = float("nan")
                     continue
-                results[name] = timed(lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)
+                graphs[name] = captured_graph(
+                    lambda: kernels.paged_attention(q, k_cache, v_cache, captured, scale), repeats)
             except Exception as failure:  # noqa: BLE001 - a configuration that does not compile is reported
                 print(f"{name}: {type(failure).__name__}: {str(failure)[:120]}")
     finally:
         setattr(kernels, "captured_config", default)  # noqa: B010
-    return results
+    timings: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            timings[name].append(replay_us(graph, repeats))
+    return results | {name: statistics.median(values) for name, values in timings.items()}
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Device µs per call of ``fn``: ``repeats`` calls captured in one graph, timed by events around its
-    replay (after warm calls), so the host's launch cost does not hide the kernel's."""
+def captured_graph(fn: Callable[[], object], repeats: int) -> torch.cuda.CUDAGraph:
+    """``repeats`` calls of ``fn`` captured in one graph (after warm calls), so the host's launch cost does not
+    hide the kernel's. The sweep's stand-in config is read while capturing: the graph keeps its launch."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -121,6 +160,11 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
         for _ in range(repeats):
             fn()
     graph.replay()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    """Device µs per call: one replay of the graph, timed by events around it."""
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
