@@ -67,7 +67,7 @@ def main() -> None:
             results[column] = sweep(SCENARIOS[scenario], dim, configs, args.repeats, args.rounds, against)
             best = sorted(results[column].items(), key=lambda item: item[1])
             print(f"== {column}: " + ", ".join(f"{name} {us:.1f}" for name, us in best[:4]) + " | " +
-                  ", ".join(f"{name} {us:.1f}" for name, us in best if name[0] in "dea"))
+                  ", ".join(f"{name} {us:.1f}" for name, us in best if name[0] in "deas"))
     names = sorted({name for table in results.values() for name in table})
     print(f"{'configuration':>34} " + " ".join(f"{c:>16}" for c in columns))
     for name in sorted(names, key=lambda n: sum(results[c].get(n, 1e9) for c in columns))[:24]:
@@ -124,6 +124,12 @@ def sweep(scenario: tuple[int, ...], dim: int, configs: Sequence[tuple[int, ...]
         else:
             graphs["against"] = captured_graph(
                 lambda: against.paged_attention(q, k_cache, v_cache, captured, scale), repeats)
+    if not decoders:  # for scale: torch's flash attention on the same prompt, its keys contiguous (no pages)
+        dense_q = torch.randn(1, heads, chunk, dim, device="cuda", dtype=torch.bfloat16)
+        dense_k = torch.randn(1, kv_heads, context, dim, device="cuda", dtype=torch.bfloat16)
+        dense_v = torch.randn_like(dense_k)
+        graphs["sdpa (contiguous keys)"] = captured_graph(lambda: torch.nn.functional.scaled_dot_product_attention(
+            dense_q, dense_k, dense_v, is_causal=True, enable_gqa=True), repeats)
     default = kernels.captured_config
     try:
         for block_m, block_n, warps, stages, splits in configs:

@@ -15,6 +15,8 @@ graphs (engine.mixed_graphs=on) and without (off), in one process.
    step's wall time, grouped by its token bucket: the median and the worst against it.
 4. Time to first token for prompts of ``--prompt-lens`` x ``--prompt-counts`` tokens, and
    transformers' eager forward on the same shapes and weights (``--transformers``).
+5. ``--profile N``: the kernels of N more mixed steps under torch's profiler (inside the replayed
+   graphs, with them on), µs per call, calls and ms per step, by kernel.
 
     python3 benchmarks/mixed_step.py model=small-0.6b backend=cuda --out mixed.json
 """
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--prompt-counts", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--transformers", action="store_true", help="transformers' eager forward on part 4's shapes")
     parser.add_argument("--modes", nargs="*", default=["off", "on"], help="engine.mixed_graphs values compared")
+    parser.add_argument("--profile", type=int, default=0, help="mixed steps profiled per mode (part 5; 0: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result: Json = {"settings": vars(args), "modes": {}}
@@ -87,6 +90,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> Json:
                 engine.add_request(prompt(engine, args.prompt, seed=100 * round_ + i),
                                    SamplingParams(max_tokens=4, ignore_eos=True))
             out[f"mixed_round{round_}"] = timed_steps(engine, args.steps)
+        if args.profile:
+            out["profile"] = profile_kernels(engine, args)
         if mode == "off":
             out["eager_host"] = eager_host(engine, args)
         if args.stall_seconds:
@@ -178,6 +183,32 @@ def eager_host(engine: Engine, args: argparse.Namespace) -> Json:
             setattr(owner, name, original)
     per_step = {label: count / args.steps for label, count in counts.items()}
     return {"host_ms": host, "host_ms_median": statistics.median(host), "launches_per_step": per_step}
+
+
+def profile_kernels(engine: Engine, args: argparse.Namespace) -> Json:
+    """The device kernels of ``args.profile`` mixed steps (fresh prompts beside the decoders), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(args.prompts):
+        engine.add_request(prompt(engine, args.prompt, seed=700 + i), SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(2):  # into the chunks' steady state
+        engine.step()
+    torch.cuda.synchronize()
+    first = engine.stats().num_steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.profile):
+            engine.step()
+            torch.cuda.synchronize()
+    kinds = [r.kind.value for r in engine.stats(since_step=first).steps]
+    steps = max(1, sum(1 for kind in kinds if kind != "decode"))
+    kernels = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0.0)
+        if event.device_type.name == "CUDA" and device_us > 0:
+            kernels.append({"kernel": event.key, "calls_per_step": event.count / args.profile,
+                            "us_per_call": device_us / event.count, "ms_per_step": device_us / args.profile / 1e3})
+    kernels.sort(key=lambda k: -k["ms_per_step"])
+    return {"steps": args.profile, "mixed_steps": steps, "kernels": kernels}
 
 
 def stalls(engine: Engine, args: argparse.Namespace) -> Json:
@@ -280,6 +311,12 @@ def summary(result: Json) -> str:
             launches = ", ".join(f"{k} {v:.0f}" for k, v in e["launches_per_step"].items())
             lines.append(f"   eager host per mixed step (not synchronized): {e['host_ms_median']:.2f} ms; "
                          f"launches per step: {launches}")
+        if "profile" in out:
+            kernels = out["profile"]["kernels"]
+            lines.append(f"   kernels of {out['profile']['steps']} steps ({out['profile']['mixed_steps']} mixed), "
+                         f"{sum(k['ms_per_step'] for k in kernels):.2f} ms per step:")
+            lines += [f"     {k['ms_per_step']:6.3f} ms  {k['calls_per_step']:6.1f} x {k['us_per_call']:7.1f} µs  "
+                      f"{k['kernel'][:70]}" for k in kernels[:12]]
         for key, s in out.get("stalls", {}).items():
             lines.append(f"   stalls {key}: {s['steps']} steps, median {s['median_ms']:.2f} ms, max "
                          f"{s['max_ms']:.2f} ms, over 3x median: {s['over_3x_median']}")
