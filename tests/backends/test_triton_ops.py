@@ -211,9 +211,9 @@ def test_a_captured_step_split_over_its_keys_matches_the_reference(op_target: Op
     chosen = attention.captured_config
     monkeypatch.setattr(attention, "captured_config", lambda *shape: chosen(*shape)._replace(splits=splits))
     call = CALLS["paged_attention"]
+    seed = splits // 4  # each case's first step in two splits, its second in four (the interpreter is slow)
     for case in CAPTURED_CASES[2:]:
-        for seed in (0, 1):  # each case's two steps
-            actual = call(op_target.ops, case.build(seed, torch.device("cpu")))
-            expected = call(reference_ops(), case.build(seed, torch.device("cpu")))
-            for a, e in zip(actual, expected, strict=True):
-                assert_matches(a, e, f"a captured step in {splits} key splits, step {seed}")
+        actual = call(op_target.ops, case.build(seed, torch.device("cpu")))
+        expected = call(reference_ops(), case.build(seed, torch.device("cpu")))
+        for a, e in zip(actual, expected, strict=True):
+            assert_matches(a, e, f"a captured step in {splits} key splits, step {seed}")
