@@ -254,13 +254,13 @@ def captured_config(group: int, head_dim: int, tokens: int = 0, rows: int = 0) -
     128-wide heads 32 tile rows and 32 keys, for shared memory. Buckets up to SPLIT_BUCKET tokens split each query
     block's keys in two.
 
-    Measured on an H200 (benchmarks/captured_attention.py, 16 query and 8 KV heads, bf16, graph-replayed, µs per
-    layer, against the 32-row tiles of 128 keys before), heads of 64 / 128:
-    - 32 decoders 300 tokens in beside a 512-token chunk: 34.5 / 63.6 against 55.8 / 91.3;
-    - the same decoders 2,000 tokens in: 64.4 / 140.9 against 98.8 / 155.4;
-    - one 2,000-token prompt: 55.7 / 94.9 against 94.1 / 179.5;
-    - 16 decoders beside 32 new tokens of a 1,056-token prompt (a 128-token bucket), split in two: 18.7 / 36.0
-      against 25.5 / 45.8 (22.2 / 39.8 unsplit).
+    Measured on an H200 (benchmarks/captured_attention.py --against the kernel before, which took 32-row tiles of
+    128 keys; 16 query and 8 KV heads, bf16, graph-replayed, µs per layer), heads of 64 / 128:
+    - 32 decoders 300 tokens in beside a 512-token chunk: 33.9 / 61.8 against 55.1 / 91.1;
+    - the same decoders 2,000 tokens in: 63.7 / 140.5 against 97.4 / 155.3;
+    - one 2,000-token prompt: 56.7 / 93.5 against 94.3 / 179.6;
+    - 16 decoders beside 32 new tokens of a 1,056-token prompt (a 128-token bucket), split in two: 19.3 / 35.7
+      against 25.2 / 44.7.
     """
     dim_pad = next_power_of_2(head_dim)
     splits = 2 if 0 < tokens <= SPLIT_BUCKET else 1
