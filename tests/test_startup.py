@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+import corelib_npu
 import pytest
 from support import builtin_entry_points
 
@@ -40,6 +42,11 @@ class FakeNpuPlugin:
     @hookimpl
     def corelib_backends(self) -> Sequence[Backend]:
         return [self.backend]
+
+    @hookimpl
+    def corelib_backend_configs(self) -> dict[str, str]:
+        """npu's own YAML, as the real plugin ships it (the tests leave that plugin out)."""
+        return {"npu": str(Path(corelib_npu.__file__).with_name("npu.yaml"))}
 
 
 def _builtin_registry(*, without: str = "") -> PluginRegistry:
