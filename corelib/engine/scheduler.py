@@ -302,10 +302,8 @@ class Scheduler:
             relay.append(pending > 0)
             seq.num_computed_tokens = start + 1
             # Prefix caching keys a block once the host knows its every token: at most one in a few steps a row.
-            if caching:
-                known = seq.num_prompt_tokens + len(seq.output_token_ids)
-                if min(start + 1, known) // size > seq.num_registered_blocks:
-                    blocks.register(seq, start + 1)
+            if caching and min(start + 1, seq.num_tokens) // size > seq.num_registered_blocks:
+                blocks.register(seq, start + 1)
             if forks and not pending and seq.seq_id in forks and not seq.output_token_ids:
                 step.forked += self._fork(seq, forks.pop(seq.seq_id))
             seq.num_pending = pending + 1
