@@ -24,6 +24,7 @@ graphs (engine.mixed_graphs=on) and without (off), in one process.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import random
@@ -48,11 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--decoders", type=int, default=32)
+    parser.add_argument("--decoder-tokens", type=int, default=3500, help="tokens each decoder decodes")
     parser.add_argument("--prompt", type=int, default=1500, help="tokens of each arriving prompt (part 1)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--budget", type=int, default=512, help="engine.max_num_batched_tokens of part 1")
     parser.add_argument("--steps", type=int, default=12, help="mixed steps timed per mode")
     parser.add_argument("--stall-seconds", type=float, default=0.0, help="part 3 (0: skipped)")
+    parser.add_argument("--stall-progress", default=None, help="part 3's table so far, rewritten every 15 s")
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=[500, 2000])
     parser.add_argument("--prompt-counts", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--transformers", action="store_true", help="transformers' eager forward on part 4's shapes")
@@ -83,7 +86,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> Json:
     with engine_for(args, mode, args.budget, rows) as engine:
         out["startup_s"] = time.perf_counter() - started
         out["graphs"] = None if engine.graphs is None else engine.graphs.describe()
-        start_decoders(engine, args.decoders)
+        decoders = start_decoders(engine, args.decoders, args.decoder_tokens)
         out["decode"] = timed_steps(engine, 16)
         for round_ in range(2):  # the first round meets every kernel for the first time; the second does not
             for i in range(args.prompts):
@@ -95,19 +98,20 @@ def run_mode(args: argparse.Namespace, mode: str) -> Json:
         if mode == "off":
             out["eager_host"] = eager_host(engine, args)
         if args.stall_seconds:
-            out["stalls"] = stalls(engine, args)
+            out["stalls"] = stalls(engine, args, decoders)
     with engine_for(args, mode, max(2048, max(args.prompt_lens, default=0)), max(args.prompt_counts, default=1)) \
             as engine:
         out["ttft"] = [ttft(engine, length, count) for length in args.prompt_lens for count in args.prompt_counts]
     return out
 
 
-def start_decoders(engine: Engine, count: int) -> None:
-    params = SamplingParams(max_tokens=3500, ignore_eos=True)
-    for i in range(count):
-        engine.add_request(prompt(engine, 16, seed=10_000 + i), params)
+def start_decoders(engine: Engine, count: int, tokens: int) -> set[str]:
+    """``count`` requests that decode ``tokens`` tokens each, their prompts done; their ids."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    ids = {engine.add_request(prompt(engine, 16, seed=10_000 + i), params) for i in range(count)}
     for _ in range(8):  # their prompts done: decode steps alone
         engine.step()
+    return ids
 
 
 def prompt(engine: Engine, length: int, seed: int) -> list[int]:
@@ -211,33 +215,89 @@ def profile_kernels(engine: Engine, args: argparse.Namespace) -> Json:
     return {"steps": args.profile, "mixed_steps": steps, "kernels": kernels}
 
 
-def stalls(engine: Engine, args: argparse.Namespace) -> Json:
-    """Prompts of random lengths arrive while the decoders run: each step's wall time by token bucket."""
+def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json:
+    """Prompts of random lengths arrive while the decoders run, for ``args.stall_seconds``: each step's wall time
+    (the device synchronized after it) by the token bucket of the step it submitted, the median and the worst
+    against it. A decoder that finishes is replaced, so the batch stays full however long the run. As the server
+    does once it is up, the objects of startup are frozen out of the garbage collector's passes first. With
+    ``--stall-progress FILE`` the table so far is written there every 15 s (a run cut short still tells)."""
     rng = random.Random(7)
     buckets = engine.core.buckets
     by_bucket: dict[str, list[float]] = defaultdict(list)
-    deadline = time.perf_counter() + args.stall_seconds
-    seed = 20_000
+    device_by_bucket: dict[str, list[float]] = defaultdict(list)
+    slowest: list[Json] = []  # the slowest steps, for the note on any that stalls
+    pending: dict[int, tuple[float, float]] = {}  # step id -> (wall ms, seconds into the run)
+    decoder_params = SamplingParams(max_tokens=args.decoder_tokens, ignore_eos=True)
+    arrival_params = SamplingParams(max_tokens=2, ignore_eos=True)
+    seed, replaced = 20_000, 0
+    decoders &= {seq.request_id for seq in engine.core.scheduler.unfinished()}  # those the earlier parts left
+    while len(decoders) < args.decoders:
+        seed += 1
+        decoders.add(engine.add_request(prompt(engine, 16, seed), decoder_params))
+    gc.collect()
+    gc.freeze()
+    began_run = time.perf_counter()
+    deadline = began_run + args.stall_seconds
+    next_progress = began_run + 15
+    stats = engine.stats()
+    seen = stats.num_steps
     while time.perf_counter() < deadline:
-        if engine.stats().num_waiting < 2:
+        if stats.num_waiting < 2:
             seed += 1
-            engine.add_request(prompt(engine, rng.randint(1, 1800), seed),
-                               SamplingParams(max_tokens=2, ignore_eos=True))
+            engine.add_request(prompt(engine, rng.randint(1, 1800), seed), arrival_params)
+        submitted = stats.num_steps + stats.num_in_flight  # the id of the step this call submits
         began = time.perf_counter()
-        first = engine.stats().num_steps
-        engine.step()
+        finished = engine.step()
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - began) * 1e3
-        for record in engine.stats(since_step=first).steps[-1:]:  # the step this call completed
+        now = time.perf_counter()
+        pending[submitted] = ((now - began) * 1e3, now - began_run)
+        for output in finished:  # a decoder done: another takes its place
+            if output.request_id in decoders:
+                decoders.discard(output.request_id)
+                seed += 1
+                decoders.add(engine.add_request(prompt(engine, 16, seed), decoder_params))
+                replaced += 1
+        stats = engine.stats(since_step=seen)
+        for record in stats.steps:
+            timed = pending.pop(record.step_id, None)
+            if timed is None:
+                continue
+            wall, at = timed
             bucket = (f"decode rows {record.num_seqs}" if record.kind.value == "decode"
                       else f"tokens {buckets.token_bucket(record.num_tokens) or 'eager'}")
             by_bucket[bucket].append(wall)
-    table = {}
+            if record.busy_ms is not None:
+                device_by_bucket[bucket].append(record.busy_ms)
+            slowest.append({"wall_ms": wall, "device_ms": record.busy_ms, "bucket": bucket, "at_s": at,
+                            "step": record.step_id})
+            if len(slowest) > 64:
+                slowest.sort(key=lambda s: -s["wall_ms"])
+                del slowest[32:]
+        seen = stats.num_steps
+        if args.stall_progress and now > next_progress:
+            next_progress = now + 15
+            Path(args.stall_progress).write_text(json.dumps(
+                stall_table(by_bucket, device_by_bucket, slowest, now - began_run, replaced), indent=1) + "\n")
+    gc.unfreeze()
+    return stall_table(by_bucket, device_by_bucket, slowest, time.perf_counter() - began_run, replaced)
+
+
+def stall_table(by_bucket: dict[str, list[float]], device_by_bucket: dict[str, list[float]], slowest: list[Json],
+                seconds: float, replaced: int) -> Json:
+    """Per bucket: steps, median and worst wall ms, how many took over 3x the median; the slowest steps, each
+    against its bucket's median wall and device time."""
+    buckets = {}
     for key, walls in sorted(by_bucket.items()):
         median = statistics.median(walls)
-        table[key] = {"steps": len(walls), "median_ms": median, "max_ms": max(walls),
-                      "over_3x_median": sum(1 for w in walls if w > 3 * median)}
-    return table
+        buckets[key] = {"steps": len(walls), "median_ms": median, "max_ms": max(walls),
+                        "over_3x_median": sum(1 for w in walls if w > 3 * median),
+                        "device_median_ms": statistics.median(device_by_bucket[key]) if device_by_bucket[key] else None}
+    worst = sorted(slowest, key=lambda s: -s["wall_ms"])[:16]
+    for step in worst:
+        step["bucket_median_ms"] = buckets[step["bucket"]]["median_ms"]
+    return {"seconds": seconds, "steps": sum(b["steps"] for b in buckets.values()), "decoders_replaced": replaced,
+            "over_3x_median": sum(b["over_3x_median"] for b in buckets.values()), "buckets": buckets,
+            "slowest": worst}
 
 
 def ttft(engine: Engine, length: int, count: int) -> Json:
@@ -317,9 +377,17 @@ def summary(result: Json) -> str:
                          f"{sum(k['ms_per_step'] for k in kernels):.2f} ms per step:")
             lines += [f"     {k['ms_per_step']:6.3f} ms  {k['calls_per_step']:6.1f} x {k['us_per_call']:7.1f} µs  "
                       f"{k['kernel'][:70]}" for k in kernels[:12]]
-        for key, s in out.get("stalls", {}).items():
-            lines.append(f"   stalls {key}: {s['steps']} steps, median {s['median_ms']:.2f} ms, max "
-                         f"{s['max_ms']:.2f} ms, over 3x median: {s['over_3x_median']}")
+        if "stalls" in out:
+            st = out["stalls"]
+            lines.append(f"   stalls: {st['seconds']:.0f} s, {st['steps']} steps in {len(st['buckets'])} buckets, "
+                         f"{st['decoders_replaced']} decoders replaced; over 3x their bucket's median: "
+                         f"{st['over_3x_median']}")
+            for key, s in st["buckets"].items():
+                lines.append(f"     {key}: {s['steps']} steps, median {s['median_ms']:.2f} ms, max "
+                             f"{s['max_ms']:.2f} ms, over 3x median: {s['over_3x_median']}")
+            for s in st["slowest"][:5]:
+                lines.append(f"     slow step {s['step']} at {s['at_s']:.0f} s: {s['wall_ms']:.2f} ms wall "
+                             f"(device {s['device_ms'] or 0:.2f}), {s['bucket']} median {s['bucket_median_ms']:.2f}")
         for t in out["ttft"]:
             lines.append(f"   TTFT {t['count']} x {t['length']}: {t['ttft_ms']:.2f} ms "
                          f"({t['prompt_tokens_per_s']:,.0f} prompt tokens/s)")
