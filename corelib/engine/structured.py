@@ -19,6 +19,7 @@ below, so a hostile schema costs a bounded amount of work and is refused in one 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -117,10 +118,20 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     _CHECKED.grammar(params)
 
 
+def mask_threads() -> int:
+    """The threads that write a step's masks: llguidance's own default (80 % of the CPUs this process may run
+    on, at most 32, at least one)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus * 4 // 5))
+
+
 @functools.cache
 def _executor() -> Any:
     """llguidance's thread pool, one per process."""
-    return llguidance_module().LLExecutor()
+    return llguidance_module().LLExecutor(num_threads=mask_threads())
 
 
 def fill_rows(states: Iterable[tuple[GrammarState, int]], address: int, row_bytes: int, rows: int) -> None:
@@ -170,19 +181,26 @@ class StructuredOutputs:
         self.grammars = GrammarCache()
         self._ll_tokenizer: Any = None
         self._lock = threading.Lock()
-        # A matcher per grammar that never takes a token: each request's is a copy of it (some µs, where making
-        # one costs about a millisecond at a 150k vocabulary), least recently used dropped past the cache's size.
-        self._templates: OrderedDict[str, Any] = OrderedDict()
+        # Matchers per grammar that never take a token: each request's is a copy of one of them (some µs, where
+        # making one costs about a millisecond at a 150k vocabulary), least recently used dropped past the cache's
+        # size. Copies of one matcher share its lexer, and llguidance lets one mask at a time use a lexer: with one
+        # template the rows of a step would be written one after another whatever the thread pool. So a grammar
+        # has up to ``templates_per_grammar`` independent ones (one per mask thread), made as requests arrive and
+        # handed out in turn.
+        self.templates_per_grammar = mask_threads()
+        self._templates: OrderedDict[str, _Templates] = OrderedDict()
 
     def state(self, params: StructuredOutputsParams | Mapping[str, Any]) -> GrammarState:
         """A fresh matcher for ``params``; StructuredOutputsError (one line) when it cannot be served."""
         typed = StructuredOutputsParams.of(params)
         grammar = self.grammars.grammar(typed)
         with self._lock:
-            template = self._templates.get(typed.key)
-            if template is not None:
+            templates = self._templates.get(typed.key)
+            if templates is not None:
                 self._templates.move_to_end(typed.key)
-                return GrammarState(template.deep_copy())
+                template = templates.next_one(self.templates_per_grammar)
+                if template is not None:
+                    return GrammarState(template.deep_copy())
         ll = llguidance_module()
         template = ll.LLMatcher(self.ll_tokenizer(), grammar, limits=parser_limits())
         if template.is_error():
@@ -190,10 +208,18 @@ class StructuredOutputs:
             raise StructuredOutputsError("structured_outputs", f"structured_outputs: the grammar cannot be used "
                                                                f"with this tokenizer: {problem}")
         with self._lock:
-            self._templates[typed.key] = template
+            templates = self._templates.setdefault(typed.key, _Templates())
+            self._templates.move_to_end(typed.key)
+            templates.add(template, self.templates_per_grammar)
             while len(self._templates) > self.grammars.capacity:
                 self._templates.popitem(last=False)
         return GrammarState(template.deep_copy())
+
+    def templates(self, params: StructuredOutputsParams | Mapping[str, Any]) -> int:
+        """How many independent matchers ``params``' grammar has so far."""
+        with self._lock:
+            found = self._templates.get(StructuredOutputsParams.of(params).key)
+            return 0 if found is None else len(found.matchers)
 
     def ll_tokenizer(self) -> Any:
         """llguidance's view of the checkpoint's tokenizer, over the model's whole vocabulary (ids past the
@@ -213,6 +239,25 @@ class StructuredOutputs:
                 self._ll_tokenizer = ll.LLTokenizer(text, n_vocab=self.vocab_size,
                                                     eos_token=self.eos_token_ids or None)
             return self._ll_tokenizer
+
+
+class _Templates:
+    """A grammar's independent matchers, handed out in turn once there are as many as wanted."""
+
+    def __init__(self) -> None:
+        self.matchers: list[Any] = []
+        self._turn = 0
+
+    def next_one(self, wanted: int) -> Any:
+        """The next matcher to copy; None while fewer than ``wanted`` exist (the caller makes one)."""
+        if len(self.matchers) < wanted:
+            return None
+        self._turn = (self._turn + 1) % len(self.matchers)
+        return self.matchers[self._turn]
+
+    def add(self, matcher: Any, wanted: int) -> None:
+        if len(self.matchers) < wanted:
+            self.matchers.append(matcher)
 
 
 def _one_line(message: object, limit: int = 200) -> str:

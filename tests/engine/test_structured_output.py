@@ -151,6 +151,36 @@ def test_the_rows_filled_in_parallel_are_the_rows_filled_one_by_one(model_dir: P
     assert (together == alone).all() and (together[0] != together[1]).any() and (together[3] == -1).all()
 
 
+def test_a_grammar_hands_out_copies_of_independent_matchers_in_turn(model_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Copies of one matcher share its lexer, which llguidance lets one mask at a time use: the rows of a step
+    # are written in parallel only when their matchers come from different ones.
+    import llguidance
+    import numpy as np
+
+    made = []
+    original = llguidance.LLMatcher
+
+    def counting(*args: object, **kwargs: object) -> object:
+        made.append(1)
+        return original(*args, **kwargs)
+
+    tokenizer = Tokenizer.from_directory(model_dir)
+    assert tokenizer is not None
+    outputs = StructuredOutputs(tokenizer, tokenizer.vocab_size, [1])
+    outputs.templates_per_grammar = 3
+    params = StructuredOutputsParams(json=SCHEMA)
+    outputs.grammars.grammar(params)  # compiled first: the compiler is a static method of the class replaced below
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    states = [outputs.state(params) for _ in range(7)]
+    assert len(made) == 3 and outputs.templates(params) == 3
+    assert len({id(state.matcher) for state in states}) == 7  # each request's own copy
+    words = mask_words(tokenizer.vocab_size)
+    masks = np.zeros((7, words), dtype=np.int32)
+    fill_rows([(state, row) for row, state in enumerate(states)], masks.ctypes.data, masks.strides[0], 7)
+    assert (masks == masks[0]).all()  # the same grammar whichever matcher a copy came from
+
+
 @pytest.mark.slow
 def test_every_output_parses_and_matches_its_schema(engine: Engine) -> None:
     plain = engine.generate(["Hello, my name is"] * 2, [SamplingParams(max_tokens=20, seed=i) for i in range(2)])
