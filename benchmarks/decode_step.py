@@ -165,6 +165,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.models:
         model = load(name, args.dtype, device)
+        live = -(-(args.context + 8) // BLOCK) * BLOCK  # the block table must hold each row's context
+        if model.shape.max_model_len < live:
+            model = load(name, args.dtype, device, f"model.max_model_len={live}")
         for batch in args.batch:
             results = {}
             for label, ops in op_sets.items():

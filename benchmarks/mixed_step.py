@@ -219,14 +219,16 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
     """Prompts of random lengths arrive while the decoders run, for ``args.stall_seconds``: each step's wall time
     (the device synchronized after it) by the token bucket of the step it submitted, the median and the worst
     against it. A decoder that finishes is replaced, so the batch stays full however long the run. As the server
-    does once it is up, the objects of startup are frozen out of the garbage collector's passes first. With
+    does once it is up, the objects of startup are frozen out of the garbage collector's passes first (and each
+    slow step names the passes made during it). With
     ``--stall-progress FILE`` the table so far is written there every 15 s (a run cut short still tells)."""
     rng = random.Random(7)
     buckets = engine.core.buckets
     by_bucket: dict[str, list[float]] = defaultdict(list)
     device_by_bucket: dict[str, list[float]] = defaultdict(list)
     slowest: list[Json] = []  # the slowest steps, for the note on any that stalls
-    pending: dict[int, tuple[float, float]] = {}  # step id -> (wall ms, seconds into the run)
+    pending: dict[int, tuple[float, float, list[tuple[int, float]]]] = {}  # step id -> (wall ms, s into the run,
+    # the garbage collector's passes during its call: generation, ms)
     decoder_params = SamplingParams(max_tokens=args.decoder_tokens, ignore_eos=True)
     arrival_params = SamplingParams(max_tokens=2, ignore_eos=True)
     seed, replaced = 20_000, 0
@@ -234,8 +236,18 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
     while len(decoders) < args.decoders:
         seed += 1
         decoders.add(engine.add_request(prompt(engine, 16, seed), decoder_params))
+    collected: list[tuple[int, float]] = []  # (generation, ms) of each collection during the current call
+    collecting_since = [0.0]
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting_since[0] = time.perf_counter()
+        else:
+            collected.append((info["generation"], (time.perf_counter() - collecting_since[0]) * 1e3))
+
     gc.collect()
     gc.freeze()
+    gc.callbacks.append(on_collection)
     began_run = time.perf_counter()
     deadline = began_run + args.stall_seconds
     next_progress = began_run + 15
@@ -246,11 +258,12 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
             seed += 1
             engine.add_request(prompt(engine, rng.randint(1, 1800), seed), arrival_params)
         submitted = stats.num_steps + stats.num_in_flight  # the id of the step this call submits
+        collected.clear()
         began = time.perf_counter()
         finished = engine.step()
         torch.cuda.synchronize()
         now = time.perf_counter()
-        pending[submitted] = ((now - began) * 1e3, now - began_run)
+        pending[submitted] = ((now - began) * 1e3, now - began_run, list(collected))
         for output in finished:  # a decoder done: another takes its place
             if output.request_id in decoders:
                 decoders.discard(output.request_id)
@@ -262,14 +275,14 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
             timed = pending.pop(record.step_id, None)
             if timed is None:
                 continue
-            wall, at = timed
+            wall, at, collections = timed
             bucket = (f"decode rows {record.num_seqs}" if record.kind.value == "decode"
                       else f"tokens {buckets.token_bucket(record.num_tokens) or 'eager'}")
             by_bucket[bucket].append(wall)
             if record.busy_ms is not None:
                 device_by_bucket[bucket].append(record.busy_ms)
             slowest.append({"wall_ms": wall, "device_ms": record.busy_ms, "bucket": bucket, "at_s": at,
-                            "step": record.step_id})
+                            "step": record.step_id, "collections": collections})
             if len(slowest) > 64:
                 slowest.sort(key=lambda s: -s["wall_ms"])
                 del slowest[32:]
@@ -278,6 +291,7 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
             next_progress = now + 15
             Path(args.stall_progress).write_text(json.dumps(
                 stall_table(by_bucket, device_by_bucket, slowest, now - began_run, replaced), indent=1) + "\n")
+    gc.callbacks.remove(on_collection)
     gc.unfreeze()
     return stall_table(by_bucket, device_by_bucket, slowest, time.perf_counter() - began_run, replaced)
 
@@ -385,9 +399,11 @@ def summary(result: Json) -> str:
             for key, s in st["buckets"].items():
                 lines.append(f"     {key}: {s['steps']} steps, median {s['median_ms']:.2f} ms, max "
                              f"{s['max_ms']:.2f} ms, over 3x median: {s['over_3x_median']}")
-            for s in st["slowest"][:5]:
+            for s in st["slowest"][:8]:
+                passes = ", ".join(f"gen {g} {ms:.1f} ms" for g, ms in s["collections"]) or "none"
                 lines.append(f"     slow step {s['step']} at {s['at_s']:.0f} s: {s['wall_ms']:.2f} ms wall "
-                             f"(device {s['device_ms'] or 0:.2f}), {s['bucket']} median {s['bucket_median_ms']:.2f}")
+                             f"(device {s['device_ms'] or 0:.2f}), {s['bucket']} median {s['bucket_median_ms']:.2f}; "
+                             f"garbage collections during it: {passes}")
         for t in out["ttft"]:
             lines.append(f"   TTFT {t['count']} x {t['length']}: {t['ttft_ms']:.2f} ms "
                          f"({t['prompt_tokens_per_s']:,.0f} prompt tokens/s)")

@@ -60,10 +60,14 @@ class BucketPolicy:
     @classmethod
     def build(cls, graphs: bool, batch_sizes: Sequence[int], max_rows: int, max_blocks: int,
               param_update: bool, live_blocks_only: bool = False, token_sizes: Sequence[int] = ()) -> BucketPolicy:
-        """``token_sizes``: the token buckets of steps with prompt tokens (empty: none, they run eagerly)."""
+        """``token_sizes``: the token buckets of steps with prompt tokens (empty: none, they run eagerly).
+
+        A batch size past ``max_rows`` stands for ``max_rows``: with buckets of 32 and 64 and 40 rows at most,
+        a decode step of 33-40 rows replays a graph of 40 rather than running eagerly (and meeting, while
+        serving, a kernel compiled for its row count)."""
         if not graphs:
             return cls((), (), max_blocks, param_update, live_blocks_only)
-        batches = tuple(sorted({b for b in batch_sizes if 0 < b <= max_rows}))
+        batches = tuple(sorted({min(b, max_rows) for b in batch_sizes if b > 0}))
         single = param_update or live_blocks_only
         kv = (max_blocks,) if single else tuple(powers_of_two_upto(max_blocks))
         return cls(batches, kv, max_blocks, param_update, live_blocks_only, tuple(sorted(set(token_sizes))))

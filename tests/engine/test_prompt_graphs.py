@@ -143,6 +143,16 @@ def test_a_step_is_padded_to_the_next_bucket_and_none_past_the_last() -> None:
     assert BucketPolicy.build(False, [1], 4, 8, False, token_sizes=[16]).token_bucket(3) is None
 
 
+def test_a_decode_bucket_past_the_rows_a_step_can_have_is_clipped_to_them() -> None:
+    # 40 rows at most and buckets of 32 and 64: a decode step of 33-40 rows replays the bucket of 40, not an
+    # eager step that would meet kernels compiled for its row count while serving.
+    policy = BucketPolicy.build(True, [1, 2, 4, 8, 16, 32, 64], 40, 8, False)
+    assert policy.batch_buckets == (1, 2, 4, 8, 16, 32, 40)
+    assert policy.decode_shape(36, 3)[0::2] == (40, True) and policy.decode_shape(40, 3)[0::2] == (40, True)
+    # Buckets that stop short of the rows are the config's choice: past them, eager steps.
+    assert BucketPolicy.build(True, [1, 2, 4], 40, 8, False).decode_shape(5, 3)[2] is False
+
+
 def test_a_padded_step_leaves_its_extra_rows_empty_and_its_extra_tokens_on_the_null_block() -> None:
     config = unit_config(max_num_seqs=4, block_size=4, max_model_len=32)
     options = dataclasses.replace(unit_options(), graphs=True, mixed_graphs=True)
