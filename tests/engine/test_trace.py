@@ -40,7 +40,7 @@ def traced_run(make_engine: EngineFactory, tmp_path: Path, handoff: str,
         engine.tracer.reanchor_s = reanchor_s
     engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     path = engine.write_trace(tmp_path / "trace.json")
-    return json.loads(path.read_text()), len(engine.core.metrics.steps)
+    return json.loads(path.read_text()), engine.core.metrics.num_steps
 
 
 @pytest.mark.parametrize("handoff", ["off", "on"])
