@@ -292,7 +292,8 @@ class EngineConfig:
     )
     prefix_caching: Mode = field(default=Mode.auto, metadata=doc("share the KV blocks of prompts that begin alike"))
     graph_batch_sizes: list[int] = field(
-        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata=doc("decode batch buckets captured as graphs")
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64],
+        metadata=doc("decode batch buckets captured as graphs; one past max_num_seqs stands for it"),
     )
     mixed_graphs: Mode = field(
         default=Mode.auto,

@@ -161,7 +161,7 @@ def test_a_grammar_hands_out_copies_of_independent_matchers_in_turn(model_dir: P
     made = []
     original = llguidance.LLMatcher
 
-    def counting(*args: object, **kwargs: object) -> object:
+    def counting(*args: Any, **kwargs: Any) -> Any:
         made.append(1)
         return original(*args, **kwargs)
 
