@@ -219,9 +219,9 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
     """Prompts of random lengths arrive while the decoders run, for ``args.stall_seconds``: each step's wall time
     (the device synchronized after it) by the token bucket of the step it submitted, the median and the worst
     against it. A decoder that finishes is replaced, so the batch stays full however long the run. As the server
-    does once it is up, the objects of startup are frozen out of the garbage collector's passes first (and each
-    slow step names the passes made during it). With
-    ``--stall-progress FILE`` the table so far is written there every 15 s (a run cut short still tells)."""
+    does once it is up, the objects of startup are frozen out of the garbage collector's passes first, and each
+    slow step names the passes made during it. With ``--stall-progress FILE`` the table so far is written there
+    every 15 s (a run cut short still tells)."""
     rng = random.Random(7)
     buckets = engine.core.buckets
     by_bucket: dict[str, list[float]] = defaultdict(list)

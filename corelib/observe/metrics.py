@@ -53,8 +53,8 @@ WINDOW = 10_000  # requests and steps kept for percentiles and device spans
 # A step as the window keeps it: (step_id, kind's value, path, num_seqs, busy_ms, gap_ms, graph, transport_us,
 # (schedule_us, pack_us, postprocess_us) or None, num_tokens). Plain tuples of numbers and strings leave the
 # garbage collector's lists once they survive a pass; 10-20 k StepRecords (and their HostTimes) would stay on
-# them, and every pass of the generation they sit in would walk them between two steps (4-12 ms on the H200's
-# host, measured in a 10-minute run).
+# them, and every pass of the generation they sit in would walk them between two steps (passes of 4-12.5 ms on
+# the H200's host, in a mixed-traffic run).
 _Row = tuple[int, str, str, int, float | None, float | None, bool, float | None, tuple[float, float, float] | None,
              int]
 
