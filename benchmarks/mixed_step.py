@@ -40,6 +40,7 @@ import torch
 from corelib.engine import Engine, SamplingParams
 from corelib.models.random_init import random_state_dict
 from corelib.models.registry import model_shape
+from corelib.support.heap import freeze_startup_heap
 
 Json = dict[str, Any]
 PHASES = ("schedule", "pack", "postprocess")  # the scheduler side's work per step (its record's HostTime)
@@ -245,8 +246,7 @@ def stalls(engine: Engine, args: argparse.Namespace, decoders: set[str]) -> Json
         else:
             collected.append((info["generation"], (time.perf_counter() - collecting_since[0]) * 1e3))
 
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     gc.callbacks.append(on_collection)
     began_run = time.perf_counter()
     deadline = began_run + args.stall_seconds

@@ -198,7 +198,7 @@ class StructuredOutputs:
             templates = self._templates.get(typed.key)
             if templates is not None:
                 self._templates.move_to_end(typed.key)
-                template = templates.next_one(self.templates_per_grammar)
+                template = templates.next_one()
                 if template is not None:
                     return GrammarState(template.deep_copy())
         ll = llguidance_module()
@@ -208,9 +208,9 @@ class StructuredOutputs:
             raise StructuredOutputsError("structured_outputs", f"structured_outputs: the grammar cannot be used "
                                                                f"with this tokenizer: {problem}")
         with self._lock:
-            templates = self._templates.setdefault(typed.key, _Templates())
+            templates = self._templates.setdefault(typed.key, _Templates(self.templates_per_grammar))
             self._templates.move_to_end(typed.key)
-            templates.add(template, self.templates_per_grammar)
+            templates.add(template)
             while len(self._templates) > self.grammars.capacity:
                 self._templates.popitem(last=False)
         return GrammarState(template.deep_copy())
@@ -244,19 +244,20 @@ class StructuredOutputs:
 class _Templates:
     """A grammar's independent matchers, handed out in turn once there are as many as wanted."""
 
-    def __init__(self) -> None:
+    def __init__(self, wanted: int) -> None:
+        self.wanted = wanted
         self.matchers: list[Any] = []
         self._turn = 0
 
-    def next_one(self, wanted: int) -> Any:
-        """The next matcher to copy; None while fewer than ``wanted`` exist (the caller makes one)."""
-        if len(self.matchers) < wanted:
+    def next_one(self) -> Any:
+        """The next matcher to copy; None while fewer than wanted exist (the caller makes one)."""
+        if len(self.matchers) < self.wanted:
             return None
         self._turn = (self._turn + 1) % len(self.matchers)
         return self.matchers[self._turn]
 
-    def add(self, matcher: Any, wanted: int) -> None:
-        if len(self.matchers) < wanted:
+    def add(self, matcher: Any) -> None:
+        if len(self.matchers) < self.wanted:
             self.matchers.append(matcher)
 
 

@@ -106,9 +106,9 @@ class MetricsCollector:
     def record(self, result: StepResult, path: str, sync_reasons: Iterable[str], host: HostTime | None = None,
                num_tokens: int = 0) -> None:
         kind = result.kind.value
-        times = None if host is None else (float(host.schedule_us), float(host.pack_us), float(host.postprocess_us))
+        times = None if host is None else (host.schedule_us, host.pack_us, host.postprocess_us)
         self._rows.append((result.step_id, kind, path, len(result.tokens), result.busy_ms, result.gap_ms,
-                           bool(result.graph), result.transport_us, times, num_tokens))
+                           result.graph, result.transport_us, times, num_tokens))
         if len(self._rows) >= 2 * self.window:
             del self._rows[: self.window]  # in halves: amortized O(1) per step, and slices stay cheap
             self.steps_dropped += self.window

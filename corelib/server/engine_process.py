@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import faulthandler
 import fcntl
-import gc
 import logging
 import os
 import pickle
@@ -43,6 +42,7 @@ from corelib.errors import CorelibError, one_line
 from corelib.server.commands import CommandWriter
 from corelib.server.events import EngineFacts
 from corelib.server.messages import Command, Decoder, Failed, Frame, Ready, Stop, encode
+from corelib.support.heap import freeze_startup_heap
 from corelib.support.text import Tokenizer
 from corelib.trust.isolation import worker_command, worker_environment
 
@@ -326,11 +326,7 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - raised again in the server, as the server's own error
         output.send(Failed(_portable(error)))
         sys.exit(1)
-    # What startup built (the model, its graphs, torch's and Triton's modules) lives as long as the process: out
-    # of the collector's sight, so that a full collection walks only what serving makes (vLLM's engine core
-    # does the same). Unfrozen, a full collection here walks some 200 k objects between two steps.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()  # the model, its graphs, torch's and Triton's modules
     output.send(Ready(facts))
     status = 0
     try:

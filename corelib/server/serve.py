@@ -9,7 +9,6 @@ they are aborted and their clients told why; the engine is closed and its proces
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -35,6 +34,7 @@ from corelib.server.connections import guarded_protocol
 from corelib.server.metrics import ServerMetrics
 from corelib.server.render import TemplateRenderer
 from corelib.server.served import EngineRecipe
+from corelib.support.heap import freeze_startup_heap
 
 log = logging.getLogger("corelib.server")
 SHUTDOWN_SLACK_S = 5.0  # beyond the grace period: time for the aborted requests' last events
@@ -160,10 +160,7 @@ def _say(line: str) -> None:
 
 
 def _uvicorn(state: ServerState, server: ServerConfig) -> _Uvicorn:
-    # Everything built so far lives as long as the server: out of the collector's sight, so that a full
-    # collection (triggered by a body of many small lists, say) does not walk it while /health waits.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()  # a full collection (a body of many small lists, say) must not walk it while /health waits
     config = uvicorn.Config(
         build_app(state), log_level=server.log_level.value, access_log=server.access_log, lifespan="off",
         timeout_graceful_shutdown=int(server.shutdown_grace_s + SHUTDOWN_SLACK_S) + 1,
