@@ -235,9 +235,9 @@ class ShmConfig:
                      "length (a pass over every step's inputs on both ends: for chaos and fault runs)"),
     )
     spin_us: float = field(
-        default=150.0,
+        default=2000.0,
         metadata=doc("microseconds a waiting end re-checks the ring (yielding the GIL) before it sleeps on its "
-                     "eventfd; 0: sleep at once"),
+                     "eventfd, at most 150 where the device is the host; 0: sleep at once"),
     )
 
 

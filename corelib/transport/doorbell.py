@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from corelib.errors import TransportError, WorkerDied
 
 CHECK_S = 0.25  # longest blocking wait between two liveness checks
+HOST_SPIN_US = 150.0  # the most a waiting end spins where the device is the host (its cores compute the step)
 _MACHINE = platform.machine().lower()
 # x86-64 keeps stores in program order for other CPUs (TSO) and never reorders a load with an
 # older load: a frame written before its counter is seen whole once the counter is seen.
@@ -104,6 +105,14 @@ def register() -> bool:
             f"writes, and it is unavailable here ({membarrier.reason}); use engine.transport=inproc"
         )
     return False
+
+
+def spin_for(spin_us: float, device_is_host: bool) -> float:
+    """The microseconds a waiting end spins: ``engine.shm.spin_us``, at most :data:`HOST_SPIN_US` where the device is
+    the host. Elsewhere a spin that outlasts a step's interval keeps the waiter off its eventfd, whose wake-up
+    (tens to hundreds of microseconds) would be on every step's path; where the host's cores compute the step, a
+    spinning end takes one from them."""
+    return min(spin_us, HOST_SPIN_US) if device_is_host else spin_us
 
 
 def publish_fence() -> None:
@@ -177,13 +186,16 @@ class Waiter:
             self._poller.register(other, select.POLLIN)
         self.sleeps = 0  # blocking waits so far (a spin that sufficed is not one)
 
-    def wait(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Until ``ready()`` (True) or ``timeout`` seconds (False); raises WorkerDied when the peer is gone."""
+    def wait(self, ready: Callable[[], bool], timeout: float, pause: Callable[[], None] | None = None) -> bool:
+        """Until ``ready()`` (True) or ``timeout`` seconds (False); raises WorkerDied when the peer is gone.
+        ``pause``, when given, runs at every turn of the spin (a worker's turn: see ``corelib.transport.worker``)."""
         if ready():
             return True
         clock = time.perf_counter
         spin_end = clock() + self._spin_s
         while clock() < spin_end:
+            if pause is not None:
+                pause()
             os.sched_yield()  # the GIL is released across the call: other threads of this process run
             if ready():
                 return True

@@ -31,7 +31,7 @@ from corelib.startup.start import Startup
 from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
-from corelib.transport.doorbell import new_eventfd
+from corelib.transport.doorbell import new_eventfd, spin_for
 from corelib.transport.executor import Executor, StepFuture
 from corelib.transport.nodes import HEARTBEAT_S, NodeGroup, NodeLink, Topology, engine_digest
 from corelib.transport.parallel import rendezvous
@@ -103,6 +103,7 @@ class ShmExecutor(Executor):
         shm = cfg.engine.shm
         if shm.spin_us < 0:
             raise ConfigError(f"engine.shm.spin_us={shm.spin_us}: must be at least 0 (0: block at once)")
+        spin = spin_for(shm.spin_us, startup.spec.capabilities.device_is_host)
         self.timeout = cfg.engine.timeout_s
         self.startup_timeout_s = startup_timeout(cfg.engine.timeout_s)
         stale = sweep_stale()
@@ -168,11 +169,11 @@ class ShmExecutor(Executor):
             watch = [rank.control.fileno() for rank in self.ranks]
             names = [f"worker rank {rank}" for rank in local]
             self.producer = Producer(self.in_ring, doorbells, in_room, self.timeout, alive=self.why_gone,
-                                     name="input ring", consumer_names=names, spin_us=shm.spin_us, watch=watch,
+                                     name="input ring", consumer_names=names, spin_us=spin, watch=watch,
                                      payload_crc=shm.payload_crc)
             self.arenas = SlotArenas(self, layout.arena_bytes)
             self.consumer = Consumer(self.out_ring, 0, out_bell, out_room, self.timeout, alive=self.why_gone,
-                                     name="result ring", spin_us=shm.spin_us, watch=watch,
+                                     name="result ring", spin_us=spin, watch=watch,
                                      payload_crc=shm.payload_crc)
         except BaseException:
             self._stop(graceful=False)

@@ -286,3 +286,9 @@ def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pyte
     with pytest.raises(TransportError, match=r"needs membarrier\(2\).*use engine\.transport=inproc"):
         wire()
     assert not list(private_shm.iterdir()), "the segment of a ring that refused to start was left"
+
+
+def test_a_waiting_end_spins_less_where_the_device_is_the_host() -> None:
+    assert doorbell.spin_for(2000.0, device_is_host=False) == 2000.0
+    assert doorbell.spin_for(2000.0, device_is_host=True) == doorbell.HOST_SPIN_US
+    assert doorbell.spin_for(50.0, device_is_host=True) == 50.0
