@@ -237,7 +237,8 @@ class ShmConfig:
     spin_us: float = field(
         default=2000.0,
         metadata=doc("microseconds a waiting end re-checks the ring (yielding the GIL) before it sleeps on its "
-                     "eventfd, at most 150 where the device is the host; 0: sleep at once"),
+                     "eventfd, at most 150 where the host computes the step (the device is the host, or emulated); "
+                     "0: sleep at once"),
     )
 
 

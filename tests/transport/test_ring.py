@@ -16,6 +16,8 @@ import torch
 from ringkit import RecordingPoller, Wired, wire
 
 from corelib.errors import TransportError, WorkerDied
+from corelib.platform.backend import DeviceSpec
+from corelib.platform.device import Capabilities, Runtime
 from corelib.transport import doorbell, shm
 from corelib.transport.shm import ALWAYS, SHM_DIR, Consumer, Segment, asleep_word, released_word, sweep_stale
 from corelib.transport.wire import FrameHeader, FrameKind
@@ -288,7 +290,11 @@ def test_a_cpu_that_reorders_stores_refuses_without_membarrier(monkeypatch: pyte
     assert not list(private_shm.iterdir()), "the segment of a ring that refused to start was left"
 
 
-def test_a_waiting_end_spins_less_where_the_device_is_the_host() -> None:
-    assert doorbell.spin_for(2000.0, device_is_host=False) == 2000.0
-    assert doorbell.spin_for(2000.0, device_is_host=True) == doorbell.HOST_SPIN_US
-    assert doorbell.spin_for(50.0, device_is_host=True) == 50.0
+def test_a_waiting_end_spins_less_where_the_hosts_cores_compute_the_step() -> None:
+    def spec(runtime: Runtime, on_host: bool) -> DeviceSpec:
+        return DeviceSpec("b", runtime, Capabilities(device_is_host=on_host))
+
+    assert doorbell.spin_for(2000.0, spec(Runtime.native, on_host=False)) == 2000.0
+    assert doorbell.spin_for(2000.0, spec(Runtime.native, on_host=True)) == doorbell.HOST_SPIN_US
+    assert doorbell.spin_for(2000.0, spec(Runtime.emulated, on_host=False)) == doorbell.HOST_SPIN_US
+    assert doorbell.spin_for(50.0, spec(Runtime.native, on_host=True)) == 50.0
