@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from corelib.platform.backend import DeviceSpec
 
 CHECK_S = 0.25  # longest blocking wait between two liveness checks
-HOST_SPIN_US = 150.0  # the most a waiting end spins where the device is the host (its cores compute the step)
+HOST_SPIN_US = 150.0  # the most a waiting end spins where the host's cores compute the step
 _MACHINE = platform.machine().lower()
 # x86-64 keeps stores in program order for other CPUs (TSO) and never reorders a load with an
 # older load: a frame written before its counter is seen whole once the counter is seen.
@@ -192,16 +192,13 @@ class Waiter:
             self._poller.register(other, select.POLLIN)
         self.sleeps = 0  # blocking waits so far (a spin that sufficed is not one)
 
-    def wait(self, ready: Callable[[], bool], timeout: float, pause: Callable[[], None] | None = None) -> bool:
-        """Until ``ready()`` (True) or ``timeout`` seconds (False); raises WorkerDied when the peer is gone.
-        ``pause``, when given, runs at every turn of the spin (a worker's turn: see ``corelib.transport.worker``)."""
+    def wait(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Until ``ready()`` (True) or ``timeout`` seconds (False); raises WorkerDied when the peer is gone."""
         if ready():
             return True
         clock = time.perf_counter
         spin_end = clock() + self._spin_s
         while clock() < spin_end:
-            if pause is not None:
-                pause()
             os.sched_yield()  # the GIL is released across the call: other threads of this process run
             if ready():
                 return True

@@ -344,16 +344,14 @@ class Consumer:
     def available(self) -> bool:
         return self._words[COMMITTED] > self._expected
 
-    def wait(self, timeout: float, also: Callable[[], bool] | None = None,
-             pause: Callable[[], None] | None = None) -> bool:
-        """Until a frame is there (True) or ``also()`` holds (False); TransportError after ``timeout``. ``pause``
-        runs at every turn of the spin."""
+    def wait(self, timeout: float, also: Callable[[], bool] | None = None) -> bool:
+        """Until a frame is there (True) or ``also()`` holds (False); TransportError after ``timeout``."""
         words, expected = self._words, self._expected
 
         def ready() -> bool:
             return words[COMMITTED] > expected or (also is not None and also())
 
-        if not self._waiter.wait(ready, timeout, pause):
+        if not self._waiter.wait(ready, timeout):
             raise TransportError(f"waited {timeout:g} s on {self._name}")
         return words[COMMITTED] > expected
 

@@ -11,13 +11,6 @@ there the moment it is submitted (a device that computes on the host) is answere
 receiving thread itself, when the result ring has room, without waking the other. Any error is
 raised on the main thread and reported to the scheduler on the control pipe, and the process
 exits; it never computes on a frame that failed its checks.
-
-Both threads spin while they wait (yielding the GIL at every turn), and a spinning thread takes the
-GIL back whenever the other lets go of it: at each torch call of a frame's staging and launch, each
-of which then waits for a wake-up. So the two take turns (:class:`Turn`): the thread that works
-holds the turn, and the other, while it only waits, waits for the turn between its checks, asleep
-and without the GIL. The turn is a hint, never a lock that work depends on: a thread waits for it a
-bounded time and then goes on.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -58,7 +51,6 @@ from corelib.transport.shm import Consumer, Producer, Ring
 from corelib.transport.wire import FrameKind, WireResult, encode_result, input_of, result_header
 
 IDLE_S = 365 * 24 * 3600.0  # waiting for the next step: idle is fine (the scheduler's liveness is checked)
-TURN_PATIENCE_S = 0.001  # the longest a thread of the worker waits for the other's work before it goes on
 
 
 @dataclasses.dataclass
@@ -94,44 +86,15 @@ class _Submitted:
     transport_us: float  # the later of the frame's commit and this worker's readiness for it, to inputs staged
 
 
-class Turn:
-    """Which of a worker's two threads is working; the other steps aside while it only waits.
-
-    ``working()`` is held over a piece of work (a frame read, staged and launched; an answer written); ``step_aside()``
-    runs at each turn of a spin and returns once no work is under way. Each waits at most ``patience_s`` for the
-    other's work, then goes on: a piece of work that waits itself (for room in the result ring) never holds up
-    the other thread by more than that."""
-
-    def __init__(self, patience_s: float = TURN_PATIENCE_S) -> None:
-        self._lock = threading.Lock()
-        self.patience_s = patience_s
-
-    @contextlib.contextmanager
-    def working(self) -> Iterator[None]:
-        held = self._lock.acquire(timeout=self.patience_s)
-        try:
-            yield
-        finally:
-            if held:
-                self._lock.release()
-
-    def step_aside(self) -> None:
-        if self._lock.acquire(timeout=self.patience_s):
-            self._lock.release()
-
-
 class StepLoop:
     """Receive, stage and submit steps on the receiving thread; wait for their tokens and answer on this one."""
 
     def __init__(self, consumer: Consumer, steps: DeviceSteps, results: Producer | None, depth: int,
-                 timeout_s: float, *, inline_answers: bool = False, spin_us: float = 0.0,
+                 timeout_s: float, *, inline_answers: bool = False,
                  on_thread_start: Callable[[], None] = lambda: None) -> None:
         """``inline_answers``: the device's events can be queried, so the receiving thread may answer
-        a step that is done when submitted (and the answering thread spins on the oldest step's event for up to
-        ``spin_us`` before the device's own wait); ``on_thread_start``: runs first on the receiving thread."""
+        a step that is done when submitted; ``on_thread_start``: runs first on the receiving thread."""
         self.consumer = consumer
-        self.turn = Turn()
-        self._spin_s = max(0.0, spin_us) * 1e-6
         self.steps = steps
         self.results = results
         self.timeout = timeout_s
@@ -172,33 +135,28 @@ class StepLoop:
             stager.release_read()  # ring slots whose H2D is done go back before their steps end
             ready_at = time.perf_counter()  # from here the hop is on the step's path; a frame that came earlier
             # waited behind the step in flight (a worker that computes on the host), hidden behind it
-            if not consumer.available():  # spins on the doorbell (stepping aside for an answer), then sleeps on it
-                consumer.wait(IDLE_S, pause=self.turn.step_aside)
-            with self.turn.working():
-                frame = consumer.read(IDLE_S, who="the next step")
-                kind = frame.header.kind
-                if kind is FrameKind.stop:
-                    consumer.release(frame)
-                    self._stopping = True
-                    self._hand_over(None)
-                    return
-                if kind is FrameKind.memory:
-                    consumer.release(frame)
-                    send("memory", None, memory())
-                    continue
-                maybe_fail("poll")
-                where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
-                if kind is not FrameKind.step:
-                    raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
-                fi = input_of(frame.header, frame.payload, where)
-                staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
-                transport_us = (time.perf_counter() - max(frame.header.sent_at, ready_at)) * 1e6
+            frame = consumer.read(IDLE_S, who="the next step")  # spins on the doorbell, then sleeps on it
+            kind = frame.header.kind
+            if kind is FrameKind.stop:
+                consumer.release(frame)
+                self._stopping = True
+                self._hand_over(None)
+                return
+            if kind is FrameKind.memory:
+                consumer.release(frame)
+                send("memory", None, memory())
+                continue
+            maybe_fail("poll")
+            where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
+            if kind is not FrameKind.step:
+                raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
+            fi = input_of(frame.header, frame.payload, where)
+            staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
+            transport_us = (time.perf_counter() - max(frame.header.sent_at, ready_at)) * 1e6
             if not self._free.acquire(timeout=self.timeout):
                 raise TransportError(f"{where}: no token buffer came free within {self.timeout:g} s: the "
                                      f"tokens of step {self._oldest_step()} never came")
-            with self.turn.working():
-                handle = self.steps.submit(staged)
-            self._hand_over(_Submitted(handle, transport_us))
+            self._hand_over(_Submitted(self.steps.submit(staged), transport_us))
 
     def _hand_over(self, item: _Submitted | None) -> None:
         with self._arrived:
@@ -228,21 +186,9 @@ class StepLoop:
                 if self._failure is not None:
                     raise self._failure
                 return
-            self._spin_for(head.handle)
             self.steps.wait(head.handle, self.timeout)
-            with self.turn.working(), self._answering:
+            with self._answering:
                 self._answer_ready(waited=head)
-
-    def _spin_for(self, handle: StepHandle) -> None:
-        """Spin on a step's event (stepping aside while a frame is staged) until its tokens are there or the spin
-        is over; the device's own wait follows. Only where events can be queried."""
-        if not self._inline or self._spin_s <= 0.0 or handle.event is None:
-            return
-        clock = time.perf_counter
-        end = clock() + self._spin_s
-        while not handle.done() and clock() < end:
-            self.turn.step_aside()
-            os.sched_yield()  # the GIL is released across the call: the receiving thread runs
 
     def _answer_ready(self, waited: _Submitted | None) -> None:
         """Answer the oldest steps, in order, while their tokens are there (``waited``'s event completed);
@@ -336,8 +282,7 @@ class Worker:
                                alive=self.parent_gone, name="result ring", consumer_names=["the scheduler"],
                                spin_us=spin_us, watch=watch, payload_crc=payload_crc)
         loop = StepLoop(consumer, steps, results, options.pipeline_depth, self.timeout,
-                        inline_answers=device.capabilities.event_query, spin_us=spin_us,
-                        on_thread_start=device.bind_thread)
+                        inline_answers=device.capabilities.event_query, on_thread_start=device.bind_thread)
         self.send("ready", None, "")
         loop.serve(device.memory_stats, self.send)
         if registration is not None:

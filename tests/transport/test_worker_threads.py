@@ -7,7 +7,6 @@ opens that step's gate. Nothing is timed: each wait is bounded and says what it 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from corelib.step.forward_input import ForwardInput, StepKind
 from corelib.step.handoff import StepHandle, StepResult, StepTiming
 from corelib.step.staging import Staged
 from corelib.transport.wire import FrameHeader, FrameKind, decode_result
-from corelib.transport.worker import StepLoop, Turn
+from corelib.transport.worker import StepLoop
 
 WAIT_S = 20.0  # a bound for the test's own waits, never reached when the loop works
 LAYOUT = step_layout(2, 2, 2)  # a decode step of two rows, two blocks each
@@ -231,115 +230,3 @@ def test_nothing_in_the_hop_sleeps_a_fixed_time(kits: Callable[..., Kit], monkey
     k.stop()
     assert slept == [], f"the hop slept fixed times: {slept[:5]}"
     assert k.loop.consumer.sleeps > 0, "the receiving thread never slept on its doorbell"
-
-
-def test_a_thread_that_steps_aside_waits_for_the_others_work() -> None:
-    turn = Turn(patience_s=WAIT_S)
-    working, finish, order = threading.Event(), threading.Event(), list[str]()
-
-    def work() -> None:
-        with turn.working():
-            working.set()
-            finish.wait(WAIT_S)
-            order.append("work done")
-
-    worker = threading.Thread(target=work)
-    worker.start()
-    wait_for(working, "the working thread never took the turn")
-    def step_aside() -> None:
-        turn.step_aside()
-        order.append("stepped aside")
-
-    waiter = threading.Thread(target=step_aside)
-    waiter.start()
-    threading.Event().wait(0.2)  # time for a waiter that did not wait for the turn to go on
-    finish.set()
-    worker.join(WAIT_S)
-    waiter.join(WAIT_S)
-    assert order == ["work done", "stepped aside"], "a waiting thread went on while the other worked"
-
-
-def test_work_that_waits_itself_holds_the_other_thread_back_only_for_the_patience() -> None:
-    turn = Turn(patience_s=0.01)
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with turn.working():  # work that waits for something else (room in the result ring)
-            holding.set()
-            release.wait(WAIT_S)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    wait_for(holding, "the holding thread never took the turn")
-    went_on = threading.Event()
-
-    def other() -> None:
-        turn.step_aside()
-        with turn.working():
-            went_on.set()
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    wait_for(went_on, "the turn held the other thread back past its patience")
-    release.set()
-    holder.join(WAIT_S)
-    thread.join(WAIT_S)
-
-
-class BlockingStager(PassStager):
-    """Stages the frames of ``blocked`` steps only once the test lets it, noting when it starts and ends."""
-
-    def __init__(self, blocked: int, order: list[str]) -> None:
-        self.blocked, self.order = blocked, order
-        self.started, self.go = threading.Event(), threading.Event()
-
-    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
-        if fi.step_id == self.blocked:
-            self.started.set()
-            self.go.wait(WAIT_S)
-            self.order.append(f"staged {fi.step_id}")
-        return super().receive(fi, release_ring_slot)
-
-
-class SpyTurn(Turn):
-    """Notes when the answering thread asks for the turn."""
-
-    def __init__(self) -> None:
-        super().__init__(patience_s=WAIT_S)
-        self.answer_asked = threading.Event()
-
-    @contextlib.contextmanager
-    def working(self) -> Iterator[None]:
-        if threading.current_thread().name == "answering":
-            self.answer_asked.set()
-        with super().working():
-            yield
-
-
-def test_an_answer_waits_for_the_frame_being_staged(kits: Callable[..., Kit]) -> None:
-    k = kits(spin_us=50.0)
-    order: list[str] = []
-    stager = BlockingStager(blocked=1, order=order)
-    k.steps.stager = stager
-    spy = SpyTurn()
-    k.loop.turn = spy
-    real_result = k.steps.result
-
-    def noting_result(handle: StepHandle, timeout: float | None = None) -> StepResult:
-        order.append(f"answered {handle.step_id}")
-        return real_result(handle, timeout)
-
-    k.steps.result = noting_result  # type: ignore[method-assign]
-    k.send(0)
-    wait_for(k.steps.submitted.setdefault(0, threading.Event()), "step 0 was not submitted")
-    k.send(1)
-    wait_for(stager.started, "frame 1 was not staged")
-    k.steps.gate(0).set()  # step 0's tokens are there while frame 1 is being staged
-    wait_for(spy.answer_asked, "the answering thread never asked for the turn")
-    threading.Event().wait(0.2)  # time for an answer that did not wait for the turn to be written
-    stager.go.set()
-    assert k.result(0) == [0]
-    k.steps.gate(1).set()
-    assert k.result(1) == [10]
-    k.stop()
-    assert order[:2] == ["staged 1", "answered 0"], f"an answer took the GIL from a frame's staging: {order}"
