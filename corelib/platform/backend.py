@@ -34,6 +34,12 @@ class DeviceSpec:
     emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
     timeout_s: float = 60.0
 
+    @property
+    def on_host(self) -> bool:
+        """The host's cores and memory do the device's work: the device is the host, or the stream emulator
+        stands in for it."""
+        return self.runtime is Runtime.emulated or self.capabilities.device_is_host
+
 
 class Backend(ABC):
     """A backend plugin: probes its hardware and opens devices."""

@@ -35,7 +35,7 @@ import torch
 from corelib.config.schema import CorelibConfig
 from corelib.errors import ConfigError
 from corelib.models.shape import DTYPES
-from corelib.platform.device import Device, Runtime
+from corelib.platform.device import Device
 from corelib.step.buckets import blocks_for
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ def sized_layout(startup: Startup, options: EngineOptions, layout: EngineLayout,
     from what the requests need.
     """
     config, spec = startup.config, startup.spec
-    host = spec.runtime is Runtime.emulated or spec.capabilities.device_is_host
+    host = spec.on_host
     figures = None if config.engine.num_kv_blocks else memory_figures(config, options, host, device, model, probed)
     pool = size_pool(config, figures, startup.default_context)
     if pool.max_model_len != config.model.max_model_len:
@@ -287,7 +287,7 @@ def describe_policy(startup: Startup) -> str:
                + (" (the model's own, cut to the pool if it cannot hold one)" if startup.default_context else ""))
     demand = engine.max_num_seqs * blocks_for(model.max_model_len, engine.block_size) + 1
     step = profile_tokens(config, startup.options.chunked_prefill)
-    where = ("the host's memory" if spec.runtime is Runtime.emulated or spec.capabilities.device_is_host else
+    where = ("the host's memory" if spec.on_host else
              f"the device's memory less the weights, a step of {step} tokens and the graphs")
     return (f"KV pool: what engine.max_num_seqs={engine.max_num_seqs} requests of {context} need ({demand} blocks), "
             f"at most engine.gpu_memory_utilization={fraction:g} of {where}; sized at start (the startup report gives "

@@ -24,7 +24,6 @@ from corelib.models.registry import LlamaVariant, architecture
 from corelib.models.rope import RopeScaling, inv_freq
 from corelib.models.weight_map import weight_map
 from corelib.platform.backend import DeviceSpec
-from corelib.platform.device import Runtime
 from corelib.step.buckets import blocks_for
 
 RUN_AHEAD = (1, 2)  # engine.run_ahead's values: one step ahead hides the host's work, a second one more
@@ -134,7 +133,7 @@ def check_memory(config: CorelibConfig, spec: DeviceSpec, default_context: bool 
     (RoPE's, one row per position) are built for that length first. ``default_context``: the
     model's own length, which the pool may cut.
     """
-    if spec.runtime is not Runtime.emulated and not spec.capabilities.device_is_host:
+    if not spec.on_host:
         return
     available = available_host_bytes()
     if available is None:

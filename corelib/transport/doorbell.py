@@ -32,13 +32,8 @@ import platform
 import select
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from corelib.errors import TransportError, WorkerDied
-from corelib.platform.device import Runtime
-
-if TYPE_CHECKING:
-    from corelib.platform.backend import DeviceSpec
 
 CHECK_S = 0.25  # longest blocking wait between two liveness checks
 HOST_SPIN_US = 150.0  # the most a waiting end spins where the host's cores compute the step
@@ -112,12 +107,11 @@ def register() -> bool:
     return False
 
 
-def spin_for(spin_us: float, spec: DeviceSpec) -> float:
+def spin_for(spin_us: float, on_host: bool) -> float:
     """The microseconds a waiting end spins: ``engine.shm.spin_us``, at most :data:`HOST_SPIN_US` where the host's
-    cores compute the step (the device is the host, or the stream emulator stands in for it), since a spinning end
-    takes a core from them. Elsewhere a spin that outlasts a step's interval keeps the waiter off its eventfd, whose
-    wake-up (tens to hundreds of microseconds) would be on every step's path."""
-    on_host = spec.capabilities.device_is_host or spec.runtime is Runtime.emulated
+    cores compute the step (``DeviceSpec.on_host``), since a spinning end takes a core from them. Elsewhere a spin
+    that outlasts a step's interval keeps the waiter off its eventfd, whose wake-up (tens to hundreds of
+    microseconds) would be on every step's path."""
     return min(spin_us, HOST_SPIN_US) if on_host else spin_us
 
 

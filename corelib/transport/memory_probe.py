@@ -22,7 +22,6 @@ import sys
 
 from corelib.config.options import EngineOptions
 from corelib.platform.backend import DeviceSpec
-from corelib.platform.device import Runtime
 from corelib.startup.kv_pool import sized_layout
 from corelib.startup.start import Startup
 from corelib.step.layout import EngineLayout
@@ -72,7 +71,7 @@ def shm_layout(startup: Startup, options: EngineOptions, layout: EngineLayout,
     the block count, so nodes that came to different pools refuse to start together."""
     config, spec = startup.config, startup.spec
     probed, notes = None, []
-    if not (config.engine.num_kv_blocks or spec.runtime is Runtime.emulated or spec.capabilities.device_is_host):
+    if not (config.engine.num_kv_blocks or spec.on_host):
         answer = probe_memory(spec, len(topology.local_ranks), startup_timeout(config.engine.timeout_s))
         probed = answer.info
         if answer.reason is not None:

@@ -101,7 +101,7 @@ class ShmExecutor(Executor):
         topology = topology if topology is not None else Topology.from_environment(cfg.engine.tp)
         self.topology = topology
         shm = cfg.engine.shm
-        if (spin := spin_for(shm.spin_us, startup.spec)) < 0:
+        if (spin := spin_for(shm.spin_us, startup.spec.on_host)) < 0:
             raise ConfigError(f"engine.shm.spin_us={shm.spin_us}: must be at least 0 (0: block at once)")
         self.timeout = cfg.engine.timeout_s
         self.startup_timeout_s = startup_timeout(cfg.engine.timeout_s)

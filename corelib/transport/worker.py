@@ -265,7 +265,7 @@ class Worker:
         model = load_model(args.config, device, shard)
         options = args.options
         steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging)
-        spin_us = spin_for(args.config.engine.shm.spin_us, args.spec)
+        spin_us = spin_for(args.config.engine.shm.spin_us, args.spec.on_host)
         payload_crc = args.config.engine.shm.payload_crc
         watch = self._parent_watch()
         ring = Ring.attach(args.input_ring, args.num_slots, args.slot_bytes, num_consumers=args.local_world)

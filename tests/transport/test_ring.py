@@ -294,7 +294,7 @@ def test_a_waiting_end_spins_less_where_the_hosts_cores_compute_the_step() -> No
     def spec(runtime: Runtime, on_host: bool) -> DeviceSpec:
         return DeviceSpec("b", runtime, Capabilities(device_is_host=on_host))
 
-    assert doorbell.spin_for(2000.0, spec(Runtime.native, on_host=False)) == 2000.0
-    assert doorbell.spin_for(2000.0, spec(Runtime.native, on_host=True)) == doorbell.HOST_SPIN_US
-    assert doorbell.spin_for(2000.0, spec(Runtime.emulated, on_host=False)) == doorbell.HOST_SPIN_US
-    assert doorbell.spin_for(50.0, spec(Runtime.native, on_host=True)) == 50.0
+    assert doorbell.spin_for(2000.0, spec(Runtime.native, on_host=False).on_host) == 2000.0
+    assert doorbell.spin_for(2000.0, spec(Runtime.native, on_host=True).on_host) == doorbell.HOST_SPIN_US
+    assert doorbell.spin_for(2000.0, spec(Runtime.emulated, on_host=False).on_host) == doorbell.HOST_SPIN_US
+    assert doorbell.spin_for(50.0, spec(Runtime.native, on_host=True).on_host) == 50.0
