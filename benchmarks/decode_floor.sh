@@ -6,8 +6,9 @@
 #     checks       greedy tokens: PDL on = off in float32 over >= 2000 steps, 3 times; fused = reference (fp32)
 #     step         one decode step replayed as a graph: device time, PDL vs plain bit for bit, the bf16 bound
 #     kernels      kernels per layer (benchmarks/kernels.py), small-0.6b and llama-1b, bs 1 and 32
+#     bandwidth    each projection kernel's achieved bandwidth against the copy rate, the three models at bs 1
 #     bench        python -m corelib bench, async, in process: small-0.6b bs 1/32/128 and llama-1b bs 1/32 with
-#                  PDL off and on, llama-8b bs 1, long context (prompt 1900) bs 1/32; occupancy
+#                  PDL off and on (BENCH_PDL), llama-8b bs 1/32, long context (prompt 1900) bs 1/32; occupancy
 #     before       with BEFORE_SITE set (an install of the previous release): the same small-0.6b and 1 B
 #                  benches with it, in this run, for the before/after comparison
 #     projections  the kernels against cuBLAS (the thresholds' sweep)
@@ -19,7 +20,7 @@
 set -uo pipefail
 out=${1:?usage: decode_floor.sh OUTDIR [sections]}
 shift
-sections=${*:-conformance checks step kernels bench before projections}
+sections=${*:-conformance checks step kernels bandwidth bench before projections}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$out" || exit 1
@@ -81,10 +82,14 @@ for section in $sections; do
         --out "$out/kernels.json"
       grep -E "fused|reference" "$out/kernels.log" | grep -v "^ " | sed 's/^/   /' | tee -a "$summary"
       ;;
+    bandwidth)
+      part bandwidth 300 python3 "$repo/benchmarks/kernels.py" --model small-0.6b llama-1b llama-8b --batch 1 --fused \
+        --bandwidth --bandwidth-out "$out/bandwidth.json"
+      ;;
     bench)
-      bench small model=small-0.6b "bench.batch_sizes=[1,32,128]" "bench.pdl=[off,auto]" "$graphs"
-      bench llama-1b model=llama-1b "bench.batch_sizes=[1,32]" "bench.pdl=[off,auto]" "$graphs"
-      bench llama-8b model=llama-8b "bench.batch_sizes=[1]" "engine.graph_batch_sizes=[1]"
+      bench small model=small-0.6b "bench.batch_sizes=[1,32,128]" "bench.pdl=[${BENCH_PDL:-off,auto}]" "$graphs"
+      bench llama-1b model=llama-1b "bench.batch_sizes=[1,32]" "bench.pdl=[${BENCH_PDL:-off,auto}]" "$graphs"
+      bench llama-8b model=llama-8b "bench.batch_sizes=[1,32]" "engine.graph_batch_sizes=[1,32]"
       bench long model=small-0.6b bench.prompt_len=1900 "bench.batch_sizes=[1,32]" "$graphs"
       ;;
     before)

@@ -1,4 +1,5 @@
-"""Kernels per decode step and device time per step by kernel class, reference vs fused ops.
+"""Kernels per decode step and device time per step by kernel class, reference vs fused ops;
+the bandwidth each of the decode layer's projection kernels achieves.
 
 Runs decode steps eagerly (graphs off, so the profiler sees each launch) under torch.profiler
 and classifies every CUDA kernel of one steady decode step. Kernels per layer are counted as
@@ -6,21 +7,31 @@ the difference between the model and the same model with half its layers, over t
 removed: the kernels run once per step (embedding, final norm, LM head, sampling, token
 copies) cancel out.
 
+With ``--bandwidth`` it also times each fused projection op of the model (the one the engine
+calls, at the batch size given, with PDL) in a CUDA graph of back-to-back calls, each over its
+own copy of the weight so that every call reads it from memory, and reports the weight bytes
+over the time against the device's copy rate (a device-to-device copy of 1 GiB, bytes read
+and written over its time).
+
     python3 benchmarks/kernels.py --model small-0.6b --batch 1 32 --out kernels.json
+    python3 benchmarks/kernels.py --model small-0.6b llama-1b --batch 1 --fused --bandwidth --out bw.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from corelib.engine import Engine, SamplingParams
+from corelib.startup.compose import compose_config
 
 CLASSES = (
     ("gemm", re.compile(r"gemm|cutlass|sm90|nvjet|cublas|matmul", re.I)),
@@ -89,14 +100,116 @@ def per_layer(model: str, fused: str, batch: int, steps: int) -> dict[str, Any]:
     return full
 
 
+def _graph_us(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+    """µs per call of ``calls`` captured in one CUDA graph and replayed (best of ``rounds``)."""
+    for call in calls[:2]:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    best = float("inf")
+    for _ in range(rounds):
+        start.record()
+        for _ in range(3):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / (3 * len(calls)))
+    graph.reset()
+    return best
+
+
+def copy_rate(repeats: int = 5) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read plus written), launched eagerly: in a
+    graph the copy may go to a copy engine, slower than the kernels' reads."""
+    src = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return float(2 * src.numel() * repeats / (start.elapsed_time(end) / 1e3))
+
+
+def projection_calls(model: str, batch: int) -> list[tuple[str, int, int, Callable[[torch.Tensor], object]]]:
+    """(name, N, K, the op called with an [N, K] weight) of the model's decode-layer projections and LM head."""
+    from corelib_cuda.triton_ops import layer_ops, linear
+
+    cfg = compose_config([f"model={model}"]).model
+    hidden, heads, kv_heads, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    inter, vocab, eps = cfg.intermediate_size, cfg.vocab_size, 1e-6
+
+    def bf16(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
+
+    h, attn_out, act, residual = bf16(batch, hidden), bf16(batch, heads * hd), bf16(batch, inter), bf16(batch, hidden)
+    norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = bf16(batch + 1, 16, kv_heads, hd), bf16(batch + 1, 16, kv_heads, hd)
+    positions = torch.arange(batch, device="cuda")
+    cos_sin = bf16(batch + 16, 2, hd)
+    slots = torch.arange(batch, device="cuda") * 16
+    return [
+        ("qkv (norm, RoPE, KV write)", (heads + 2 * kv_heads) * hd, hidden,
+         lambda w: layer_ops.norm_qkv_rope_kv_write(h, norm_weight, eps, w, None, positions, cos_sin, k_cache, v_cache,
+                                                    slots, pdl=True)),
+        ("o (+ residual)", hidden, heads * hd, lambda w: linear.linear_residual(attn_out, w, residual, pdl=True)),
+        ("gate_up (norm, SiLU-mul)", 2 * inter, hidden,
+         lambda w: layer_ops.norm_gate_up_silu_mul(h, norm_weight, eps, w, pdl=True)),
+        ("down (+ residual)", hidden, inter, lambda w: linear.linear_residual(act, w, residual, pdl=True)),
+        ("lm_head (norm, logits)", vocab, hidden, lambda w: layer_ops.norm_logits(h, norm_weight, eps, w, pdl=True)),
+    ]
+
+
+def bandwidth(model: str, batch: int, rate: float) -> list[dict[str, Any]]:
+    """Each projection kernel's µs and achieved bandwidth (weight bytes over time) at ``batch`` rows."""
+    from corelib_cuda.triton_ops import linear
+
+    rows = []
+    for name, n, width, call in projection_calls(model, batch):
+        size = n * width * 2
+        copies = max(1, min(64, -(-(400 << 20) // size)))  # together several times the L2
+        weights = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) / width**0.5 for _ in range(copies)]
+        us = _graph_us([functools.partial(call, w) for w in weights])
+        kernel = linear.kernel_for(batch, n, width, 2).value
+        rows.append({"model": model, "batch": batch, "projection": name, "n": n, "k": width, "kernel": kernel,
+                     "weight_mb": size / 2**20, "us": us, "tb_per_s": size / (us * 1e-6) / 1e12,
+                     "of_copy_rate": size / (us * 1e-6) / rate})
+        del weights
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=["small-0.6b"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--fused", nargs="+", default=["off", "on"], help="fused_ops modes to profile")
+    parser.add_argument("--fused", nargs="*", default=["off", "on"], help="fused_ops modes to profile (none: skip)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="kernels.json")
+    parser.add_argument("--bandwidth", action="store_true", help="each projection kernel's achieved bandwidth too")
+    parser.add_argument("--bandwidth-out", default="bandwidth.json")
     args = parser.parse_args()
+    if args.bandwidth:
+        rate = copy_rate()
+        rows = [row for model in args.model for batch in args.batch for row in bandwidth(model, batch, rate)]
+        with open(args.bandwidth_out, "w") as out:
+            json.dump({"copy_rate_tb_per_s": rate / 1e12, "kernels": rows}, out, indent=2)
+        print(f"copy rate {rate / 1e12:.2f} TB/s (1 GiB device-to-device, read + written)")
+        print(f"{'model':>11} {'bs':>4} {'projection':>27} {'kernel':>7} {'MB':>7} {'us':>8} {'TB/s':>6} "
+              f"{'of copy':>8}")
+        for r in rows:
+            print(f"{r['model']:>11} {r['batch']:>4} {r['projection']:>27} {r['kernel']:>7} {r['weight_mb']:>7.1f} "
+                  f"{r['us']:>8.2f} {r['tb_per_s']:>6.2f} {100 * r['of_copy_rate']:>7.0f}%")
+    if not args.fused:
+        return
     results = [per_layer(model, fused, batch, args.steps) for model in args.model for batch in args.batch
                for fused in args.fused]
     with open(args.out, "w") as out:

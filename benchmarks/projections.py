@@ -7,6 +7,8 @@ best of five rounds. Sections:
 - ``tiles``: M = 1, the GEMV at several weight-tile sizes against cuBLAS (F.linear);
 - ``thresholds``: M = 2-256, the GEMV, the tensor-core kernel and cuBLAS;
 - ``gemm``: the tensor-core kernel's tile sizes at M = 32 and 128 against cuBLAS;
+- ``smallm``: M = 8-64 at every layer shape, the tensor-core kernel with the weight tile as the
+  MMA's row side (swap) at several tiles, splits and stages, against cuBLAS (and the GEMV to M = 8);
 - ``chain``: dependent GEMVs (y = W x, x = y) alternating 1024->3072 and 3072->1024, with and
   without PDL: what one kernel boundary costs.
 
@@ -32,7 +34,8 @@ SHAPES = {  # (name, N, K) of the decode layer's projections
                    ("lm_head", 151936, 1024)],
     "llama-1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
                  ("lm_head", 128256, 2048)],
-    "llama-8b": [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "llama-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                 ("lm_head", 128256, 4096)],
 }
 COLD_BYTES = 400 << 20
 
@@ -67,7 +70,7 @@ def weights(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
 
 
-def with_tuning(**changes: int) -> proj.Tuning:
+def with_tuning(**changes: Any) -> proj.Tuning:
     proj.TUNING = dataclasses.replace(DEFAULT, **changes)
     return proj.TUNING
 
@@ -83,10 +86,14 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
     return lambda: F.linear(x, w)
 
 
-def tiles(budget: float) -> list[dict[str, Any]]:
+TILE_VARIANTS = [  # (weight bytes per program, programs per SM)
+    (8192, 4), (16384, 4), (32768, 4), (16384, 2), (32768, 2), (65536, 1)]
+
+
+def tiles(budget: float, models: tuple[str, ...] = ("small-0.6b", "llama-1b", "llama-8b")) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + budget
-    for model in ("small-0.6b", "llama-1b"):
+    for model in models:
         for name, n, k in SHAPES[model]:
             if time.monotonic() > deadline:
                 return rows
@@ -95,9 +102,9 @@ def tiles(budget: float) -> list[dict[str, Any]]:
             floor = n * k * 2 / 4.25e12 * 1e6
             row: dict[str, Any] = {"model": model, "shape": name, "n": n, "k": k, "floor_us": floor,
                                    "cublas_us": timed([cublas(x, w) for w in ws])}
-            for tile in (8192, 16384, 32768):
-                with_tuning(gemv_tile_bytes=tile, gemv_max_m=4)
-                row[f"gemv{tile // 1024}k_us"] = timed([ours(x, w) for w in ws])
+            for tile, per_sm in TILE_VARIANTS:
+                with_tuning(gemv_tile_bytes=tile, gemv_programs_per_sm=per_sm)
+                row[f"gemv{tile // 1024}k-p{per_sm}_us"] = timed([ours(x, w) for w in ws])
             with_tuning()
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -159,6 +166,43 @@ def gemm_configs(budget: float) -> list[dict[str, Any]]:
     return rows
 
 
+SMALL_M_VARIANTS = [  # (block_n, block_k, programs per SM, min K tiles per split, stages)
+    (64, 64, 2, 4, 4), (64, 128, 2, 2, 3), (64, 128, 2, 1, 3), (64, 128, 4, 1, 3), (64, 256, 2, 1, 3),
+    (128, 128, 1, 1, 3), (128, 128, 2, 1, 3), (128, 64, 2, 2, 4)]
+
+
+def small_m(budget: float, models: tuple[str, ...] = ("small-0.6b", "llama-1b", "llama-8b")) -> list[dict[str, Any]]:
+    """The swapped tensor-core kernel's variants at M = 8-64 against cuBLAS, every layer shape."""
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + budget
+    for model in models:
+        for name, n, k in SHAPES[model]:
+            if name == "lm_head" and model != "small-0.6b":
+                continue
+            ws = weights(n, k)
+            for m in (8, 16, 32, 64):
+                if time.monotonic() > deadline:
+                    return rows
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                row: dict[str, Any] = {"model": model, "shape": name, "m": m, "floor_us": n * k * 2 / 4.25e12 * 1e6,
+                                       "cublas_us": timed([cublas(x, w) for w in ws])}
+                if m <= 8:
+                    with_tuning(gemv_max_m=1024, gemv_max_m_large=1024)
+                    row["gemv_us"] = timed([ours(x, w) for w in ws])
+                for bn, bk, pps, tiles_, stages in SMALL_M_VARIANTS:
+                    with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096, gemm_block_n=bn, gemm_block_k=bk,
+                                gemm_programs_per_sm=pps, gemm_min_k_tiles=tiles_, gemm_stages=stages)
+                    try:
+                        row[f"n{bn}k{bk}p{pps}t{tiles_}s{stages}_us"] = timed([ours(x, w) for w in ws])
+                    except Exception as error:  # noqa: BLE001 - a tile too large for shared memory: no figure
+                        row[f"n{bn}k{bk}p{pps}t{tiles_}s{stages}"] = type(error).__name__
+                with_tuning()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del ws
+    return rows
+
+
 def chain() -> list[dict[str, Any]]:
     rows = []
     ups = [torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(24)]
@@ -192,6 +236,8 @@ def main() -> None:
         result["thresholds"] = thresholds(args.budget_s)
     if "gemm" in args.sections:
         result["gemm"] = gemm_configs(args.budget_s)
+    if "smallm" in args.sections:
+        result["smallm"] = small_m(args.budget_s)
     with open(args.out, "w") as out:
         json.dump(result, out, indent=2)
     for row in result.get("chain", []):
@@ -199,7 +245,7 @@ def main() -> None:
     for row in result.get("tiles", []):
         cells = " ".join(f"{key[:-3]} {value:.2f}" for key, value in row.items() if key.endswith("_us"))
         print(f"M=1 {row['model']:>10} {row['shape']:>8}: {cells}")
-    for row in result.get("thresholds", []) + result.get("gemm", []):
+    for row in result.get("thresholds", []) + result.get("gemm", []) + result.get("smallm", []):
         cells = " ".join(f"{key[:-3]} {value:.2f}" for key, value in row.items() if key.endswith("_us"))
         print(f"M={row['m']:<3} {row['model']:>10} {row['shape']:>8}: {cells}")
 

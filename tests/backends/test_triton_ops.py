@@ -189,13 +189,16 @@ FORCED_GEMM = [
 ]
 
 
+@pytest.mark.parametrize("swap", [True, False], ids=["weight-rows-as-mma-rows", "x-rows-as-mma-rows"])
 @pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[op for op, _ in FORCED_GEMM])
 def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
-    op_target: OpTarget, op: str, case: Case, monkeypatch: pytest.MonkeyPatch
+    op_target: OpTarget, op: str, case: Case, swap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's.
-    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024))
+    # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's, both tile orientations.
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024,
+                                                                   gemm_swap=swap))
     assert projections.kernel_for(20, 97, 300, 2) is projections.Kernel.GEMM
+    assert projections.gemm_plan(20, 97, 300, False, 2, INTERPRETER_SM_COUNT, projections.TUNING).swap is swap
     call = CALLS[op]
     actual = call(op_target.ops, case.build(0, torch.device("cpu")))
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))

@@ -1,14 +1,19 @@
 """``linear`` and ``linear_residual`` over ``projection``'s kernels, and the choice of kernel by M.
 
 Which kernel runs is chosen by the rows of x (M) and the weight's size, with thresholds
-measured on an H200 (``Tuning``; benchmarks/projections.py is the sweep they come from):
+measured on an H200 (``Tuning``; benchmarks/projections.py sweeps the kernels alone, and the
+decode step replayed as a graph, per model and batch size, chose between what it left):
 
 - the GEMV (float32 accumulation on CUDA cores, its weight tile loaded before the PDL wait) up
   to ``gemv_max_m`` rows, ``gemv_max_m_large`` for weights over ``gemv_small_bytes``: past
-  that, every extra row costs it more than cuBLAS takes for the whole product;
-- the tensor-core kernel (split over K) for ``gemm_min_m`` to ``gemm_max_m`` rows, where it
-  beats cuBLAS: measured at the decode shapes it did not (M = 8-256, 0.6-8 B), so that range
-  is empty by default and the kernel stays for the sweep that would show otherwise;
+  that, every extra row costs it more than cuBLAS takes for the whole product. Its tiles of
+  32 KB, two programs per multiprocessor wanted, took 2.5 % (small-0.6b), 3.6 % (1 B) and 16 %
+  (8 B; its down projection no longer splits K) off a bs-1 step against 16 KB and four; from
+  two rows the large weights went faster through cuBLAS (bs 2: 4 %, 14 %, 27 % off the step);
+- the tensor-core kernel (split over K; up to 64 rows the weight tile is the MMA's row side) for
+  ``gemm_min_m`` to ``gemm_max_m`` rows, where it beats cuBLAS. Alone it lost at nearly every
+  decode shape (M = 8-256, 0.6-8 B); in the step, with its fused norms and epilogues, it took 10 %
+  off small-0.6b at bs 4-8 but added 10-18 % to the 1 B shape, so the range stays empty by default;
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
@@ -42,15 +47,18 @@ from corelib_cuda.triton_ops.common import (
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     gemv_max_m: int = 4  # rows of x up to which the GEMV runs (weights up to gemv_small_bytes)
-    gemv_max_m_large: int = 2  # the same for larger weights
+    gemv_max_m_large: int = 1  # the same for larger weights
     gemv_small_bytes: int = 16 << 20
     gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
     gemm_max_m: int = 0  # ... up to these: none by default (cuBLAS was faster at every measured M)
-    gemv_tile_bytes: int = 16384  # weight bytes one GEMV program loads at once
-    gemv_programs_per_sm: int = 4  # split rows, then K, until the GEMV has this many programs per SM
+    gemv_tile_bytes: int = 32768  # weight bytes one GEMV program loads at once
+    gemv_programs_per_sm: int = 2  # split rows, then K, until the GEMV has this many programs per SM
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
     gemm_block_n: int = 64
     gemm_block_k: int = 64
+    gemm_stages: int = 3
+    gemm_min_k_tiles: int = 4  # K tiles each split keeps at least
+    gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
 
 
 class Kernel(enum.Enum):
@@ -89,6 +97,7 @@ class GemmPlan(NamedTuple):
     k_per_split: int
     warps: int
     stages: int
+    swap: bool
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -115,16 +124,27 @@ def gemv_plan(n_out: int, k: int, sets: int, itemsize: int, sms: int, tuning: Tu
 
 @functools.lru_cache(maxsize=512)
 def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int, tuning: Tuning) -> GemmPlan:
-    """Tiles of the tensor-core kernel; K split in powers of two while the GPU has too few programs."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
+    """Tiles of the tensor-core kernel; K split in powers of two while the GPU has too few programs.
+
+    With ``swap`` (and at most 64 rows) the weight tile is the MMA's row side and the rows of x,
+    padded to 16, its narrow side: one read of each weight tile serves every row.
+    """
+    swap = tuning.gemm_swap and m <= 64
+    if swap:
+        block_m = max(16, next_power_of_2(m))
+        block_n = tuning.gemm_block_n
+    else:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
     block_k = tuning.gemm_block_k if itemsize <= 2 else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
     split = 1
-    while tiles * split < tuning.gemm_programs_per_sm * sms and k // (2 * split) >= 4 * block_k:
+    while (tiles * split < tuning.gemm_programs_per_sm * sms
+           and k // (2 * split) >= tuning.gemm_min_k_tiles * block_k):
         split *= 2
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, 4, 3)
+    stages = tuning.gemm_stages if itemsize <= 2 else 2
+    return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, 4, stages, swap)
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -198,7 +218,8 @@ class Projection:
             x, w, norm_weight, part, count, *common,
             m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps, g.k_per_split,
             SPLIT_K=g.split_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
-            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), num_warps=g.warps, num_stages=g.stages,
+            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), SWAP=g.swap, num_warps=g.warps,
+            num_stages=g.stages,
             **flags, **launch,
         )  # fmt: skip
         return self.out

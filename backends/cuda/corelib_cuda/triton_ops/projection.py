@@ -7,7 +7,9 @@ Two kernels share the row mapping and the epilogues:
 - ``gemv_kernel`` (few rows of x, CUDA cores): each program loads its whole weight tile
   [rows, K chunk] into registers at once, *before* it waits for the previous kernel (PDL), then
   reads the activations and multiplies every row of x against it with float32 accumulation;
-- ``gemm_kernel`` (more rows, tensor cores): [BLOCK_M, BLOCK_N] tiles over a K loop.
+- ``gemm_kernel`` (more rows, tensor cores): [BLOCK_M, BLOCK_N] tiles over a K loop, its first
+  weight tile loaded before the PDL wait; with SWAP the weight tile is the MMA's row side and the
+  few rows of x its narrow side (the accumulator transposed before the epilogue).
 
 Prologue (NORM): x is rms_norm(x) * norm_weight, rounded to the model dtype as the reference
 rounds it; each program computes the statistics of its rows over the whole of K itself.
@@ -21,7 +23,7 @@ Split-K: programs of one column block each store a float32 partial; an atomic co
 block elects the last one to finish, which sums the partials in split order (deterministic,
 whatever order they finished in), runs the epilogue and resets the counter for the next launch.
 
-PDL: with PDL set the kernel lets its dependents launch at once, loads only weights (which no
+PDL: with PDL set each kernel lets its dependents launch at once, loads only weights (which no
 kernel writes) before ``gdc_wait``, and reads or writes activations, caches, partials and
 counters only after it, so it is safe to launch with ``launch_pdl``.
 """
@@ -212,6 +214,30 @@ def gemv_kernel(
 
 
 @triton.jit
+def _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, rstd, NORM: tl.constexpr, DTYPE: tl.constexpr,
+            RNE: tl.constexpr):
+    """Rows ``ms`` of x at columns ``ks`` [BLOCK_M, BLOCK_K], normalized with NORM."""
+    x = tl.load(x_ptr + ms[:, None] * x_s0 + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = _normed(x.to(tl.float32), rstd[:, None], nw[None, :], DTYPE, RNE).to(DTYPE)
+    return x
+
+
+@triton.jit
+def _dot(acc, w, x, SWAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w.T: [BLOCK_M, BLOCK_N], or its transpose [BLOCK_N, BLOCK_M] with SWAP (the weight tile
+    as the MMA's row side, so a few rows of x fill the narrow side of a Hopper tensor-core tile)."""
+    if UPCAST:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def gemm_kernel(
     x_ptr, w_ptr, nw_ptr, part_ptr, count_ptr,
     out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
@@ -221,41 +247,58 @@ def gemm_kernel(
     MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     dtype = x_ptr.dtype.element_ty
     cols, c_ok, row_a, row_b = _columns(pid_n, n_out, pair_offset, BLOCK_N, MODE, HALF)
     ms = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_ok = ms < M
-    if NORM:
-        rstd = _row_rstd(x_ptr, x_s0, ms, m_ok, K, eps, BLOCK_K)
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    # The first weight tile before the PDL wait (nothing writes weights): it streams in while the
+    # previous kernel ends. Activations, partials and counters only after the wait.
+    ks = k_start + tl.arange(0, BLOCK_K)
+    k_ok = ks < k_end
+    w_mask = c_ok[:, None] & k_ok[None, :]
+    w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+    if PAIRED:
+        w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+    else:
+        w_b = w_a
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if NORM:
+        rstd = _row_rstd(x_ptr, x_s0, ms, m_ok, K, eps, BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], tl.float32)  # unused
+    if SWAP:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, rstd, NORM, dtype, RNE)
+    acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
+    if PAIRED:
+        acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):  # the rest, pipelined
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        x = tl.load(x_ptr + ms[:, None] * x_s0 + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = _normed(x.to(tl.float32), rstd[:, None], nw[None, :], dtype, RNE).to(dtype)
         w_mask = c_ok[:, None] & k_ok[None, :]
         w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
-        if UPCAST:
-            x, w_a = x.to(tl.float32), w_a.to(tl.float32)
-        acc_a = tl.dot(x, tl.trans(w_a), acc_a, input_precision=PRECISION)
+        x = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, rstd, NORM, dtype, RNE)
+        acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
         if PAIRED:
             w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
-            if UPCAST:
-                w_b = w_b.to(tl.float32)
-            acc_b = tl.dot(x, tl.trans(w_b), acc_b, input_precision=PRECISION)
+            acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
+    if SWAP:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
     if not PAIRED:
         acc_b = acc_a
     if SPLIT_K == 1:
