@@ -1,0 +1,61 @@
+"""Device time of one decode step (replayed as a CUDA graph, Triton ops with PDL) under changes to
+the projections' ``Tuning``: how the GEMV's tiles and the kernel thresholds were chosen.
+
+Each configuration is a label and a JSON object of ``Tuning`` fields; every one is timed at its own
+batch sizes on the same model load (the step of benchmarks/decode_step.py, a 64-token context).
+
+    python3 benchmarks/projection_tuning.py --models small-0.6b llama-1b --out tuning.json \\
+        --config default '{}' 1 2 4 --config t32k-p2 '{"gemv_tile_bytes": 32768, "gemv_programs_per_sm": 2}' 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+import decode_step
+import torch
+from corelib_cuda.triton_ops import TritonOps, linear
+
+from corelib.ops.reference import reference_ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["small-0.6b", "llama-1b"])
+    parser.add_argument("--config", nargs="+", action="append", required=True, metavar="LABEL JSON BATCH",
+                        help="a label, the Tuning fields changed (JSON), then batch sizes")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--out", default="tuning.json")
+    args = parser.parse_args()
+    configs = [(label, json.loads(changes), [int(b) for b in batches]) for label, changes, *batches in args.config]
+    device = decode_step.open_device()
+    ops = reference_ops().with_provider("triton", TritonOps().load(device, pdl=True))
+    default = linear.TUNING
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in args.models:
+            model = decode_step.load(name, "bfloat16", device)
+            for label, changes, batches in configs:
+                linear.TUNING = dataclasses.replace(default, **changes)
+                for batch in batches:
+                    inputs, cache = decode_step.step_inputs(model, batch, args.context)
+                    result = decode_step.replay(model, ops, inputs, cache, 5)
+                    rows.append({"model": name, "label": label, "tuning": changes, "batch": batch,
+                                 "us_per_step": result["us_per_step"],
+                                 "replays_identical": result["replays_identical"]})
+                    print(json.dumps(rows[-1]), flush=True)
+            del model
+            torch.cuda.empty_cache()
+    finally:
+        linear.TUNING = default
+    with open(args.out, "w") as out:
+        json.dump({"context": args.context, "default": dataclasses.asdict(default), "steps": rows}, out, indent=2)
+    for r in rows:
+        print(f"{r['model']:>11} bs {r['batch']:>3} {r['label']:>24} {r['us_per_step']:9.1f} us")
+
+
+if __name__ == "__main__":
+    main()
