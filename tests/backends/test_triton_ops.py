@@ -164,6 +164,29 @@ def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarg
         assert_matches(ops.linear_residual(*args), expected, f"split-K linear_residual, launch {seed + 1}")
 
 
+EPILOGUE_CASES = [
+    ("linear_residual", LinearResidualCase(F32, 3, 48, 200)),
+    ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 3, 2, 64, 16, hidden=128, bias=True)),
+    ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 2, 96, 40)),
+]
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["epilogue-loads-early", "epilogue-loads-late"])
+@pytest.mark.parametrize(("op", "case"), EPILOGUE_CASES, ids=[op for op, _ in EPILOGUE_CASES])
+def test_the_gemv_epilogue_reads_the_same_inputs_early_or_late(
+    op_target: OpTarget, op: str, case: Case, early: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The residual, bias, cos/sin and slots may be read before the reduction: the same results either way.
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING,
+                                                                   gemv_early_epilogue_loads=early))
+    call = CALLS[op]
+    actual = call(op_target.ops, case.build(0, torch.device("cpu")))
+    expected = call(reference_ops(), case.build(0, torch.device("cpu")))
+    for a, e in zip(actual, expected, strict=True):
+        assert_matches(a, e, f"{op} on the GEMV, epilogue loads {'early' if early else 'late'}",
+                       getattr(case, "tolerance_dtype", None))
+
+
 def test_on_cublas_linear_residual_adds_into_the_residual_without_copying_it() -> None:
     # torch.addmm(residual, ...) copies the residual into a new output before the GEMM: a copy kernel per
     # projection of every step with prompt tokens. The op may write over the residual (the layer never reads it).

@@ -53,6 +53,7 @@ class Tuning:
     gemm_max_m: int = 0  # ... up to these: none by default (cuBLAS was faster at every measured M)
     gemv_tile_bytes: int = 32768  # weight bytes one GEMV program loads at once
     gemv_programs_per_sm: int = 2  # split rows, then K, until the GEMV has this many programs per SM
+    gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
     gemm_block_n: int = 64
     gemm_block_k: int = 64
@@ -208,7 +209,7 @@ class Projection:
                 x, w, norm_weight, part, count, *common,
                 m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps,
                 SPLIT_K=plan.split_k, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.warps,
-                **flags, **launch,
+                EARLY=TUNING.gemv_early_epilogue_loads, **flags, **launch,
             )  # fmt: skip
             return self.out
         g = gemm_plan(m, self.n_out, k, self.paired, w.element_size(), sms, TUNING)

@@ -68,17 +68,59 @@ def _epilogue(
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     # acc_a, acc_b [BM, BN] float32; ms [BM] rows of x; cols [BN] output columns
+    bias_a, bias_b, residual, c1, c2, s1, s2, slot = _epilogue_inputs(
+        ms, m_ok, cols, c_ok, row_a, row_b, res_ptr, res_s0, bias_ptr, pos_ptr, cs_ptr, cs_s0, cs_s1, slot_ptr,
+        MODE, HAS_BIAS, HALF)  # fmt: skip
+    _epilogue_from(acc_a, acc_b, bias_a, bias_b, residual, c1, c2, s1, s2, slot, ms, m_ok, cols, c_ok,
+                   out_ptr, out_s0, kc_ptr, vc_ptr, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                   MODE, HAS_BIAS, DTYPE, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+
+
+@triton.jit
+def _epilogue_inputs(
+    ms, m_ok, cols, c_ok, row_a, row_b, res_ptr, res_s0, bias_ptr, pos_ptr, cs_ptr, cs_s0, cs_s1, slot_ptr,
+    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """What an epilogue reads besides the products (bias, residual, RoPE's cos and sin, the cache slots), loaded
+    on their own so that a kernel may issue them before its reduction, their latency hidden behind it."""
+    mask = m_ok[:, None] & c_ok[None, :]
+    unused = tl.zeros([1, 1], tl.float32)
+    bias_a, bias_b, residual, c1, c2, s1, s2 = unused, unused, unused, unused, unused, unused, unused
+    slot = tl.zeros([1], tl.int32)
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + row_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        bias_b = tl.load(bias_ptr + row_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if MODE == 1:  # RESIDUAL
+        residual = tl.load(res_ptr + ms[:, None] * res_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif MODE == 3:  # ROPE
+        pos = tl.load(pos_ptr + ms, mask=m_ok, other=0)
+        cs = cs_ptr + pos[:, None] * cs_s0 + (cols % HALF)[None, :]
+        c1 = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(cs + cs_s1, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(cs + cs_s1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + ms, mask=m_ok, other=-1)
+    return bias_a, bias_b, residual, c1, c2, s1, s2, slot
+
+
+@triton.jit
+def _epilogue_from(
+    acc_a, acc_b, bias_a, bias_b, residual, c1, c2, s1, s2, slot, ms, m_ok, cols, c_ok,
+    out_ptr, out_s0, kc_ptr, vc_ptr, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of products ``acc_a``, ``acc_b`` with its inputs loaded (``_epilogue_inputs``)."""
     mask = m_ok[:, None] & c_ok[None, :]
     if HAS_BIAS:
-        acc_a += tl.load(bias_ptr + row_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        acc_b += tl.load(bias_ptr + row_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        acc_a += bias_a
+        acc_b += bias_b
     dst = out_ptr + ms[:, None] * out_s0 + cols[None, :]
     if MODE == 0:  # STORE
         tl.store(dst, rounded(acc_a, DTYPE, RNE).to(DTYPE), mask=mask)
     elif MODE == 4:  # LOGITS
         tl.store(dst, acc_a, mask=mask)
     elif MODE == 1:  # RESIDUAL
-        residual = tl.load(res_ptr + ms[:, None] * res_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dst, rounded(rounded(acc_a, DTYPE, RNE) + residual, DTYPE, RNE).to(DTYPE), mask=mask)
     elif MODE == 2:  # SILU: silu(gate) rounded, times up (as silu_mul on the rounded gate_up)
         gate = rounded(acc_a, DTYPE, RNE)
@@ -90,12 +132,6 @@ def _epilogue(
         x2 = rounded(acc_b, DTYPE, RNE)
         head = cols // HALF
         d = cols % HALF
-        pos = tl.load(pos_ptr + ms, mask=m_ok, other=0)
-        cs = cs_ptr + pos[:, None] * cs_s0 + d[None, :]
-        c1 = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(cs + cs_s1, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(cs + cs_s1 + HALF, mask=mask, other=0.0).to(tl.float32)
         # x * cos + rotate_half(x) * sin with each product rounded, as the reference computes it
         o1 = rounded(x1 * c1, DTYPE, RNE) + rounded(-x2 * s1, DTYPE, RNE)
         o2 = rounded(x2 * c2, DTYPE, RNE) + rounded(x1 * s2, DTYPE, RNE)
@@ -106,7 +142,6 @@ def _epilogue(
         q_dst = out_ptr + ms[:, None] * out_s0 + (head * (2 * HALF) + d)[None, :]
         tl.store(q_dst, o1, mask=mask & is_q)
         tl.store(q_dst + HALF, o2, mask=mask & is_q)
-        slot = tl.load(slot_ptr + ms, mask=m_ok, other=-1)
         live = (m_ok & (slot >= 0))[:, None] & c_ok[None, :]  # a negative slot (padding) writes nothing
         block = slot // block_size
         offset = slot % block_size
@@ -142,6 +177,7 @@ def gemv_kernel(
     MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,6 +201,10 @@ def gemv_kernel(
         w_b = w_b.to(tl.float32)
     for m in range(0, M):
         ms = m + tl.zeros([1], tl.int64)
+        if EARLY and SPLIT_K == 1:  # the epilogue's loads issued now: their latency overlaps x's and the reduction
+            bias_a, bias_b, residual, c1, c2, s1, s2, slot = _epilogue_inputs(
+                ms, ms < M, cols, c_ok, row_a, row_b, res_ptr, res_s0, bias_ptr, pos_ptr, cs_ptr, cs_s0, cs_s1,
+                slot_ptr, MODE, HAS_BIAS, HALF)  # fmt: skip
         x = tl.load(x_ptr + m * x_s0 + ks, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
             if SPLIT_K == 1:  # the chunk is the whole row
@@ -178,11 +218,16 @@ def gemv_kernel(
         else:
             acc_b = acc_a
         if SPLIT_K == 1:
-            _epilogue(acc_a, acc_b, ms, ms < M, cols, c_ok, row_a, row_b,
-                      out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
-                      pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
-                      kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
-                      MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+            if EARLY:
+                _epilogue_from(acc_a, acc_b, bias_a, bias_b, residual, c1, c2, s1, s2, slot, ms, ms < M, cols, c_ok,
+                               out_ptr, out_s0, kc_ptr, vc_ptr, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                               MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+            else:
+                _epilogue(acc_a, acc_b, ms, ms < M, cols, c_ok, row_a, row_b,
+                          out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
+                          pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
+                          kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                          MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
         else:
             # partials [2, SPLIT_K, M, n_out]: the a half, then the b half
             part = part_ptr + (split * M + m) * n_out + cols
