@@ -13,7 +13,7 @@ decode step replayed as a graph, per model and batch size, chose between what it
 - the tensor-core kernel (split over K; up to 64 rows the weight tile is the MMA's row side) for
   ``gemm_min_m`` to ``gemm_max_m`` rows, where it beats cuBLAS. Alone it lost at nearly every
   decode shape (M = 8-256, 0.6-8 B); in the step, with its fused norms and epilogues, it took 10 %
-  off small-0.6b at bs 4-8 but added 10-18 % to the 1 B shape, so the range stays empty by default;
+  off small-0.6b at bs 8 but added 10-18 % to the 1 B shape at bs 4-8, so the range stays empty by default;
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
