@@ -27,6 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import projections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -100,30 +101,6 @@ def per_layer(model: str, fused: str, batch: int, steps: int) -> dict[str, Any]:
     return full
 
 
-def _graph_us(calls: list[Callable[[], object]], rounds: int = 5) -> float:
-    """µs per call of ``calls`` captured in one CUDA graph and replayed (best of ``rounds``)."""
-    for call in calls[:2]:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    best = float("inf")
-    for _ in range(rounds):
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (3 * len(calls)))
-    graph.reset()
-    return best
-
-
 def copy_rate(repeats: int = 5) -> float:
     """Bytes per second of a device-to-device copy of 1 GiB (read plus written), launched eagerly: in a
     graph the copy may go to a copy engine, slower than the kernels' reads."""
@@ -176,14 +153,13 @@ def bandwidth(model: str, batch: int, rate: float) -> list[dict[str, Any]]:
     rows = []
     for name, n, width, call in projection_calls(model, batch):
         size = n * width * 2
-        copies = max(1, min(64, -(-(400 << 20) // size)))  # together several times the L2
-        weights = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) / width**0.5 for _ in range(copies)]
-        us = _graph_us([functools.partial(call, w) for w in weights])
+        copies = projections.weights(n, width)  # together several times the L2: every call reads from memory
+        us = projections.timed([functools.partial(call, w) for w in copies])
         kernel = linear.kernel_for(batch, n, width, 2).value
         rows.append({"model": model, "batch": batch, "projection": name, "n": n, "k": width, "kernel": kernel,
                      "weight_mb": size / 2**20, "us": us, "tb_per_s": size / (us * 1e-6) / 1e12,
                      "of_copy_rate": size / (us * 1e-6) / rate})
-        del weights
+        del copies
     return rows
 
 
