@@ -50,7 +50,7 @@ class Tuning:
     gemv_max_m_large: int = 1  # the same for larger weights
     gemv_small_bytes: int = 16 << 20
     gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
-    gemm_max_m: int = 0  # ... up to these: none by default (cuBLAS was faster at every measured M)
+    gemm_max_m: int = 0  # ... up to these: none by default (the module docstring says why)
     gemv_tile_bytes: int = 32768  # weight bytes one GEMV program loads at once
     gemv_programs_per_sm: int = 2  # split rows, then K, until the GEMV has this many programs per SM
     gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
