@@ -83,10 +83,9 @@ def report(out: Path) -> list[str]:
     if bandwidth:
         rate = bandwidth["copy_rate_tb_per_s"]
         for row in bandwidth["kernels"]:
-            lines.append(_line(f"{row['model']} bs {row['batch']} {row['projection']}",
-                               f"{row['us']:.1f} us {row['tb_per_s']:.2f} TB/s", f"{rate:.2f} TB/s",
-                               None))
-            lines[-1] += f" {100 * row['of_copy_rate']:.0f} % ({row['kernel']})"
+            lines.append(_line(f"{row['model']} bs {row['batch']} {row['projection']} ({row['kernel']})",
+                               f"{row['tb_per_s']:.2f} TB/s, {100 * row['of_copy_rate']:.0f} %",
+                               f"{rate:.2f} TB/s", None))
     step = _load(out / "step.json")
     if step:
         for row in step["bf16_bound"]:

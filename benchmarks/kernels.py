@@ -10,8 +10,8 @@ copies) cancel out.
 With ``--bandwidth`` it also times each fused projection op of the model (the one the engine
 calls, at the batch size given, with PDL) in a CUDA graph of back-to-back calls, each over its
 own copy of the weight so that every call reads it from memory, and reports the weight bytes
-over the time against the device's copy rate (a device-to-device copy of 1 GiB, bytes read
-and written over its time).
+over the time against the device's copy rate (peers.py's: a device-to-device copy of 1 GiB,
+bytes read and written over its time).
 
     python3 benchmarks/kernels.py --model small-0.6b --batch 1 32 --out kernels.json
     python3 benchmarks/kernels.py --model small-0.6b llama-1b --batch 1 --fused --bandwidth --out bw.json
@@ -27,6 +27,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import decode_step
+import peers
 import projections
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -101,22 +103,6 @@ def per_layer(model: str, fused: str, batch: int, steps: int) -> dict[str, Any]:
     return full
 
 
-def copy_rate(repeats: int = 5) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read plus written), launched eagerly: in a
-    graph the copy may go to a copy engine, slower than the kernels' reads."""
-    src = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return float(2 * src.numel() * repeats / (start.elapsed_time(end) / 1e3))
-
-
 def projection_calls(model: str, batch: int) -> list[tuple[str, int, int, Callable[[torch.Tensor], object]]]:
     """(name, N, K, the op called with an [N, K] weight) of the model's decode-layer projections and LM head."""
     from corelib_cuda.triton_ops import layer_ops, linear
@@ -174,7 +160,11 @@ def main() -> None:
     parser.add_argument("--bandwidth-out", default="bandwidth.json")
     args = parser.parse_args()
     if args.bandwidth:
-        rate = copy_rate()
+        device = decode_step.open_device()
+        try:
+            rate = peers.copy_bandwidth(device, 1024)  # 1 GiB, read + written
+        finally:
+            device.close()
         rows = [row for model in args.model for batch in args.batch for row in bandwidth(model, batch, rate)]
         with open(args.bandwidth_out, "w") as out:
             json.dump({"copy_rate_tb_per_s": rate / 1e12, "kernels": rows}, out, indent=2)
