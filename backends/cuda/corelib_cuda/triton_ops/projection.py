@@ -218,16 +218,13 @@ def gemv_kernel(
         else:
             acc_b = acc_a
         if SPLIT_K == 1:
-            if EARLY:
-                _epilogue_from(acc_a, acc_b, bias_a, bias_b, residual, c1, c2, s1, s2, slot, ms, ms < M, cols, c_ok,
-                               out_ptr, out_s0, kc_ptr, vc_ptr, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
-                               MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
-            else:
-                _epilogue(acc_a, acc_b, ms, ms < M, cols, c_ok, row_a, row_b,
-                          out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
-                          pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
-                          kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
-                          MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
+            if not EARLY:  # the epilogue's loads after the reduction
+                bias_a, bias_b, residual, c1, c2, s1, s2, slot = _epilogue_inputs(
+                    ms, ms < M, cols, c_ok, row_a, row_b, res_ptr, res_s0, bias_ptr, pos_ptr, cs_ptr, cs_s0, cs_s1,
+                    slot_ptr, MODE, HAS_BIAS, HALF)  # fmt: skip
+            _epilogue_from(acc_a, acc_b, bias_a, bias_b, residual, c1, c2, s1, s2, slot, ms, ms < M, cols, c_ok,
+                           out_ptr, out_s0, kc_ptr, vc_ptr, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
+                           MODE, HAS_BIAS, dtype, NUM_Q, NUM_KV, HALF, RNE)  # fmt: skip
         else:
             # partials [2, SPLIT_K, M, n_out]: the a half, then the b half
             part = part_ptr + (split * M + m) * n_out + cols
@@ -313,8 +310,6 @@ def gemm_kernel(
     w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
     if PAIRED:
         w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
-    else:
-        w_b = w_a
     if PDL:
         tl.extra.cuda.gdc_wait()
     if NORM:
