@@ -42,7 +42,7 @@ def main() -> None:
             producer.reserve()  # the packer's slot
             began = time.perf_counter()
             header = FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=32, bucket=32, kv_blocks=1, sent_at=began,
-                                 layout=layout.encode(), num_tokens=32, max_query_len=1, decode_rows=0)
+                                 layout=layout.words, num_tokens=32, max_query_len=1, decode_rows=0)
             producer.commit(header, layout.nbytes)
             committed = time.perf_counter()
             frame = consumer.read()

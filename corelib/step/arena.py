@@ -77,10 +77,11 @@ class ArenaLayout:
 
     def encode(self) -> list[int]:
         """The layout as integers, for a frame header: per field a dtype code, rank and dims (a new list)."""
-        return list(self._words)
+        return list(self.words)
 
     @functools.cached_property
-    def _words(self) -> tuple[int, ...]:
+    def words(self) -> tuple[int, ...]:
+        """The layout as integers (what :meth:`encode` lists), made once: a frame header carries this tuple."""
         words = [len(self.fields)]
         for f in self.fields:
             words += [_DTYPE_CODES[f.dtype], len(f.shape), *f.shape]

@@ -22,9 +22,10 @@ class StepKind(str, enum.Enum):
     decode = "decode"  # every row feeds one token: the graph-captured shape
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ForwardInput:
-    """One step's packed inputs and the shape of the work they describe."""
+    """One step's packed inputs and the shape of the work they describe. Not frozen: a frozen dataclass's
+    ``__init__`` costs five times as much, on the path of every step (twice over SHM); nothing changes one."""
 
     step_id: int
     num_seqs: int  # rows that hold a sequence

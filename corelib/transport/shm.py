@@ -11,7 +11,7 @@ counter per 64-byte cache line, each with a single writer:
 
 A slot is written again only after every consumer released the frame in it (back-pressure).
 Each frame: a fixed header (magic, version, kind, sequence number, step fields, send time,
-payload length, a CRC-32C, the arena layout) and an aligned payload arena. The CRC covers the
+payload length, the arena layout, then a CRC-32C of them) and an aligned payload arena. The CRC covers the
 header, the payload's length with it: a flipped step field, layout word or length would
 otherwise reach the model unnoticed. With ``payload_crc`` (``engine.shm.payload_crc``, for
 chaos and fault runs) it covers the payload too; without it the payload is never read on the
@@ -69,6 +69,7 @@ __all__ = ["PREFIX", "SHM_DIR", "Consumer", "Frame", "Producer", "Ring", "Segmen
 SETTLE_S = 0.005  # how long a frame that fails its checks is re-read before it is called corrupt
 
 _LINE = 8  # 8-byte words per 64-byte cache line
+_MAX_FRAME_VIEWS = 256  # cached payload views per ring: (slot, length) pairs
 COMMITTED, ALWAYS, PRODUCER_ASLEEP = (i * _LINE for i in range(3))
 
 
@@ -118,6 +119,10 @@ class Ring:
         # One tensor over all slots, slots as views of it: registering ``whole`` pins them all.
         self.whole = segment.tensor(self.base, num_slots * slot_bytes)
         self._payloads = [self.whole[i * slot_bytes + HEADER_BYTES : (i + 1) * slot_bytes] for i in range(num_slots)]
+        self._headers = [segment.view[self.base + i * slot_bytes : self.base + i * slot_bytes + HEADER_BYTES]
+                         for i in range(num_slots)]
+        # A frame's payload views by slot and length, made once each: a decode step's length never changes.
+        self._frame_views: dict[tuple[int, int], tuple[torch.Tensor, memoryview]] = {}
         self._closed = False
 
     @staticmethod
@@ -144,17 +149,36 @@ class Ring:
         return self.base + slot * self.slot_bytes
 
     def header_view(self, slot: int) -> memoryview:
-        start = self.slot_offset(slot)
-        return self.segment.view[start : start + HEADER_BYTES]
+        return self._headers[slot]
 
     def payload(self, slot: int) -> torch.Tensor:
         return self._payloads[slot]
+
+    def frame_views(self, slot: int, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """The first ``nbytes`` of ``slot``'s payload, as a uint8 tensor and as a memoryview (cached)."""
+        found = self._frame_views.get((slot, nbytes))
+        if found is None:
+            if len(self._frame_views) >= _MAX_FRAME_VIEWS:
+                self._drop_frame_views()
+            start = self.slot_offset(slot) + HEADER_BYTES
+            found = (self._payloads[slot][:nbytes], self.segment.view[start : start + nbytes])
+            self._frame_views[(slot, nbytes)] = found
+        return found
+
+    def _drop_frame_views(self) -> None:
+        views, self._frame_views = self._frame_views, {}
+        for _, data in views.values():
+            data.release()
 
     def close(self) -> None:
         """Drop the views, unmap, and (owner) unlink. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        self._drop_frame_views()
+        for header in self._headers:
+            header.release()
+        self._headers.clear()
         self._payloads.clear()
         self.words.release()
         del self.whole
@@ -374,9 +398,8 @@ class Consumer:
                     raise
                 os.sched_yield()  # the producer's writes may still be on their way to this CPU
         self._expected = seq + 1
-        start = self.ring.slot_offset(slot) + HEADER_BYTES
-        return Frame(header, slot, self.ring.payload(slot)[: header.payload_len],
-                     self.ring.segment.view[start : start + header.payload_len])
+        payload, data = self.ring.frame_views(slot, header.payload_len)
+        return Frame(header, slot, payload, data)
 
     def _checked(self, seq: int, slot: int) -> FrameHeader:
         where = f"{self._name} frame {seq} (slot {slot})"

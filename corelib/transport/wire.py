@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import crc32c
 import torch
@@ -62,30 +63,62 @@ def field_names(kind: FrameKind) -> tuple[str, ...]:
 
 
 MAGIC = 0x434F524C  # "CORL"
-VERSION = 11  # 11: the rows whose penalty counts are rebuilt (a count, a row field); 10: prompt logprobs (an
-# input field, the result's positions); 9: min_p, min_tokens and the logit-bias and stop-id tables, a sampled
-# token's rank;
+VERSION = 12  # 12: the checksum after the layout words (one CRC call over the bytes before it); 11: the rows whose
+# penalty counts are rebuilt (a count, a row field); 10: prompt logprobs (an input field, the result's positions);
+# 9: min_p, min_tokens and the logit-bias and stop-id tables, a sampled token's rank;
 # 8: steps padded to a token bucket; 7: the rows' prompt lengths (penalties), the penalties' columns;
 # 6: one step kind, tokens, query length, copies; 5: no free float; 4: CRC-32C; 3: named input fields
 HEADER_BYTES = 1024  # the payload starts here, 64-byte aligned
 MAX_LAYOUT_WORDS = 96
-_FIXED = struct.Struct("<IHHQqiiiiiiiiidQII")
-_CHECKSUM_AT = struct.calcsize("<IHHQqiiiiiiiiidQ")  # the checksum's offset: the CRC reads it as zero
-_ZERO_CHECKSUM = bytes(4)
-_LAYOUTS: dict[tuple[int, ...], ArenaLayout] = {}  # input layouts by frame kind and layout words
+# The fixed fields, then ``words`` int64 layout words, then the CRC-32C of everything before it (and of the
+# payload, where the ring checks payloads): one pass over contiguous bytes at each end.
+_FIXED = struct.Struct("<IHHQqiiiiiiiiidQI")
+_CHECKSUM = struct.Struct("<I")
+_WORD_STRUCTS = [struct.Struct(f"<{n}q") for n in range(MAX_LAYOUT_WORDS + 1)]
+MAX_CACHED_LAYOUTS = 64  # a bound on each cache below, should a producer send many token counts
+# Layout words as a consumer decoded them, by their bytes, and as a producer packed them, by the tuple's identity
+# (an input frame's words are its ArenaLayout's own tuple): a decode step's layout never changes and a step of
+# prefill tokens has one of a few, so neither end packs or unpacks them per frame.
+_WORDS_OF: dict[bytes, tuple[int, ...]] = {}
+_BYTES_OF: dict[int, tuple[tuple[int, ...], bytes]] = {}
+_LAYOUTS: dict[tuple[int, int, int], tuple[tuple[int, ...], ArenaLayout]] = {}  # by kind, prompt, id(words)
 
 
 def frame_crc(header: memoryview, header_bytes: int, payload: memoryview | None = None) -> int:
-    """CRC-32C of a packed header (its checksum field read as zero), followed by the payload when one is given.
+    """CRC-32C of a packed header of ``header_bytes`` (up to its checksum, which ends it), followed by the payload
+    when one is given.
 
     The header holds the payload's length, so a header-only CRC still refuses a truncated frame."""
-    crc = crc32c.crc32c(header[:_CHECKSUM_AT])
-    crc = crc32c.crc32c(_ZERO_CHECKSUM, crc)
-    crc = crc32c.crc32c(header[_CHECKSUM_AT + 4 : header_bytes], crc)
+    crc = crc32c.crc32c(header[: header_bytes - _CHECKSUM.size])
     return int(crc if payload is None else crc32c.crc32c(payload, crc))
 
 
-@dataclass
+def _words_bytes(words: Sequence[int]) -> bytes:
+    if len(words) > MAX_LAYOUT_WORDS:
+        raise TransportError(f"frame layout has {len(words)} words; at most {MAX_LAYOUT_WORDS} fit")
+    if not isinstance(words, tuple):
+        return _WORD_STRUCTS[len(words)].pack(*words)
+    found = _BYTES_OF.get(id(words))
+    if found is not None and found[0] is words:
+        return found[1]
+    packed = _WORD_STRUCTS[len(words)].pack(*words)
+    if len(_BYTES_OF) >= MAX_CACHED_LAYOUTS:
+        _BYTES_OF.clear()
+    _BYTES_OF[id(words)] = (words, packed)  # the entry holds the tuple: its id is not reused while cached
+    return packed
+
+
+def _words_of(raw: bytes) -> tuple[int, ...]:
+    words = _WORDS_OF.get(raw)
+    if words is None:
+        words = _WORD_STRUCTS[len(raw) // 8].unpack(raw)
+        if len(_WORDS_OF) >= MAX_CACHED_LAYOUTS:
+            _WORDS_OF.clear()
+        _WORDS_OF[raw] = words
+    return words
+
+
+@dataclass(slots=True)
 class FrameHeader:
     kind: FrameKind
     seq: int  # frame number within the ring, from 0
@@ -97,7 +130,7 @@ class FrameHeader:
     sent_at: float = 0.0  # time.perf_counter() of the producer (CLOCK_MONOTONIC, shared by processes)
     payload_len: int = 0
     checksum: int = 0
-    layout: list[int] = field(default_factory=list)
+    layout: Sequence[int] = ()  # the arena layout's words (ArenaLayout.words)
     num_tokens: int = 0  # step frames: tokens computed
     max_query_len: int = 0  # step frames: the most tokens one row feeds
     num_copies: int = 0  # step frames: KV blocks copied before the forward
@@ -106,42 +139,45 @@ class FrameHeader:
 
     @property
     def nbytes(self) -> int:
-        return _FIXED.size + 8 * len(self.layout)
+        return _FIXED.size + 8 * len(self.layout) + _CHECKSUM.size
 
-    def _fixed(self, checksum: int) -> tuple[int | float, ...]:
-        if len(self.layout) > MAX_LAYOUT_WORDS:
-            raise TransportError(f"frame layout has {len(self.layout)} words; at most {MAX_LAYOUT_WORDS} fit")
-        return (MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs, self.bucket,
-                self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows,
-                self.num_recounts, int(self.flags),
-                self.sent_at, self.payload_len, checksum, len(self.layout))
+    def _pack_body(self, buffer: memoryview | bytearray) -> int:
+        """Everything but the checksum into ``buffer``; returns the checksum's offset."""
+        words = _words_bytes(self.layout)
+        _FIXED.pack_into(buffer, 0, MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs,
+                         self.bucket, self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies,
+                         self.decode_rows, self.num_recounts, int(self.flags), self.sent_at, self.payload_len,
+                         len(self.layout))
+        end = _FIXED.size + len(words)
+        buffer[_FIXED.size : end] = words
+        return end
 
     def packed(self, checksum: int | None = None) -> bytes:
-        fixed = _FIXED.pack(*self._fixed(self.checksum if checksum is None else checksum))
-        return fixed + struct.pack(f"<{len(self.layout)}q", *self.layout)
+        buffer = bytearray(self.nbytes)
+        at = self._pack_body(buffer)
+        _CHECKSUM.pack_into(buffer, at, self.checksum if checksum is None else checksum)
+        return bytes(buffer)
 
     def pack_into(self, buffer: memoryview) -> None:
         """Write the packed header at the start of ``buffer`` (a slot's header area)."""
-        _FIXED.pack_into(buffer, 0, *self._fixed(self.checksum))
-        struct.pack_into(f"<{len(self.layout)}q", buffer, _FIXED.size, *self.layout)
+        _CHECKSUM.pack_into(buffer, self._pack_body(buffer), self.checksum)
 
     def seal_into(self, buffer: memoryview, payload: memoryview | None = None) -> None:
         """Pack the header into ``buffer`` (a slot's header area) with its CRC-32C, taken over the packed bytes
         (and ``payload`` when given): the header is packed once."""
-        self.checksum = 0
-        self.pack_into(buffer)
-        self.checksum = frame_crc(buffer, self.nbytes, payload)
-        struct.pack_into("<I", buffer, _CHECKSUM_AT, self.checksum)
+        at = self._pack_body(buffer)
+        self.checksum = frame_crc(buffer, at + _CHECKSUM.size, payload)
+        _CHECKSUM.pack_into(buffer, at, self.checksum)
 
     def crc(self, payload: memoryview | bytes | None = None) -> int:
-        """CRC-32C of the header (its checksum field as zero), followed by the payload when one is given."""
-        crc = crc32c.crc32c(self.packed(0))
+        """CRC-32C of the header (up to its checksum), followed by the payload when one is given."""
+        crc = crc32c.crc32c(self.packed(0)[: -_CHECKSUM.size])
         return int(crc if payload is None else crc32c.crc32c(payload, crc))
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
         (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
-         decode_rows, num_recounts, flags, sent_at, payload_len, checksum, words) = _FIXED.unpack_from(buffer, 0)
+         decode_rows, num_recounts, flags, sent_at, payload_len, words) = _FIXED.unpack_from(buffer, 0)
         if magic != MAGIC:
             raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
         if version != VERSION:
@@ -150,7 +186,9 @@ class FrameHeader:
             raise TransportError(f"{where}: unknown frame kind {kind}")
         if words > MAX_LAYOUT_WORDS:
             raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
-        layout = list(struct.unpack_from(f"<{words}q", buffer, _FIXED.size)) if words else []
+        end = _FIXED.size + 8 * words
+        layout = _words_of(bytes(buffer[_FIXED.size : end])) if words else ()
+        (checksum,) = _CHECKSUM.unpack_from(buffer, end)
         return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
                    layout, num_tokens, max_query_len, num_copies, decode_rows, num_recounts)
 
@@ -162,27 +200,31 @@ class FrameHeader:
         rebuilding it every step.
         """
         prompt = int(self.kind is FrameKind.step and bool(self.flags & _PROMPT_LOGPROBS))
-        key = (int(self.kind), prompt, *self.layout)
-        layout = _LAYOUTS.get(key)
-        if layout is None:
+        words = self.layout
+        key = (int(self.kind), prompt, id(words))
+        found = _LAYOUTS.get(key)
+        if found is not None and found[0] is words:
+            layout = found[1]
+        else:
             names = field_names(self.kind)
             if prompt:
                 names = (*names, PROMPT_LOGPROBS)
-            if self.layout and self.layout[0] == len(names) + 1:  # a step that carries the token bitmask
+            if words and words[0] == len(names) + 1:  # a step that carries the token bitmask
                 names = (*names, TOKEN_MASK)
             try:
-                layout = ArenaLayout.decode(names, self.layout)
+                layout = ArenaLayout.decode(names, words)
             except ValueError as error:
                 raise TransportError(f"{where}: {error}") from None
-            if len(_LAYOUTS) < MAX_CACHED_LAYOUTS:
-                _LAYOUTS[key] = layout
+            if isinstance(words, tuple):  # immutable: cached by identity (the entry keeps it alive)
+                if len(_LAYOUTS) >= MAX_CACHED_LAYOUTS:
+                    _LAYOUTS.clear()
+                _LAYOUTS[key] = (words, layout)
         if layout.nbytes > self.payload_len:
             raise TransportError(f"{where}: payload of {self.payload_len} bytes is shorter than its layout "
                                  f"({layout.nbytes} bytes)")
         return layout
 
 
-MAX_CACHED_LAYOUTS = 64  # a bound, should a producer send many token counts
 _KINDS = {int(kind): kind for kind in FrameKind}
 
 
@@ -192,7 +234,7 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     flags = (_SAMPLE if fi.sample else 0) | (_LOGPROBS if fi.logprobs else 0) | (_PADDED if fi.padded else 0) | (
         _PROMPT_LOGPROBS if fi.prompt_logprobs else 0)
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, flags,
-                       sent_at=sent_at, layout=fi.layout.encode(), num_tokens=fi.num_tokens,
+                       sent_at=sent_at, layout=fi.layout.words, num_tokens=fi.num_tokens,
                        max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows,
                        num_recounts=fi.num_recounts)
 

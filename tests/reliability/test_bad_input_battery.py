@@ -60,8 +60,7 @@ class RequestCase:
 
 # Header fields by position in the packed header, for damage done after packing.
 _FIELDS = ("magic", "version", "kind", "seq", "step_id", "num_seqs", "bucket", "kv_blocks", "num_tokens",
-           "max_query_len", "num_copies", "decode_rows", "num_recounts", "flags", "sent_at", "payload_len", "checksum",
-           "words")
+           "max_query_len", "num_copies", "decode_rows", "num_recounts", "flags", "sent_at", "payload_len", "words")
 
 
 def _offset(name: str) -> tuple[int, str]:
@@ -90,7 +89,7 @@ def _flip(name: str, bit: int) -> Callable[[FrameHeader, torch.Tensor], None]:
 
 
 def _flip_layout(header: FrameHeader, payload: torch.Tensor) -> None:
-    header.layout[1] ^= 1
+    header.layout = (header.layout[0], header.layout[1] ^ 1, *header.layout[2:])
 
 
 def _cut_stale(header: FrameHeader, payload: torch.Tensor) -> None:

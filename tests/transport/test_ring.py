@@ -50,7 +50,25 @@ def test_frames_round_trip_in_order(wired: Make) -> None:
         payload = torch.arange(16, dtype=torch.int64) + step
         w.producer.write(header(step), payload.view(torch.uint8))
         frame = w.consumers[0].read()
-        assert frame.header.step_id == step and frame.header.seq == step and frame.header.layout == [1, 0, 1, 5]
+        assert frame.header.step_id == step and frame.header.seq == step and tuple(frame.header.layout) == (1, 0, 1, 5)
+        assert torch.equal(frame.payload.view(torch.int64), payload)
+        w.consumers[0].release(frame)
+
+
+def test_a_slot_reused_with_another_layout_and_length_reads_as_written(wired: Make) -> None:
+    # The ends cache a layout's packed and decoded words and a slot's payload views: a slot that carries frames
+    # of other layouts and lengths in turn must still read back each as it was written, whether its layout came
+    # as a tuple (cached by identity, as a step's ArenaLayout.words) or as a list.
+    w = wired(num_slots=2)
+    layouts: list[tuple[int, ...] | list[int]] = [(1, 0, 1, 2), [1, 0, 1, 4], (1, 0, 1, 8), (1, 0, 1, 2), [1, 0, 1, 3]]
+    for step, layout in enumerate(layouts):
+        count = layout[-1]
+        payload = torch.arange(count, dtype=torch.int64) * (step + 1)
+        h = FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, layout=layout)
+        w.producer.write(h, payload.view(torch.uint8))
+        frame = w.consumers[0].read()
+        assert tuple(frame.header.layout) == tuple(layout) and frame.header.payload_len == 8 * count
+        assert frame.payload.numel() == frame.data.nbytes == 8 * count
         assert torch.equal(frame.payload.view(torch.int64), payload)
         w.consumers[0].release(frame)
 

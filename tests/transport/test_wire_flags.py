@@ -45,3 +45,23 @@ def test_an_input_frame_says_whether_some_row_samples(sample: bool) -> None:
     flags = InputFlags.SAMPLE if sample else InputFlags.NONE
     got = through_the_wire(FrameHeader(FrameKind.step, 0, 3, 2, 4, 2, int(flags)))
     assert bool(got.flags & InputFlags.SAMPLE) is sample
+
+
+def test_each_frame_decodes_to_its_own_step_layout() -> None:
+    # Both ends cache a layout's words (packed by the tuple's identity, decoded by their bytes) and the decoded
+    # layout: frames of several layouts in turn, sent as the engine sends them (the layout's own words tuple) and
+    # as a list, each decode to the layout they were packed with.
+    from omegaconf import OmegaConf
+
+    from corelib.config.schema import CorelibConfig
+    from corelib.startup.compose import compose_config
+    from corelib.step.layout import EngineLayout
+
+    config = OmegaConf.to_object(compose_config(["engine.max_num_seqs=8"]))
+    assert isinstance(config, CorelibConfig)
+    engine = EngineLayout.of(config)
+    layouts = [engine.decode_layout, engine.step_layout(24), engine.step_layout(40), engine.decode_layout]
+    for step, layout in enumerate(layouts * 2):
+        words = layout.words if step < len(layouts) else layout.encode()
+        got = through_the_wire(FrameHeader(FrameKind.step, 0, step, payload_len=layout.nbytes, layout=words))
+        assert got.input_layout("test frame") == layout
