@@ -317,14 +317,17 @@ def check_frame(case: FrameCase, monkeypatch: pytest.MonkeyPatch) -> None:
 
             executor.producer.tamper = tamper
         if case.poke is not None:
-            poke, pack = case.poke, FrameHeader.pack_into
+            # Damage the packed fields before the checksum is taken over them (sealing packs them with _pack_body),
+            # so that the frame's own checks, not its CRC, must refuse it.
+            poke, pack = case.poke, FrameHeader._pack_body
 
-            def pack_then_poke(header: FrameHeader, buffer: memoryview) -> None:
-                pack(header, buffer)
+            def pack_then_poke(header: FrameHeader, buffer: memoryview | bytearray) -> int:
+                at = pack(header, buffer)
                 if header.seq == TARGET_FRAME and header.kind is FrameKind.step:
-                    poke(buffer[:HEADER_BYTES])
+                    poke(memoryview(buffer)[:HEADER_BYTES])
+                return at
 
-            monkeypatch.setattr(FrameHeader, "pack_into", pack_then_poke)
+            monkeypatch.setattr(FrameHeader, "_pack_body", pack_then_poke)
         with pytest.raises(WorkerDied) as caught:
             engine.generate(GOOD_PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
     finally:
