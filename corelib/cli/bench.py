@@ -61,7 +61,9 @@ class BenchPoint:
     decode_steps: int
     steps_async: int
     repeats_tpot_ms: list[float] = field(default_factory=list)
-    transport_us_p50: float | None = None  # shm: commit (or the worker ready for it, if later) to inputs ready there
+    # shm: from the producer's stamp, taken before it builds the frame's header (or the worker ready, if later), to
+    # the inputs ready there
+    transport_us_p50: float | None = None
     transport_us_p99: float | None = None
     # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
     host_us: float | None = None

@@ -35,7 +35,7 @@ class StepResult:
     busy_ms: float | None = None  # device time of the step (events)
     gap_ms: float | None = None  # device idle time since the previous step ended (events)
     graph: bool = False  # a decode step that replayed a captured graph
-    transport_us: float | None = None  # SHM: commit (or the worker ready for it, if later) to inputs ready there
+    transport_us: float | None = None  # SHM: the producer's stamp (or the worker ready, if later) to inputs ready
     handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
     logprobs: list[list[float]] | None = None  # per row: LOGPROB_WIDTH floats (see corelib.step.fields)
     prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed: LOGPROB_WIDTH floats

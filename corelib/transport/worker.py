@@ -83,7 +83,9 @@ class WorkerArgs:
 @dataclasses.dataclass(frozen=True)
 class _Submitted:
     handle: StepHandle
-    transport_us: float  # the later of the frame's commit and this worker's readiness for it, to inputs staged
+    # From the later of the producer's stamp (taken before it builds the frame's header) and this worker's readiness
+    # for the frame, to its inputs staged
+    transport_us: float
 
 
 class StepLoop:
