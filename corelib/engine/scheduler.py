@@ -277,6 +277,10 @@ class Scheduler:
         seqs, starts, lens, samples, relay = step.seqs, step.starts, step.query_lens, step.samples, step.from_relay
         queue = deque(decode)
         first = len(seqs)
+        # Rows that key a block this step (prefix caching): rows decoding in step cross block boundaries together,
+        # and keying all of them at once put a millisecond of host work on one step in every block_size at bs
+        # 128, a gap on the device. The rest key theirs on the next steps: all within half a block's steps.
+        keys_left = -(-2 * len(decode) // size)
         while queue:
             seq = queue.popleft()
             start = seq.num_computed_tokens  # the position fed: its token needs its KV slot
@@ -302,8 +306,9 @@ class Scheduler:
             relay.append(pending > 0)
             seq.num_computed_tokens = start + 1
             # Prefix caching keys a block once the host knows its every token: at most one in a few steps a row.
-            if caching and min(start + 1, seq.num_tokens) // size > seq.num_registered_blocks:
+            if caching and keys_left and min(start + 1, seq.num_tokens) // size > seq.num_registered_blocks:
                 blocks.register(seq, start + 1)
+                keys_left -= 1
             if forks and not pending and seq.seq_id in forks and not seq.output_token_ids:
                 step.forked += self._fork(seq, forks.pop(seq.seq_id))
             seq.num_pending = pending + 1
@@ -486,6 +491,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.error = error
         seq.finish_time = time.perf_counter() if now is None else now
+        if reason is not FinishReason.error:
+            self.blocks.register(seq, seq.num_computed_tokens)  # blocks whose keying was put off (decode rows)
         self.blocks.free(seq)
         self._release_state_index(seq)
         if seq in self.running:

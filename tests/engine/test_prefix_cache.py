@@ -9,7 +9,7 @@ import dataclasses
 from corelib.config.schema import CorelibConfig
 from corelib.engine.block_manager import BlockManager
 from corelib.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
-from corelib.engine.sequence import SamplingParams, Sequence
+from corelib.engine.sequence import FinishReason, SamplingParams, Sequence
 from corelib.engine.stops import StopChecker
 from corelib.testing.executor import scripted_core, unit_config, unit_options
 
@@ -222,3 +222,44 @@ def test_a_free_cached_block_found_by_a_hit_leaves_the_free_list() -> None:
     assert not set(other.block_table) & set(reader.block_table), "a held block was handed out again"
     assert bm.num_free_blocks == 0 and bm.stats.evicted_blocks == 0
     assert bm.cached_prefix_tokens(seq(3, list(range(10, 19)))) == 2 * BS
+
+
+def decoding(i: int, prompt: list[int]) -> Sequence:
+    return Sequence(i, f"r{i}", list(prompt), SamplingParams(max_tokens=64, ignore_eos=True))
+
+
+def test_rows_crossing_a_block_together_key_their_blocks_over_a_few_steps() -> None:
+    # Rows decoding in step fill a block on the same step; keying all of them at once put a millisecond of host
+    # work on that step at bs 128. At most 2 * rows / block_size rows key a block per step (here 8 of 16), every
+    # row within block_size / 2 steps, and a row that finishes with its key put off keys it as it finishes.
+    rows = 16
+    s = Scheduler(SchedulerLimits(rows, 256, 64), BlockManager(128, BS, prefix_caching=True), rows,
+                  StopChecker(64, frozenset()))
+    seqs = [decoding(i, [100 + 3 * i, 101 + 3 * i, 102 + 3 * i]) for i in range(rows)]  # the 4th token fills a block
+    for a in seqs:
+        s.add(a)
+    step = scheduled(s)
+    keyed_per_step = []
+    for n in range(2 * BS):
+        before = sum(a.num_registered_blocks for a in seqs)
+        s.postprocess(step, [7 + n] * rows)
+        step = scheduled(s)
+        keyed_per_step.append(sum(a.num_registered_blocks for a in seqs) - before)
+        full = [min(a.num_computed_tokens, a.num_tokens) // BS for a in seqs]
+        behind = [a for a, f in zip(seqs, full, strict=True) if a.num_registered_blocks < f]
+        if n % BS == BS // 2:  # half a block's steps after the rows' blocks filled
+            assert not behind, f"step {n}: {len(behind)} rows still to key"
+    assert max(keyed_per_step) == 2 * rows // BS, keyed_per_step
+    assert sum(keyed_per_step) == 2 * rows, "each row keyed its two full blocks"
+    # A finished row keys the blocks it had put off.
+    late = decoding(rows, [1, 2, 3])
+    many = Scheduler(SchedulerLimits(rows + 1, 256, 64), BlockManager(128, BS, prefix_caching=True), rows + 1,
+                     StopChecker(64, frozenset()))
+    for a in [*(decoding(100 + i, [200 + 3 * i, 201 + 3 * i, 202 + 3 * i]) for i in range(rows)), late]:
+        many.add(a)
+    first = scheduled(many)
+    many.postprocess(first, [5] * (rows + 1))
+    scheduled(many)  # the rows' first blocks fill: the last row in line is beyond this step's keys
+    assert late.num_registered_blocks == 0 and late.num_computed_tokens == 4
+    many.finish(late, FinishReason.length)
+    assert many.blocks.cached_prefix_tokens(seq(rows + 1, [1, 2, 3, 5, 9])) == BS
