@@ -388,28 +388,42 @@ class Consumer:
                 raise TransportError(f"waited {timeout:g} s for {who} on {self._name}")
         seq = self._expected
         slot = seq % self.ring.num_slots
-        settle = time.monotonic() + SETTLE_S
-        while True:
-            try:
-                header = self._checked(seq, slot)
-                break
-            except TransportError:
-                if time.monotonic() >= settle:
-                    raise
-                os.sched_yield()  # the producer's writes may still be on their way to this CPU
+        try:
+            header = self._checked(seq, slot)
+        except TransportError:
+            header = self._settled(seq, slot)
         self._expected = seq + 1
         payload, data = self.ring.frame_views(slot, header.payload_len)
         return Frame(header, slot, payload, data)
 
+    def where(self, seq: int, slot: int) -> str:
+        """How an error names frame ``seq``: built only for a bad frame, not on every step's hop."""
+        return f"{self._name} frame {seq} (slot {slot})"
+
+    def _settled(self, seq: int, slot: int) -> FrameHeader:
+        """Re-read a frame that failed its checks until it passes or :data:`SETTLE_S` is over (then raise)."""
+        settle = time.monotonic() + SETTLE_S
+        while True:
+            os.sched_yield()  # the producer's writes may still be on their way to this CPU
+            try:
+                return self._checked(seq, slot)
+            except TransportError:
+                if time.monotonic() >= settle:
+                    raise
+
     def _checked(self, seq: int, slot: int) -> FrameHeader:
-        where = f"{self._name} frame {seq} (slot {slot})"
         ring = self.ring
         header_view = ring.header_view(slot)
-        header = FrameHeader.unpack_from(header_view, where)
+        try:
+            header = FrameHeader.unpack_from(header_view)
+        except TransportError as error:
+            raise TransportError(f"{self.where(seq, slot)}: {error}") from None
         if header.seq != seq:
-            raise TransportError(f"{where}: the header says frame {header.seq} (overwritten before it was read)")
+            raise TransportError(f"{self.where(seq, slot)}: the header says frame {header.seq} (overwritten before "
+                                 "it was read)")
         if header.payload_len > ring.capacity:
-            raise TransportError(f"{where}: payload length {header.payload_len} exceeds the slot's {ring.capacity}")
+            raise TransportError(f"{self.where(seq, slot)}: payload length {header.payload_len} exceeds the slot's "
+                                 f"{ring.capacity}")
         payload = None
         if self._payload_crc:
             start = ring.slot_offset(slot) + HEADER_BYTES
@@ -417,7 +431,7 @@ class Consumer:
         crc = frame_crc(header_view, header.nbytes, payload)
         if crc != header.checksum:
             raise TransportError(
-                f"{where}: bad checksum (header says 0x{header.checksum:08x}, frame is 0x{crc:08x}); "
+                f"{self.where(seq, slot)}: bad checksum (header says 0x{header.checksum:08x}, frame is 0x{crc:08x}); "
                 "the frame was corrupted or truncated"
             )
         return header

@@ -264,7 +264,7 @@ class ShmExecutor(Executor):
     def submit(self, fi: ForwardInput, release: Callable[[], None]) -> StepFuture:
         self._check_usable()
         try:
-            self.write_frame(input_header(fi, time.perf_counter()), fi.arena[: fi.layout.nbytes])
+            self.write_frame(input_header(fi, time.perf_counter()), fi.arena, fi.layout.nbytes)
         except TransportError as error:
             self.failure = error
             raise
@@ -348,17 +348,22 @@ class ShmExecutor(Executor):
                                      f"memory within {self.timeout:g} s")
             wait([rank.control for rank in waiting], min(left, 0.25))
 
-    def write_frame(self, header: FrameHeader, payload: torch.Tensor | memoryview | None = None) -> None:
+    def write_frame(self, header: FrameHeader, payload: torch.Tensor | memoryview | None = None,
+                    nbytes: int | None = None) -> None:
         """Into this node's ring; on node 0 of several, also to every other node. A payload packed in the
-        reserved slot (:class:`SlotArenas`) is published where it is, without a copy."""
+        reserved slot (:class:`SlotArenas`) is published where it is, without a copy. ``nbytes``: the frame's
+        first bytes of a tensor ``payload`` (all of it when None): the tensor need not be sliced on the hop."""
         if isinstance(payload, torch.Tensor) and self.producer.is_reserved(payload):
-            self.producer.commit(header, payload.numel())
+            self.producer.commit(header, payload.numel() if nbytes is None else nbytes)
         else:
+            if nbytes is not None and payload is not None:
+                payload = payload[:nbytes]
             self.producer.write(header, payload)
+            nbytes = None  # the payload is the frame's bytes now
         if header.kind is FrameKind.stop:
             self._stop_sent = True
         if self.link is not None:
-            self.link.forward(header, payload)
+            self.link.forward(header, payload if nbytes is None or payload is None else payload[:nbytes])
 
     # ------------------------------------------------------------------ shutdown
     _stop_sent = False

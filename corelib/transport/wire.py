@@ -74,6 +74,7 @@ MAX_LAYOUT_WORDS = 96
 # payload, where the ring checks payloads): one pass over contiguous bytes at each end.
 _FIXED = struct.Struct("<IHHQqiiiiiiiiidQI")
 _CHECKSUM = struct.Struct("<I")
+_FIXED_BYTES, _CHECKSUM_BYTES = _FIXED.size, _CHECKSUM.size
 _WORD_STRUCTS = [struct.Struct(f"<{n}q") for n in range(MAX_LAYOUT_WORDS + 1)]
 MAX_CACHED_LAYOUTS = 64  # a bound on each cache below, should a producer send many token counts
 # Layout words as a consumer decoded them, by their bytes, and as a producer packed them, by the tuple's identity
@@ -81,7 +82,7 @@ MAX_CACHED_LAYOUTS = 64  # a bound on each cache below, should a producer send m
 # prefill tokens has one of a few, so neither end packs or unpacks them per frame.
 _WORDS_OF: dict[bytes, tuple[int, ...]] = {}
 _BYTES_OF: dict[int, tuple[tuple[int, ...], bytes]] = {}
-_LAYOUTS: dict[tuple[int, int, int], tuple[tuple[int, ...], ArenaLayout]] = {}  # by kind, prompt, id(words)
+_LAYOUTS: dict[tuple[FrameKind, int, int], tuple[tuple[int, ...], ArenaLayout]] = {}  # by kind, prompt, id(words)
 
 
 def frame_crc(header: memoryview, header_bytes: int, payload: memoryview | None = None) -> int:
@@ -89,8 +90,8 @@ def frame_crc(header: memoryview, header_bytes: int, payload: memoryview | None 
     when one is given.
 
     The header holds the payload's length, so a header-only CRC still refuses a truncated frame."""
-    crc = crc32c.crc32c(header[: header_bytes - _CHECKSUM.size])
-    return int(crc if payload is None else crc32c.crc32c(payload, crc))
+    crc: int = crc32c.crc32c(header[: header_bytes - _CHECKSUM_BYTES])
+    return crc if payload is None else crc32c.crc32c(payload, crc)
 
 
 def _words_bytes(words: Sequence[int]) -> bytes:
@@ -139,17 +140,19 @@ class FrameHeader:
 
     @property
     def nbytes(self) -> int:
-        return _FIXED.size + 8 * len(self.layout) + _CHECKSUM.size
+        return _FIXED_BYTES + 8 * len(self.layout) + _CHECKSUM_BYTES
 
     def _pack_body(self, buffer: memoryview | bytearray) -> int:
         """Everything but the checksum into ``buffer``; returns the checksum's offset."""
-        words = _words_bytes(self.layout)
-        _FIXED.pack_into(buffer, 0, MAGIC, VERSION, int(self.kind), self.seq, self.step_id, self.num_seqs,
-                         self.bucket, self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies,
-                         self.decode_rows, self.num_recounts, int(self.flags), self.sent_at, self.payload_len,
-                         len(self.layout))
-        end = _FIXED.size + len(words)
-        buffer[_FIXED.size : end] = words
+        layout = self.layout
+        found = _BYTES_OF.get(id(layout))  # _words_bytes's cache, looked up here: this runs on every step's hop
+        words = found[1] if found is not None and found[0] is layout else _words_bytes(layout)
+        # kind and flags are int subclasses (IntEnum, IntFlag) or ints: struct packs them as they are
+        _FIXED.pack_into(buffer, 0, MAGIC, VERSION, self.kind, self.seq, self.step_id, self.num_seqs, self.bucket,
+                         self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows,
+                         self.num_recounts, self.flags, self.sent_at, self.payload_len, len(layout))
+        end = _FIXED_BYTES + len(words)
+        buffer[_FIXED_BYTES:end] = words
         return end
 
     def packed(self, checksum: int | None = None) -> bytes:
@@ -166,7 +169,8 @@ class FrameHeader:
         """Pack the header into ``buffer`` (a slot's header area) with its CRC-32C, taken over the packed bytes
         (and ``payload`` when given): the header is packed once."""
         at = self._pack_body(buffer)
-        self.checksum = frame_crc(buffer, at + _CHECKSUM.size, payload)
+        crc: int = crc32c.crc32c(buffer[:at])
+        self.checksum = crc if payload is None else crc32c.crc32c(payload, crc)
         _CHECKSUM.pack_into(buffer, at, self.checksum)
 
     def crc(self, payload: memoryview | bytes | None = None) -> int:
@@ -175,33 +179,34 @@ class FrameHeader:
         return int(crc if payload is None else crc32c.crc32c(payload, crc))
 
     @classmethod
-    def unpack_from(cls, buffer: memoryview, where: str) -> FrameHeader:
+    def unpack_from(cls, buffer: memoryview, where: str | None = None) -> FrameHeader:
+        """The header packed at the start of ``buffer``; a TransportError says what is wrong, after ``where``
+        (a caller on the hop leaves it out and adds it to the message: it is built only for a bad frame)."""
         (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
          decode_rows, num_recounts, flags, sent_at, payload_len, words) = _FIXED.unpack_from(buffer, 0)
-        if magic != MAGIC:
-            raise TransportError(f"{where}: bad magic 0x{magic:08x} (not a corelib frame, or overwritten)")
-        if version != VERSION:
-            raise TransportError(f"{where}: frame version {version}, this corelib speaks version {VERSION}")
-        if kind not in _KINDS:
-            raise TransportError(f"{where}: unknown frame kind {kind}")
-        if words > MAX_LAYOUT_WORDS:
-            raise TransportError(f"{where}: layout of {words} words is longer than {MAX_LAYOUT_WORDS}")
-        end = _FIXED.size + 8 * words
-        layout = _words_of(bytes(buffer[_FIXED.size : end])) if words else ()
+        frame_kind = _KINDS.get(kind)
+        if magic != MAGIC or version != VERSION or frame_kind is None or words > MAX_LAYOUT_WORDS:
+            raise TransportError(_located(where, _malformed(magic, version, kind, words)))
+        end = _FIXED_BYTES + 8 * words
+        if words:
+            raw = bytes(buffer[_FIXED_BYTES:end])
+            layout = _WORDS_OF.get(raw) or _words_of(raw)  # _words_of's cache, looked up here (every step's hop)
+        else:
+            layout = ()
         (checksum,) = _CHECKSUM.unpack_from(buffer, end)
-        return cls(_KINDS[kind], seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
+        return cls(frame_kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
                    layout, num_tokens, max_query_len, num_copies, decode_rows, num_recounts)
 
-    def input_layout(self, where: str) -> ArenaLayout:
+    def input_layout(self, where: str | None = None) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
 
         Decoded once per distinct layout: a decode step's layout never changes and a step of
         prefill tokens has one of a few token counts, so a worker looks it up rather than
         rebuilding it every step.
         """
-        prompt = int(self.kind is FrameKind.step and bool(self.flags & _PROMPT_LOGPROBS))
+        prompt = 1 if self.flags & _PROMPT_LOGPROBS and self.kind is FrameKind.step else 0
         words = self.layout
-        key = (int(self.kind), prompt, id(words))
+        key = (self.kind, prompt, id(words))
         found = _LAYOUTS.get(key)
         if found is not None and found[0] is words:
             layout = found[1]
@@ -214,18 +219,33 @@ class FrameHeader:
             try:
                 layout = ArenaLayout.decode(names, words)
             except ValueError as error:
-                raise TransportError(f"{where}: {error}") from None
+                raise TransportError(_located(where, str(error))) from None
             if isinstance(words, tuple):  # immutable: cached by identity (the entry keeps it alive)
                 if len(_LAYOUTS) >= MAX_CACHED_LAYOUTS:
                     _LAYOUTS.clear()
                 _LAYOUTS[key] = (words, layout)
         if layout.nbytes > self.payload_len:
-            raise TransportError(f"{where}: payload of {self.payload_len} bytes is shorter than its layout "
-                                 f"({layout.nbytes} bytes)")
+            raise TransportError(_located(where, f"payload of {self.payload_len} bytes is shorter than its layout "
+                                                f"({layout.nbytes} bytes)"))
         return layout
 
 
 _KINDS = {int(kind): kind for kind in FrameKind}
+
+
+def _located(where: str | None, message: str) -> str:
+    return message if where is None else f"{where}: {message}"
+
+
+def _malformed(magic: int, version: int, kind: int, words: int) -> str:
+    """What is wrong with a header's fixed fields (one of them is)."""
+    if magic != MAGIC:
+        return f"bad magic 0x{magic:08x} (not a corelib frame, or overwritten)"
+    if version != VERSION:
+        return f"frame version {version}, this corelib speaks version {VERSION}"
+    if kind not in _KINDS:
+        return f"unknown frame kind {kind}"
+    return f"layout of {words} words is longer than {MAX_LAYOUT_WORDS}"
 
 
 def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
@@ -239,20 +259,19 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
                        num_recounts=fi.num_recounts)
 
 
-def input_of(header: FrameHeader, payload: torch.Tensor, where: str) -> ForwardInput:
-    """The step a checked step frame describes; its arena views ``payload``."""
+def input_of(header: FrameHeader, payload: torch.Tensor, where: str | None = None) -> ForwardInput:
+    """The step a checked step frame describes; its arena views ``payload``. A TransportError says what is
+    malformed, after ``where`` when given."""
     layout = header.input_layout(where)
-    if (not 1 <= header.max_query_len <= max(header.num_tokens, 1) or header.bucket < header.num_seqs
-            or not 0 <= header.num_copies <= header.num_seqs or not 0 <= header.decode_rows < max(header.bucket, 1)
-            or not 0 <= header.num_recounts <= header.num_seqs):
-        raise TransportError(f"{where}: a step of {header.num_seqs} rows ({header.bucket} computed), "
-                             f"{header.num_tokens} tokens and up to {header.max_query_len} per row is malformed")
-    flags = header.flags
+    rows, bucket, tokens, longest = header.num_seqs, header.bucket, header.num_tokens, header.max_query_len
+    copies, decode_rows, recounts, flags = header.num_copies, header.decode_rows, header.num_recounts, header.flags
+    if (not 1 <= longest <= (tokens if tokens > 1 else 1) or bucket < rows or not 0 <= copies <= rows
+            or not 0 <= decode_rows < (bucket if bucket > 1 else 1) or not 0 <= recounts <= rows):
+        raise TransportError(_located(where, f"a step of {rows} rows ({bucket} computed), {tokens} tokens and up "
+                                             f"to {longest} per row is malformed"))
     prompt = layout.fields[layout.names.index(PROMPT_LOGPROBS)].shape[1] if flags & _PROMPT_LOGPROBS else 0
-    return ForwardInput(header.step_id, header.num_seqs, header.bucket, header.num_tokens, header.max_query_len,
-                        header.kv_blocks, bool(flags & _SAMPLE), layout, payload, bool(flags & _LOGPROBS),
-                        header.num_copies, header.decode_rows, bool(flags & _PADDED), prompt,
-                        num_recounts=header.num_recounts)
+    return ForwardInput(header.step_id, rows, bucket, tokens, longest, header.kv_blocks, flags & _SAMPLE != 0, layout,
+                        payload, flags & _LOGPROBS != 0, copies, decode_rows, flags & _PADDED != 0, prompt, recounts)
 
 
 _SAMPLE, _LOGPROBS, _PADDED, _PROMPT_LOGPROBS = (int(flag) for flag in (

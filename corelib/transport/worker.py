@@ -149,15 +149,18 @@ class StepLoop:
                 send("memory", None, memory())
                 continue
             maybe_fail("poll")
-            where = f"{consumer.name} frame {frame.header.seq} (slot {frame.slot})"
             if kind is not FrameKind.step:
-                raise TransportError(f"{where}: a {kind.name} frame where a step was expected")
-            fi = input_of(frame.header, frame.payload, where)
+                raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: a {kind.name} frame where a "
+                                     "step was expected")
+            try:
+                fi = input_of(frame.header, frame.payload)
+            except TransportError as error:
+                raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: {error}") from None
             staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
             transport_us = (time.perf_counter() - max(frame.header.sent_at, ready_at)) * 1e6
             if not self._free.acquire(timeout=self.timeout):
-                raise TransportError(f"{where}: no token buffer came free within {self.timeout:g} s: the "
-                                     f"tokens of step {self._oldest_step()} never came")
+                raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: no token buffer came free "
+                                     f"within {self.timeout:g} s: the tokens of step {self._oldest_step()} never came")
             self._hand_over(_Submitted(self.steps.submit(staged), transport_us))
 
     def _hand_over(self, item: _Submitted | None) -> None:
