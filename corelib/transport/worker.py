@@ -45,6 +45,7 @@ from corelib.step.handoff import StepHandle
 from corelib.step.layout import EngineLayout
 from corelib.step.staging import reads_ring_in_place
 from corelib.support.faults import maybe_fail
+from corelib.support.heap import freeze_startup_heap
 from corelib.transport.doorbell import CHECK_S, spin_for
 from corelib.transport.parallel import init_group, leave_group
 from corelib.transport.shm import Consumer, Producer, Ring
@@ -288,6 +289,9 @@ class Worker:
                                spin_us=spin_us, watch=watch, payload_crc=payload_crc)
         loop = StepLoop(consumer, steps, results, options.pipeline_depth, self.timeout,
                         inline_answers=device.capabilities.event_query, on_thread_start=device.bind_thread)
+        # The model, its graphs, torch's and Triton's modules live as long as this process: out of the collector's
+        # sight, a collection between two frames walks only what the steps made since.
+        freeze_startup_heap()
         self.send("ready", None, "")
         loop.serve(device.memory_stats, self.send)
         if registration is not None:
