@@ -265,12 +265,8 @@ class ShmExecutor(Executor):
         self._check_usable()
         try:
             self.write_frame(input_header(fi, time.perf_counter()), fi.arena, fi.layout.nbytes)
-        except TransportError as error:
-            self.failure = error
-            raise
-        except WorkerDied as error:
-            self.failure = self._named(error, fi.step_id)
-            raise self.failure from None
+        except (TransportError, WorkerDied) as error:
+            raise self._failed(self._named(error, fi.step_id)) from None
         release()  # published: the ring owns the slot (or holds a copy of an arena packed elsewhere)
         return _ShmFuture(self, fi.step_id)
 
@@ -279,17 +275,13 @@ class ShmExecutor(Executor):
         self._check_usable()
         try:
             return self.producer.reserve()
-        except TransportError as error:
-            self.failure = error
-            raise
-        except WorkerDied as error:
-            self.failure = self._named(error, "waiting for a free input slot")
-            raise self.failure from None
+        except (TransportError, WorkerDied) as error:
+            raise self._failed(self._named(error, "waiting for a free input slot")) from None
 
-    def _named(self, error: WorkerDied, step_id: int | str) -> WorkerDied:
-        """With several ranks, the one that stopped first may only report a peer's silence (a collective
-        that timed out): add how far each rank got, which names the one that stalled."""
-        if len(self.ranks) < 2:
+    def _named(self, error: CorelibError, step_id: int | str) -> CorelibError:
+        """A worker that died, with several ranks: the one that stopped first may only report a peer's silence (a
+        collective that timed out), so add how far each rank got, which names the one that stalled."""
+        if not isinstance(error, WorkerDied) or len(self.ranks) < 2:
             return error
         when = f"at step {step_id}" if isinstance(step_id, int) else step_id
         return WorkerDied(f"{error}; {when}: {self.producer.progress()}")
@@ -299,8 +291,12 @@ class ShmExecutor(Executor):
         self._check_usable()
         reason = self.why_gone()
         if reason is not None:
-            self.failure = WorkerDied(reason)
-            raise self.failure
+            raise self._failed(WorkerDied(reason))
+
+    def _failed(self, error: CorelibError) -> CorelibError:
+        """``error`` becomes the transport's failure, which every later call raises."""
+        self.failure = error
+        return error
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -312,16 +308,13 @@ class ShmExecutor(Executor):
         try:
             frame = consumer.read(timeout, who=f"the tokens of step {step_id} from worker rank 0")
         except TransportError as error:
-            self.failure = TransportError(f"{error}; {self.producer.progress()}")
-            raise self.failure from None
+            raise self._failed(TransportError(f"{error}; {self.producer.progress()}")) from None
         except WorkerDied as error:
-            self.failure = self._named(error, step_id)
-            raise self.failure from None
+            raise self._failed(self._named(error, step_id)) from None
         try:
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
-                self.failure = TransportError(f"result ring: expected the tokens of step {step_id}, got "
-                                              f"{frame.header.kind.name} frame for step {frame.header.step_id}")
-                raise self.failure
+                raise self._failed(TransportError(f"result ring: expected the tokens of step {step_id}, got "
+                                                  f"{frame.header.kind.name} frame for step {frame.header.step_id}"))
             wire = decode_result(frame.header, frame.data)
             kind = StepKind.decode if wire.decode else StepKind.prefill
             return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
@@ -350,16 +343,13 @@ class ShmExecutor(Executor):
 
     def write_frame(self, header: FrameHeader, payload: torch.Tensor | memoryview | None = None,
                     nbytes: int | None = None) -> None:
-        """Into this node's ring; on node 0 of several, also to every other node. A payload packed in the
-        reserved slot (:class:`SlotArenas`) is published where it is, without a copy. ``nbytes``: the frame's
-        first bytes of a tensor ``payload`` (all of it when None): the tensor need not be sliced on the hop."""
+        """Into this node's ring; on node 0 of several, also to every other node. A payload packed in the reserved
+        slot (:class:`SlotArenas`) is published where it is; ``nbytes``: its frame's bytes (None: all of it)."""
         if isinstance(payload, torch.Tensor) and self.producer.is_reserved(payload):
             self.producer.commit(header, payload.numel() if nbytes is None else nbytes)
         else:
-            if nbytes is not None and payload is not None:
-                payload = payload[:nbytes]
+            payload, nbytes = payload if nbytes is None or payload is None else payload[:nbytes], None
             self.producer.write(header, payload)
-            nbytes = None  # the payload is the frame's bytes now
         if header.kind is FrameKind.stop:
             self._stop_sent = True
         if self.link is not None:
