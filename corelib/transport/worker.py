@@ -292,6 +292,7 @@ class Worker:
         # The model, its graphs, torch's and Triton's modules live as long as this process: out of the collector's
         # sight, a collection between two frames walks only what the steps made since.
         freeze_startup_heap()
+        torch.set_num_threads(serving_threads(torch.get_num_threads(), args.spec.on_host))
         self.send("ready", None, "")
         loop.serve(device.memory_stats, self.send)
         if registration is not None:
@@ -308,6 +309,14 @@ def compute_threads(cores: int, local_world: int, device_is_host: bool) -> int:
     if device_is_host and cores > 1:
         cores -= 1
     return max(1, cores // max(1, local_world))
+
+
+def serving_threads(loading: int, on_host: bool) -> int:
+    """Torch's threads once the worker serves steps, after ``loading`` built the model. A device that is not the
+    host gets its inputs copied and its graphs replayed: no step runs a host op worth a thread pool, and a pool
+    that some small host op woke spins beside the thread reading the next frame (on the H200, one thread halved
+    that thread's Python per frame and the hop's median). A device that computes on the host keeps its pool."""
+    return loading if on_host else 1
 
 
 def main() -> None:

@@ -78,3 +78,10 @@ def test_a_worker_on_a_device_that_is_the_host_leaves_a_core_to_the_scheduler() 
     assert compute_threads(16, 2, device_is_host=True) == 7
     assert compute_threads(16, 2, device_is_host=False) == 8, "an accelerator's workers keep every core"
     assert compute_threads(1, 1, device_is_host=True) == 1
+
+
+def test_a_worker_for_an_accelerator_serves_steps_on_one_host_thread() -> None:
+    from corelib.transport.worker import serving_threads
+
+    assert serving_threads(16, on_host=False) == 1, "a woken pool spins beside the thread that reads frames"
+    assert serving_threads(7, on_host=True) == 7, "the host computes the steps: its pool stays"
