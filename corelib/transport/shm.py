@@ -295,10 +295,7 @@ class Producer:
         slot = seq % ring.num_slots
         header.seq = seq
         header.payload_len = nbytes
-        payload = None
-        if self._payload_crc:
-            start = ring.slot_offset(slot) + HEADER_BYTES
-            payload = ring.segment.view[start : start + nbytes]
+        payload = ring.frame_views(slot, nbytes)[1] if self._payload_crc else None
         if self.tamper is None:
             header.seal_into(ring.header_view(slot), payload)
         else:
@@ -351,10 +348,6 @@ class Consumer:
         self._expected = 0
         self._released = 0
         self._early: set[int] = set()  # frames released ahead of an older one still held
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def expected(self) -> int:
@@ -424,10 +417,7 @@ class Consumer:
         if header.payload_len > ring.capacity:
             raise TransportError(f"{self.where(seq, slot)}: payload length {header.payload_len} exceeds the slot's "
                                  f"{ring.capacity}")
-        payload = None
-        if self._payload_crc:
-            start = ring.slot_offset(slot) + HEADER_BYTES
-            payload = ring.segment.view[start : start + header.payload_len]
+        payload = ring.frame_views(slot, header.payload_len)[1] if self._payload_crc else None
         crc = frame_crc(header_view, header.nbytes, payload)
         if crc != header.checksum:
             raise TransportError(

@@ -85,7 +85,7 @@ _BYTES_OF: dict[int, tuple[tuple[int, ...], bytes]] = {}
 _LAYOUTS: dict[tuple[FrameKind, int, int], tuple[tuple[int, ...], ArenaLayout]] = {}  # by kind, prompt, id(words)
 
 
-def frame_crc(header: memoryview, header_bytes: int, payload: memoryview | None = None) -> int:
+def frame_crc(header: memoryview | bytes, header_bytes: int, payload: memoryview | bytes | None = None) -> int:
     """CRC-32C of a packed header of ``header_bytes`` (up to its checksum, which ends it), followed by the payload
     when one is given.
 
@@ -145,8 +145,7 @@ class FrameHeader:
     def _pack_body(self, buffer: memoryview | bytearray) -> int:
         """Everything but the checksum into ``buffer``; returns the checksum's offset."""
         layout = self.layout
-        found = _BYTES_OF.get(id(layout))  # _words_bytes's cache, looked up here: this runs on every step's hop
-        words = found[1] if found is not None and found[0] is layout else _words_bytes(layout)
+        words = _words_bytes(layout)
         # kind and flags are int subclasses (IntEnum, IntFlag) or ints: struct packs them as they are
         _FIXED.pack_into(buffer, 0, MAGIC, VERSION, self.kind, self.seq, self.step_id, self.num_seqs, self.bucket,
                          self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows,
@@ -169,14 +168,12 @@ class FrameHeader:
         """Pack the header into ``buffer`` (a slot's header area) with its CRC-32C, taken over the packed bytes
         (and ``payload`` when given): the header is packed once."""
         at = self._pack_body(buffer)
-        crc: int = crc32c.crc32c(buffer[:at])
-        self.checksum = crc if payload is None else crc32c.crc32c(payload, crc)
+        self.checksum = frame_crc(buffer, at + _CHECKSUM_BYTES, payload)
         _CHECKSUM.pack_into(buffer, at, self.checksum)
 
     def crc(self, payload: memoryview | bytes | None = None) -> int:
         """CRC-32C of the header (up to its checksum), followed by the payload when one is given."""
-        crc = crc32c.crc32c(self.packed(0)[: -_CHECKSUM.size])
-        return int(crc if payload is None else crc32c.crc32c(payload, crc))
+        return frame_crc(self.packed(0), self.nbytes, payload)
 
     @classmethod
     def unpack_from(cls, buffer: memoryview, where: str | None = None) -> FrameHeader:
@@ -188,11 +185,7 @@ class FrameHeader:
         if magic != MAGIC or version != VERSION or frame_kind is None or words > MAX_LAYOUT_WORDS:
             raise TransportError(_located(where, _malformed(magic, version, kind, words)))
         end = _FIXED_BYTES + 8 * words
-        if words:
-            raw = bytes(buffer[_FIXED_BYTES:end])
-            layout = _WORDS_OF.get(raw) or _words_of(raw)  # _words_of's cache, looked up here (every step's hop)
-        else:
-            layout = ()
+        layout = _words_of(bytes(buffer[_FIXED_BYTES:end])) if words else ()
         (checksum,) = _CHECKSUM.unpack_from(buffer, end)
         return cls(frame_kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
                    layout, num_tokens, max_query_len, num_copies, decode_rows, num_recounts)
