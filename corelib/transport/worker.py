@@ -4,8 +4,8 @@ Two threads. The receiving thread waits on the input ring's doorbell (a bounded 
 sleep on its eventfd: never a fixed sleep), checks each frame, stages it (the stager the plan
 chose: ordered, early or in place), and submits it once one of the pipeline's token buffers is
 free, so a frame is taken in while earlier steps still run. The answering thread (the process's
-main thread) waits for the oldest submitted step's tokens (a bounded spin on its event that sleeps
-while the receiving thread stages, then the device's own wait), and writes them to the result ring at once (rank
+main thread) waits for the oldest submitted step's tokens, the device's own wait (a bounded spin
+on its event, then the vendor's blocking wait), and writes them to the result ring at once (rank
 0), waiting for room there if it must; the receiving thread never does. A step whose tokens are
 there the moment it is submitted (a device that computes on the host) is answered by the
 receiving thread itself, when the result ring has room, without waking the other. Any error is
@@ -52,10 +52,6 @@ from corelib.transport.shm import Consumer, Producer, Ring
 from corelib.transport.wire import FrameKind, WireResult, encode_result, input_of, result_header
 
 IDLE_S = 365 * 24 * 3600.0  # waiting for the next step: idle is fine (the scheduler's liveness is checked)
-ANSWER_SPIN_S = 0.002  # the answering thread's spin on a step's event before the device's wait
-# The longest the answering thread sleeps at a time while the receiving thread stages: a staging that waits for
-# a step's inputs to come back (a snapshot buffer) cannot hold the answer that gives them back for longer.
-ASIDE_S = 0.001
 
 
 @dataclasses.dataclass
@@ -111,7 +107,6 @@ class StepLoop:
         self._submitted: deque[_Submitted | None] = deque()  # oldest first; None: nothing more will come
         self._arrived = threading.Condition()  # the answering thread sleeps here while nothing is submitted
         self._answering = threading.Lock()  # one thread answers at a time, oldest first
-        self._staging = threading.Lock()  # held by the receiving thread while it takes in a frame or submits a step
         self._stopping = False  # the stop frame came: nobody reads results any more
         self._failure: BaseException | None = None  # what stopped the receiving thread
         self.answered = 0  # steps whose tokens were taken (rank 0: result frames written)
@@ -158,19 +153,16 @@ class StepLoop:
             if kind is not FrameKind.step:
                 raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: a {kind.name} frame where a "
                                      "step was expected")
-            with self._staging:  # the answering thread's spin steps aside meanwhile (``_await_tokens``)
-                try:
-                    fi = input_of(frame.header, frame.payload)
-                except TransportError as error:
-                    raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: {error}") from None
-                staged = stager.receive(fi, functools.partial(consumer.release, frame))
+            try:
+                fi = input_of(frame.header, frame.payload)
+            except TransportError as error:
+                raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: {error}") from None
+            staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
             transport_us = (time.perf_counter() - max(frame.header.sent_at, ready_at)) * 1e6
             if not self._free.acquire(timeout=self.timeout):
                 raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: no token buffer came free "
                                      f"within {self.timeout:g} s: the tokens of step {self._oldest_step()} never came")
-            with self._staging:
-                handle = self.steps.submit(staged)
-            self._hand_over(_Submitted(handle, transport_us))
+            self._hand_over(_Submitted(self.steps.submit(staged), transport_us))
 
     def _hand_over(self, item: _Submitted | None) -> None:
         with self._arrived:
@@ -200,30 +192,9 @@ class StepLoop:
                 if self._failure is not None:
                     raise self._failure
                 return
-            self._await_tokens(head.handle)
+            self.steps.wait(head.handle, self.timeout)
             with self._answering:
                 self._answer_ready(waited=head)
-
-    def _await_tokens(self, handle: StepHandle) -> None:
-        """Until the step's tokens are in host memory: a spin on its event, as the device's own wait begins, that
-        steps aside while the receiving thread takes in a frame or submits a step. Two spinning threads share one
-        GIL: each event query holds it, and the frame's Python, which the next step waits for, would queue behind
-        them. Stepping aside sleeps on the receiving thread's lock, without the GIL, at most :data:`ASIDE_S` at a
-        time; past :data:`ANSWER_SPIN_S`, the device's wait (a spin, then its bounded blocking wait)."""
-        if self._inline:  # the event can be queried
-            staging, clock = self._staging, time.perf_counter
-            spin_end = clock() + ANSWER_SPIN_S
-            while not handle.done():
-                if staging.locked():
-                    if staging.acquire(timeout=ASIDE_S):
-                        staging.release()
-                elif clock() >= spin_end:
-                    break
-                else:
-                    os.sched_yield()  # the GIL is released across the call
-            else:
-                return
-        self.steps.wait(handle, self.timeout)
 
     def _answer_ready(self, waited: _Submitted | None) -> None:
         """Answer the oldest steps, in order, while their tokens are there (``waited``'s event completed);

@@ -7,7 +7,6 @@ opens that step's gate. Nothing is timed: each wait is bounded and says what it 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -133,10 +132,10 @@ class Kit:
             raise self.errors[0]
 
 
-def kit(spin_us: float, depth: int = 2, inline: bool = True, stager: PassStager | None = None) -> Kit:
+def kit(spin_us: float, depth: int = 2, inline: bool = True) -> Kit:
     inputs = wire(num_slots=4, slot_bytes=8192, timeout=WAIT_S, spin_us=spin_us)
     results = wire(num_slots=4, slot_bytes=4096, timeout=WAIT_S, spin_us=spin_us)
-    steps = GatedSteps() if stager is None else GatedSteps(stager)
+    steps = GatedSteps()
     loop = StepLoop(inputs.consumers[0], cast(DeviceSteps, steps), results.producer, depth, WAIT_S,
                     inline_answers=inline)
     errors: list[BaseException] = []
@@ -156,7 +155,7 @@ def kit(spin_us: float, depth: int = 2, inline: bool = True, stager: PassStager 
 def kits() -> Iterator[Callable[..., Kit]]:
     made: list[Kit] = []
 
-    def make(**kwargs: float | bool | PassStager) -> Kit:
+    def make(**kwargs: float | bool) -> Kit:
         made.append(kit(**kwargs))  # type: ignore[arg-type]
         return made[-1]
 
@@ -231,63 +230,3 @@ def test_nothing_in_the_hop_sleeps_a_fixed_time(kits: Callable[..., Kit], monkey
     k.stop()
     assert slept == [], f"the hop slept fixed times: {slept[:5]}"
     assert k.loop.consumer.sleeps > 0, "the receiving thread never slept on its doorbell"
-
-
-class HeldStager(PassStager):
-    """Holds the receiving thread inside ``receive`` until the test lets it go."""
-
-    def __init__(self) -> None:
-        self.inside = threading.Event()
-        self.go = threading.Event()
-
-    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
-        self.inside.set()
-        assert self.go.wait(WAIT_S), "the test never let the staging go"
-        return super().receive(fi, release_ring_slot)
-
-
-class CountingEvent(GateEvent):
-    queries = 0
-
-    def _query(self) -> bool:
-        CountingEvent.queries += 1
-        return super()._query()
-
-
-def test_the_answering_thread_sleeps_while_a_frame_is_staged(kits: Callable[..., Kit],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its spin on a step's event would take the GIL from the frame's Python, turn by turn: while the receiving
-    thread stages, it queries at most once per ASIDE_S (it sleeps on the staging lock), not once per turn."""
-    from corelib.transport import worker
-
-    aside = 0.02
-    monkeypatch.setattr(worker, "ANSWER_SPIN_S", WAIT_S)  # the answering thread spins the whole test
-    monkeypatch.setattr(worker, "ASIDE_S", aside)
-    monkeypatch.setattr(sys.modules[__name__], "GateEvent", CountingEvent)
-    held = HeldStager()
-    k = kits(spin_us=50.0, stager=held)
-    k.send(0)
-    wait_for(held.inside, "frame 0 was not staged")
-    held.go.set()
-    wait_for(k.steps.submitted.setdefault(0, threading.Event()), "step 0 was not submitted")
-    spun = CountingEvent.queries
-    for _ in range(int(WAIT_S / 0.001)):  # the answering thread spins on step 0's event
-        if CountingEvent.queries > spun + 20:
-            break
-        threading.Event().wait(0.001)
-    assert CountingEvent.queries > spun + 20, "the answering thread does not spin on the step's event"
-    held.inside.clear()
-    held.go.clear()
-    k.send(1)
-    wait_for(held.inside, "frame 1 was not staged")
-    began, before = time.perf_counter(), CountingEvent.queries
-    threading.Event().wait(5 * aside)
-    queries, elapsed = CountingEvent.queries - before, time.perf_counter() - began
-    held.go.set()
-    assert queries <= elapsed / aside + 2, (
-        f"the answering thread queried step 0's event {queries} times in {elapsed * 1e3:.0f} ms of staging")
-    k.steps.gate(0).set()
-    assert k.result(0) == [0]
-    k.steps.gate(1).set()
-    assert k.result(1) == [10]
-    k.stop()
