@@ -1,0 +1,106 @@
+"""One row's grammar mask inside a string of ``maxLength`` 24, character by character: llguidance (the library
+corelib uses) against xgrammar, when it is installed, over the byte-level vocabulary of ``json_mode.py``.
+
+    python3 benchmarks/bounded_masks.py [WORKDIR]
+
+Each matcher takes ``{"name":"`` of ``json_mode.SCHEMA`` and then one letter a step; before each letter both
+write the mask of the next token, timed (milliseconds, the best of three rows). The allowed-token counts and
+the tokens only one library allows (at the string's first character) show whether the two grammars agree.
+xgrammar is not a dependency of corelib: ``pip install xgrammar`` (it brings transformers, triton and
+apache-tvm-ffi) to compare.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corelib.engine.structured import grammar_of, llguidance_module, parser_limits
+from corelib.support.structured import StructuredOutputsParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+json_mode: Any = importlib.import_module("json_mode")  # a sibling script: its vocabulary and schema
+
+ROWS = 3
+LETTERS = "abcdefghijklmnopqrstuvwx"  # 24: up to the bound of the name's string
+
+
+def allowed(words: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The allowed token ids of one bitmask row (int32 words, bit t of word t // 32)."""
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: json_mode.VOCAB]
+    return np.flatnonzero(bits)
+
+
+def main() -> None:
+    from tokenizers import Tokenizer
+
+    work = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/bounded_masks")
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "tokenizer.json"
+    if not path.exists():
+        json_mode.write_tokenizer(path)
+    vocab = json_mode.VOCAB
+    tokenizer = Tokenizer.from_file(str(path))
+    prefix = tokenizer.encode('{"name":"').ids
+    letters = [tokenizer.encode(letter).ids[0] for letter in LETTERS]
+    ll = llguidance_module()
+    template = ll.LLMatcher(ll.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=[1]),
+                            grammar_of(StructuredOutputsParams.of({"json": json_mode.SCHEMA})), limits=parser_limits())
+    try:
+        xgr: Any = importlib.import_module("xgrammar")
+    except ImportError:
+        xgr = None
+        print("xgrammar is not installed: llguidance alone")
+    compiled = None
+    if xgr is not None:
+        info = xgr.TokenizerInfo([tokenizer.id_to_token(i) for i in range(vocab)],
+                                 vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=vocab, stop_token_ids=[1])
+        compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(json_mode.SCHEMA), any_whitespace=False,
+                                                                 separators=(",", ":"))
+    words = (vocab + 31) // 32
+    ll_mask = np.zeros(words, dtype=np.int32)
+    xg_mask = None if xgr is None else xgr.allocate_token_bitmask(1, vocab)
+    best: dict[str, list[float]] = {"llguidance": [float("inf")] * len(letters),
+                                    "xgrammar": [float("inf")] * len(letters)}
+    counts: dict[str, list[int]] = {"llguidance": [0] * len(letters), "xgrammar": [0] * len(letters)}
+    first: dict[str, set[int]] = {}
+    for _ in range(ROWS):
+        ll_row = template.deep_copy()
+        xg_row = None if compiled is None else xgr.GrammarMatcher(compiled)
+        for token in prefix:
+            assert ll_row.consume_token(token) and (xg_row is None or xg_row.accept_token(token))
+        for at, letter in enumerate(letters):
+            began = time.perf_counter()
+            ll_row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
+            best["llguidance"][at] = min(best["llguidance"][at], time.perf_counter() - began)
+            counts["llguidance"][at] = len(ll_ids := allowed(ll_mask))
+            if xg_row is not None and xg_mask is not None:
+                began = time.perf_counter()
+                xg_row.fill_next_token_bitmask(xg_mask, 0)
+                best["xgrammar"][at] = min(best["xgrammar"][at], time.perf_counter() - began)
+                counts["xgrammar"][at] = len(xg_ids := allowed(xg_mask[0].numpy()))
+                if at == 0:
+                    first = {"llguidance": set(ll_ids.tolist()), "xgrammar": set(xg_ids.tolist())}
+                assert xg_row.accept_token(letter)
+            assert ll_row.consume_token(letter)
+    libraries = ["llguidance"] if xgr is None else ["llguidance", "xgrammar"]
+    shown = range(0, len(letters), 3)
+    print("characters in the string: " + " ".join(f"{at:>7}" for at in shown))
+    for library in libraries:
+        print(f"{library + ' ms':>25}: " + " ".join(f"{best[library][at] * 1e3:7.3f}" for at in shown))
+        print(f"{library + ' allowed':>25}: " + " ".join(f"{counts[library][at]:7d}" for at in shown))
+    if first:
+        for library, other in (("llguidance", "xgrammar"), ("xgrammar", "llguidance")):
+            only = sorted(first[library] - first[other])
+            print(f"only {library} allows, at the first character: "
+                  f"{[tokenizer.decode([token]) for token in only[:40]]}")
+
+
+if __name__ == "__main__":
+    main()
