@@ -156,10 +156,13 @@ class Event(ABC):
             raise UnsupportedOperation(f"{self.device.name}: events cannot be queried on this device")
         return self._query()
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Block the host until the event completes. Releases the GIL; raises on timeout."""
+    def synchronize(self, timeout: float | None = None, *, spin: bool = True) -> None:
+        """Block the host until the event completes. Releases the GIL; raises on timeout.
+
+        ``spin=False``: wait asleep from the start, where the device can (another thread of this process spins
+        on the event's query already, and two spinning threads would take turns at one GIL)."""
         limit = self.device.default_timeout_s if timeout is None else timeout
-        if not self._synchronize(limit):
+        if not (self._synchronize(limit) if spin else self._synchronize_asleep(limit)):
             raise DeviceTimeout(
                 f"{self.device.name}: event {self.name!r} on stream {self.stream_name!r} "
                 f"did not complete within {limit:g} s"
@@ -186,6 +189,10 @@ class Event(ABC):
     @abstractmethod
     def _synchronize(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds; return False if the event is still pending."""
+
+    def _synchronize_asleep(self, timeout: float) -> bool:
+        """:meth:`_synchronize` without a spin first, where the device has such a wait; by default the same."""
+        return self._synchronize(timeout)
 
     @abstractmethod
     def _elapsed_ms(self, end: Event) -> float: ...

@@ -133,6 +133,11 @@ class TorchEvent(Event):
         assert isinstance(device, TorchDevice), "a TorchEvent belongs to a TorchDevice"
         return poll_until(self._query, timeout, block=lambda left: device.blocking.run(self._native.synchronize, left))
 
+    def _synchronize_asleep(self, timeout: float) -> bool:
+        device = self.device
+        assert isinstance(device, TorchDevice), "a TorchEvent belongs to a TorchDevice"
+        return self._query() or device.blocking.run(self._native.synchronize, timeout) or self._query()
+
     def _elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, TorchEvent):
             raise TypeError(f"elapsed_ms needs two events of the same device, got {type(end).__name__}")

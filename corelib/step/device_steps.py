@@ -48,10 +48,11 @@ class DeviceSteps:
         handle.event = self.handoff.emit(handle.buffer, handle.num_seqs, handle.timing, handle.logprobs,
                                          handle.prompt)
 
-    def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
-        """Until a step's tokens are in host memory (bounded); reads nothing, so any thread may wait."""
+    def wait(self, handle: StepHandle, timeout: float | None = None, *, spin: bool = True) -> None:
+        """Until a step's tokens are in host memory (bounded); reads nothing, so any thread may wait.
+        ``spin=False``: asleep from the start (another thread spins on the step's event)."""
         if handle.tokens is None:
-            handle.ready_event().synchronize(timeout)
+            handle.ready_event().synchronize(timeout, spin=spin)
 
     def result(self, handle: StepHandle, timeout: float | None = None) -> StepResult:
         """Wait for a step's tokens (bounded) and give its inputs back."""

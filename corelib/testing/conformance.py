@@ -129,18 +129,19 @@ def test_event_query_reports_pending_then_done(
     assert done.query()
 
 
+@pytest.mark.parametrize("spin", [True, False], ids=["spin", "asleep"])  # asleep: another thread spins on it
 def test_event_synchronize_times_out_naming_event_and_stream(
-    conformance_device: Device, conformance_busy: Busy | None
+    conformance_device: Device, conformance_busy: Busy | None, spin: bool
 ) -> None:
     device = conformance_device
     busy = busy_or_skip(conformance_busy, device)
     stream = device.stream("slow-stream")
     busy(stream, 2 * BUSY_S)
-    late = stream.record(device.event(name="late-event"))
+    late = stream.record(device.event(blocking=not spin, name="late-event"))
     with pytest.raises(DeviceTimeout) as caught:
-        late.synchronize(timeout=0.01)
+        late.synchronize(timeout=0.01, spin=spin)
     assert "late-event" in str(caught.value) and "slow-stream" in str(caught.value)
-    late.synchronize()  # it does complete; the timeout only gave up waiting
+    late.synchronize(spin=spin)  # it does complete; the timeout only gave up waiting
     assert not device.capabilities.event_query or late.query()
 
 

@@ -4,11 +4,14 @@ Two threads. The receiving thread waits on the input ring's doorbell (a bounded 
 sleep on its eventfd: never a fixed sleep), checks each frame, stages it (the stager the plan
 chose: ordered, early or in place), and submits it once one of the pipeline's token buffers is
 free, so a frame is taken in while earlier steps still run. The answering thread (the process's
-main thread) waits for the oldest submitted step's tokens, the device's own wait (a bounded spin
-on its event, then the vendor's blocking wait), and writes them to the result ring at once (rank
-0), waiting for room there if it must; the receiving thread never does. A step whose tokens are
-there the moment it is submitted (a device that computes on the host) is answered by the
-receiving thread itself, when the result ring has room, without waking the other. Any error is
+main thread) waits for the oldest submitted step's tokens, the device's own wait, and writes them
+to the result ring at once (rank 0), waiting for room there if it must; the receiving thread never
+does. Where the device's events can be queried, the receiving thread, waiting for the next frame,
+spins on the oldest step's event in the same turns and answers it the moment its tokens are there,
+when the result ring has room, while the answering thread waits asleep: two threads spinning would
+take turns at one GIL, and the frame's Python would queue behind the other's queries. A step whose
+tokens are there the moment it is submitted (a device that computes on the host) is answered by
+the receiving thread as well. Any error is
 raised on the main thread and reported to the scheduler on the control pipe, and the process
 exits; it never computes on a frame that failed its checks.
 """
@@ -138,6 +141,8 @@ class StepLoop:
             stager.release_read()  # ring slots whose H2D is done go back before their steps end
             ready_at = time.perf_counter()  # from here the hop is on the step's path; a frame that came earlier
             # waited behind the step in flight (a worker that computes on the host), hidden behind it
+            if self._inline and self._submitted and not consumer.available():
+                ready_at = self._await_frame()
             frame = consumer.read(IDLE_S, who="the next step")  # spins on the doorbell, then sleeps on it
             kind = frame.header.kind
             if kind is FrameKind.stop:
@@ -163,6 +168,31 @@ class StepLoop:
                 raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: no token buffer came free "
                                      f"within {self.timeout:g} s: the tokens of step {self._oldest_step()} never came")
             self._hand_over(_Submitted(self.steps.submit(staged), transport_us))
+
+    def _await_frame(self) -> float:
+        """Spin for the next frame and, in the same turns, for the oldest step's tokens, answered here as they
+        come: one thread spins, not two taking turns at the GIL (the answering thread waits asleep meanwhile).
+        Returns when a frame is there, or when an answer is left to the other thread (the result ring has no
+        room); the time this thread was last ready for the frame."""
+        consumer = self.consumer
+        ready_at = time.perf_counter()
+        while True:
+            if consumer.wait(IDLE_S, also=self._oldest_done):  # spins, then sleeps on the doorbell
+                return ready_at
+            answered = self.answered
+            if self._answering.acquire(blocking=False):
+                try:
+                    self._answer_ready(waited=None)
+                finally:
+                    self._answering.release()
+            ready_at = time.perf_counter()
+            if self.answered == answered or not self._submitted or consumer.available():
+                return ready_at
+
+    def _oldest_done(self) -> bool:
+        submitted = self._submitted
+        head = submitted[0] if submitted else None
+        return head is not None and head.handle.done()
 
     def _hand_over(self, item: _Submitted | None) -> None:
         with self._arrived:
@@ -192,7 +222,8 @@ class StepLoop:
                 if self._failure is not None:
                     raise self._failure
                 return
-            self.steps.wait(head.handle, self.timeout)
+            # Asleep where the receiving thread spins on the same event (``_await_frame``)
+            self.steps.wait(head.handle, self.timeout, spin=not self._inline)
             with self._answering:
                 self._answer_ready(waited=head)
 

@@ -75,6 +75,8 @@ class GatedSteps:
     submitted: dict[int, threading.Event] = field(default_factory=dict)  # set when step N was submitted
     waiting: dict[int, threading.Event] = field(default_factory=dict)  # set when a thread waits for step N
     threads: dict[str, set[str]] = field(default_factory=dict)  # what ran on which thread
+    spins: list[bool] = field(default_factory=list)  # how each wait for a step's tokens was asked to wait
+    hold: threading.Event | None = None  # when set up: waits asked not to spin block until it is set
 
     def gate(self, step: int) -> threading.Event:
         return self.gates.setdefault(step, threading.Event())
@@ -90,9 +92,12 @@ class GatedSteps:
         self.submitted.setdefault(step, threading.Event()).set()
         return handle
 
-    def wait(self, handle: StepHandle, timeout: float | None = None) -> None:
+    def wait(self, handle: StepHandle, timeout: float | None = None, *, spin: bool = True) -> None:
         self._note("wait")
+        self.spins.append(spin)
         self.waiting.setdefault(handle.step_id, threading.Event()).set()
+        if not spin and self.hold is not None:
+            assert self.hold.wait(WAIT_S), "the test never let the answering thread's wait go"
         assert handle.event is not None  # submit gives every step its gate
         handle.event.synchronize(timeout)
 
@@ -230,3 +235,33 @@ def test_nothing_in_the_hop_sleeps_a_fixed_time(kits: Callable[..., Kit], monkey
     k.stop()
     assert slept == [], f"the hop slept fixed times: {slept[:5]}"
     assert k.loop.consumer.sleeps > 0, "the receiving thread never slept on its doorbell"
+
+
+def test_the_receiving_thread_answers_a_step_while_it_waits_for_the_next_frame(kits: Callable[..., Kit]) -> None:
+    """One thread spins: the receiving thread, between frames, spins on the oldest step's event as well and answers
+    it; the answering thread waits asleep meanwhile (held here, so only the receiving thread can answer)."""
+    held = threading.Event()
+    k = kits(spin_us=WAIT_S * 1e6)  # the receiving thread spins the whole test
+    k.steps.hold = held
+    k.send(0)
+    wait_for(k.steps.waiting.setdefault(0, threading.Event()), "nobody waited for step 0's tokens")
+    assert k.steps.spins == [False], "the answering thread spins on the event beside the receiving thread"
+    k.steps.gate(0).set()
+    assert k.result(0) == [0], "step 0's tokens came while the answering thread was held"
+    assert k.loop.answered_inline == 1
+    held.set()
+    k.steps.gate(1).set()
+    k.send(1)
+    assert k.result(1) == [10]
+    k.stop()
+
+
+def test_where_events_cannot_be_queried_the_answering_thread_spins(kits: Callable[..., Kit]) -> None:
+    k = kits(spin_us=50.0, inline=False)
+    k.steps.gate(0)
+    k.send(0)
+    wait_for(k.steps.waiting.setdefault(0, threading.Event()), "nobody waited for step 0's tokens")
+    k.steps.gate(0).set()
+    assert k.result(0) == [0]
+    k.stop()
+    assert k.steps.spins[0] is True, "nobody else spins on the step here: the answering thread's wait must"
