@@ -11,9 +11,8 @@ spins on the oldest step's event in the same turns and answers it the moment its
 when the result ring has room, while the answering thread waits asleep: two threads spinning would
 take turns at one GIL, and the frame's Python would queue behind the other's queries. A step whose
 tokens are there the moment it is submitted (a device that computes on the host) is answered by
-the receiving thread as well. Any error is
-raised on the main thread and reported to the scheduler on the control pipe, and the process
-exits; it never computes on a frame that failed its checks.
+the receiving thread as well. Any error is raised on the main thread and reported to the scheduler
+on the control pipe, and the process exits; it never computes on a frame that failed its checks.
 """
 
 from __future__ import annotations
@@ -190,8 +189,10 @@ class StepLoop:
                 return ready_at
 
     def _oldest_done(self) -> bool:
-        submitted = self._submitted
-        head = submitted[0] if submitted else None
+        try:
+            head = self._submitted[0]  # one call: the answering thread may take the last one meanwhile
+        except IndexError:
+            return False
         return head is not None and head.handle.done()
 
     def _hand_over(self, item: _Submitted | None) -> None:
