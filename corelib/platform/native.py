@@ -40,9 +40,11 @@ from corelib.platform.device import (
 from corelib.platform.graph import Graph
 from corelib.platform.memory import HostRegistration, MemoryKind, MemoryLedger
 
+SPIN_S = 0.002  # how long a wait spins on its condition before it blocks
+
 
 def poll_until(
-    done: Callable[[], bool], timeout: float, spin_s: float = 0.002, block: Callable[[float], bool] | None = None
+    done: Callable[[], bool], timeout: float, spin_s: float = SPIN_S, block: Callable[[float], bool] | None = None
 ) -> bool:
     """Wait until ``done()`` is true or ``timeout`` passes; True if it became true.
 
@@ -129,14 +131,16 @@ class TorchEvent(Event):
         # Spin on query() first (a step's tokens are usually a fraction of a millisecond away);
         # past that, the vendor's synchronize() sleeps until the event completes, but cannot time
         # out: it runs on the device's helper thread while this one waits for it, bounded.
-        device = self.device
-        assert isinstance(device, TorchDevice), "a TorchEvent belongs to a TorchDevice"
-        return poll_until(self._query, timeout, block=lambda left: device.blocking.run(self._native.synchronize, left))
+        return self._poll(timeout, SPIN_S)
 
     def _synchronize_asleep(self, timeout: float) -> bool:
+        return self._poll(timeout, 0.0)
+
+    def _poll(self, timeout: float, spin_s: float) -> bool:
         device = self.device
         assert isinstance(device, TorchDevice), "a TorchEvent belongs to a TorchDevice"
-        return self._query() or device.blocking.run(self._native.synchronize, timeout) or self._query()
+        return poll_until(self._query, timeout, spin_s,
+                          block=lambda left: device.blocking.run(self._native.synchronize, left))
 
     def _elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, TorchEvent):

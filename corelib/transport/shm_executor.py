@@ -347,13 +347,16 @@ class ShmExecutor(Executor):
         slot (:class:`SlotArenas`) is published where it is; ``nbytes``: its frame's bytes (None: all of it)."""
         if isinstance(payload, torch.Tensor) and self.producer.is_reserved(payload):
             self.producer.commit(header, payload.numel() if nbytes is None else nbytes)
+            if nbytes is not None and self.link is not None:
+                payload = payload[:nbytes]  # the frame's bytes, for the other nodes
         else:
-            payload, nbytes = payload if nbytes is None or payload is None else payload[:nbytes], None
+            if payload is not None and nbytes is not None:
+                payload = payload[:nbytes]
             self.producer.write(header, payload)
         if header.kind is FrameKind.stop:
             self._stop_sent = True
         if self.link is not None:
-            self.link.forward(header, payload if nbytes is None or payload is None else payload[:nbytes])
+            self.link.forward(header, payload)
 
     # ------------------------------------------------------------------ shutdown
     _stop_sent = False

@@ -179,36 +179,41 @@ class StepLoop:
             if consumer.wait(IDLE_S, also=self._oldest_done):  # spins, then sleeps on the doorbell
                 return ready_at
             answered = self.answered
-            if self._answering.acquire(blocking=False):
-                try:
-                    self._answer_ready(waited=None)
-                finally:
-                    self._answering.release()
+            self._answer_here()
             ready_at = time.perf_counter()
             if self.answered == answered or not self._submitted or consumer.available():
                 return ready_at
 
-    def _oldest_done(self) -> bool:
+    def _head(self) -> _Submitted | None:
+        """The oldest submitted step, unlocked: one call, as the answering thread may take the last one meanwhile."""
         try:
-            head = self._submitted[0]  # one call: the answering thread may take the last one meanwhile
+            return self._submitted[0]
         except IndexError:
-            return False
+            return None
+
+    def _oldest_done(self) -> bool:
+        head = self._head()
         return head is not None and head.handle.done()
 
-    def _hand_over(self, item: _Submitted | None) -> None:
-        with self._arrived:
-            self._submitted.append(item)
-        if self._inline and item is not None and item.handle.done() and self._answering.acquire(blocking=False):
+    def _answer_here(self) -> None:
+        """Answer the steps whose tokens are there on this (the receiving) thread, unless the other is answering."""
+        if self._answering.acquire(blocking=False):
             try:
                 self._answer_ready(waited=None)
             finally:
                 self._answering.release()
+
+    def _hand_over(self, item: _Submitted | None) -> None:
+        with self._arrived:
+            self._submitted.append(item)
+        if self._inline and item is not None and item.handle.done():
+            self._answer_here()
         with self._arrived:
             if self._submitted:
                 self._arrived.notify()
 
     def _oldest_step(self) -> int | None:
-        head = self._submitted[0] if self._submitted else None
+        head = self._head()
         return None if head is None else head.handle.step_id
 
     # ------------------------------------------------------------------ the answering thread
