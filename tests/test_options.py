@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from corelib.config.options import EngineOptions
+from corelib.config.options import EngineOptions, run_ahead
+from corelib.config.schema import Transport
+from corelib.platform.device import Capabilities
 from corelib.plugins import PluginRegistry
 from corelib.startup.compose import compose_config
 from corelib.startup.start import start
@@ -26,3 +28,21 @@ def test_with_async_handoff_the_scheduler_runs_ahead_as_asked(run_ahead: int) ->
     on = options("engine.async_token_handoff=on", f"engine.run_ahead={run_ahead}")
     assert on.async_handoff
     assert on.run_ahead == run_ahead and on.pipeline_depth == run_ahead + 1
+
+
+
+@pytest.mark.parametrize(("transport", "device_is_host", "expected"),
+                         [(Transport.inproc, False, 1), (Transport.shm, False, 2), (Transport.shm, True, 1)])
+def test_unset_run_ahead_is_two_steps_only_over_shm_to_a_worker_that_runs_a_device(
+        transport: Transport, device_is_host: bool, expected: int) -> None:
+    # Over SHM the step after next comes back through the worker's results and the ring: two steps to hide in. A
+    # worker that computes on the host (the cpu backend, the emulator) hides the hop behind its own step.
+    assert run_ahead(None, transport, Capabilities(device_is_host=device_is_host)) == expected
+    assert run_ahead(1, transport, Capabilities(device_is_host=device_is_host)) == 1
+
+
+def test_unset_run_ahead_is_decided_at_start() -> None:
+    assert options("engine.async_token_handoff=on").run_ahead == 1
+    assert options("engine.async_token_handoff=on", "engine.transport=shm").run_ahead == 1  # the emulator: the host
+    cpu = start(compose_config(["backend=cpu", "engine.transport=shm"]), PluginRegistry()).options
+    assert cpu.run_ahead == 1

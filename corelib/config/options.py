@@ -128,7 +128,7 @@ class EngineOptions:
             lazy_capture=engine.graph_capture is GraphCapture.lazy
             or (engine.graph_capture is GraphCapture.auto and emulated),
             async_handoff=async_handoff,
-            run_ahead=engine.run_ahead if ahead is not None else 0,
+            run_ahead=run_ahead(engine.run_ahead, engine.transport, capabilities) if ahead is not None else 0,
             transport=engine.transport,
             tp=engine.tp,
             fast_allreduce=plan.is_enabled("fast_allreduce"),
@@ -162,3 +162,18 @@ def _staging(transport: Transport, plan: Plan, capabilities: Capabilities) -> St
     if transport is Transport.shm:
         return Staging.ordered if plan.is_enabled("shm_ordered_materialization") else Staging.early
     return Staging.inline
+
+
+def run_ahead(configured: int | None, transport: Transport, capabilities: Capabilities) -> int:
+    """Steps the scheduler submits beyond the one it reads: ``engine.run_ahead``, or where it is not set, two
+    when steps cross to a worker that runs a device, one otherwise.
+
+    Over SHM, the step after next is built from the results the worker sends back and crosses the ring again
+    before the device may start it: with one step ahead that round trip has one step to hide in, and at a
+    sub-millisecond step it does not always (the worker's launch then lands after the device went idle, and
+    stays late from step to step). Two steps ahead give it two. A worker that computes on the host is busy
+    with the step itself while the next frame comes: one step ahead hides the hop there.
+    """
+    if configured is not None:
+        return configured
+    return 2 if transport is Transport.shm and not capabilities.device_is_host else 1

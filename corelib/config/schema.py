@@ -250,8 +250,9 @@ class EngineConfig:
     async_token_handoff: Mode = field(
         default=Mode.auto, metadata=doc("overlap step N+1 on the device with the host's work on step N")
     )
-    run_ahead: int = field(
-        default=1, metadata=doc("with async handoff: steps the scheduler submits beyond the one it reads (1 or 2)")
+    run_ahead: int | None = field(
+        default=None, metadata=doc("with async handoff: steps the scheduler submits beyond the one it reads (1 or 2; "
+                                   "null: 2 where steps cross to a worker that runs a device, 1 otherwise)")
     )
     structured_overlap: Mode = field(
         default=Mode.auto,

@@ -56,7 +56,7 @@ def check_limits(config: CorelibConfig) -> None:
     for key, (value, low) in least.items():
         if value < low:
             raise ConfigError(f"{key}={value}: must be at least {low}")
-    if engine.run_ahead not in RUN_AHEAD:
+    if engine.run_ahead is not None and engine.run_ahead not in RUN_AHEAD:
         # Each step in flight gets a host arena and a token handoff slot, built at start: a large value
         # only builds those (10**6 took over a minute) and a negative one leaves the pipeline no depth.
         raise ConfigError(f"engine.run_ahead={engine.run_ahead}: must be 1 or 2 (steps the scheduler submits "
