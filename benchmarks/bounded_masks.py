@@ -1,10 +1,11 @@
 """One row's grammar mask inside a string of ``maxLength`` 24, character by character: llguidance (the library
-corelib uses) against xgrammar, when it is installed, over the byte-level vocabulary of ``json_mode.py``.
+corelib uses) with corelib's slices and with its own default ones, against xgrammar when it is installed, over the
+byte-level vocabulary of ``json_mode.py``.
 
     python3 benchmarks/bounded_masks.py [WORKDIR]
 
-Each matcher takes ``{"name":"`` of ``json_mode.SCHEMA`` and then one letter a step; before each letter both
-write the mask of the next token, timed (milliseconds, the best of three rows). The allowed-token counts and
+Each matcher takes ``{"name":"`` of ``json_mode.SCHEMA`` and then one letter a step; before each letter each
+writes the mask of the next token, timed (milliseconds, the best of three rows). The allowed-token counts and
 the tokens only one library allows (at the string's first character) show whether the two grammars agree.
 xgrammar is not a dependency of corelib: ``pip install xgrammar`` (it brings transformers, triton and
 apache-tvm-ffi) to compare.
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from corelib.engine.structured import grammar_of, llguidance_module, parser_limits
+from corelib.engine.structured import SLICES, grammar_of, llguidance_module, parser_limits
 from corelib.support.structured import StructuredOutputsParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,8 +51,10 @@ def main() -> None:
     prefix = tokenizer.encode('{"name":"').ids
     letters = [tokenizer.encode(letter).ids[0] for letter in LETTERS]
     ll = llguidance_module()
-    template = ll.LLMatcher(ll.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=[1]),
-                            grammar_of(StructuredOutputsParams.of({"json": json_mode.SCHEMA})), limits=parser_limits())
+    grammar = grammar_of(StructuredOutputsParams.of({"json": json_mode.SCHEMA}))
+    templates = {name: ll.LLMatcher(ll.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=[1], slices=slices),
+                                    grammar, limits=parser_limits())
+                 for name, slices in (("llguidance", list(SLICES)), ("llguidance, its slices", None))}
     try:
         xgr: Any = importlib.import_module("xgrammar")
     except ImportError:
@@ -66,20 +69,24 @@ def main() -> None:
     words = (vocab + 31) // 32
     ll_mask = np.zeros(words, dtype=np.int32)
     xg_mask = None if xgr is None else xgr.allocate_token_bitmask(1, vocab)
-    best: dict[str, list[float]] = {"llguidance": [float("inf")] * len(letters),
-                                    "xgrammar": [float("inf")] * len(letters)}
-    counts: dict[str, list[int]] = {"llguidance": [0] * len(letters), "xgrammar": [0] * len(letters)}
+    libraries = [*templates, *([] if xgr is None else ["xgrammar"])]
+    best = {library: [float("inf")] * len(letters) for library in libraries}
+    counts = {library: [0] * len(letters) for library in libraries}
     first: dict[str, set[int]] = {}
     for _ in range(ROWS):
-        ll_row = template.deep_copy()
+        ll_rows = {name: template.deep_copy() for name, template in templates.items()}
         xg_row = None if compiled is None else xgr.GrammarMatcher(compiled)
         for token in prefix:
-            assert ll_row.consume_token(token) and (xg_row is None or xg_row.accept_token(token))
+            assert all(row.consume_token(token) for row in ll_rows.values())
+            assert xg_row is None or xg_row.accept_token(token)
         for at, letter in enumerate(letters):
-            began = time.perf_counter()
-            ll_row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
-            best["llguidance"][at] = min(best["llguidance"][at], time.perf_counter() - began)
-            counts["llguidance"][at] = len(ll_ids := allowed(ll_mask))
+            for name, row in ll_rows.items():
+                began = time.perf_counter()
+                row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
+                best[name][at] = min(best[name][at], time.perf_counter() - began)
+                counts[name][at] = len(ids := allowed(ll_mask))
+                if name == "llguidance":
+                    ll_ids = ids
             if xg_row is not None and xg_mask is not None:
                 began = time.perf_counter()
                 xg_row.fill_next_token_bitmask(xg_mask, 0)
@@ -88,13 +95,13 @@ def main() -> None:
                 if at == 0:
                     first = {"llguidance": set(ll_ids.tolist()), "xgrammar": set(xg_ids.tolist())}
                 assert xg_row.accept_token(letter)
-            assert ll_row.consume_token(letter)
-    libraries = ["llguidance"] if xgr is None else ["llguidance", "xgrammar"]
+            assert all(row.consume_token(letter) for row in ll_rows.values())
     shown = range(0, len(letters), 3)
-    print("characters in the string: " + " ".join(f"{at:>7}" for at in shown))
+    print(f"{'characters in the string':>32}: " + " ".join(f"{at:>7}" for at in shown) + "  | all: sum, slowest")
     for library in libraries:
-        print(f"{library + ' ms':>25}: " + " ".join(f"{best[library][at] * 1e3:7.3f}" for at in shown))
-        print(f"{library + ' allowed':>25}: " + " ".join(f"{counts[library][at]:7d}" for at in shown))
+        print(f"{library + ' ms':>32}: " + " ".join(f"{best[library][at] * 1e3:7.3f}" for at in shown)
+              + f"  | {sum(best[library]) * 1e3:.2f}, {max(best[library]) * 1e3:.3f}")
+        print(f"{library + ' allowed':>32}: " + " ".join(f"{counts[library][at]:7d}" for at in shown))
     if first:
         for library, other in (("llguidance", "xgrammar"), ("xgrammar", "llguidance")):
             only = sorted(first[library] - first[other])

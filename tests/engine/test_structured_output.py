@@ -312,3 +312,28 @@ def test_a_model_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
     tokenizer = Tokenizer.from_directory(None)
     with pytest.raises(StructuredOutputsError, match="tokenizer"):
         StructuredOutputs(tokenizer, 512, [1]).state(StructuredOutputsParams(json_object=True))
+
+
+def test_the_slices_corelib_gives_llguidance_change_no_mask(model_dir: Path) -> None:
+    # The slices only spare walking tokens the grammar allows whole: inside a bounded string, at its bound and past
+    # it, every mask equals the one llguidance computes with no slices at all.
+    import numpy as np
+
+    from corelib.engine.structured import grammar_of, llguidance_module, parser_limits
+
+    tokenizer = Tokenizer.from_directory(model_dir)
+    assert tokenizer is not None
+    params = StructuredOutputsParams(json=SCHEMA)
+    ours = StructuredOutputs(tokenizer, tokenizer.vocab_size, [1]).state(params)
+    ll = llguidance_module()
+    walked = ll.LLMatcher(ll.LLTokenizer(tokenizer.path.read_text(), n_vocab=tokenizer.vocab_size, eos_token=[1],
+                                         slices=[]), grammar_of(params), limits=parser_limits())
+    words = mask_words(tokenizer.vocab_size)
+    tokens = tokenizer.encode('{"name":"the do","age":7,"role":"user","ok":true}', add_special_tokens=False)
+    assert any(len(tokenizer.decode([token])) > 1 for token in tokens), "the vocabulary has words, not bytes only"
+    for token in tokens:
+        mine, theirs = np.zeros(words, np.int32), np.zeros(words, np.int32)
+        ours.fill(mine.ctypes.data, mine.nbytes)
+        walked.unsafe_compute_mask_ptr(theirs.ctypes.data, theirs.nbytes)
+        assert (mine == theirs).all()
+        assert ours.advance(token) in (None, "done") and walked.consume_token(token)
