@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from corelib.config.options import EngineOptions
-from corelib.config.options import run_ahead as unset_run_ahead
+from corelib.config.options import EngineOptions, run_ahead_for
 from corelib.config.schema import Transport
 from corelib.platform.device import Capabilities
 from corelib.plugins import PluginRegistry
@@ -37,8 +36,8 @@ def test_unset_run_ahead_is_two_steps_only_over_shm_to_a_worker_that_runs_a_devi
         transport: Transport, device_is_host: bool, expected: int) -> None:
     # Over SHM the step after next comes back through the worker's results and the ring: two steps to hide in. A
     # worker that computes on the host (the cpu backend) hides the hop behind its own step.
-    assert unset_run_ahead(None, transport, Capabilities(device_is_host=device_is_host)) == expected
-    assert unset_run_ahead(1, transport, Capabilities(device_is_host=device_is_host)) == 1
+    assert run_ahead_for(None, transport, Capabilities(device_is_host=device_is_host)) == expected
+    assert run_ahead_for(1, transport, Capabilities(device_is_host=device_is_host)) == 1
 
 
 def test_the_default_config_leaves_run_ahead_to_startup() -> None:

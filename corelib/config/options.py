@@ -128,7 +128,7 @@ class EngineOptions:
             lazy_capture=engine.graph_capture is GraphCapture.lazy
             or (engine.graph_capture is GraphCapture.auto and emulated),
             async_handoff=async_handoff,
-            run_ahead=run_ahead(engine.run_ahead, engine.transport, capabilities) if ahead is not None else 0,
+            run_ahead=run_ahead_for(engine.run_ahead, engine.transport, capabilities) if ahead is not None else 0,
             transport=engine.transport,
             tp=engine.tp,
             fast_allreduce=plan.is_enabled("fast_allreduce"),
@@ -164,7 +164,7 @@ def _staging(transport: Transport, plan: Plan, capabilities: Capabilities) -> St
     return Staging.inline
 
 
-def run_ahead(configured: int | None, transport: Transport, capabilities: Capabilities) -> int:
+def run_ahead_for(configured: int | None, transport: Transport, capabilities: Capabilities) -> int:
     """Steps the scheduler submits beyond the one it reads: ``engine.run_ahead``, or where it is not set, two
     when steps cross to a worker that runs a device, one otherwise.
 
