@@ -53,6 +53,7 @@ from corelib.plugins import PluginRegistry
 from corelib.startup.compose import compose_config, prepare_config_store
 from corelib.startup.start import Startup, start
 from corelib.step.buckets import blocks_for
+from corelib.step.runner import Sampler
 
 FLOOR_WARMUP = 10  # replays before the timed ones
 Json = dict[str, Any]
@@ -148,7 +149,7 @@ def graph_floor(engine: Engine, batch_size: int, prompt_len: int, new_tokens: in
     total = 0.0
     device.synchronize()
     for (rows, kv), count in sorted(steps.items()):
-        graph = runner.graphs.get((rows, kv, False, False))  # greedy, no logprobs
+        graph = runner.graphs.get((rows, kv, Sampler.argmax, False))  # greedy, no logprobs
         if graph is None:
             return {"skipped": f"no captured graph for {rows} rows x {kv} KV blocks"}
         for _ in range(FLOOR_WARMUP):

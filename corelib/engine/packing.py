@@ -47,6 +47,7 @@ _SPECIAL_NAMES = frozenset(
     {*(c.name for c in SAMPLING_COLUMNS), *(t.name for t in SAMPLING_TABLES), SAMPLER, LOGPROBS, PENALIZED}
 )
 _TABLE_NAMES = frozenset(t.name for t in SAMPLING_TABLES)
+TEMPERATURE = "temperature"  # the column whose rows draw where above 0 (0, its neutral value: greedy)
 
 
 class PackingError(Exception):
@@ -287,10 +288,12 @@ class InputBuilder:
         if padded:
             rows, tokens = bucket, padded
         sample = bool(counts[SAMPLER]) and bool(self.state_sampler[index_t].any())
+        # The draw (a sort of the vocabulary) only where a row has a temperature: others take the processed argmax.
+        draws = sample and bool(counts[TEMPERATURE]) and bool((self.state_sampling[TEMPERATURE][index_t] > 0).any())
         logprobs = bool(counts[LOGPROBS]) and bool(self.state_logprobs[index_t].any())
         fi = ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                           leading, bool(padded), prompt_positions, num_recounts=len(recounts),
-                          mask_deferred=bool(structured) and self.defer_masks)
+                          mask_deferred=bool(structured) and self.defer_masks, draws=draws)
         for row in recounts:  # the step is packed whole: the device will have rebuilt these
             seq = step.seqs[row]
             self._counted[int(index_t[row])] = (seq.seq_id, seq.blocks_epoch)

@@ -83,14 +83,23 @@ def apply_penalties(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Ten
     return logits - sampling.presence_penalty[:, None] * (sampled > 0).to(logits.dtype)
 
 
+def processed_logits(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    """What the sampler draws from, before the temperature: logit_bias and min_tokens' ban, then the penalties."""
+    return apply_penalties(apply_token_bias(logits, sampling), sampling)
+
+
 def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64.
 
+    ``sampling.draws`` False (no row has a temperature above 0): every row's argmax of its processed logits,
+    exactly what the draw gives a greedy row, without the draw's sort and noise over the vocabulary.
     min_p keeps the tokens whose probability is at least min_p times the likeliest one's (after the
     temperature, as vLLM): exp(scaled - the largest scaled) >= min_p; then top-k, and top-p over
     what is left, renormalised.
     """
-    logits = apply_penalties(apply_token_bias(logits, sampling), sampling)
+    logits = processed_logits(logits, sampling)
+    if not sampling.draws:
+        return logits.argmax(dim=-1)
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, positions = sampling.seeds, sampling.positions
     vocab = logits.shape[-1]

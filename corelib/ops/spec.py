@@ -189,14 +189,20 @@ class SamplingInputs:
     bias_values: torch.Tensor | None = None  # [B, LOGIT_BIAS_WIDTH] float32: the bias added to each
     stop_ids: torch.Tensor | None = None  # [B, MIN_TOKENS_STOP_WIDTH] int64: banned before min_tokens (-1: none)
     prompt_lens: torch.Tensor | None = None  # [B] int64: outputs so far are positions - prompt_lens (None: 0)
+    # Known on the host when the step is packed: False when no row has a temperature above 0, so every row takes
+    # the argmax of its processed logits (bias, min_tokens, penalties), what the draw gives such rows, without
+    # the draw's sort of the vocabulary. True: rows with a temperature draw.
+    draws: bool = True
 
     @classmethod
     def from_views(
-        cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor, history: TokenHistory | None = None
+        cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor, history: TokenHistory | None = None,
+        draws: bool = True,
     ) -> SamplingInputs:
         """The first ``rows`` rows of a step's sampling columns and tables."""
         return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions, history=history,
-                   **{t.name: views[t.name][:rows] for t in SAMPLING_TABLES}, prompt_lens=views["prompt_lens"][:rows])
+                   **{t.name: views[t.name][:rows] for t in SAMPLING_TABLES}, prompt_lens=views["prompt_lens"][:rows],
+                   draws=draws)
 
     @classmethod
     def of(
@@ -212,7 +218,7 @@ class SamplingInputs:
                   else torch.full((rows,), c.neutral, dtype=c.dtype, device=device) for c in SAMPLING_COLUMNS}
         tables = {t.name: torch.as_tensor(columns[t.name], dtype=t.dtype, device=device) if t.name in columns
                   else torch.full((rows, t.width), t.neutral, dtype=t.dtype, device=device) for t in SAMPLING_TABLES}
-        return cls(**values, positions=positions, history=history, **tables, prompt_lens=prompt_lens)
+        return cls(**values, positions=positions, history=history, **tables, prompt_lens=prompt_lens, draws=True)
 
 
 class RmsNorm(Protocol):
@@ -273,8 +279,8 @@ class Sample(Protocol):
     def __call__(self, logits: torch.Tensor, sampling: SamplingInputs | None) -> torch.Tensor:
         """logits [B, V] float32 -> token ids [B] int64. None: every row greedy (argmax).
 
-        With sampling: the penalties of ``sampling.history`` first (repetition, then frequency
-        and presence, as vLLM applies them); then rows with temperature > 0 sample from
+        With sampling: logit_bias and min_tokens' ban, then the penalties of ``sampling.history`` (repetition,
+        then frequency and presence, as vLLM applies them); then rows with temperature > 0 sample from
         softmax(logits / temperature) cut to the top_k tokens and then to the smallest set whose
         mass reaches top_p, with Gumbel noise from a counter-based hash of (seed, position,
         token id); other rows take the argmax of the penalized logits.

@@ -33,7 +33,7 @@ class ForwardInput:
     num_tokens: int  # tokens the device computes (a decode step: bucket, one per row)
     max_query_len: int  # the most tokens one row feeds (1: a decode step)
     kv_blocks: int  # block-table columns read
-    sample: bool  # some row samples (temperature > 0); else greedy
+    sample: bool  # some row needs the sampler (logit_bias, min_tokens, a penalty, a grammar, temperature); else argmax
     layout: ArenaLayout
     arena: torch.Tensor  # uint8, holding layout.nbytes bytes (host memory as packed)
     logprobs: bool = False  # some row asks for its tokens' logprobs: the step computes them on the device
@@ -51,6 +51,9 @@ class ForwardInput:
     # once the host has read the previous step's tokens; the device queues the forward now and the sampling when
     # the mask is supplied (DeviceSteps.supply_mask).
     mask_deferred: bool = False
+    # A step that needs the sampler: some row draws (temperature > 0). False: every row takes the argmax of its
+    # processed logits (the sampler's variant without the draw's sort of the vocabulary).
+    draws: bool = True
 
     @property
     def is_decode(self) -> bool:

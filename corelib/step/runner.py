@@ -18,6 +18,7 @@ others' state.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -102,19 +103,19 @@ class ModelRunner:
         # Under tensor parallelism the model's logits may be one block of the vocabulary per rank.
         vocab = getattr(model, "vocab_shard", None)
         self.vocab_shard = vocab if isinstance(vocab, VocabShard) and vocab.world > 1 else None
-        self.graphs: dict[tuple[int, int, bool, bool], Graph] = {}  # rows, KV width, sampled, logprobs
+        self.graphs: dict[tuple[int, int, Sampler, bool], Graph] = {}  # rows, KV width, sampler, logprobs
         self._graph_shapes = set(buckets.shapes())
-        # Steps with prompt tokens: a forward per token bucket, the rows' sampling per (sampled, logprobs).
+        # Steps with prompt tokens: a forward per token bucket, the rows' sampling per (sampler, logprobs).
         self.prompt_graphs: dict[int, Graph] = {}
-        self.sampling_graphs: dict[tuple[bool, bool], Graph] = {}
+        self.sampling_graphs: dict[tuple[Sampler, bool], Graph] = {}
         self._logits: torch.Tensor | None = None  # where a padded step's forward leaves its rows' logits
         # Structured output run ahead (``deferred_masks``): a decode step whose grammar mask is owed replays a
         # forward-only graph of its shape, which leaves its rows' logits in the same buffer; its sampling is queued
         # when the mask arrives (sample_owed). At most one step waits for its mask at a time.
         self.deferred_masks = deferred_masks
         self.forward_graphs: dict[tuple[int, int], Graph] = {}  # rows, KV width
-        # ...and the sampling of such a step through the mask, from that buffer: rows, sampled, logprobs.
-        self.owed_sampling_graphs: dict[tuple[int, bool, bool], Graph] = {}
+        # ...and the sampling of such a step through the mask, from that buffer: rows, sampler, logprobs.
+        self.owed_sampling_graphs: dict[tuple[int, Sampler, bool], Graph] = {}
         self._owed: _OwedSampling | None = None
         self._arena_views: dict[str, torch.Tensor] | None = None
         self.num_graph_steps = 0
@@ -141,18 +142,18 @@ class ModelRunner:
             for count in tokens:
                 self._capture_prompt(count)
                 task.advance()
-            for sampled, logprobs in variants:
-                self._capture_sampling(sampled, logprobs)
+            for sampler, logprobs in variants:
+                self._capture_sampling(sampler, logprobs)
                 task.advance()
             for rows, kv in shapes:
-                for sampled, logprobs in SAMPLING_VARIANTS:
-                    self._capture(rows, kv, sampled, logprobs)
+                for sampler, logprobs in SAMPLING_VARIANTS:
+                    self._capture(rows, kv, sampler, logprobs)
                     task.advance()
             for rows, kv in forward_only:
                 self._capture_forward(rows, kv)
                 task.advance()
-            for rows, sampled, logprobs in owed:
-                self._capture_owed_sampling(rows, sampled, logprobs)
+            for rows, sampler, logprobs in owed:
+                self._capture_owed_sampling(rows, sampler, logprobs)
                 task.advance()
         pool = self.device.graph_pool_bytes()
         logits = 0 if self._logits is None else self._logits.numel() * self._logits.element_size()
@@ -164,39 +165,39 @@ class ModelRunner:
         """Capture the graphs ``fi`` needs if they are missing; call before its inputs are staged."""
         if self.arena is None:
             return
+        sampler = sampler_of(fi)
         if fi.padded:
             if fi.num_tokens not in self.prompt_graphs and fi.num_tokens in self.buckets.token_buckets:
                 self._capture_prompt(fi.num_tokens)
             if fi.mask_deferred:
-                if (fi.bucket, fi.sample, fi.logprobs) not in self.owed_sampling_graphs:
-                    self._capture_owed_sampling(fi.bucket, fi.sample, fi.logprobs)
-            elif (fi.sample, fi.logprobs) not in self.sampling_graphs:
-                self._capture_sampling(fi.sample, fi.logprobs)
+                if (fi.bucket, sampler, fi.logprobs) not in self.owed_sampling_graphs:
+                    self._capture_owed_sampling(fi.bucket, sampler, fi.logprobs)
+            elif (sampler, fi.logprobs) not in self.sampling_graphs:
+                self._capture_sampling(sampler, fi.logprobs)
         elif fi.is_decode:
             key = (fi.bucket, self.buckets.graph_kv(fi.kv_blocks))
             if fi.mask_deferred:
                 if key in self._graph_shapes and not fi.prompt_logprobs:
                     if key not in self.forward_graphs:
                         self._capture_forward(*key)
-                    if (fi.bucket, fi.sample, fi.logprobs) not in self.owed_sampling_graphs:
-                        self._capture_owed_sampling(fi.bucket, fi.sample, fi.logprobs)
-            elif (*key, fi.sample, fi.logprobs) not in self.graphs and key in self._graph_shapes:
-                self._capture(*key, fi.sample, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
+                    if (fi.bucket, sampler, fi.logprobs) not in self.owed_sampling_graphs:
+                        self._capture_owed_sampling(fi.bucket, sampler, fi.logprobs)
+            elif (*key, sampler, fi.logprobs) not in self.graphs and key in self._graph_shapes:
+                self._capture(*key, sampler, fi.logprobs)  # the first sampled (or logprobs) batch of this shape
 
-    def _capture(self, rows: int, kv: int, sampled: bool, logprobs: bool) -> Graph:
+    def _capture(self, rows: int, kv: int, sampler: Sampler, logprobs: bool) -> Graph:
         param_update = self.buckets.param_update
         views = self.decode_layout.views(self._device_arena())
-        graph = self.device.graph(f"decode_rows{rows}_kv{kv}{'_sampled' if sampled else ''}"
-                                  f"{'_logprobs' if logprobs else ''}")
+        graph = self.device.graph(f"decode_rows{rows}_kv{kv}{sampler.suffix}{'_logprobs' if logprobs else ''}")
 
         def step() -> None:
-            self._forward(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, sampled, logprobs)
+            self._forward(views, rows, rows, graph.params["kv_blocks"] if param_update else kv, 1, sampler, logprobs)
 
         def padding(pad: dict[str, torch.Tensor]) -> None:
             pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
 
         self._record(graph, self.decode_layout, padding, step, {"kv_blocks": kv})
-        self.graphs[(rows, kv, sampled, logprobs)] = graph
+        self.graphs[(rows, kv, sampler, logprobs)] = graph
         return graph
 
     def _capture_forward(self, rows: int, kv: int) -> Graph:
@@ -218,7 +219,7 @@ class ModelRunner:
         self.forward_graphs[(rows, kv)] = graph
         return graph
 
-    def _capture_owed_sampling(self, rows: int, sampled: bool, logprobs: bool) -> Graph:
+    def _capture_owed_sampling(self, rows: int, sampler: Sampler, logprobs: bool) -> Graph:
         """The sampling of ``rows`` rows through the grammar mask from the static logits (a step whose forward
         replayed a graph): after the mask's copy, one replay instead of the sampler's launches."""
         if self._logits is None:  # a forward's warm-up makes the buffer
@@ -228,21 +229,20 @@ class ModelRunner:
             else:
                 self._capture_prompt(self.buckets.token_buckets[0])
         views = self._decode_views()
-        graph = self.device.graph(f"owed_sampling_rows{rows}{'_sampled' if sampled else ''}"
-                                  f"{'_logprobs' if logprobs else ''}")
+        graph = self.device.graph(f"owed_sampling_rows{rows}{sampler.suffix}{'_logprobs' if logprobs else ''}")
 
         def step() -> None:
             logits = self._logits
             if logits is None:
                 raise RuntimeError("a step's sampling runs after its forward made the logits")
             self._emit(logits[:rows], rows, views, self._no_attention(views, rows), views["seq_lens"][:rows],
-                       sampled, logprobs, masked=True)
+                       sampler, logprobs, masked=True)
 
         def padding(pad: dict[str, torch.Tensor]) -> None:
             pad_rows(pad, 0, rows, self.buckets.max_blocks, self.layout.pad_state_index)
 
         self._record(graph, self.decode_layout, padding, step)
-        self.owed_sampling_graphs[(rows, sampled, logprobs)] = graph
+        self.owed_sampling_graphs[(rows, sampler, logprobs)] = graph
         return graph
 
     def _no_attention(self, views: dict[str, torch.Tensor], rows: int) -> PagedAttention:
@@ -277,13 +277,13 @@ class ModelRunner:
         self.prompt_graphs[tokens] = graph
         return graph
 
-    def _capture_sampling(self, sampled: bool, logprobs: bool) -> Graph:
+    def _capture_sampling(self, sampler: Sampler, logprobs: bool) -> Graph:
         """The sampling of a padded step's rows from the static logits (the row fields: any layout's)."""
         if self._logits is None:
             self._capture_prompt(self.buckets.token_buckets[0])  # its warm-up makes the buffer
         rows, kv = self.layout.rows, self.buckets.max_blocks
         views = self.decode_layout.views(self._device_arena())
-        graph = self.device.graph(f"prompt_sampling{'_sampled' if sampled else ''}{'_logprobs' if logprobs else ''}")
+        graph = self.device.graph(f"prompt_sampling{sampler.suffix}{'_logprobs' if logprobs else ''}")
 
         def step() -> None:
             logits = self._logits
@@ -291,13 +291,13 @@ class ModelRunner:
                 raise RuntimeError("a padded step's sampling runs after its forward made the logits")
             attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows],
                                        self.layout.block_size)
-            self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs)
+            self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampler, logprobs)
 
         def padding(pad: dict[str, torch.Tensor]) -> None:
             pad_rows(pad, 0, rows, kv, self.layout.pad_state_index)
 
         self._record(graph, self.decode_layout, padding, step)
-        self.sampling_graphs[(sampled, logprobs)] = graph
+        self.sampling_graphs[(sampler, logprobs)] = graph
         return graph
 
     def _decode_views(self) -> dict[str, torch.Tensor]:
@@ -353,12 +353,12 @@ class ModelRunner:
             return self._run_padded(fi, arena)
         graph = None
         if fi.is_decode and arena is self.arena and not fi.prompt_logprobs:
-            graph = self.graphs.get((rows, self.buckets.graph_kv(kv), fi.sample, fi.logprobs))
+            graph = self.graphs.get((rows, self.buckets.graph_kv(kv), sampler_of(fi), fi.logprobs))
         if graph is None:
             views = fi.layout.views(arena)  # a replayed graph reads its static views: built only when eager
             tokens, longest, leading = fi.num_tokens, fi.max_query_len, fi.decode_rows
             masked = _carries_mask(fi)
-            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, fi.sample, fi.logprobs,
+            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, longest, sampler_of(fi), fi.logprobs,
                                                       leading, prompt=prompt_out, masked=masked))
             self.num_eager_steps += 1
             return False
@@ -373,7 +373,7 @@ class ModelRunner:
         if self._owed is not None:
             raise RuntimeError(f"step {fi.step_id}: queued while step {self._owed.step_id} still waits for its "
                                f"grammar mask (the engine supplies a mask before it queues the next step)")
-        rows, kv = fi.bucket, fi.kv_blocks
+        rows, kv, sampler = fi.bucket, fi.kv_blocks, sampler_of(fi)
         graph = None
         if arena is self.arena and not fi.prompt_logprobs:
             if fi.padded:
@@ -388,8 +388,8 @@ class ModelRunner:
             logits = self._logits
             views = self._decode_views()  # the row fields: the same place in every step layout
             self._owed = _OwedSampling(fi.step_id, lambda: logits[:rows] if logits is not None else _no_logits(),
-                                       rows, views, kv if not fi.padded else self.buckets.max_blocks, fi.sample,
-                                       fi.logprobs, self.owed_sampling_graphs.get((rows, fi.sample, fi.logprobs)))
+                                       rows, views, kv if not fi.padded else self.buckets.max_blocks, sampler,
+                                       fi.logprobs, self.owed_sampling_graphs.get((rows, sampler, fi.logprobs)))
             return True
         views = fi.layout.views(arena)
         made: list[torch.Tensor] = []  # the eager forward's logits, once the stream has run it
@@ -400,7 +400,7 @@ class ModelRunner:
 
         self.compute.launch(forward)
         self.num_eager_steps += 1
-        self._owed = _OwedSampling(fi.step_id, lambda: made[0] if made else _no_logits(), rows, views, kv, fi.sample,
+        self._owed = _OwedSampling(fi.step_id, lambda: made[0] if made else _no_logits(), rows, views, kv, sampler,
                                    fi.logprobs)
         return False
 
@@ -423,7 +423,7 @@ class ModelRunner:
         attention = PagedAttention(views["block_tables"][:rows, : owed.kv], views["seq_lens"][:rows],
                                    self.layout.block_size)
         self.compute.launch(lambda: self._emit(owed.logits(), rows, views, attention, views["seq_lens"][:rows],
-                                               owed.sampled, owed.logprobs, masked=True))
+                                               owed.sampler, owed.logprobs, masked=True))
 
     def _stage_mask(self, fi: ForwardInput, arena: torch.Tensor) -> None:
         """The step's token bitmask into the buffer the sampling reads (stream-ordered before the forward); a
@@ -439,12 +439,12 @@ class ModelRunner:
     def _run_padded(self, fi: ForwardInput, arena: torch.Tensor) -> bool:
         """A step padded to its token bucket: its forward's graph then its sampling's (eagerly where one is missing)."""
         forward = self.prompt_graphs.get(fi.num_tokens) if arena is self.arena else None
-        sampling = self.sampling_graphs.get((fi.sample, fi.logprobs)) if arena is self.arena else None
+        sampling = self.sampling_graphs.get((sampler_of(fi), fi.logprobs)) if arena is self.arena else None
         if forward is None or sampling is None:
             views = fi.layout.views(arena)
             rows, tokens, kv = fi.bucket, fi.num_tokens, fi.kv_blocks
             masked = _carries_mask(fi)
-            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, tokens, fi.sample, fi.logprobs,
+            self.compute.launch(lambda: self._forward(views, rows, tokens, kv, tokens, sampler_of(fi), fi.logprobs,
                                                       captured=True, masked=masked))
             self.num_eager_steps += 1
             return False
@@ -490,14 +490,15 @@ class ModelRunner:
                       self.layout.block_size, held, views["prompt_lens"][recount])
 
     def _forward(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
-                 sampled: bool, logprobs: bool = False, decode_rows: int = 0, captured: bool = False,
+                 sampler: Sampler, logprobs: bool = False, decode_rows: int = 0, captured: bool = False,
                  prompt: torch.Tensor | None = None, masked: bool = False) -> None:
         """One step on the device: ``rows`` rows feeding ``tokens`` tokens, at most ``longest`` per row; with
         ``prompt``, the logprobs of the step's prompt positions (``PROMPT_LOGPROBS``) into it; ``masked``: the
         rows are sampled through the grammar mask even when greedy (an eager step that carries one)."""
-        logits = self._logits_of(views, rows, tokens, kv, longest, sampled, decode_rows, captured, prompt)
+        logits = self._logits_of(views, rows, tokens, kv, longest, sampler is not Sampler.argmax, decode_rows,
+                                 captured, prompt)
         attention = PagedAttention(views["block_tables"][:rows, :kv], views["seq_lens"][:rows], self.layout.block_size)
-        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampled, logprobs, masked)
+        self._emit(logits, rows, views, attention, views["seq_lens"][:rows], sampler, logprobs, masked)
 
     def _logits_of(self, views: dict[str, torch.Tensor], rows: int, tokens: int, kv: int, longest: int,
                    sampled: bool, decode_rows: int = 0, captured: bool = False,
@@ -570,16 +571,16 @@ class ModelRunner:
         out.copy_(token_logprobs(logits, targets))
 
     def _emit(self, logits: torch.Tensor, rows: int, views: dict[str, torch.Tensor], attention: PagedAttention,
-              sample_positions: torch.Tensor, sampled: bool, logprobs: bool, masked: bool = False) -> None:
+              sample_positions: torch.Tensor, sampler: Sampler, logprobs: bool, masked: bool = False) -> None:
         sampling = None
-        if sampled:  # the counts are current: the forward added this step's tokens
+        if sampler is not Sampler.argmax:  # the counts are current: the forward added this step's tokens
             history = TokenHistory(self.output_counts, self.prompt_counts, views["state_indices"][:rows])
-            sampling = SamplingInputs.from_views(views, rows, sample_positions, history)
+            sampling = SamplingInputs.from_views(views, rows, sample_positions, history, sampler is Sampler.draw)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         # A sampled step masks what structured output disallows (-inf) before anything else of the sampler;
         # the finite check and the logprobs read the logits as the model made them.
-        mask = self.token_mask[:rows] if sampled or masked else None
+        mask = self.token_mask[:rows] if sampling is not None or masked else None
         if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
             if self.vocab_shard.size < self.vocab_shard.per_rank:
                 logits[:, self.vocab_shard.size:] = float("-inf")
@@ -611,6 +612,25 @@ def _token_rows(views: Mapping[str, torch.Tensor], rows: int, tokens: int, block
                           views["query_start"][: rows + 1]).token_rows(tokens)
 
 
+class Sampler(enum.IntEnum):
+    """Which sampling a step's graph runs, decided by the packer from its rows (``sampler_of``)."""
+
+    argmax = 0  # every row greedy with nothing to apply: the logits' argmax
+    processed = 1  # some row's logits change first (logit_bias, min_tokens, a penalty, a mask); none draws
+    draw = 2  # some row draws (temperature > 0): the sampler's sort of the vocabulary, its cuts and noise
+
+    @property
+    def suffix(self) -> str:
+        """The variant in a graph's name."""
+        return "" if self is Sampler.argmax else f"_{self.name}"
+
+
+def sampler_of(fi: ForwardInput) -> Sampler:
+    if not fi.sample:
+        return Sampler.argmax
+    return Sampler.draw if fi.draws else Sampler.processed
+
+
 @dataclass(frozen=True)
 class _OwedSampling:
     """A step whose forward is queued and whose sampling waits for its grammar mask."""
@@ -620,7 +640,7 @@ class _OwedSampling:
     rows: int
     views: dict[str, torch.Tensor]  # the row fields the sampling reads (device memory, or the host arena)
     kv: int
-    sampled: bool
+    sampler: Sampler
     logprobs: bool
     graph: Graph | None = None  # the captured sampling of such rows from the static logits, where there is one
 
@@ -638,8 +658,8 @@ def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return logits if mask is None else apply_token_bitmask(logits, mask)
 
 
-#: the sampling variants of padded steps, all captured at start: (sampled, logprobs)
-SAMPLING_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+#: the sampling variants of every captured step, all captured at start: (sampler, logprobs)
+SAMPLING_VARIANTS = tuple((sampler, logprobs) for logprobs in (False, True) for sampler in Sampler)
 
 
 @dataclass(frozen=True)

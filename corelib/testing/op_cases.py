@@ -234,6 +234,7 @@ class SampleCase:
     vocab: int = VOCAB
     ties: bool = False  # logits from bfloat16 values: many equal maxima
     sampled: bool = False  # every sampling column's example values cycled over the rows, a token history
+    argmax: bool = False  # as sampled, but every row greedy and the step known not to draw (the processed argmax)
 
     def build(self, seed: int, device: torch.device) -> Args:
         gen = torch.Generator().manual_seed(seed)
@@ -241,7 +242,7 @@ class SampleCase:
         if self.ties:
             logits = logits.round()  # small integers: the maximum repeats in every row
         sampling = None
-        if self.sampled:
+        if self.sampled or self.argmax:
             # Each column cycles through its examples (column i shifted by i rows, so rows mix them);
             # a column without examples (the seeds) draws integers.
             columns = {}
@@ -273,7 +274,11 @@ class SampleCase:
             prompt_lens = positions - torch.randint(0, 4, (self.batch,), generator=gen).to(device)
             tables = {"bias_ids": bias_ids.to(device), "bias_values": bias_values.to(device),
                       "stop_ids": stop_ids.to(device)}
+            if self.argmax:
+                columns["temperature"] = torch.zeros(self.batch, device=device)
             sampling = SamplingInputs.of(positions, history, prompt_lens, **columns, **tables)
+            if self.argmax:
+                sampling = dataclasses.replace(sampling, draws=False)
         return logits.to(device), sampling
 
 

@@ -156,7 +156,7 @@ NORM_SWEEP = [
 SILU_CASES = [SiluCase(F32, 3, 1000), SiluCase(BF16, 1, 3072)]
 SILU_SWEEP = [SiluCase(d, t, i) for d, t, i in itertools.product((F32, BF16), (1, 32, 128), (3072, 1000))]
 SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 1000, sampled=True)]
-SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True)]
+SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True), SampleCase(32, argmax=True)]
 # The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every
 # kernel a provider may choose by M (1-128), and a prefill-sized M.
 _M = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128)

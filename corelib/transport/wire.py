@@ -40,10 +40,11 @@ class InputFlags(enum.IntFlag):
     """Flags of a step frame."""
 
     NONE = 0
-    SAMPLE = 1  # some row samples (temperature > 0): the sampled graph variant runs
+    SAMPLE = 1  # some row needs the sampler (logit_bias, a penalty, a grammar, temperature): a sampled variant runs
     LOGPROBS = 2  # some row asks for logprobs: the step computes them and the result carries them
     PADDED = 4  # a step with prompt tokens padded to its token bucket (num_tokens) and every row of the layout
     PROMPT_LOGPROBS = 8  # the layout carries prompt positions whose logprobs the step computes (eagerly)
+    ARGMAX = 16  # with SAMPLE: no row draws (temperature 0 everywhere): the processed logits' argmax, no draw
 
 
 class ResultFlags(enum.IntFlag):
@@ -245,7 +246,7 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
     # Plain integers: an IntFlag's ``|`` costs microseconds, on the path of every step.
     flags = (_SAMPLE if fi.sample else 0) | (_LOGPROBS if fi.logprobs else 0) | (_PADDED if fi.padded else 0) | (
-        _PROMPT_LOGPROBS if fi.prompt_logprobs else 0)
+        _PROMPT_LOGPROBS if fi.prompt_logprobs else 0) | (0 if fi.draws else _ARGMAX)
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, flags,
                        sent_at=sent_at, layout=fi.layout.words, num_tokens=fi.num_tokens,
                        max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows,
@@ -264,11 +265,12 @@ def input_of(header: FrameHeader, payload: torch.Tensor, where: str | None = Non
                                              f"to {longest} per row is malformed"))
     prompt = layout.fields[layout.names.index(PROMPT_LOGPROBS)].shape[1] if flags & _PROMPT_LOGPROBS else 0
     return ForwardInput(header.step_id, rows, bucket, tokens, longest, header.kv_blocks, flags & _SAMPLE != 0, layout,
-                        payload, flags & _LOGPROBS != 0, copies, decode_rows, flags & _PADDED != 0, prompt, recounts)
+                        payload, flags & _LOGPROBS != 0, copies, decode_rows, flags & _PADDED != 0, prompt, recounts,
+                        draws=flags & _ARGMAX == 0)
 
 
-_SAMPLE, _LOGPROBS, _PADDED, _PROMPT_LOGPROBS = (int(flag) for flag in (
-    InputFlags.SAMPLE, InputFlags.LOGPROBS, InputFlags.PADDED, InputFlags.PROMPT_LOGPROBS))
+_SAMPLE, _LOGPROBS, _PADDED, _PROMPT_LOGPROBS, _ARGMAX = (int(flag) for flag in (
+    InputFlags.SAMPLE, InputFlags.LOGPROBS, InputFlags.PADDED, InputFlags.PROMPT_LOGPROBS, InputFlags.ARGMAX))
 
 
 # ---------------------------------------------------------------------------------------- results

@@ -6,6 +6,7 @@ import pytest
 from support import EngineFactory
 
 from corelib.engine import SamplingParams
+from corelib.step.runner import Sampler
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -28,6 +29,6 @@ def test_upfront_capture_takes_every_bucket_at_start(make_engine: EngineFactory)
     assert not engine.options.lazy_capture
     assert {(rows, kv) for rows, kv, *_ in engine.local_runner.graphs} == set(engine.local_runner.buckets.shapes())
     # every sampling variant too: a first sampled or logprobs step at a new batch size captures nothing
-    assert set(engine.local_runner.graphs) == {(rows, kv, sampled, logprobs)
+    assert set(engine.local_runner.graphs) == {(rows, kv, sampler, logprobs)
                                                for rows, kv in engine.local_runner.buckets.shapes()
-                                               for sampled in (False, True) for logprobs in (False, True)}
+                                               for sampler in Sampler for logprobs in (False, True)}

@@ -63,3 +63,30 @@ def test_over_shm_the_worker_sees_the_batch_sample_from_its_second_row() -> None
             w.consumers[0].release(frame)
     finally:
         w.close()
+
+
+BIASED = SamplingParams(max_tokens=8, logit_bias={3: 2.0})
+
+
+def test_a_step_draws_only_where_a_row_has_a_temperature() -> None:
+    for step in scheduled(GREEDY, BIASED):
+        fi = packed(step)
+        assert fi.sample and not fi.draws, step.kind
+    for step in scheduled(BIASED, SAMPLED):
+        fi = packed(step)
+        assert fi.sample and fi.draws, step.kind
+
+
+@pytest.mark.parametrize("rows", [(GREEDY, BIASED), (BIASED, SAMPLED)])
+def test_over_shm_the_worker_sees_whether_the_step_draws(rows: tuple[SamplingParams, SamplingParams]) -> None:
+    w = wire(slot_bytes=1 << 16)
+    try:
+        for step in scheduled(*rows):
+            fi = packed(step)
+            w.producer.write(input_header(fi, sent_at=0.0), fi.arena[: fi.layout.nbytes])
+            frame = w.consumers[0].read()
+            received = input_of(frame.header, frame.payload, "test frame")
+            assert received.sample and received.draws == fi.draws == (SAMPLED in rows)
+            w.consumers[0].release(frame)
+    finally:
+        w.close()

@@ -1,6 +1,7 @@
 # mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
 # ruff: noqa: N803 - compile-time constants are upper case, as in every Triton kernel
-"""Greedy sampling as a two-pass argmax (no sort of the vocabulary); sampled rows use the reference.
+"""Greedy sampling as a two-pass argmax (no sort of the vocabulary), also after the sampler's processing of the
+logits where no row draws; rows that draw use the reference.
 
 Pass one: each program takes one chunk of one row and keeps its maximum and where it is.
 Pass two: one program per row picks the best chunk. Ties go to the lowest token id in both
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corelib.ops.sampling import sample_rows
+from corelib.ops.sampling import processed_logits, sample_rows
 from corelib.ops.spec import SamplingInputs
 from corelib_cuda.triton_ops.common import check, next_power_of_2
 
@@ -84,5 +85,7 @@ def sample(logits: torch.Tensor, sampling: SamplingInputs | None, *, pdl: bool =
         logits = logits.contiguous()
     if sampling is None:
         return argmax(logits, pdl)
+    if not sampling.draws:  # every row greedy: the argmax of the processed logits, as the reference takes it
+        return argmax(processed_logits(logits, sampling), pdl)
     # Sampled rows need the sorted vocabulary for top-p; the reference does that, with the same noise.
     return sample_rows(logits, sampling)
