@@ -626,6 +626,7 @@ class Sampler(enum.IntEnum):
 
 
 def sampler_of(fi: ForwardInput) -> Sampler:
+    """The sampling variant step ``fi`` runs: what its packer said of its rows (``sample``, ``draws``)."""
     if not fi.sample:
         return Sampler.argmax
     return Sampler.draw if fi.draws else Sampler.processed
