@@ -119,6 +119,7 @@ def test_backends_help(cli: Cli) -> None:
             ["backend.runtime=native refused: torch_npu cannot be imported"],
         ),
         (["plan", "+engine._target_=os.system"], ["engine._target_: _target_ 'os.system' is refused"]),
+        (["bench", "backend=cpu", "bench.top_p=0"], ["bench.top_p=0.0: must be in (0, 1]"]),
         (
             ["plan", "backend=npu", "plugins.block=[npu]"],
             ["plugin 'npu' is not loaded (blocked by plugins.block)"],

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from corelib.cli import bench as bench_module
 from corelib.cli import run as run_module
 from corelib.cli.main import main
 from corelib.cli.run import drive
 from corelib.config.schema import WorkloadConfig
 from corelib.engine.api import Engine
 from corelib.engine.outputs import RequestOutput
+from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
 from corelib.loadtest import workload as workload_module
 from corelib.loadtest.workload import Request, arrival_offsets, build_workload
@@ -225,3 +227,27 @@ def test_bench_serves_the_workload_beside_its_sweep(tmp_path: Path, monkeypatch:
     for entry in served:
         assert (entry["requests"], entry["requests_failed"], entry["max_concurrency"]) == (5, 0, 2)
         assert entry["ttft_ms_p50"] > 0 and entry["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_decodes_with_the_sampling_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    measured: list[tuple[float, float]] = []
+    measure = bench_module._measure
+
+    def spy(engine: Engine, batch_size: int, prompt_len: int, sampling: SamplingParams, seed: int
+            ) -> tuple[float, float]:
+        measured.append((sampling.temperature, sampling.top_p))
+        return measure(engine, batch_size, prompt_len, sampling, seed)
+
+    monkeypatch.setattr(bench_module, "_measure", spy)
+    code = main(["bench", "backend=cpu", "bench.batch_sizes=[2]", "bench.handoff=[off]", "bench.transport=[inproc]",
+                 "bench.output_len=4", "bench.warmup_steps=2", "bench.temperature=1.0", "bench.top_p=0.9",
+                 f"hydra.run.dir={tmp_path / 'bench'}"])
+    assert code == 0
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert (report["bench"]["temperature"], report["bench"]["top_p"]) == (1.0, 0.9)
+    assert [p["batch_size"] for p in report["points"]] == [2]
+    assert " temperature=1 top_p=0.9 bs=2: TPOT " in capsys.readouterr().err
+    assert measured and set(measured) == {(1.0, 0.9)}, "the warm-up and the timed batches draw"

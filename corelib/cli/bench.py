@@ -38,6 +38,7 @@ from corelib.loadtest.workload import Request, arrival_offsets, build_workload
 from corelib.observe.metrics import percentile
 from corelib.observe.rundir import RunDir
 from corelib.plugins import PluginRegistry
+from corelib.sampling_params import SamplingError
 from corelib.startup.compose import compose_config
 from corelib.startup.start import Startup, start
 from corelib.support.progress import say, show
@@ -161,12 +162,13 @@ def _overrides(cfg: DictConfig) -> list[str]:
                                                    "engine.fused_ops=", "engine.pdl=", "engine.fast_allreduce="))]
 
 
-def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, seed: int) -> tuple[float, float]:
+def _measure(engine: Engine, batch_size: int, prompt_len: int, sampling: SamplingParams, seed: int
+             ) -> tuple[float, float]:
     """(median TPOT ms, output tokens/s) for one batch decoded to the end."""
     vocab = engine.vocab_size
     prompts = [[(seed * 7919 + i * 131 + j * 17) % (vocab - 2) + 2 for j in range(prompt_len)]
                for i in range(batch_size)]
-    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    output_len = sampling.max_tokens or 0
     start = time.perf_counter()
     outputs = engine.generate(prompts, sampling)
     wall = time.perf_counter() - start
@@ -177,6 +179,13 @@ def _measure(engine: Engine, batch_size: int, prompt_len: int, output_len: int, 
 def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: Console) -> list[BenchPoint]:
     spec = cfg.bench
     base = _overrides(cfg)
+    try:  # the decode points' sampling, checked before any engine starts
+        timed = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=spec.temperature,
+                               top_p=spec.top_p, seed=0)
+        warm = timed.replace(max_tokens=max(spec.warmup_steps, 2))
+    except SamplingError as error:
+        raise ConfigError(f"bench.{error}") from None
+    drawn = f" temperature={spec.temperature:g} top_p={spec.top_p:g}" if spec.temperature > 0 else ""
     backends = list(spec.backends) or [None]
     points: list[BenchPoint] = []
     served: list[ServePoint] = []
@@ -217,11 +226,12 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
         ops = _ops_label(startup)
         with Engine(startup) as engine:
             label = (f"{startup.spec.backend}/{startup.spec.runtime.value} tp={tp}{_allreduce_note(startup)} "
-                     f"{transport} {engine.materialization} handoff={handoff} ops={ops} pdl={_on(startup.options.pdl)}")
+                     f"{transport} {engine.materialization} handoff={handoff} ops={ops} pdl={_on(startup.options.pdl)}"
+                     f"{drawn}")
             for batch_size in spec.batch_sizes:
-                _measure(engine, batch_size, spec.prompt_len, max(spec.warmup_steps, 2), seed=1)
+                _measure(engine, batch_size, spec.prompt_len, warm, seed=1)
                 first_step = engine.stats().num_steps
-                repeats = [_measure(engine, batch_size, spec.prompt_len, spec.output_len, seed=2 + r)
+                repeats = [_measure(engine, batch_size, spec.prompt_len, timed, seed=2 + r)
                            for r in range(spec.repeats)]
                 stats = engine.stats(since_step=first_step)
                 device, steps = stats.device, stats.steps

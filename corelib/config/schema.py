@@ -475,6 +475,9 @@ class BenchConfig:
     )
     prompt_len: int = field(default=32, metadata=doc("prompt tokens per request"))
     output_len: int = field(default=64, metadata=doc("new tokens per request"))
+    temperature: float = field(
+        default=0.0, metadata=doc("the decode points' temperature: 0 greedy; above 0 every request draws (seeded)"))
+    top_p: float = field(default=1.0, metadata=doc("the decode points' top-p (1: no cut)"))
     warmup_steps: int = field(default=4, metadata=doc("steps run before timing"))
     repeats: int = field(default=1, metadata=doc("timed repetitions per point"))
     prompt_lens: list[int] = field(
