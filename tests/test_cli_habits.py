@@ -51,7 +51,7 @@ def test_hydra_flags_and_their_values_pass_untouched() -> None:
     (["/path/to/model"], "model '/path/to/model' is neither a preset"),
     (["tiny", "small-0.6b"], "two models given ('tiny' and 'small-0.6b')"),
     (["--port"], "--port needs a value: --port VALUE (or server.port=VALUE)"),
-    (["--temperature", "0.5"], "did you mean workload.temperature=VALUE?"),
+    (["--temperature", "0.5"], "did you mean workload.temperature=VALUE or bench.temperature=VALUE?"),
     (["--tokenizer", "x"], "the tokenizer is the checkpoint's tokenizer.json"),
     (["--frobnicate"], "corelib sets keys as key=value"),
     (["workload.prompts=[Hello, world]"], "'Hello' is not quoted, so a comma would split a prompt in two"),
