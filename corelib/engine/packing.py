@@ -26,7 +26,7 @@ from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
 from corelib.engine.structured import fill_rows
 from corelib.engine.token_fields import TokenWriter
-from corelib.ops.sampling import PENALTY_NEUTRAL
+from corelib.ops.sampling import CUT_NEUTRAL, PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
 from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
@@ -288,12 +288,15 @@ class InputBuilder:
         if padded:
             rows, tokens = bucket, padded
         sample = bool(counts[SAMPLER]) and bool(self.state_sampler[index_t].any())
-        # The draw (a sort of the vocabulary) only where a row has a temperature: others take the processed argmax.
+        # The draw (noise over the vocabulary) only where a row has a temperature: others take the processed argmax.
         draws = sample and bool(counts[TEMPERATURE]) and bool((self.state_sampling[TEMPERATURE][index_t] > 0).any())
+        # ...and the sort of the vocabulary only where some row has a cut (for any row: greedy ones ignore theirs).
+        cuts = draws and any(bool(counts[name]) and bool((self.state_sampling[name][index_t] != neutral).any())
+                             for name, neutral in CUT_NEUTRAL.items())
         logprobs = bool(counts[LOGPROBS]) and bool(self.state_logprobs[index_t].any())
         fi = ForwardInput(step_id, n, rows, tokens, longest, kv_blocks, sample, layout, arena, logprobs, copies,
                           leading, bool(padded), prompt_positions, num_recounts=len(recounts),
-                          mask_deferred=bool(structured) and self.defer_masks, draws=draws)
+                          mask_deferred=bool(structured) and self.defer_masks, draws=draws, cuts=cuts)
         for row in recounts:  # the step is packed whole: the device will have rebuilt these
             seq = step.seqs[row]
             self._counted[int(index_t[row])] = (seq.seq_id, seq.blocks_epoch)

@@ -18,6 +18,8 @@ from corelib.ops.spec import SAMPLING_COLUMNS, SamplingInputs, TokenHistory
 #: as they were whatever its counts hold, so the runner keeps counts only for rows where one is not
 PENALTY_NEUTRAL: dict[str, float] = {c.name: c.neutral for c in SAMPLING_COLUMNS
                                      if c.name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+#: the cuts' sampling columns and their neutral values: a step where no row holds another draws without sorting
+CUT_NEUTRAL: dict[str, float] = {c.name: c.neutral for c in SAMPLING_COLUMNS if c.name in ("top_k", "top_p", "min_p")}
 
 
 def _int64(constant: int) -> int:
@@ -29,6 +31,8 @@ _GOLDEN = _int64(0x9E3779B97F4A7C15)
 _MIX1 = _int64(0xBF58476D1CE4E5B9)
 _MIX2 = _int64(0x94D049BB133111EB)
 _POSITION_KEY = _int64(0x632BE59BD9B4E019)
+#: the noise hash's constants (golden, mix 1, mix 2, position key), for a kernel that computes the same noise
+NOISE_CONSTANTS = (_GOLDEN, _MIX1, _MIX2, _POSITION_KEY)
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
@@ -40,12 +44,17 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, K] for the given token ids [B, K]; seeds and positions are [B]."""
+    """Gumbel(0, 1) noise [B, K] for the given token ids [B, K] (or [1, K], the same for every row); seeds and
+    positions are [B]."""
     key = _mix64(seeds * _POSITION_KEY + positions)  # [B]
-    bits = _mix64(key[:, None] ^ token_ids)  # [B, K]
-    # The mix's last step, x ^ (x >> 31), shifts arithmetically: bit 63 always ends 0. Bits 39-62 are uniform.
-    uniform = (((bits >> 39) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform_of(_mix64(key[:, None] ^ token_ids))))  # [B, K]
+
+
+def uniform_of(bits: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1), both ends excluded, from the hash's int64 bits: the 23 bits 40-62 (the mix's last step,
+    x ^ (x >> 31), shifts arithmetically, so bit 63 always ends 0), plus a half, over 2**23: exact in float32.
+    (24 bits plus a half round the largest to 1.0, whose noise is infinite: one token in 2**24 would win.)"""
+    return (((bits >> 40) & 0x7FFFFF).to(torch.float32) + 0.5) / 8388608.0
 
 
 def apply_token_bias(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
@@ -88,33 +97,53 @@ def processed_logits(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Te
     return apply_penalties(apply_token_bias(logits, sampling), sampling)
 
 
-def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
-    """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64.
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] / each row's temperature [B] (at least 1e-5), what a drawing row's cuts and noise are added to."""
+    return logits / temperature.clamp_min(1e-5)[:, None]
 
-    ``sampling.draws`` False (no row has a temperature above 0): every row's argmax of its processed logits,
-    exactly what the draw gives a greedy row, without the draw's sort and noise over the vocabulary.
-    min_p keeps the tokens whose probability is at least min_p times the likeliest one's (after the
-    temperature, as vLLM): exp(scaled - the largest scaled) >= min_p; then top-k, and top-p over
-    what is left, renormalised.
+
+def cut_thresholds(scaled: torch.Tensor, sampling: SamplingInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's cuts end: (value [B] float32, token id [B] int64) of the last token it keeps.
+
+    The cuts keep a prefix of the row's tokens ranked by scaled logit, ties by token id (a stable sort): top-k,
+    then min_p (exp(scaled - the largest) >= min_p, as vLLM), then top-p over what is left, renormalised: a
+    token stays while the mass ranked above it is below top_p; top_p 1 cuts nothing. So a token is kept where
+    its scaled logit is above the value, or equal to it with an id no larger: no [B, V] mask leaves the sort.
     """
-    logits = processed_logits(logits, sampling)
-    if not sampling.draws:
-        return logits.argmax(dim=-1)
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    seeds, positions = sampling.seeds, sampling.positions
-    vocab = logits.shape[-1]
-    scaled = logits / temperature.clamp_min(1e-5)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    top_k, top_p = sampling.top_k, sampling.top_p
     keep = ranks < torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)[:, None]
     keep = keep & ((sorted_logits - sorted_logits[:, :1]).exp() >= sampling.min_p[:, None])
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
-    keep = keep & (before < top_p[:, None])
-    noisy = sorted_logits + gumbel_noise(seeds, positions, order)
-    choice = noisy.masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
-    sampled = order.gather(-1, choice)[:, 0]
-    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+    keep = keep & ((before < top_p[:, None]) | (top_p >= 1.0)[:, None])
+    last = (keep.sum(dim=-1, keepdim=True) - 1).clamp_min(0)  # the rank of the last kept token (the top at least)
+    return sorted_logits.gather(-1, last)[:, 0], order.gather(-1, last)[:, 0]
+
+
+def sample_rows(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    """Per-row sampling; rows with temperature 0 are greedy. logits [B, V] float32 -> [B] int64.
+
+    ``sampling.draws`` False (no row has a temperature above 0): every row's argmax of its processed logits,
+    exactly what the draw gives a greedy row, without the draw's noise over the vocabulary.
+    A drawing row takes the argmax of its scaled logits plus Gumbel noise over the tokens its cuts keep
+    (:func:`cut_thresholds`), ties to the lowest token id. ``sampling.cuts`` False (no row has top-k, top-p
+    below 1 or min_p): nothing is cut and nothing is sorted; a row without cuts gets the same token either way.
+    """
+    logits = processed_logits(logits, sampling)
+    if not sampling.draws:
+        return logits.argmax(dim=-1)
+    temperature = sampling.temperature
+    scaled = scaled_logits(logits, temperature)
+    ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    noisy = scaled + gumbel_noise(sampling.seeds, sampling.positions, ids)
+    if sampling.cuts:
+        value, last = cut_thresholds(scaled, sampling)
+        keep = (scaled > value[:, None]) | ((scaled == value[:, None]) & (ids <= last[:, None]))
+        noisy = noisy.masked_fill(~keep, float("-inf"))
+    return torch.where(temperature > 0, noisy.argmax(dim=-1), logits.argmax(dim=-1))
 
 
 def penalized(columns: Mapping[str, torch.Tensor]) -> torch.Tensor:

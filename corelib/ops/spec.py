@@ -191,18 +191,21 @@ class SamplingInputs:
     prompt_lens: torch.Tensor | None = None  # [B] int64: outputs so far are positions - prompt_lens (None: 0)
     # Known on the host when the step is packed: False when no row has a temperature above 0, so every row takes
     # the argmax of its processed logits (bias, min_tokens, penalties), what the draw gives such rows, without
-    # the draw's sort of the vocabulary. True: rows with a temperature draw.
+    # the draw's noise over the vocabulary. True: rows with a temperature draw.
     draws: bool = True
+    # With draws: False when no row has a cut (top-k, top-p below 1, min_p), so nothing is sorted; True is never
+    # wrong (a row without cuts keeps every token either way), only slower.
+    cuts: bool = True
 
     @classmethod
     def from_views(
         cls, views: Mapping[str, torch.Tensor], rows: int, positions: torch.Tensor, history: TokenHistory | None = None,
-        draws: bool = True,
+        draws: bool = True, cuts: bool = True,
     ) -> SamplingInputs:
         """The first ``rows`` rows of a step's sampling columns and tables."""
         return cls(**{c.name: views[c.name][:rows] for c in SAMPLING_COLUMNS}, positions=positions, history=history,
                    **{t.name: views[t.name][:rows] for t in SAMPLING_TABLES}, prompt_lens=views["prompt_lens"][:rows],
-                   draws=draws)
+                   draws=draws, cuts=cuts)
 
     @classmethod
     def of(
@@ -218,7 +221,8 @@ class SamplingInputs:
                   else torch.full((rows,), c.neutral, dtype=c.dtype, device=device) for c in SAMPLING_COLUMNS}
         tables = {t.name: torch.as_tensor(columns[t.name], dtype=t.dtype, device=device) if t.name in columns
                   else torch.full((rows, t.width), t.neutral, dtype=t.dtype, device=device) for t in SAMPLING_TABLES}
-        return cls(**values, positions=positions, history=history, **tables, prompt_lens=prompt_lens, draws=True)
+        return cls(**values, positions=positions, history=history, **tables, prompt_lens=prompt_lens, draws=True,
+                   cuts=True)
 
 
 class RmsNorm(Protocol):
@@ -281,9 +285,9 @@ class Sample(Protocol):
 
         With sampling: logit_bias and min_tokens' ban, then the penalties of ``sampling.history`` (repetition,
         then frequency and presence, as vLLM applies them); then rows with temperature > 0 sample from
-        softmax(logits / temperature) cut to the top_k tokens and then to the smallest set whose
-        mass reaches top_p, with Gumbel noise from a counter-based hash of (seed, position,
-        token id); other rows take the argmax of the penalized logits.
+        softmax(logits / temperature) cut to the top_k tokens, then min_p, then to the smallest set whose
+        mass reaches top_p (top_p 1: no cut), with Gumbel noise from a counter-based hash of (seed, position,
+        token id), ties to the lowest id; other rows take the argmax of the penalized logits.
         """
         ...
 

@@ -52,8 +52,11 @@ class ForwardInput:
     # the mask is supplied (DeviceSteps.supply_mask).
     mask_deferred: bool = False
     # A step that needs the sampler: some row draws (temperature > 0). False: every row takes the argmax of its
-    # processed logits (the sampler's variant without the draw's sort of the vocabulary).
+    # processed logits (the sampler's variant without the draw's noise over the vocabulary).
     draws: bool = True
+    # With draws: some row has a cut (top-k, top-p below 1, min_p), so the sampler sorts the vocabulary first.
+    # False: no row cuts; the draw is noise and an argmax. True is never wrong, only slower.
+    cuts: bool = True
 
     @property
     def is_decode(self) -> bool:

@@ -575,7 +575,8 @@ class ModelRunner:
         sampling = None
         if sampler is not Sampler.argmax:  # the counts are current: the forward added this step's tokens
             history = TokenHistory(self.output_counts, self.prompt_counts, views["state_indices"][:rows])
-            sampling = SamplingInputs.from_views(views, rows, sample_positions, history, sampler is Sampler.draw)
+            sampling = SamplingInputs.from_views(views, rows, sample_positions, history,
+                                                 draws=sampler >= Sampler.draw, cuts=sampler is Sampler.cut)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         # A sampled step masks what structured output disallows (-inf) before anything else of the sampler;
@@ -617,7 +618,8 @@ class Sampler(enum.IntEnum):
 
     argmax = 0  # every row greedy with nothing to apply: the logits' argmax
     processed = 1  # some row's logits change first (logit_bias, min_tokens, a penalty, a mask); none draws
-    draw = 2  # some row draws (temperature > 0): the sampler's sort of the vocabulary, its cuts and noise
+    draw = 2  # some row draws (temperature > 0), none cuts: noise over the vocabulary and its argmax
+    cut = 3  # some row draws and some row has a cut (top-k, top-p, min_p): the vocabulary sorted first
 
     @property
     def suffix(self) -> str:
@@ -626,10 +628,12 @@ class Sampler(enum.IntEnum):
 
 
 def sampler_of(fi: ForwardInput) -> Sampler:
-    """The sampling variant step ``fi`` runs: what its packer said of its rows (``sample``, ``draws``)."""
+    """The sampling variant step ``fi`` runs: what its packer said of its rows (``sample``, ``draws``, ``cuts``)."""
     if not fi.sample:
         return Sampler.argmax
-    return Sampler.draw if fi.draws else Sampler.processed
+    if not fi.draws:
+        return Sampler.processed
+    return Sampler.cut if fi.cuts else Sampler.draw
 
 
 @dataclass(frozen=True)

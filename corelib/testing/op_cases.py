@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from corelib.ops import SAMPLING_COLUMNS, SAMPLING_TABLES, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops.sampling import CUT_NEUTRAL
 
 LONG_CONTEXT = 1900
 VOCAB = 151936
@@ -235,6 +236,7 @@ class SampleCase:
     ties: bool = False  # logits from bfloat16 values: many equal maxima
     sampled: bool = False  # every sampling column's example values cycled over the rows, a token history
     argmax: bool = False  # as sampled, but every row greedy and the step known not to draw (the processed argmax)
+    uncut: bool = False  # as sampled, but no row has a cut and the step is known to sort nothing (noise and argmax)
 
     def build(self, seed: int, device: torch.device) -> Args:
         gen = torch.Generator().manual_seed(seed)
@@ -242,7 +244,7 @@ class SampleCase:
         if self.ties:
             logits = logits.round()  # small integers: the maximum repeats in every row
         sampling = None
-        if self.sampled or self.argmax:
+        if self.sampled or self.argmax or self.uncut:
             # Each column cycles through its examples (column i shifted by i rows, so rows mix them);
             # a column without examples (the seeds) draws integers.
             columns = {}
@@ -276,9 +278,12 @@ class SampleCase:
                       "stop_ids": stop_ids.to(device)}
             if self.argmax:
                 columns["temperature"] = torch.zeros(self.batch, device=device)
+            if self.uncut:
+                columns.update({name: torch.full((self.batch,), neutral, dtype=columns[name].dtype, device=device)
+                                for name, neutral in CUT_NEUTRAL.items()})
             sampling = SamplingInputs.of(positions, history, prompt_lens, **columns, **tables)
-            if self.argmax:
-                sampling = dataclasses.replace(sampling, draws=False)
+            if self.argmax or self.uncut:
+                sampling = dataclasses.replace(sampling, draws=not self.argmax, cuts=False)
         return logits.to(device), sampling
 
 

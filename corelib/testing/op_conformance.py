@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -63,7 +62,7 @@ TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 Call = Callable[[Ops, Args], tuple[torch.Tensor, ...]]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OpTarget:
     """One op provider loaded for one device: what the tests run against."""
 
@@ -149,14 +148,15 @@ NORM_CASES = [
     NormCase(F32, (5, 4, 128), per_head=True),
     NormCase(BF16, (3, 2, 64), per_head=True),
 ]
-NORM_SWEEP = [
-    NormCase(d, (rows, hidden), residual=r)
-    for d, rows, hidden, r in itertools.product((F32, BF16), (1, 32, 128), (64, 1024, 3000, 8192), (False, True))
-] + [NormCase(d, (t, 16, hd), per_head=True) for d, t, hd in itertools.product((F32, BF16), (1, 128), (64, 128))]
+NORM_SWEEP = [NormCase(d, (rows, hidden), residual=r) for d, rows, hidden, r in itertools.product(
+    (F32, BF16), (1, 32, 128), (64, 1024, 3000, 8192), (False, True))] + [
+    NormCase(d, (t, 16, hd), per_head=True) for d, t, hd in itertools.product((F32, BF16), (1, 128), (64, 128))]
 SILU_CASES = [SiluCase(F32, 3, 1000), SiluCase(BF16, 1, 3072)]
 SILU_SWEEP = [SiluCase(d, t, i) for d, t, i in itertools.product((F32, BF16), (1, 32, 128), (3072, 1000))]
-SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 1000, sampled=True)]
-SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True), SampleCase(32, argmax=True)]
+SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 1000, ties=True, sampled=True),
+                SampleCase(4, 1000, uncut=True)]
+SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True), SampleCase(32, argmax=True),
+                SampleCase(32, uncut=True), SampleCase(128, ties=True, sampled=True)]
 # The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every
 # kernel a provider may choose by M (1-128), and a prefill-sized M.
 _M = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128)

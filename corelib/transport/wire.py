@@ -45,6 +45,7 @@ class InputFlags(enum.IntFlag):
     PADDED = 4  # a step with prompt tokens padded to its token bucket (num_tokens) and every row of the layout
     PROMPT_LOGPROBS = 8  # the layout carries prompt positions whose logprobs the step computes (eagerly)
     ARGMAX = 16  # with SAMPLE: no row draws (temperature 0 everywhere): the processed logits' argmax, no draw
+    UNCUT = 32  # with SAMPLE and not ARGMAX: no row has a cut (top-k, top-p, min_p): the draw sorts nothing
 
 
 class ResultFlags(enum.IntFlag):
@@ -246,7 +247,7 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     """The header of the input frame that carries step ``fi`` (its arena is the payload)."""
     # Plain integers: an IntFlag's ``|`` costs microseconds, on the path of every step.
     flags = (_SAMPLE if fi.sample else 0) | (_LOGPROBS if fi.logprobs else 0) | (_PADDED if fi.padded else 0) | (
-        _PROMPT_LOGPROBS if fi.prompt_logprobs else 0) | (0 if fi.draws else _ARGMAX)
+        _PROMPT_LOGPROBS if fi.prompt_logprobs else 0) | (0 if fi.draws else _ARGMAX) | (0 if fi.cuts else _UNCUT)
     return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, flags,
                        sent_at=sent_at, layout=fi.layout.words, num_tokens=fi.num_tokens,
                        max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows,
@@ -266,11 +267,12 @@ def input_of(header: FrameHeader, payload: torch.Tensor, where: str | None = Non
     prompt = layout.fields[layout.names.index(PROMPT_LOGPROBS)].shape[1] if flags & _PROMPT_LOGPROBS else 0
     return ForwardInput(header.step_id, rows, bucket, tokens, longest, header.kv_blocks, flags & _SAMPLE != 0, layout,
                         payload, flags & _LOGPROBS != 0, copies, decode_rows, flags & _PADDED != 0, prompt, recounts,
-                        draws=flags & _ARGMAX == 0)
+                        draws=flags & _ARGMAX == 0, cuts=flags & _UNCUT == 0)
 
 
-_SAMPLE, _LOGPROBS, _PADDED, _PROMPT_LOGPROBS, _ARGMAX = (int(flag) for flag in (
-    InputFlags.SAMPLE, InputFlags.LOGPROBS, InputFlags.PADDED, InputFlags.PROMPT_LOGPROBS, InputFlags.ARGMAX))
+_SAMPLE, _LOGPROBS, _PADDED, _PROMPT_LOGPROBS, _ARGMAX, _UNCUT = (int(flag) for flag in (
+    InputFlags.SAMPLE, InputFlags.LOGPROBS, InputFlags.PADDED, InputFlags.PROMPT_LOGPROBS, InputFlags.ARGMAX,
+    InputFlags.UNCUT))
 
 
 # ---------------------------------------------------------------------------------------- results

@@ -90,3 +90,35 @@ def test_over_shm_the_worker_sees_whether_the_step_draws(rows: tuple[SamplingPar
             w.consumers[0].release(frame)
     finally:
         w.close()
+
+
+CUT = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1)
+
+
+@pytest.mark.parametrize(("rows", "cuts"), [
+    ((GREEDY, SAMPLED), False),
+    ((SAMPLED, SamplingParams(max_tokens=8, temperature=1.0, seed=3)), False),
+    ((SAMPLED, CUT), True),
+    ((SamplingParams(max_tokens=8, temperature=0.5, top_k=5), GREEDY), True),
+    ((SamplingParams(max_tokens=8, temperature=0.5, min_p=0.1), GREEDY), True),
+])
+def test_a_drawing_step_sorts_only_where_a_row_has_a_cut(rows: tuple[SamplingParams, SamplingParams],
+                                                          cuts: bool) -> None:
+    w = wire(slot_bytes=1 << 16)
+    try:
+        for step in scheduled(*rows):
+            fi = packed(step)
+            assert fi.draws and fi.cuts == cuts, step.kind
+            w.producer.write(input_header(fi, sent_at=0.0), fi.arena[: fi.layout.nbytes])
+            frame = w.consumers[0].read()
+            received = input_of(frame.header, frame.payload, "test frame")
+            assert received.draws and received.cuts == cuts, step.kind
+            w.consumers[0].release(frame)
+    finally:
+        w.close()
+
+
+def test_a_step_that_does_not_draw_has_nothing_to_cut() -> None:
+    for step in scheduled(SamplingParams(max_tokens=8, top_p=0.5, top_k=3), BIASED):
+        fi = packed(step)
+        assert fi.sample and not fi.draws and not fi.cuts, step.kind

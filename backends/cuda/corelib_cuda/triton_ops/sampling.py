@@ -1,11 +1,16 @@
 # mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
 # ruff: noqa: N803 - compile-time constants are upper case, as in every Triton kernel
-"""Greedy sampling as a two-pass argmax (no sort of the vocabulary), also after the sampler's processing of the
-logits where no row draws; rows that draw use the reference.
+"""Sampling as a two-pass argmax over the vocabulary: of the logits (greedy), of the processed logits where no
+row draws, and of the scaled logits plus the reference's Gumbel noise where rows draw. Only cuts (top-k, top-p,
+min_p) sort, in torch (the reference's ``cut_thresholds``); the kernel keeps what they keep by its threshold.
 
 Pass one: each program takes one chunk of one row and keeps its maximum and where it is.
 Pass two: one program per row picks the best chunk. Ties go to the lowest token id in both
 passes, as torch.argmax does.
+
+The noise is the reference's splitmix64 hash of (seed, position, token id) in int64, the temperature a
+correctly rounded division and the logarithm libdevice's (the one torch's CUDA kernels call), so a row draws
+the reference's token on the GPU; Triton's interpreter has no libdevice and takes its own logarithm.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from corelib.ops.sampling import processed_logits, sample_rows
+from corelib.ops.sampling import NOISE_CONSTANTS, cut_thresholds, processed_logits, scaled_logits
 from corelib.ops.spec import SamplingInputs
 from corelib_cuda.triton_ops.common import check, next_power_of_2
 
 _OP = "sample"
 _CHUNK = 4096
+# the reference's hash constants (signed int64), as compile-time constants of the kernel
+_GOLDEN, _MIX1, _MIX2, _POSITION_KEY = (tl.constexpr(value) for value in NOISE_CONSTANTS)
 
 
 @triton.jit
@@ -55,24 +63,92 @@ def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, chunks, vocab, CHUNKS_PA
     tl.store(tokens_ptr + row, tl.min(tl.where(ok & (best == top), where, vocab), axis=0).to(tl.int64))
 
 
+@triton.jit
+def _mix64(x):
+    # the reference's splitmix64 finaliser: wrapping int64 arithmetic, arithmetic shifts
+    x = x + _GOLDEN
+    x = (x ^ (x >> 30)) * _MIX1
+    x = (x ^ (x >> 27)) * _MIX2
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _chunk_draw_kernel(logits_ptr, temperature_ptr, seeds_ptr, positions_ptr, cut_value_ptr, cut_id_ptr, best_ptr,
+                       where_ptr, vocab, row_stride, CUTS: tl.constexpr, CHUNK: tl.constexpr,
+                       LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    inside = cols < vocab
+    x = tl.load(logits_ptr + row * row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:  # a drawing row: the scaled logits plus the noise, over what its cuts keep
+        scaled = tl.math.div_rn(x, tl.maximum(temperature, 1e-5))
+        key = _mix64(tl.load(seeds_ptr + row) * _POSITION_KEY + tl.load(positions_ptr + row))
+        bits = _mix64(key ^ cols.to(tl.int64))
+        uniform = (((bits >> 40) & 0x7FFFFF).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the reference's uniform_of
+        if LIBDEVICE:  # noqa: SIM108 - a compile-time branch: the interpreter cannot trace libdevice
+            noise = -libdevice.log(-libdevice.log(uniform))
+        else:
+            noise = -tl.log(-tl.log(uniform))
+        x = scaled + noise
+        if CUTS:
+            value = tl.load(cut_value_ptr + row)
+            kept = (scaled > value) | ((scaled == value) & (cols <= tl.load(cut_id_ptr + row)))
+            x = tl.where(kept, x, float("-inf"))
+        x = tl.where(inside, x, float("-inf"))
+    best = tl.max(x, axis=0)
+    where = tl.min(tl.where(inside & (x == best), cols, vocab), axis=0)  # the first maximum
+    out = row * tl.num_programs(1) + chunk
+    tl.store(best_ptr + out, best)
+    tl.store(where_ptr + out, where)
+
+
 @functools.lru_cache(maxsize=16)
 def _chunks(vocab: int) -> tuple[int, int]:
     chunks = triton.cdiv(vocab, _CHUNK)
     return chunks, next_power_of_2(chunks)
 
 
+def _scratch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    rows, vocab = logits.shape
+    chunks, chunks_pad = _chunks(vocab)
+    tokens = torch.empty((rows,), dtype=torch.int64, device=logits.device)
+    best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    where = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    return tokens, best, where, chunks, chunks_pad
+
+
 def argmax(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     # logits [B, V] -> [B] int64; pdl: both kernels launched with programmatic dependent launch
     rows, vocab = logits.shape
-    tokens = torch.empty((rows,), dtype=torch.int64, device=logits.device)
+    tokens, best, where, chunks, chunks_pad = _scratch(logits)
     if rows == 0:
         return tokens
-    chunks, chunks_pad = _chunks(vocab)
-    best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
-    where = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     launch = {"launch_pdl": True} if pdl else {}
     _chunk_argmax_kernel[(rows, chunks)](logits, best, where, vocab, logits.stride(0), CHUNK=_CHUNK, PDL=pdl,
                                          num_warps=8, **launch)
+    _row_argmax_kernel[(rows,)](best, where, tokens, chunks, vocab, CHUNKS_PAD=chunks_pad, PDL=pdl, **launch)
+    return tokens
+
+
+def draw(logits: torch.Tensor, sampling: SamplingInputs, pdl: bool = False) -> torch.Tensor:
+    # processed logits [B, V] -> [B] int64: drawing rows' noisy argmax over what their cuts keep, others' argmax
+    rows, vocab = logits.shape
+    tokens, best, where, chunks, chunks_pad = _scratch(logits)
+    if rows == 0:
+        return tokens
+    temperature = sampling.temperature.to(torch.float32)
+    cut_value, cut_id = (cut_thresholds(scaled_logits(logits, temperature), sampling) if sampling.cuts
+                         else (temperature, sampling.seeds))  # unread without cuts
+    launch = {"launch_pdl": True} if pdl else {}
+    seeds, positions = sampling.seeds.to(torch.int64), sampling.positions.to(torch.int64)
+    _chunk_draw_kernel[(rows, chunks)](
+        logits, temperature, seeds, positions, cut_value, cut_id, best, where, vocab, logits.stride(0),
+        CUTS=sampling.cuts, CHUNK=_CHUNK, LIBDEVICE=logits.is_cuda, PDL=pdl, num_warps=8, **launch)
     _row_argmax_kernel[(rows,)](best, where, tokens, chunks, vocab, CHUNKS_PAD=chunks_pad, PDL=pdl, **launch)
     return tokens
 
@@ -85,7 +161,7 @@ def sample(logits: torch.Tensor, sampling: SamplingInputs | None, *, pdl: bool =
         logits = logits.contiguous()
     if sampling is None:
         return argmax(logits, pdl)
+    logits = processed_logits(logits, sampling)
     if not sampling.draws:  # every row greedy: the argmax of the processed logits, as the reference takes it
-        return argmax(processed_logits(logits, sampling), pdl)
-    # Sampled rows need the sorted vocabulary for top-p; the reference does that, with the same noise.
-    return sample_rows(logits, sampling)
+        return argmax(logits, pdl)
+    return draw(logits, sampling, pdl)
