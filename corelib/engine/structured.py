@@ -63,7 +63,22 @@ def llguidance_module() -> Any:
     except ImportError:
         raise StructuredOutputsError("structured_outputs", f"structured output needs the llguidance package: "
                                                            f"{INSTALL_HINT}") from None
+    version = getattr(llguidance, "__version__", "")
+    if _release(version) < LLGUIDANCE_MIN:  # 1.7 takes a tokenizer's several EOS ids
+        raise StructuredOutputsError("structured_outputs", f"structured output needs llguidance "
+                                                           f"{'.'.join(map(str, LLGUIDANCE_MIN))} or newer, not "
+                                                           f"{version or 'an unknown version'}: {INSTALL_HINT}")
     return llguidance
+
+
+#: the oldest llguidance structured output runs with (as pyproject's extras ask)
+LLGUIDANCE_MIN = (1, 7)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string; (0,) where it does not start with two numbers."""
+    parts = version.split(".")[:2]
+    return tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else (0,)
 
 
 def grammar_of(params: StructuredOutputsParams) -> str:

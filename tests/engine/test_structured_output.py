@@ -113,6 +113,17 @@ def test_without_llguidance_a_request_is_told_what_to_install(monkeypatch: pytes
         StructuredOutputs(None, 512, [1]).state(StructuredOutputsParams(json_object=True))
 
 
+@pytest.mark.parametrize("version", ["1.6.1", "0.7.30", "dev"])
+def test_an_llguidance_too_old_is_named_with_what_to_install(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    import types
+
+    monkeypatch.setitem(sys.modules, "llguidance", types.SimpleNamespace(__version__=version))
+    wanted = rf"llguidance 1\.7 or newer, not {version}: pip install"
+    with pytest.raises(StructuredOutputsError, match=wanted) as caught:
+        StructuredOutputs(None, 512, [1]).state(StructuredOutputsParams(json_object=True))
+    assert "\n" not in str(caught.value)
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
