@@ -20,12 +20,13 @@ The definitions (vLLM's, which the engine follows):
 - otherwise the penalised logits divided by the temperature, cut to the tokens whose probability is
   at least ``min_p`` times the likeliest one's (0: no cut), to the ``top_k`` largest (0: no cut),
   then to the tokens whose probability mass ranked strictly above them, renormalised over what
-  min-p and top-k left, is below ``top_p``; among those, the token whose scaled logit plus its Gumbel
-  noise is largest (the Gumbel-max trick: a draw from the softmax of what is left);
+  min-p and top-k left, is below ``top_p`` (1: no cut); tokens of equal logits rank by id, the lowest
+  first; among those, the token whose scaled logit plus its Gumbel noise is largest, the lowest id of
+  equal ones (the Gumbel-max trick: a draw from the softmax of what is left);
 - the noise of token ``t`` when sampling position ``p`` (the number of tokens before it) of a
   request seeded ``s`` is a function of (s, p, t) alone: splitmix64's finaliser twice, with its
-  right shifts arithmetic (sign-filling, as int64 shifts are), 24 bits of the result as a uniform
-  in (0, 1), and -log(-log(u)).
+  right shifts arithmetic (sign-filling, as int64 shifts are), 23 bits of the result as a uniform
+  in (0, 1) (bits + 1/2 over 2**23, exact in float32: neither end is reached), and -log(-log(u)).
 
 The arithmetic a token's choice depends on (the penalised and scaled logits, the noise and their
 sum) is done in float32, as the engine does it, so that the two agree to the bit wherever the
@@ -51,8 +52,8 @@ GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 MIX1 = 0xBF58476D1CE4E5B9  # splitmix64's finaliser multipliers
 MIX2 = 0x94D049BB133111EB
 POSITION_KEY = 0x632BE59BD9B4E019  # spreads the seed before the position is added
-UNIFORM_BITS = 24  # the uniform's bits, taken from bit 39 up
-UNIFORM_SHIFT = 39
+UNIFORM_BITS = 23  # the uniform's bits, taken from bit 40 up
+UNIFORM_SHIFT = 40
 MIN_TEMPERATURE = 1e-5  # the engine divides by at least this: the kit leaves the temperatures below alone
 
 
@@ -114,15 +115,15 @@ def mix64(x: int) -> int:
 
 
 def noise_bits(seed: int, position: int, token: int) -> int:
-    """The 24 uniform bits of token ``token`` at position ``position`` of a request seeded ``seed``."""
+    """The 23 uniform bits of token ``token`` at position ``position`` of a request seeded ``seed``."""
     key = mix64((seed * POSITION_KEY + position) & MASK64)
     return (mix64(key ^ token) >> UNIFORM_SHIFT) & ((1 << UNIFORM_BITS) - 1)
 
 
 def gumbel(seed: int, position: int, tokens: Sequence[int]) -> torch.Tensor:
-    """Gumbel(0, 1) noise of each of ``tokens``, float32 [len(tokens)]: u = (bits + 1/2) / 2**24, -log(-log u)."""
+    """Gumbel(0, 1) noise of each of ``tokens``, float32 [len(tokens)]: u = (bits + 1/2) / 2**23, -log(-log u)."""
     bits = torch.tensor([noise_bits(seed, position, t) for t in tokens], dtype=torch.float32)
-    uniform = (bits + 0.5) / float(1 << UNIFORM_BITS)  # in float32: bits near 2**24 round the half away
+    uniform = (bits + 0.5) / float(1 << UNIFORM_BITS)  # exact in float32, below 1
     return -torch.log(-torch.log(uniform))
 
 
@@ -191,5 +192,6 @@ def sample(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], s
     assert sampling.seed is not None  # checked when the settings were made
     scaled = logits / torch.tensor(sampling.temperature, dtype=torch.float32)
     kept = candidates(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
+    kept = sorted(kept)  # equal scores: the lowest id
     scores = scaled[kept] + gumbel(sampling.seed, len(prompt) + len(output), kept)
     return kept[int(torch.argmax(scores))]

@@ -59,20 +59,27 @@ def uniform_of(bits: torch.Tensor) -> torch.Tensor:
 
 def apply_token_bias(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
     """logit_bias added, then min_tokens' ban on the stop ids (vLLM applies both before the penalties);
-    logits [B, V] float32 -> a new [B, V], or ``logits`` itself with no table.
+    logits [B, V] float32 -> a new [B, V], or ``logits`` itself with no table."""
+    if sampling.stop_ids is None and (sampling.bias_ids is None or sampling.bias_values is None):
+        return logits
+    logits = logits.clone()
+    add_token_bias_(logits, sampling)
+    return logits
+
+
+def add_token_bias_(logits: torch.Tensor, sampling: SamplingInputs) -> None:
+    """:func:`apply_token_bias` in place.
 
     A row's stop ids are banned (-inf) while it has fewer outputs (positions - prompt_lens) than
     min_tokens. Padded entries add 0 to token 0: exactly nothing, so neutral rows keep their logits.
     """
     if sampling.bias_ids is not None and sampling.bias_values is not None:
-        logits = logits.scatter_add(1, sampling.bias_ids, sampling.bias_values)
+        logits.scatter_add_(1, sampling.bias_ids, sampling.bias_values)
     stop_ids = sampling.stop_ids
     if stop_ids is not None:
         outputs = sampling.positions if sampling.prompt_lens is None else sampling.positions - sampling.prompt_lens
         banned = (outputs < sampling.min_tokens)[:, None] & (stop_ids >= 0)
-        ban = torch.where(banned, float("-inf"), 0.0).to(logits.dtype)
-        logits = logits.scatter_add(1, stop_ids.clamp_min(0), ban)
-    return logits
+        logits.scatter_add_(1, stop_ids.clamp_min(0), torch.where(banned, float("-inf"), 0.0).to(logits.dtype))
 
 
 def apply_penalties(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:

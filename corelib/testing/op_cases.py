@@ -249,7 +249,9 @@ class SampleCase:
             # a column without examples (the seeds) draws integers.
             columns = {}
             for shift, column in enumerate(SAMPLING_COLUMNS):
-                if column.examples:
+                if (self.uncut and column.name in CUT_NEUTRAL) or (self.argmax and column.name == "temperature"):
+                    columns[column.name] = torch.full((self.batch,), column.neutral, dtype=column.dtype).to(device)
+                elif column.examples:
                     rows = (torch.arange(self.batch) + shift) % len(column.examples)
                     columns[column.name] = torch.tensor(column.examples, dtype=column.dtype)[rows].to(device)
                 else:
@@ -276,11 +278,6 @@ class SampleCase:
             prompt_lens = positions - torch.randint(0, 4, (self.batch,), generator=gen).to(device)
             tables = {"bias_ids": bias_ids.to(device), "bias_values": bias_values.to(device),
                       "stop_ids": stop_ids.to(device)}
-            if self.argmax:
-                columns["temperature"] = torch.zeros(self.batch, device=device)
-            if self.uncut:
-                columns.update({name: torch.full((self.batch,), neutral, dtype=columns[name].dtype, device=device)
-                                for name, neutral in CUT_NEUTRAL.items()})
             sampling = SamplingInputs.of(positions, history, prompt_lens, **columns, **tables)
             if self.argmax or self.uncut:
                 sampling = dataclasses.replace(sampling, draws=not self.argmax, cuts=False)

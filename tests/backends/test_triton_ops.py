@@ -243,3 +243,18 @@ def test_a_captured_step_split_over_its_keys_matches_the_reference(op_target: Op
         expected = call(reference_ops(), case.build(seed, torch.device("cpu")))
         for a, e in zip(actual, expected, strict=True):
             assert_matches(a, e, f"a captured step in {splits} key splits, step {seed}")
+
+
+def test_the_sampler_processes_logits_as_the_reference_bit_for_bit() -> None:
+    # The draw and the argmax compare tokens; this compares what they are taken from: bias, bans and the penalties
+    # (rows with every penalty neutral are left as they are, without reading their counts).
+    from corelib_cuda.triton_ops.sampling import processed_logits
+
+    from corelib.ops import SamplingInputs
+    from corelib.ops.sampling import processed_logits as reference
+    from corelib.testing.op_cases import SampleCase
+
+    for seed in range(3):
+        logits, sampling = SampleCase(16, 1000, sampled=True).build(seed, torch.device("cpu"))
+        assert isinstance(logits, torch.Tensor) and isinstance(sampling, SamplingInputs)
+        assert torch.equal(processed_logits(logits, sampling), reference(logits, sampling)), seed

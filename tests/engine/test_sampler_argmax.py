@@ -43,7 +43,7 @@ def test_without_the_draw_nothing_sorts_the_vocabulary(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.Tensor, "sort", counted)
     sample_rows(logits, sampling)
     assert sorts == []
-    sample_rows(logits, dataclasses.replace(sampling, draws=True))
+    sample_rows(logits, dataclasses.replace(sampling, draws=True, cuts=True))
     assert sorts == [1000]
 
 

@@ -85,11 +85,11 @@ def test_the_noise_by_hand() -> None:
     assert GOLDEN >> 63 == 1
     assert mix64(0) == 0x21F5A9B2BCD060C4
     assert all(0 <= mix64(x) <= MASK64 for x in (0, 1, MASK64, GOLDEN))
-    # (seed, position, token) -> 24 bits -> u = (bits + 1/2) / 2**24 -> -log(-log u)
-    for seed, position, token, bits in [(0, 0, 0, 0x2FEA47), (1, 7, 42, 0xD7AD08), (2**62 - 1, 511, 511, 0x1BA085),
-                                        (12345, 3, 2, 0x6D537F)]:
+    # (seed, position, token) -> 23 bits -> u = (bits + 1/2) / 2**23 -> -log(-log u)
+    for seed, position, token, bits in [(0, 0, 0, 0x17F523), (1, 7, 42, 0x6BD684), (2**62 - 1, 511, 511, 0xDD042),
+                                        (12345, 3, 2, 0x36A9BF)]:
         assert noise_bits(seed, position, token) == bits
-        expected = -math.log(-math.log((bits + 0.5) / 2**24))
+        expected = -math.log(-math.log((bits + 0.5) / 2**23))
         assert math.isclose(float(gumbel(seed, position, [token])[0]), expected, rel_tol=1e-6)
     assert noise_bits(1, 7, 42) != noise_bits(1, 8, 42) != noise_bits(2, 7, 42) != noise_bits(1, 7, 43)
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from corelib.ops.sampling import NOISE_CONSTANTS, cut_thresholds, processed_logits, scaled_logits
+from corelib.ops.sampling import NOISE_CONSTANTS, add_token_bias_, cut_thresholds, scaled_logits
 from corelib.ops.spec import SamplingInputs
 from corelib_cuda.triton_ops.common import check, next_power_of_2
 
@@ -105,6 +105,45 @@ def _chunk_draw_kernel(logits_ptr, temperature_ptr, seeds_ptr, positions_ptr, cu
     out = row * tl.num_programs(1) + chunk
     tl.store(best_ptr + out, best)
     tl.store(where_ptr + out, where)
+
+
+@triton.jit
+def _penalty_kernel(logits_ptr, output_counts_ptr, prompt_counts_ptr, states_ptr, repetition_ptr, frequency_ptr,
+                    presence_ptr, vocab, row_stride, CHUNK: tl.constexpr):
+    # In place, the reference's order: repetition where the token was seen, then frequency and presence over the
+    # sampled counts. A row whose three penalties are neutral is left as it is (the reference's arithmetic leaves
+    # it exactly so) without reading its counts.
+    row = tl.program_id(0).to(tl.int64)
+    repetition = tl.load(repetition_ptr + row)
+    frequency = tl.load(frequency_ptr + row)
+    presence = tl.load(presence_ptr + row)
+    if (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0):
+        cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        inside = cols < vocab
+        state = tl.load(states_ptr + row).to(tl.int64)
+        x = tl.load(logits_ptr + row * row_stride + cols, mask=inside)
+        sampled = tl.load(output_counts_ptr + state * vocab + cols, mask=inside, other=0).to(tl.float32)
+        prompt = tl.load(prompt_counts_ptr + state * vocab + cols, mask=inside, other=0)
+        seen = (sampled > 0) | (prompt > 0)
+        x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition), x)
+        x = x - frequency * sampled  # two roundings, as the reference's (no fused multiply-add: see the launch)
+        x = x - presence * (sampled > 0).to(tl.float32)
+        tl.store(logits_ptr + row * row_stride + cols, x, mask=inside)
+
+
+def processed_logits(logits: torch.Tensor, sampling: SamplingInputs) -> torch.Tensor:
+    # The reference's processed_logits, bit for bit, in one copy: logit_bias and min_tokens' ban added in place
+    # (a few entries a row), then the penalties in one pass over the penalized rows only.
+    out = logits.clone()
+    add_token_bias_(out, sampling)
+    history = sampling.history
+    rows, vocab = out.shape
+    if history is not None and rows:
+        _penalty_kernel[(rows, _chunks(vocab)[0])](
+            out, history.output_counts, history.prompt_counts, history.states, sampling.repetition_penalty,
+            sampling.frequency_penalty, sampling.presence_penalty, vocab, out.stride(0), CHUNK=_CHUNK, num_warps=8,
+            enable_fp_fusion=False)
+    return out
 
 
 @functools.lru_cache(maxsize=16)
