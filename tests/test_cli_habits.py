@@ -119,6 +119,9 @@ def test_bench_serve_takes_the_flags_of_vllm_bench_serve() -> None:
         "server.bench.prompt_len=64", "server.bench.output_len=32", "server.bench.seed=1"]
     assert habits("--max-concurrency", "8", "--model", "m", "--request-rate=inf", command="bench-serve") == [
         "server.bench.concurrency=[8]", "server.bench.model=m", "server.bench.rates=[inf]"]
+    assert habits("--temperature", "1.0", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
+                  command="bench-serve") == ["server.bench.temperature=1.0", "server.bench.top_p=0.9",
+                                             "server.bench.top_k=20", "server.bench.min_p=0.05"]
     with pytest.raises(ConfigError, match=r"^--dataset-name sharegpt: bench-serve takes random only"):
         habits("--dataset-name", "sharegpt", command="bench-serve")
 

@@ -70,6 +70,10 @@ BENCH_FLAG_KEYS: dict[str, str] = {
     "--random-output-len": "server.bench.output_len",
     "--random-prefix-len": "server.bench.shared_prefix_len",
     "--seed": "server.bench.seed",
+    "--temperature": "server.bench.temperature",
+    "--top-p": "server.bench.top_p",
+    "--top-k": "server.bench.top_k",
+    "--min-p": "server.bench.min_p",
     "--port": "server.port",
     "--host": "server.host",
     "--api-key": "server.bench.api_key",
@@ -259,12 +263,14 @@ def _model(value: str) -> str:
 def flag_hint(flag: str, command: str = "serve") -> str:
     """One line for a flag that is neither Hydra's nor a known habit: the key it may mean.
 
-    bench-serve reads only ``server.*`` keys (its load is ``server.bench.*``), so its hints name no other.
+    bench-serve reads only ``server.*`` keys (its load is ``server.bench.*``), so its hints name no other; the other
+    commands never read ``server.bench.*``.
     """
     if flag in NO_EQUIVALENT:
         return f"unknown flag {flag}: {NO_EQUIVALENT[flag]}"
     word = flag.lstrip("-").replace("-", "_")
-    keys = [key for key in schema_keys() if command != "bench-serve" or key.startswith("server.")]
+    keys = [key for key in schema_keys()
+            if (key.startswith("server.") if command == "bench-serve" else not key.startswith("server.bench."))]
     exact = [key for key in keys if key.rsplit(".", 1)[-1] == word]
     close = exact or difflib.get_close_matches(word, keys, n=3, cutoff=0.75) or [
         key for key in keys if difflib.get_close_matches(word, [key.rsplit(".", 1)[-1]], n=1, cutoff=0.8)]

@@ -615,6 +615,12 @@ class ServeBenchConfig:
         default=1024, metadata=doc("tokens a decoder asks for; it asks again when done, until the point ends")
     )
     disconnect_fraction: float = field(default=0.0, metadata=doc("share of clients that hang up mid-stream"))
+    temperature: float = field(
+        default=0.0, metadata=doc("every request's temperature: 0 greedy; OpenAI's default, what clients send, is 1")
+    )
+    top_p: float = field(default=1.0, metadata=doc("every request's top-p (1: no cut)"))
+    top_k: int = field(default=0, metadata=doc("every request's top-k (0 or -1: no cut)"))
+    min_p: float = field(default=0.0, metadata=doc("every request's min-p (0: no cut)"))
     seed: int = field(default=0, metadata=doc("prompts, arrivals and disconnects"))
     timeout_s: float = field(default=300.0, metadata=doc("longest one request may take"))
     api_key: str | None = field(default=None, metadata=doc("sent as Authorization: Bearer"))

@@ -51,6 +51,7 @@ from corelib.loadtest.loadclient import ENGINE_RSS, PREFIX_HITS, PREFIX_QUERIED,
 from corelib.loadtest.plot import plot_latencies
 from corelib.loadtest.workload import DATASET_LIMIT
 from corelib.observe.rundir import RunDir
+from corelib.sampling_params import SamplingError, SamplingParams
 from corelib.support.progress import Progress, Task, current, reporting
 from corelib.trust.files import parse_json, read_text
 
@@ -117,6 +118,9 @@ class Load:
         self.rng = random.Random(spec.seed)
         self.prompts = _read_dataset(Path(spec.dataset)) if spec.dataset else None
         self._cycle: Iterator[Prompt] | None = itertools.cycle(self.prompts) if self.prompts else None
+        # the cuts a request sets, where they cut (top_k and min_p are vLLM's fields beside OpenAI's)
+        self.cuts = {name: value for name, value, neutral in (("top_p", spec.top_p, 1.0), ("top_k", spec.top_k, 0),
+                                                              ("min_p", spec.min_p, 0.0)) if value != neutral}
         prefix = random.Random(spec.seed + 1)  # the same system prompt whatever the load's own draws
         if spec.endpoint is Endpoint.chat:
             self.prefix: Prompt = " ".join(prefix.choice(WORDS) for _ in range(spec.shared_prefix_len))
@@ -131,8 +135,8 @@ class Load:
         if self.rng.random() < spec.disconnect_fraction:
             hang_up = self.rng.randint(1, max(1, spec.output_len - 1))
         payload: dict[str, object] = {
-            "model": self.model, "max_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model, "max_tokens": spec.output_len, "temperature": spec.temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **self.cuts,
         }
         if spec.endpoint is Endpoint.chat:
             text = prompt if isinstance(prompt, str) else " ".join(str(t) for t in prompt)
@@ -332,6 +336,10 @@ async def run_bench(spec: ServeBenchConfig, console: Console) -> dict[str, objec
         raise ConfigError("server.bench: set num_requests or duration_s (both are 0, so the load would never end)")
     if not 0 <= spec.disconnect_fraction <= 1:
         raise ConfigError(f"server.bench.disconnect_fraction={spec.disconnect_fraction}: must be in [0, 1]")
+    try:  # the server's own checks of each value, before any request is sent
+        SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p)
+    except SamplingError as error:
+        raise ConfigError(f"server.bench.{error}") from None
     levels = [("rate", float(r)) for r in spec.rates] + [("concurrency", float(c)) for c in spec.concurrency]
     if not levels or any(level <= 0 for _, level in levels):
         raise ConfigError("server.bench: give positive rates (requests/s) or concurrency values")

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from corelib.config.schema import Endpoint, LogLevel, ServeBenchConfig, ServerConfig
 from corelib.errors import ConfigError
-from corelib.loadtest.loadgen import bench_serve, run_bench
+from corelib.loadtest.loadgen import Load, bench_serve, run_bench
 from corelib.loadtest.plot import plot_latencies
 from corelib.observe.rundir import RunDir
 from corelib.server.serve import RunningServer, start_in_thread
@@ -60,11 +60,24 @@ def test_chat_load_from_a_dataset(server: RunningServer, tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [({"num_requests": 0}, "never end"), ({"concurrency": []}, "positive"), ({"dataset": "/nonexistent.jsonl"},
-                                                                            "cannot be read")],
+                                                                            "cannot be read"),
+     ({"top_p": 0.0}, r"^server\.bench\.top_p=0\.0: must be in \(0, 1\]$"),
+     ({"temperature": -1.0}, r"^server\.bench\.temperature=-1\.0: must be")],
 )
 def test_a_bad_load_setting_is_one_line(server: RunningServer, changes: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         asyncio.run(run_bench(spec(server, **changes), Console(quiet=True)))
+
+
+def test_a_sampled_load_asks_for_its_sampling_and_loses_nothing(server: RunningServer) -> None:
+    settings = spec(server, temperature=1.0, top_p=0.9, top_k=20, min_p=0.05, num_requests=8)
+    payload, _ = Load(settings, "m").next_request()
+    assert (payload["temperature"], payload["top_p"], payload["top_k"], payload["min_p"]) == (1.0, 0.9, 20, 0.05)
+    greedy, _ = Load(spec(server), "m").next_request()
+    assert greedy["temperature"] == 0.0 and not {"top_p", "top_k", "min_p"} & set(greedy)
+    result = asyncio.run(run_bench(settings, Console(quiet=True)))
+    points = result["points"]
+    assert isinstance(points, list) and points[0]["completed"] == 8 and points[0]["lost"] == 0, points
 
 
 def test_requests_turned_away_with_429_are_refused_not_lost(overrides: list[str]) -> None:
