@@ -99,22 +99,7 @@ serve() {  # serve NAME overrides...: start a server in the background, wait for
     model.max_model_len=4096 server.port="$port" server.log_level=warning server.shutdown_grace_s=2 "$@" \
     hydra.run.dir="$out/$name-server" >"$out/$name-server.log" 2>&1 &
   server=$!
-  python3 - "$port" "$server" <<'EOF' || { echo "the $name server did not come up; see $out/$name-server.log"; return 1; }
-import os, sys, time, httpx
-deadline = time.time() + 300
-while time.time() < deadline:
-    try:
-        os.kill(int(sys.argv[2]), 0)
-    except ProcessLookupError:
-        sys.exit(1)
-    try:
-        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-sys.exit(1)
-EOF
+  python3 "$here/benchmarks/wait_for_server.py" "$port" "$server" || { echo "the $name server did not come up; see $out/$name-server.log"; return 1; }
 }
 stop() { kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null; }
 trap 'kill -TERM ${server:-0} 2>/dev/null' EXIT

@@ -8,6 +8,7 @@
 # elsewhere: MODEL=tiny DEVICE="backend=npu" REQUESTS=128 DURATION=3 benchmarks/serve_h200.sh /tmp/dry
 # (RATES=a,b: the request rates of the sweep, default 16,64,256)
 set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: serve_h200.sh OUTDIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
@@ -36,22 +37,7 @@ python3 -m corelib serve "${engine[@]}" engine.max_num_seqs=128 server.port="$po
   server.shutdown_grace_s=2 hydra.run.dir="$out/server" >"$out/server.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server' EXIT
-python3 - "$port" "$server" <<'EOF' || { echo "the server did not come up; see $out/server.log" >&2; exit 1; }
-import os, sys, time, httpx
-deadline = time.time() + 300
-while time.time() < deadline:
-    try:
-        os.kill(int(sys.argv[2]), 0)
-    except ProcessLookupError:
-        sys.exit(1)  # it exited
-    try:
-        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-sys.exit(1)
-EOF
+python3 "$repo/benchmarks/wait_for_server.py" "$port" "$server" || { echo "the server did not come up; see $out/server.log" >&2; exit 1; }
 
 load() {  # load NAME overrides...: one bench-serve run against the server
   local name=$1; shift

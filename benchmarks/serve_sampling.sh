@@ -8,7 +8,7 @@
 set -uo pipefail
 out=${1:?usage: serve_sampling.sh OUTDIR AFTER_SITE BEFORE_SITE}
 after=${2:?}; before=${3:?}
-mkdir -p "$out"; out=$(cd "$out" && pwd)
+mkdir -p "$out"; out=$(cd "$out" && pwd); repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$out" || exit 1  # from the repository's root, python -m corelib would import the checkout
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1
 port=${PORT:-8123}
@@ -19,18 +19,8 @@ for which in before after; do
     server.port="$port" server.log_level=warning server.shutdown_grace_s=2 hydra.run.dir="$out/$which-server" \
     >"$out/$which-server.log" 2>&1 &
   server=$!
-  PYTHONPATH="$after" python3 - "$port" <<'PY' || echo "$which: the server did not come up; see $which-server.log"
-import sys, time, httpx
-deadline = time.time() + 240
-while time.time() < deadline:
-    try:
-        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-sys.exit(1)
-PY
+  PYTHONPATH="$after" python3 "$repo/benchmarks/wait_for_server.py" "$port" "$server" \
+    || echo "$which: the server did not come up; see $which-server.log"
   for t in 0.0 1.0; do
     for point in "warm 'server.bench.concurrency=[64]' server.bench.num_requests=128" \
                  "c64 'server.bench.concurrency=[64]' server.bench.num_requests=384" \

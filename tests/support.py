@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import forkrun
+import pytest
 
 if TYPE_CHECKING:
     from corelib.engine import Engine, SamplingParams
@@ -208,3 +209,18 @@ def reference_sampled(weights: ModelWeights, prompt: Sequence[int], sampling: Sa
             if output[-1] in stops and len(output) > sampling.min_tokens:
                 break
     return output
+
+
+def counted_sorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The last dimension's width of every ``Tensor.sort`` from now on (a spy: each sort still runs)."""
+    import torch
+
+    widths: list[int] = []
+    sort = torch.Tensor.sort
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        widths.append(self.shape[-1])
+        return sort(self, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch.Tensor, "sort", counted)
+    return widths

@@ -1,5 +1,5 @@
 """A step whose rows are all greedy takes the argmax of its processed logits (logit_bias, min_tokens' ban, the
-penalties, a grammar's mask): what the draw gives a greedy row, without the draw's sort of the vocabulary."""
+penalties, a grammar's mask): what the draw gives a greedy row, without the draw's noise over the vocabulary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from support import EngineFactory
+from support import EngineFactory, counted_sorts
 
 from corelib.engine import SamplingParams
 from corelib.ops import SamplingInputs
@@ -33,14 +33,7 @@ def test_without_the_draw_greedy_rows_take_the_tokens_the_draw_gives_them() -> N
 
 def test_without_the_draw_nothing_sorts_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
     logits, sampling = built(4)
-    sorts: list[int] = []
-    sort = torch.Tensor.sort
-
-    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sorts.append(self.shape[-1])
-        return sort(self, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(torch.Tensor, "sort", counted)
+    sorts = counted_sorts(monkeypatch)
     sample_rows(logits, sampling)
     assert sorts == []
     sample_rows(logits, dataclasses.replace(sampling, draws=True, cuts=True))
@@ -54,9 +47,12 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
     (SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={7: 3.0}), Sampler.processed),
     (SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.3), Sampler.processed),
     (SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=2), Sampler.draw),
+    (SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=2), Sampler.cut),
+    (SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.2, top_k=20, seed=4), Sampler.cut),
 ])
-def test_the_decode_graphs_draw_only_where_a_row_has_a_temperature(make_engine: EngineFactory, params: SamplingParams,
-                                                                    want: Sampler) -> None:
+def test_the_decode_graphs_run_the_lightest_sampler_their_rows_need(make_engine: EngineFactory,
+                                                                     params: SamplingParams, want: Sampler) -> None:
+    # the argmax of the processed logits where no row draws; the draw without a sort where no row cuts
     engine = make_engine(["backend=npu", "engine.async_token_handoff=on", "engine.graph_capture=lazy"])
     reference = make_engine(["backend=cpu"]).generate(PROMPTS, [params] * 2)
     outputs = engine.generate(PROMPTS, [params] * 2)

@@ -1,6 +1,6 @@
 """A drawing row takes the argmax of its scaled logits plus noise over the tokens its cuts keep. A step where no
 row has a cut (top-k, top-p below 1, min_p) sorts nothing: the noise and an argmax over the vocabulary, the
-tokens the sorted path gives such rows."""
+tokens the sorted path gives such rows. (Which captured variant a step replays: test_sampler_argmax.py.)"""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import dataclasses
 
 import pytest
 import torch
-from support import EngineFactory
+from support import counted_sorts
 
-from corelib.engine import SamplingParams
 from corelib.ops import SamplingInputs
 from corelib.ops.sampling import cut_thresholds, gumbel_noise, sample_rows, uniform_of
-from corelib.step.runner import Sampler
 
 
 def test_the_noise_is_finite_for_every_hash() -> None:
@@ -44,14 +42,7 @@ def test_rows_without_cuts_draw_the_same_tokens_with_and_without_the_sort() -> N
 
 def test_without_cuts_nothing_sorts_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
     logits, sampling = drawn(4, 0)
-    sorts: list[int] = []
-    sort = torch.Tensor.sort
-
-    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sorts.append(self.shape[-1])
-        return sort(self, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(torch.Tensor, "sort", counted)
+    sorts = counted_sorts(monkeypatch)
     sample_rows(logits, dataclasses.replace(sampling, cuts=False))
     assert sorts == []
     sample_rows(logits, sampling)
@@ -73,21 +64,3 @@ def test_ties_at_the_top_k_boundary_keep_the_lowest_ids() -> None:
     logits = torch.zeros(64, 50)  # every token equally likely
     sampling = SamplingInputs.of(torch.arange(64), seeds=torch.arange(64), temperature=[1.0] * 64, top_k=[3] * 64)
     assert set(sample_rows(logits, sampling).tolist()) == {0, 1, 2}
-
-
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
-
-
-@pytest.mark.parametrize(("params", "want"), [
-    (SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=2), Sampler.draw),
-    (SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=2), Sampler.cut),
-    (SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.2, top_k=20, seed=4), Sampler.cut),
-])
-def test_the_decode_graphs_sort_only_where_a_row_has_a_cut(make_engine: EngineFactory, params: SamplingParams,
-                                                           want: Sampler) -> None:
-    engine = make_engine(["backend=npu", "engine.async_token_handoff=on", "engine.graph_capture=lazy"])
-    reference = make_engine(["backend=cpu"]).generate(PROMPTS, [params] * 2)
-    outputs = engine.generate(PROMPTS, [params] * 2)
-    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in reference]
-    used = {sampler for _, _, sampler, _ in engine.local_runner.graphs}
-    assert used == {want}, used
