@@ -576,7 +576,8 @@ class ModelRunner:
         if sampler is not Sampler.argmax:  # the counts are current: the forward added this step's tokens
             history = TokenHistory(self.output_counts, self.prompt_counts, views["state_indices"][:rows])
             sampling = SamplingInputs.from_views(views, rows, sample_positions, history,
-                                                 draws=sampler >= Sampler.draw, cuts=sampler is Sampler.cut)
+                                                 draws=sampler in (Sampler.draw, Sampler.cut),
+                                                 cuts=sampler is Sampler.cut)
         # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
         # for it and fails that request; the relay keeps the sampled id, a valid index either way.
         # A sampled step masks what structured output disallows (-inf) before anything else of the sampler;

@@ -31,3 +31,15 @@ def test_the_cuda_sampler_gives_the_reference_logits_and_tokens(case: SampleCase
         assert torch.equal(cuda.sample(logits, sampling), sample_rows(logits, sampling)), seed
         greedy = dataclasses.replace(sampling, temperature=torch.zeros_like(sampling.temperature), draws=False)
         assert torch.equal(cuda.sample(logits, greedy), sample_rows(logits, greedy)), seed
+
+
+def test_on_the_gpu_a_row_holding_nan_still_samples_a_valid_token_id() -> None:
+    from corelib_cuda.triton_ops import sampling as cuda
+
+    logits = torch.randn(4, VOCAB, device="cuda")
+    logits[1, 7] = float("nan")
+    logits[2] = float("nan")
+    drawn = SamplingInputs.of(torch.arange(4, device="cuda"), seeds=[1, 2, 3, 4], temperature=[0.0, 1.0, 1.0, 0.0])
+    for sampling in (None, drawn, dataclasses.replace(drawn, cuts=False)):
+        tokens = cuda.sample(logits, sampling)
+        assert bool(((tokens >= 0) & (tokens < VOCAB)).all()), tokens

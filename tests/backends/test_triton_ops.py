@@ -258,3 +258,18 @@ def test_the_sampler_processes_logits_as_the_reference_bit_for_bit() -> None:
         logits, sampling = SampleCase(16, 1000, sampled=True).build(seed, torch.device("cpu"))
         assert isinstance(logits, torch.Tensor) and isinstance(sampling, SamplingInputs)
         assert torch.equal(processed_logits(logits, sampling), reference(logits, sampling)), seed
+
+
+def test_a_row_holding_nan_still_samples_a_valid_token_id() -> None:
+    # The finite check fails such a request, but its id may already feed the next step's embedding lookup.
+    from corelib_cuda.triton_ops.sampling import sample
+
+    from corelib.ops import SamplingInputs
+
+    logits = torch.randn(3, 5000)
+    logits[1, 7] = float("nan")
+    logits[2] = float("nan")
+    drawn = SamplingInputs.of(torch.arange(3), seeds=[1, 2, 3], temperature=[0.0, 1.0, 1.0])
+    for sampling in (None, drawn):
+        tokens = sample(logits, sampling)
+        assert bool(((tokens >= 0) & (tokens < 5000)).all()), tokens

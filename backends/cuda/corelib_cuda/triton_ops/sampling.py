@@ -60,7 +60,10 @@ def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, chunks, vocab, CHUNKS_PA
     best = tl.load(best_ptr + row * chunks + c, mask=ok, other=float("-inf"))
     where = tl.load(where_ptr + row * chunks + c, mask=ok, other=vocab)
     top = tl.max(best, axis=0)
-    tl.store(tokens_ptr + row, tl.min(tl.where(ok & (best == top), where, vocab), axis=0).to(tl.int64))
+    token = tl.min(tl.where(ok & (best == top), where, vocab), axis=0)
+    # A row holding NaN equals no maximum: it still gets a valid id (the finite check fails its request; the id
+    # may be fed to the next step before the host has read that).
+    tl.store(tokens_ptr + row, tl.minimum(token, vocab - 1).to(tl.int64))
 
 
 @triton.jit
