@@ -2,7 +2,9 @@
 the projections' ``Tuning``: how the GEMV's tiles and the kernel thresholds were chosen.
 
 Each configuration is a label and a JSON object of ``Tuning`` fields; every one is timed at its own
-batch sizes on the same model load (the step of benchmarks/decode_step.py, a 64-token context).
+batch sizes on the same model load (the step of benchmarks/decode_step.py, a 64-token context). Each
+step's logits are compared with the first configuration's at that batch size (the same inputs): the
+largest error relative to their scale, and whether every row's argmax agrees.
 
     python3 benchmarks/projection_tuning.py --models small-0.6b llama-1b --out tuning.json \\
         --config default '{}' 1 2 4 --config t32k-p2 '{"gemv_tile_bytes": 32768, "gemv_programs_per_sm": 2}' 1 2 4
@@ -17,6 +19,7 @@ from typing import Any
 
 import decode_step
 import torch
+import triton
 from corelib_cuda.triton_ops import TritonOps, linear
 
 from corelib.ops.reference import reference_ops
@@ -38,14 +41,22 @@ def main() -> None:
     try:
         for name in args.models:
             model = decode_step.load(name, "bfloat16", device)
+            first: dict[int, torch.Tensor] = {}
             for label, changes, batches in configs:
                 linear.TUNING = dataclasses.replace(default, **changes)
                 for batch in batches:
                     inputs, cache = decode_step.step_inputs(model, batch, args.context)
-                    result = decode_step.replay(model, ops, inputs, cache, 5)
+                    try:
+                        result = decode_step.replay(model, ops, inputs, cache, 5)
+                    except triton.runtime.errors.OutOfResources as error:  # a tile too large for this GPU
+                        print(f"{name} bs {batch} {label}: {error}", flush=True)
+                        continue
+                    logits = first.setdefault(batch, result["logits"])
                     rows.append({"model": name, "label": label, "tuning": changes, "batch": batch,
                                  "us_per_step": result["us_per_step"],
-                                 "replays_identical": result["replays_identical"]})
+                                 "replays_identical": result["replays_identical"],
+                                 "relative_error": decode_step.relative_error(result["logits"], logits),
+                                 "argmax_equal": bool(torch.equal(result["logits"].argmax(-1), logits.argmax(-1)))})
                     print(json.dumps(rows[-1]), flush=True)
             del model
             torch.cuda.empty_cache()
@@ -54,7 +65,8 @@ def main() -> None:
     with open(args.out, "w") as out:
         json.dump({"context": args.context, "default": dataclasses.asdict(default), "steps": rows}, out, indent=2)
     for r in rows:
-        print(f"{r['model']:>11} bs {r['batch']:>3} {r['label']:>24} {r['us_per_step']:9.1f} us")
+        print(f"{r['model']:>11} bs {r['batch']:>3} {r['label']:>24} {r['us_per_step']:9.1f} us "
+              f"err {r['relative_error']:.1e} argmax {'=' if r['argmax_equal'] else '!='}")
 
 
 if __name__ == "__main__":

@@ -209,11 +209,12 @@ FORCED_GEMM = [
     ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 20, 96, 40)),
     ("norm_logits", NormLogitsCase(F32, 17, 64, 300)),
     ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 20, 2, 64, 16, hidden=128, bias=True)),
+    ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 20, 1024, 24)),  # K split: the rows' squares summed over splits
 ]
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["weight-rows-as-mma-rows", "x-rows-as-mma-rows"])
-@pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[op for op, _ in FORCED_GEMM])
+@pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[f"{op}-{i}" for i, (op, _) in enumerate(FORCED_GEMM)])
 def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
     op_target: OpTarget, op: str, case: Case, swap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,6 +223,7 @@ def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
                                                                    gemm_swap=swap))
     assert projections.kernel_for(20, 97, 300, 2) is projections.Kernel.GEMM
     assert projections.gemm_plan(20, 97, 300, False, 2, INTERPRETER_SM_COUNT, projections.TUNING).swap is swap
+    assert projections.gemm_plan(20, 24, 1024, True, 2, INTERPRETER_SM_COUNT, projections.TUNING).split_k > 1
     call = CALLS[op]
     actual = call(op_target.ops, case.build(0, torch.device("cpu")))
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))

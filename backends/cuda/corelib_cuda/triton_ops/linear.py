@@ -10,10 +10,14 @@ decode step replayed as a graph, per model and batch size, chose between what it
   32 KB, two programs per multiprocessor wanted, took 2.5 % (small-0.6b), 3.6 % (1 B) and 16 %
   (8 B; its down projection no longer splits K) off a bs-1 step against 16 KB and four; from
   two rows the large weights went faster through cuBLAS (bs 2: 4 %, 14 %, 27 % off the step);
-- the tensor-core kernel (split over K; up to 64 rows the weight tile is the MMA's row side) for
-  ``gemm_min_m`` to ``gemm_max_m`` rows, where it beats cuBLAS. Alone it lost at nearly every
-  decode shape (M = 8-256, 0.6-8 B); in the step, with its fused norms and epilogues, it took 10 %
-  off small-0.6b at bs 8 but added 10-18 % to the 1 B shape at bs 4-8, so the range stays empty by default;
+- the tensor-core kernel (split over K; up to 64 rows the weight tile is the MMA's row side) past
+  the GEMV up to ``gemm_max_m`` rows where K is at most ``gemm_max_k``. Alone it loses to cuBLAS
+  at nearly every decode shape (M = 8-256, 0.6-8 B); in the step, its fused norm and epilogues
+  save the norm, RoPE and SiLU kernels cuBLAS needs beside it. Measured as the step's device time
+  (benchmarks/projection_tuning.py), small-0.6b (K = 1024, but 3072 for down) took 8-16 % less at
+  6-16 rows with it for K <= 1024 (the down projection through it cost more than it saved at 6
+  and 12 rows); the 1 B shape (K = 2048) gained nothing at 6-16 rows, and both models lost
+  11-62 % at 32-64 rows;
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
@@ -50,7 +54,8 @@ class Tuning:
     gemv_max_m_large: int = 1  # the same for larger weights
     gemv_small_bytes: int = 16 << 20
     gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
-    gemm_max_m: int = 0  # ... up to these: none by default (the module docstring says why)
+    gemm_max_m: int = 16  # ... up to these ...
+    gemm_max_k: int = 1024  # ... where K is at most this (the module docstring says why)
     gemv_tile_bytes: int = 32768  # weight bytes one GEMV program loads at once
     gemv_programs_per_sm: int = 2  # split rows, then K, until the GEMV has this many programs per SM
     gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
@@ -74,7 +79,7 @@ def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
     gemv_rows = tuning.gemv_max_m if n * k * itemsize <= tuning.gemv_small_bytes else tuning.gemv_max_m_large
     if m <= gemv_rows:
         return Kernel.GEMV
-    if tuning.gemm_min_m <= m <= tuning.gemm_max_m:
+    if tuning.gemm_min_m <= m <= tuning.gemm_max_m and k <= tuning.gemm_max_k:
         return Kernel.GEMM
     return Kernel.CUBLAS
 
@@ -215,8 +220,11 @@ class Projection:
         g = gemm_plan(m, self.n_out, k, self.paired, w.element_size(), sms, TUNING)
         grid = (triton.cdiv(m, g.block_m), triton.cdiv(self.n_out, g.block_n), g.split_k)
         part, count = self._workspace(g.split_k, m, grid[0] * grid[1])
+        stats = x  # unused without a norm or a split
+        if self.norm_weight is not None and g.split_k > 1:  # each split's squares of the rows, [blocks, split, M]
+            stats = torch.empty((grid[0] * grid[1], g.split_k, m), dtype=torch.float32, device=device)
         proj.gemm_kernel[grid](
-            x, w, norm_weight, part, count, *common,
+            x, w, norm_weight, part, count, stats, *common,
             m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps, g.k_per_split,
             SPLIT_K=g.split_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
             UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), SWAP=g.swap, num_warps=g.warps,

@@ -11,8 +11,14 @@ Two kernels share the row mapping and the epilogues:
   weight tile loaded before the PDL wait; with SWAP the weight tile is the MMA's row side and the
   few rows of x its narrow side (the accumulator transposed before the epilogue).
 
-Prologue (NORM): x is rms_norm(x) * norm_weight, rounded to the model dtype as the reference
-rounds it; each program computes the statistics of its rows over the whole of K itself.
+Prologue (NORM): in the GEMV x is rms_norm(x) * norm_weight, rounded to the model dtype as the
+reference rounds it; each program computes the statistics of its rows over the whole of K itself.
+The tensor-core kernel reads x once: its tiles are x * norm_weight (rounded once, for the tensor
+cores), it sums the rows' squares over its own K range as it goes (split-K programs store theirs
+beside their partials), and the rows' 1/rms scales the products once K is summed. It rounds one
+product where the reference rounds two, within the dtype's tolerance of it, and no program
+reads the whole of K for the statistics (at 32 rows that second read cost more than the norm's
+own kernel).
 Paired rows (PAIRED): each output column reads two weight rows, a and b: gate and up for
 SiLU-and-multiply (b = a + I), or a feature and its rotate-half partner for RoPE
 (b = a + hd/2 within a head), so a program always holds both halves it combines.
@@ -256,14 +262,29 @@ def gemv_kernel(
 
 
 @triton.jit
-def _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, rstd, NORM: tl.constexpr, DTYPE: tl.constexpr,
-            RNE: tl.constexpr):
-    """Rows ``ms`` of x at columns ``ks`` [BLOCK_M, BLOCK_K], normalized with NORM."""
+def _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM: tl.constexpr, DTYPE: tl.constexpr, RNE: tl.constexpr):
+    """Rows ``ms`` of x at columns ``ks`` [BLOCK_M, BLOCK_K] and their squares summed over ``ks`` [BLOCK_M].
+
+    With NORM the tile is x * norm_weight, rounded once for the tensor cores; the rows' 1/rms scales the
+    products once K is summed (``_scaled``), so no program reads x twice."""
     x = tl.load(x_ptr + ms[:, None] * x_s0 + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    squares = tl.zeros([ms.shape[0]], tl.float32)
     if NORM:
+        xf = x.to(tl.float32)
+        squares = tl.sum(xf * xf, axis=1)
         nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        x = _normed(x.to(tl.float32), rstd[:, None], nw[None, :], DTYPE, RNE).to(DTYPE)
-    return x
+        x = rounded(xf * nw[None, :], DTYPE, RNE).to(DTYPE)
+    return x, squares
+
+
+@triton.jit
+def _scaled(acc_a, acc_b, squares, K, eps, NORM: tl.constexpr):
+    """The products [BLOCK_M, BLOCK_N] times their rows' 1/rms (from the squares of the whole of K) with NORM."""
+    if NORM:
+        rstd = (1.0 / tl.sqrt(squares / K + eps))[:, None]
+        acc_a = acc_a * rstd
+        acc_b = acc_b * rstd
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -281,7 +302,7 @@ def _dot(acc, w, x, SWAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.cons
 
 @triton.jit
 def gemm_kernel(
-    x_ptr, w_ptr, nw_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, nw_ptr, part_ptr, count_ptr, stats_ptr,
     out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
     pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
     kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
@@ -312,17 +333,13 @@ def gemm_kernel(
         w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if NORM:
-        rstd = _row_rstd(x_ptr, x_s0, ms, m_ok, K, eps, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_M], tl.float32)  # unused
     if SWAP:
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    x = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, rstd, NORM, dtype, RNE)
+    x, squares = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, dtype, RNE)
     acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
     if PAIRED:
         acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
@@ -331,7 +348,8 @@ def gemm_kernel(
         k_ok = ks < k_end
         w_mask = c_ok[:, None] & k_ok[None, :]
         w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
-        x = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, rstd, NORM, dtype, RNE)
+        x, more = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, dtype, RNE)
+        squares += more
         acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
         if PAIRED:
             w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
@@ -342,6 +360,7 @@ def gemm_kernel(
     if not PAIRED:
         acc_b = acc_a
     if SPLIT_K == 1:
+        acc_a, acc_b = _scaled(acc_a, acc_b, squares, K, eps, NORM)
         _epilogue(acc_a, acc_b, ms, m_ok, cols, c_ok, row_a, row_b,
                   out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
                   pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
@@ -353,19 +372,27 @@ def gemm_kernel(
         tl.store(part, acc_a, mask=mask)
         if PAIRED:
             tl.store(part + SPLIT_K * M * n_out, acc_b, mask=mask)
+        block = pid_m * tl.num_programs(1) + pid_n
+        if NORM:  # this split's squares, [blocks, SPLIT_K, M]
+            tl.store(stats_ptr + (block * SPLIT_K + split) * M + ms, squares, mask=m_ok)
         tl.debug_barrier()
-        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        counter = count_ptr + block
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            squares = tl.zeros([BLOCK_M], tl.float32)
             for s in range(0, SPLIT_K):
                 part = part_ptr + (s * M + ms)[:, None] * n_out + cols[None, :]
                 acc_a += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                 if PAIRED:
                     acc_b += tl.load(part + SPLIT_K * M * n_out, mask=mask, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    squares += tl.load(stats_ptr + (block * SPLIT_K + s) * M + ms, mask=m_ok, other=0.0,
+                                       cache_modifier=".cg")
             if not PAIRED:
                 acc_b = acc_a
+            acc_a, acc_b = _scaled(acc_a, acc_b, squares, K, eps, NORM)
             _epilogue(acc_a, acc_b, ms, m_ok, cols, c_ok, row_a, row_b,
                       out_ptr, out_s0, res_ptr, res_s0, bias_ptr,
                       pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
