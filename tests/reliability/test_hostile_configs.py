@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import FIXTURES, Cli, assert_user_error
+from support import FIXTURES, Cli, assert_user_error, every
 
 HOSTILE = FIXTURES / "hostile"
 SEARCHPATH = f"hydra.searchpath=[file://{HOSTILE}]"
@@ -93,7 +93,7 @@ def assert_unharmed(where: Path) -> None:
     assert not (where / "hostile-ran").exists(), "a process imported the hostile sitecustomize.py"
 
 
-@pytest.mark.parametrize("name", list(ATTACKS))
+@pytest.mark.parametrize("name", every(3, list(ATTACKS)))
 def test_a_hostile_config_is_refused_before_hydra_acts_on_it(name: str, cli: Cli, victims: Path) -> None:
     attack = ATTACKS[name]
     result = cli("run", *QUICK, SEARCHPATH, *attack.overrides)
@@ -114,8 +114,8 @@ def test_a_symlink_planted_in_an_existing_run_directory_is_not_followed(planted:
     assert_unharmed(victims)
 
 
-@pytest.mark.parametrize("planted", ["outputs.jsonl", ".config.yaml.partial", ".plan.json.partial",
-                                     ".metrics.json.partial", "config.yaml", "metrics.json"])
+@pytest.mark.parametrize("planted", every(3, ["outputs.jsonl", ".config.yaml.partial", ".plan.json.partial",
+                                               ".metrics.json.partial", "config.yaml", "metrics.json"]))
 def test_corelibs_own_files_are_never_written_through_a_planted_symlink(planted: str, cli: Cli,
                                                                         victims: Path) -> None:
     run_dir = victims / "shared-run"
@@ -186,7 +186,7 @@ OPERATOR_ATTACKS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OPERATOR_ATTACKS))
+@pytest.mark.parametrize("name", every(3, list(OPERATOR_ATTACKS)))
 def test_a_shared_config_cannot_change_the_operators_server_settings(name: str, cli: Cli, tmp_path: Path) -> None:
     attack = OPERATOR_ATTACKS[name]
     env = {"CORELIB_API_KEY": SECRET, "HOSTILE_SECRET": SECRET}

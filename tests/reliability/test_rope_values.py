@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import error_lines
+from support import error_lines, every
 
 from corelib.cli.main import main
 from corelib.errors import ConfigError
@@ -100,7 +100,7 @@ def overrides(entry: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in BAD if name not in ("llama3-original-huge", "yarn-beta-text")])
+@pytest.mark.parametrize("name", every(4, [n for n in BAD if n not in ("llama3-original-huge", "yarn-beta-text")]))
 def test_the_command_line_refuses_each_in_one_line(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,7 +121,7 @@ def test_values_that_are_fine_alone_but_not_with_the_models_base_are_refused(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in BAD if name not in ("yarn-factor-inf",)])
+@pytest.mark.parametrize("name", every(4, [name for name in BAD if name not in ("yarn-factor-inf",)]))
 def test_a_checkpoint_is_refused_naming_its_config_json_key(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
