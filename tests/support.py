@@ -91,11 +91,14 @@ class CliResult:
         return error_lines(self.stderr)
 
 
-def every(keep: int, cases: Sequence[object]) -> list[object]:
+def every(keep: int, cases: Sequence[object], arguments: int = 1) -> list[object]:
     """``cases`` as parameters of which every ``keep``-th (the first included) runs in the default run and the
-    rest with the long checks: for sweeps that run the CLI once a case, which CI runs whole (pytest -m long)."""
-    return [case if i % keep == 0 else pytest.param(*(case if isinstance(case, tuple) else (case,)),
-                                                    marks=pytest.mark.long)
+    rest with the long checks: for sweeps that run the CLI once a case, which CI runs whole (pytest -m long).
+    ``arguments``: the parametrized names; past one, each case is the tuple of their values."""
+    def value(case: object) -> tuple[object, ...]:
+        return tuple(case) if arguments > 1 and isinstance(case, tuple) else (case,)
+
+    return [case if i % keep == 0 else pytest.param(*value(case), marks=pytest.mark.long)
             for i, case in enumerate(cases)]
 
 

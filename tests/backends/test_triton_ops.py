@@ -33,6 +33,7 @@ from corelib_cuda.triton_ops import paged_attention as attention
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import decode_config
 from omegaconf import OmegaConf
+from support import every
 
 from corelib.config.schema import ModelConfig
 from corelib.models.base import StepBatch
@@ -231,7 +232,7 @@ def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
         assert_matches(a, e, f"{op} on the tensor-core kernel", getattr(case, "tolerance_dtype", None))
 
 
-@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("splits", every(2, [2, 4]))
 def test_a_captured_step_split_over_its_keys_matches_the_reference(op_target: OpTarget, splits: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Each query block's keys shared among programs, merged by their log-sum-exp: forced here on the captured

@@ -182,10 +182,10 @@ def edit_json(path: Path, **changes: object) -> None:
     path.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize(("key", "value"), [
+@pytest.mark.parametrize(("key", "value"), every(2, arguments=2, cases=[
     ("tie_word_embeddings", "false"), ("attention_bias", "false"), ("mlp_bias", "no"),
     ("use_sliding_window", "true"), ("tie_word_embeddings", 0),
-])
+]))
 def test_a_boolean_written_as_anything_but_true_or_false_is_refused(
     key: str, value: object, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -195,7 +195,7 @@ def test_a_boolean_written_as_anything_but_true_or_false_is_refused(
               f"{checkpoint}/config.json: {key} must be true or false (got {json.dumps(value)})")
 
 
-@pytest.mark.parametrize(("scaling", "says"), every(3, [
+@pytest.mark.parametrize(("scaling", "says"), every(3, arguments=2, cases=[
     ({"rope_type": "linear", "factor": 1e308}, "factor=1e+308: rope_type=linear needs a factor in [1, 10000]"),
     ({"rope_type": "linear", "factor": float("inf")}, "factor=inf: must be a finite number"),
     ({"rope_type": "linear", "factor": float("nan")}, "factor=nan: must be a finite number"),
@@ -215,12 +215,12 @@ def test_rope_scaling_beyond_any_use_is_refused(
               f"{checkpoint}/config.json: rope_scaling.{says}")
 
 
-@pytest.mark.parametrize(("where", "value", "says"), [
+@pytest.mark.parametrize(("where", "value", "says"), every(2, arguments=3, cases=[
     ("generation_config.json", list(range(1_000_000)), "eos_token_id 320 is not a token id of the vocabulary [0, 320)"),
     ("generation_config.json", [2, "3"], 'eos_token_id "3" is not a token id'),
     ("config.json", -5, "eos_token_id -5 is not a token id"),
     ("generation_config.json", list(range(10)) * 1000, "eos_token_id lists more than 8 distinct token ids"),
-])
+]))
 def test_end_of_sequence_ids_are_checked_before_anything_is_done_with_them(
     where: str, value: object, says: str, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,

@@ -243,7 +243,7 @@ TABLE: list[tuple[str, str, Case]] = [
 ]
 # A config case runs the CLI and a frame case starts an SHM worker: a second or more each.
 FRAMES_IN_THE_DEFAULT_RUN = 3  # each frame case starts and kills a worker: the rest run with the long checks
-CONFIGS_EVERY = 3  # every third config case in the default run, the rest with the long checks
+CONFIGS_EVERY = 4  # every fourth config case in the default run, the rest with the long checks
 
 
 def _marks(kind: str, name: str) -> list[pytest.MarkDecorator]:

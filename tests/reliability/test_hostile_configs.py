@@ -140,13 +140,13 @@ def test_a_fifo_planted_for_the_outputs_is_refused_without_blocking(cli: Cli, vi
 
 @pytest.mark.parametrize(
     "overrides",
-    [
+    every(2, [
         ("hydra/job_logging=stdout", "hydra/hydra_logging=disabled"),
         ("hydra/job_logging=none", "hydra/hydra_logging=none"),
         ("hydra/job_logging=disabled", "hydra.job_logging.root.level=WARNING"),
         ("hydra.run.dir=given-on-the-command-line",),
         ("hydra.job.env_copy=[HOME]",),  # copies the current value: changes nothing
-    ],
+    ]),
 )
 def test_hydra_settings_that_run_no_code_still_work(overrides: tuple[str, ...], cli: Cli, victims: Path) -> None:
     result = cli("plan", *QUICK, SEARCHPATH, *overrides)
