@@ -1,6 +1,6 @@
 """``linear`` and ``linear_residual`` over ``projection``'s kernels, and the choice of kernel by M.
 
-Which kernel runs is chosen by the rows of x (M) and the weight's size, with thresholds
+Which kernel runs is chosen by the rows of x (M), K and the weight's size, with thresholds
 measured on an H200 (``Tuning``; benchmarks/projections.py sweeps the kernels alone, and the
 decode step replayed as a graph, per model and batch size, chose between what it left):
 
