@@ -17,8 +17,10 @@ engine's graphs are), captured once per op set and replayed:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,9 +81,12 @@ def advance(inputs: StepBatch, token: torch.Tensor) -> StepBatch:
     return StepBatch(token, positions, slots, attention, inputs.state_indices)
 
 
-def replay(model: LlamaModel, ops: Ops, batch: StepBatch, cache: KVCache, replays: int) -> dict[str, Any]:
-    """Capture one step, replay it; µs per step (best of 5 rounds) and whether every replay agreed."""
+def replay(model: LlamaModel, ops: Ops, batch: StepBatch, cache: KVCache, replays: int,
+           profile: int = 0) -> dict[str, Any]:
+    """Capture one step, replay it; µs per step (best of 5 rounds) and whether every replay agreed; with
+    ``profile``, the kernels of that many more replays under torch's profiler (:func:`kernels_of`)."""
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were made on the current stream: wait for them
     with torch.cuda.stream(stream):
         model.forward(batch, cache, ops)  # compile and warm outside capture
         stream.synchronize()
@@ -104,8 +109,52 @@ def replay(model: LlamaModel, ops: Ops, batch: StepBatch, cache: KVCache, replay
             end.record(stream)
             end.synchronize()
             best = min(best, start.elapsed_time(end) * 1000 / 20)
+        kernels = kernels_of(graph.replay, profile) if profile else {"kernels": [], "layer": []}
     graph.reset()
-    return {"us_per_step": best, "replays_identical": same, "logits": first}
+    return {"us_per_step": best, "replays_identical": same, "logits": first, **kernels}
+
+
+def kernels_of(run: Callable[[], None], steps: int) -> dict[str, Any]:
+    """The device kernels of ``steps`` back-to-back calls of ``run`` (graph replays: the kernels inside them):
+    ``kernels`` by name, largest share first; ``layer``, one decoder layer's kernels in launch order (from
+    one attention kernel to the next, averaged over every such stretch of the usual length), each with its
+    time and the idle time after it. Under PDL a kernel's time counts from its early launch, its wait
+    included, and the idle times read 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0.0)
+        if event.device_type.name == "CUDA" and device_us > 0:
+            kernels.append({"kernel": event.key, "calls_per_step": event.count / steps,
+                            "us_per_call": device_us / event.count, "us_per_step": device_us / steps})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    timeline = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    return {"kernels": kernels, "layer": layer_cycle(timeline)}
+
+
+def layer_cycle(timeline: list[tuple[float, float, str]], marker: str = "_decode_kernel") -> list[dict[str, Any]]:
+    """One layer's kernels from a timeline of (start, end, name), cut at each decode attention kernel."""
+    cuts = [i for i, (_, _, name) in enumerate(timeline) if marker in name]
+    cycles = [timeline[a:b] for a, b in itertools.pairwise(cuts)]
+    if not cycles:
+        return []
+    lengths = [len(c) for c in cycles]
+    usual = max(set(lengths), key=lengths.count)
+    same = [c for c in cycles if len(c) == usual]
+    layer = []
+    for i in range(usual):
+        spans = [c[i][1] - c[i][0] for c in same]
+        gaps = [max(0.0, c[i + 1][0] - c[i][1]) for c in same if i + 1 < usual]
+        layer.append({"kernel": same[0][i][2], "us": sum(spans) / len(spans),
+                      "idle_after_us": sum(gaps) / len(gaps) if gaps else None})
+    return layer
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

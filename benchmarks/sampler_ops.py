@@ -25,6 +25,7 @@ from corelib.ops.sampling import sample_rows
 def timed(fn: Callable[[], object], replays: int = 50) -> float:
     """µs per replay of ``fn`` captured as a graph (warmed up on a side stream first)."""
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())  # fn's inputs were made on the current stream
     with torch.cuda.stream(side):
         for _ in range(3):
             fn()
