@@ -306,6 +306,13 @@ class EngineConfig:
         metadata=doc("token buckets captured for steps with prompt tokens; []: 16 to 256 by 16, by 32 to 512, by 64 "
                      "to 1024, by 256 to 4096, then by 512, up to max_num_batched_tokens"),
     )
+    graph_kv_sizes: list[int] = field(
+        default_factory=list,
+        metadata=doc("context widths (tokens) of decode graphs captured beside the full width where the attention "
+                     "reads only live blocks (the cuda backend): a step whose longest context fits replays the "
+                     "narrowest that holds it, whose attention splits that width, not the full one, across its "
+                     "programs; []: the full width only (elsewhere every power-of-two width is captured)"),
+    )
     graph_capture: GraphCapture = field(
         default=GraphCapture.auto,
         metadata=doc("upfront: every bucket at start; lazy: each bucket the first time a step needs it; auto: lazy "

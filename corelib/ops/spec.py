@@ -413,7 +413,8 @@ class OpProvider(Protocol):
     name: str
     #: its paged_attention reads only each sequence's live blocks (seq_lens), whatever the
     #: block-table width: then one graph captured at the full width serves every batch, with no
-    #: KV-width buckets. False when the kernel's cost grows with the width it is given.
+    #: KV-width buckets but those ``engine.graph_kv_sizes`` names. False when the kernel reads the
+    #: whole width it is given.
     live_blocks_only: bool
 
     def available(self) -> str | None:

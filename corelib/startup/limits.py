@@ -72,6 +72,9 @@ def check_limits(config: CorelibConfig) -> None:
     small = [size for size in engine.graph_token_sizes if size < 1]
     if small:
         raise ConfigError(f"engine.graph_token_sizes: {small[0]} is not a token count; each must be at least 1")
+    small = [size for size in engine.graph_kv_sizes if size < 1]
+    if small:
+        raise ConfigError(f"engine.graph_kv_sizes: {small[0]} is not a context width; each must be at least 1 token")
     for key, ids in (("model.eos_token_id", [model.eos_token_id]), ("model.extra_eos_token_ids",
                                                                       model.extra_eos_token_ids)):
         outside = [token for token in ids if not 0 <= token < model.vocab_size and token != NO_EOS]

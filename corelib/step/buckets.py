@@ -47,8 +47,11 @@ def token_ladder(limit: int) -> list[int]:
 
 @dataclass(frozen=True)
 class BucketPolicy:
-    """Graph shapes. Without captured-parameter update, one graph per (batch, KV width) pair of decode steps;
-    one per token bucket of steps with prompt tokens (at the full width: they run their padded rows)."""
+    """Graph shapes. Without captured-parameter update, one graph per (batch, KV width) pair of decode steps:
+    every power-of-two width, or, where the attention reads only live blocks, the full width and the widths
+    the config names (the attention splits the width it is given, so a narrower graph splits a short context
+    into fewer programs); one per token bucket of steps with prompt tokens (at the full width: they run their
+    padded rows)."""
 
     batch_buckets: tuple[int, ...]  # empty: graphs off, every decode step runs eagerly
     kv_buckets: tuple[int, ...]
@@ -59,8 +62,11 @@ class BucketPolicy:
 
     @classmethod
     def build(cls, graphs: bool, batch_sizes: Sequence[int], max_rows: int, max_blocks: int,
-              param_update: bool, live_blocks_only: bool = False, token_sizes: Sequence[int] = ()) -> BucketPolicy:
-        """``token_sizes``: the token buckets of steps with prompt tokens (empty: none, they run eagerly).
+              param_update: bool, live_blocks_only: bool = False, token_sizes: Sequence[int] = (),
+              live_widths: Sequence[int] = ()) -> BucketPolicy:
+        """``token_sizes``: the token buckets of steps with prompt tokens (empty: none, they run eagerly);
+        ``live_widths``: the KV widths (blocks) of decode graphs beside the full one where the attention reads
+        only live blocks (a width past the full one stands for it).
 
         A batch size past ``max_rows`` stands for ``max_rows``: with buckets of 32 and 64 and 40 rows at most,
         a decode step of 33-40 rows replays a graph of 40 rather than running eagerly (and meeting, while
@@ -68,8 +74,12 @@ class BucketPolicy:
         if not graphs:
             return cls((), (), max_blocks, param_update, live_blocks_only)
         batches = tuple(sorted({min(b, max_rows) for b in batch_sizes if b > 0}))
-        single = param_update or live_blocks_only
-        kv = (max_blocks,) if single else tuple(powers_of_two_upto(max_blocks))
+        if param_update:
+            kv: tuple[int, ...] = (max_blocks,)
+        elif live_blocks_only:
+            kv = tuple(sorted({min(w, max_blocks) for w in live_widths if w > 0} | {max_blocks}))
+        else:
+            kv = tuple(powers_of_two_upto(max_blocks))
         return cls(batches, kv, max_blocks, param_update, live_blocks_only, tuple(sorted(set(token_sizes))))
 
     def token_bucket(self, num_tokens: int) -> int | None:
@@ -89,8 +99,14 @@ class BucketPolicy:
         return rows, self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_needed)], True
 
     def graph_kv(self, kv_blocks: int) -> int:
-        """The KV width the serving graph was captured with."""
-        return self.max_blocks if self.param_update or self.live_blocks_only else kv_blocks
+        """The KV width the serving graph was captured with: where the attention reads only live blocks, the
+        narrowest captured width that holds ``kv_blocks`` (the step packs only the columns it needs)."""
+        buckets = self.kv_buckets
+        if self.param_update or (self.live_blocks_only and not buckets):
+            return self.max_blocks
+        if self.live_blocks_only:
+            return buckets[min(bisect.bisect_left(buckets, kv_blocks), len(buckets) - 1)]
+        return kv_blocks
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, KV width) to capture, largest first (they share one memory pool)."""

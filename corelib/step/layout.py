@@ -32,6 +32,7 @@ class EngineLayout:
     max_batched_tokens: int
     graph_batch_sizes: tuple[int, ...]
     graph_token_sizes: tuple[int, ...] = ()  # empty: the token ladder up to max_batched_tokens
+    graph_kv_sizes: tuple[int, ...] = ()  # decode graph widths (tokens) beside the full one (live-block attention)
     mask_words: int = 0  # int32 words of a row's token bitmask (structured output): ceil(vocab_size / 32)
 
     @classmethod
@@ -67,6 +68,7 @@ class EngineLayout:
             max_batched_tokens=engine.max_num_batched_tokens,
             graph_batch_sizes=tuple(engine.graph_batch_sizes),
             graph_token_sizes=tuple(engine.graph_token_sizes),
+            graph_kv_sizes=tuple(engine.graph_kv_sizes),
             mask_words=mask_words(model.vocab_size),
         )
 
@@ -121,4 +123,5 @@ class EngineLayout:
 
     def buckets(self, options: EngineOptions, param_update: bool) -> BucketPolicy:
         return BucketPolicy.build(options.graphs, self.graph_batch_sizes, self.rows, self.max_blocks,
-                                  param_update, options.attention_reads_live_blocks_only, self.token_buckets(options))
+                                  param_update, options.attention_reads_live_blocks_only, self.token_buckets(options),
+                                  [blocks_for(size, self.block_size) for size in self.graph_kv_sizes])
