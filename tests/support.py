@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 FIXTURES = Path(__file__).parent / "fixtures"
 PLUGIN_FIXTURES = FIXTURES / "plugins"
 BROKEN_VENDOR = FIXTURES / "broken_vendor"
+#: a small float32 model on the GPU's native runtime: the engine's GPU tests compare its tokens between paths
+GPU_SMALL_FLOAT32 = ("backend=cuda", "backend.runtime=native", "model.hidden_size=512", "model.num_layers=4",
+                     "model.num_heads=8", "model.num_kv_heads=4", "model.intermediate_size=1536", "model.dtype=float32",
+                     "model.max_model_len=1024")
 
 # Variables of the developer's shell that would change what the CLI does.
 HERMETIC_VARIABLES = (

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from support import EngineFactory
+from support import GPU_SMALL_FLOAT32, EngineFactory
 
 from corelib.config.options import EngineOptions
 from corelib.engine import Engine, SamplingParams
@@ -83,9 +83,7 @@ def test_a_short_context_replays_the_narrow_graph_with_the_tokens_of_the_full_wi
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_a_gpu_the_narrow_graphs_give_the_tokens_of_the_full_width_in_float32(make_engine: EngineFactory) -> None:
-    base = ["backend=cuda", "backend.runtime=native", "model.hidden_size=512", "model.num_layers=4",
-            "model.num_heads=8", "model.num_kv_heads=4", "model.intermediate_size=1536", "model.dtype=float32",
-            "model.max_model_len=1024", "engine.max_num_seqs=4", "engine.graph_batch_sizes=[1,2,4]",
+    base = [*GPU_SMALL_FLOAT32, "engine.max_num_seqs=4", "engine.graph_batch_sizes=[1,2,4]",
             "engine.async_token_handoff=on"]
     # the long rows finish first: then the short ones decode in the 16-block graphs, at first in the full one
     work = [([(7 * j) % 300 + 2 for j in range(n)], SamplingParams(max_tokens=new, ignore_eos=True))

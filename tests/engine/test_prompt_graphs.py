@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from support import EngineFactory
+from support import GPU_SMALL_FLOAT32, EngineFactory
 
 from corelib.engine import Engine, SamplingParams
 from corelib.engine.packing import InputBuilder
@@ -104,9 +104,7 @@ def test_sampled_and_logprob_steps_share_the_sampling_graphs_of_every_bucket(mak
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_a_gpu_padded_steps_give_the_tokens_of_eager_steps_in_float32(make_engine: EngineFactory) -> None:
-    base = ["backend=cuda", "backend.runtime=native", "model.hidden_size=512", "model.num_layers=4",
-            "model.num_heads=8", "model.num_kv_heads=4", "model.intermediate_size=1536", "model.dtype=float32",
-            "model.max_model_len=1024", "engine.max_num_seqs=16", "engine.chunked_prefill=on",
+    base = [*GPU_SMALL_FLOAT32, "engine.max_num_seqs=16", "engine.chunked_prefill=on",
             "engine.max_num_batched_tokens=512", "engine.async_token_handoff=on"]
     rng = random.Random(5)
     work = [([rng.randrange(2, 500) for _ in range(rng.choice((1, 15, 16, 17, 100, 333, 700)))],
