@@ -66,15 +66,13 @@ def check_limits(config: CorelibConfig) -> None:
                           "share of the device's memory the engine may use (0.9: vLLM's default)")
     if not 0 < engine.timeout_s < float("inf"):
         raise ConfigError(f"engine.timeout_s={engine.timeout_s}: must be a positive number of seconds")
-    small = [size for size in engine.graph_batch_sizes if size < 1]
-    if small:
-        raise ConfigError(f"engine.graph_batch_sizes: {small[0]} is not a batch size; each must be at least 1")
-    small = [size for size in engine.graph_token_sizes if size < 1]
-    if small:
-        raise ConfigError(f"engine.graph_token_sizes: {small[0]} is not a token count; each must be at least 1")
-    small = [size for size in engine.graph_kv_sizes if size < 1]
-    if small:
-        raise ConfigError(f"engine.graph_kv_sizes: {small[0]} is not a context width; each must be at least 1 token")
+    for key, sizes, what in (("graph_batch_sizes", engine.graph_batch_sizes, "a batch size; each must be at least 1"),
+                             ("graph_token_sizes", engine.graph_token_sizes, "a token count; each must be at least 1"),
+                             ("graph_kv_sizes", engine.graph_kv_sizes,
+                              "a context width; each must be at least 1 token")):
+        small = [size for size in sizes if size < 1]
+        if small:
+            raise ConfigError(f"engine.{key}: {small[0]} is not {what}")
     for key, ids in (("model.eos_token_id", [model.eos_token_id]), ("model.extra_eos_token_ids",
                                                                       model.extra_eos_token_ids)):
         outside = [token for token in ids if not 0 <= token < model.vocab_size and token != NO_EOS]

@@ -96,17 +96,18 @@ class BucketPolicy:
         rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_seqs)]
         if self.param_update or self.live_blocks_only:
             return rows, kv_needed, True
-        return rows, self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_needed)], True
+        return rows, self._width(kv_needed), True
+
+    def _width(self, kv_blocks: int) -> int:
+        """The narrowest captured KV width that holds ``kv_blocks`` (the last is the full width)."""
+        return self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_blocks)]
 
     def graph_kv(self, kv_blocks: int) -> int:
         """The KV width the serving graph was captured with: where the attention reads only live blocks, the
         narrowest captured width that holds ``kv_blocks`` (the step packs only the columns it needs)."""
-        buckets = self.kv_buckets
-        if self.param_update or (self.live_blocks_only and not buckets):
+        if self.param_update or (self.live_blocks_only and not self.kv_buckets):
             return self.max_blocks
-        if self.live_blocks_only:
-            return buckets[min(bisect.bisect_left(buckets, kv_blocks), len(buckets) - 1)]
-        return kv_blocks
+        return self._width(kv_blocks) if self.live_blocks_only else kv_blocks
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, KV width) to capture, largest first (they share one memory pool)."""
