@@ -307,7 +307,7 @@ class EngineConfig:
                      "to 1024, by 256 to 4096, then by 512, up to max_num_batched_tokens"),
     )
     graph_kv_sizes: list[int] = field(
-        default_factory=list,
+        default_factory=lambda: [256],
         metadata=doc("context widths (tokens) of decode graphs captured beside the full width where the attention "
                      "reads only live blocks (the cuda backend): a step whose longest context fits replays the "
                      "narrowest that holds it, whose attention splits that width, not the full one, across its "

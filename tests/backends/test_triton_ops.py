@@ -31,7 +31,7 @@ from corelib_cuda.triton_ops import TritonOps
 from corelib_cuda.triton_ops import linear as projections
 from corelib_cuda.triton_ops import paged_attention as attention
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
-from corelib_cuda.triton_ops.decode_attention import decode_config
+from corelib_cuda.triton_ops.decode_attention import DecodeConfig, decode_config
 from omegaconf import OmegaConf
 from support import every
 
@@ -101,15 +101,25 @@ def test_missing_triton_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyP
     assert reason is not None and "corelib-cuda[triton]" in reason and "\n" not in reason
 
 
-def test_decode_cases_cover_the_split_k_path() -> None:
-    # The merge of partial results runs only with several splits: some case must take it.
-    def splits(case: DecodeCase) -> int:
+def test_decode_cases_cover_the_split_k_and_one_tile_paths() -> None:
+    # The merge of partial results runs only with several splits, the kernel without a key loop only
+    # where no split holds more than one tile: some case must take each, and each alternative.
+    def config(case: DecodeCase) -> DecodeConfig:
         span = case.width * case.block_size
-        return decode_config(case.batch, case.kv_heads, case.group, case.head_dim, span, INTERPRETER_SM_COUNT).splits
+        return decode_config(case.batch, case.kv_heads, case.group, case.head_dim, span, INTERPRETER_SM_COUNT)
 
-    assert any(splits(case) > 1 for case in DECODE_CASES)
-    assert any(splits(case) == 1 for case in DECODE_CASES)
-    assert any(splits(case) > 1 for case in DECODE_SWEEP)
+    assert any(config(case).splits > 1 for case in DECODE_CASES)
+    assert any(config(case).splits == 1 for case in DECODE_CASES)
+    assert any(config(case).splits > 1 for case in DECODE_SWEEP)
+    assert any(config(case).one_tile for case in DECODE_CASES)
+    assert any(not config(case).one_tile for case in DECODE_CASES)
+
+
+def test_a_split_reads_its_cache_blocks_before_the_wait_only_when_it_holds_one_tile() -> None:
+    # bs 1, a 2,048-token table, 132 multiprocessors: 32 splits of 64 keys; bs 32: 4 splits of 512
+    assert decode_config(1, 8, 2, 64, 2048, 132) == DecodeConfig(32, 16, 64, 64, 4, 2, one_tile=True)
+    assert decode_config(32, 8, 2, 64, 2048, 132).one_tile is False
+    assert decode_config(8, 8, 2, 64, 256, 132).one_tile is True  # a narrow graph: 4 splits of 64 keys
 
 
 def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[StepBatch, KVCache]:

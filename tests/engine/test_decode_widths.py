@@ -71,7 +71,7 @@ def test_a_short_context_replays_the_narrow_graph_with_the_tokens_of_the_full_wi
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _live(monkeypatch)
-    full = make_engine(EMULATED)
+    full = make_engine([*EMULATED, "engine.graph_kv_sizes=[]"])
     narrow = make_engine([*EMULATED, "engine.graph_kv_sizes=[32]"])
     assert full.local_runner.buckets.kv_buckets == (8,) and narrow.local_runner.buckets.kv_buckets == (2, 8)
     assert _tokens(narrow) == _tokens(full)
@@ -89,7 +89,7 @@ def test_on_a_gpu_the_narrow_graphs_give_the_tokens_of_the_full_width_in_float32
     work = [([(7 * j) % 300 + 2 for j in range(n)], SamplingParams(max_tokens=new, ignore_eos=True))
             for n, new in ((5, 60), (40, 40), (300, 8), (700, 4))]
     prompts, params = zip(*work, strict=True)
-    full = make_engine(base).generate(list(prompts), list(params))
+    full = make_engine([*base, "engine.graph_kv_sizes=[]"]).generate(list(prompts), list(params))
     engine = make_engine([*base, "engine.graph_kv_sizes=[64,256]"])
     assert engine.local_runner.buckets.kv_buckets == (4, 16, 64)
     narrow = engine.generate(list(prompts), list(params))

@@ -42,6 +42,14 @@ def load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
     """The keys and values [BLOCK_N, DIM_PAD] of positions ``pos`` of one sequence, read through its block
     table (``live``: the positions that exist; others read as 0)."""
     block = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
+    return load_kv_blocks(kc_ptr, vc_ptr, block, pos, live, d, d_ok, kv_head, block_size,
+                          kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+
+
+@triton.jit
+def load_kv_blocks(kc_ptr, vc_ptr, block, pos, live, d, d_ok, kv_head, block_size,
+                   kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST: tl.constexpr):
+    """:func:`load_kv_tile` with the positions' cache blocks already read (int64)."""
     offset = pos % block_size
     kv_mask = live[:, None] & d_ok[None, :]
     k = tl.load(kc_ptr + (block * kc_sb + offset * kc_st + kv_head * kc_sh)[:, None] + d[None, :],
@@ -54,25 +62,47 @@ def load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
 
 
 @triton.jit
+def attend_tile(q, k, v, live, m, l, acc, scale, PRECISION: tl.constexpr):  # noqa: E741
+    """One key tile into the online softmax: the running maximum ``m``, sum ``l`` and output ``acc``."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale, block_size,
     q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ONE_TILE: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched early: wait for the kernel before this one before touching anything
+    if PDL:  # launched early: the next kernel may launch too
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The lengths and block tables are the step's inputs, written before the step began (no kernel of
+    # the step writes them): read before the PDL wait, as the projections read their weights; the
+    # queries and the caches, which the kernels before this one write, after it.
     seq_len = tl.load(sl_ptr + seq).to(tl.int32)
     # Splits take whole BLOCK_N tiles, so a short context leaves the last splits empty.
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    table = bt_ptr + seq * bt_s0
+    if ONE_TILE:  # no split holds more than one tile: its cache blocks too
+        pos = start + tl.arange(0, BLOCK_N)
+        live = pos < end
+        blocks = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
@@ -84,20 +114,18 @@ def _decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741 - the flash-attention name
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    table = bt_ptr + seq * bt_s0
-    for first in range(start, end, BLOCK_N):
-        pos = first + tl.arange(0, BLOCK_N)
-        live = pos < end
-        k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
-                            kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    if ONE_TILE:
+        if start < end:
+            k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live, d, d_ok, kv_head, block_size,
+                                  kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+            m, l, acc = attend_tile(q, k, v, live, m, l, acc, scale, PRECISION)  # noqa: E741
+    else:
+        for first in range(start, end, BLOCK_N):
+            pos = first + tl.arange(0, BLOCK_N)
+            live = pos < end
+            k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
+                                kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+            m, l, acc = attend_tile(q, k, v, live, m, l, acc, scale, PRECISION)  # noqa: E741
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     out_row = seq * (GROUP * tl.num_programs(1)) + heads  # a row of the output [B * nh, hd]
@@ -137,6 +165,7 @@ class DecodeConfig(NamedTuple):
     block_n: int  # keys per tile
     warps: int
     stages: int
+    one_tile: bool  # no split holds more than one key tile: the kernel reads its blocks before the PDL wait
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,7 +187,9 @@ def decode_config(batch: int, kv_heads: int, group: int, head_dim: int, span: in
     group_pad = max(16, next_power_of_2(group))  # tl.dot takes at least 16 rows
     # 64-key tiles, 4 warps, 2 stages: the best or within 3 % of it over bs 1-128, context 96-1900,
     # head dims 64 and 128 on an H200 (4.1 TB/s of KV read at bs 128, context 1900).
-    return DecodeConfig(splits, group_pad, next_power_of_2(head_dim), block_n=64, warps=4, stages=2)
+    block_n = 64
+    return DecodeConfig(splits, group_pad, next_power_of_2(head_dim), block_n, warps=4, stages=2,
+                        one_tile=triton.cdiv(span, splits) <= block_n)
 
 
 def paged_decode_attention(
@@ -201,7 +232,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, GROUP_PAD=config.group_pad, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_N=config.block_n,
-        SPLITS=splits, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), PDL=pdl,
+        SPLITS=splits, ONE_TILE=config.one_tile, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), PDL=pdl,
         num_warps=config.warps, num_stages=config.stages, **launch,
     )  # fmt: skip
     if splits > 1:
