@@ -14,6 +14,7 @@ import pytest
 
 from corelib.cli import bench as bench_module
 from corelib.cli import run as run_module
+from corelib.cli.bench import decode_graph_sizes
 from corelib.cli.main import main
 from corelib.cli.run import drive
 from corelib.config.schema import WorkloadConfig
@@ -251,3 +252,26 @@ def test_bench_decodes_with_the_sampling_it_is_given(tmp_path: Path, monkeypatch
     assert [p["batch_size"] for p in report["points"]] == [2]
     assert " temperature=1 top_p=0.9 bs=2: TPOT " in capsys.readouterr().err
     assert measured and set(measured) == {(1.0, 0.9)}, "the warm-up and the timed batches draw"
+
+
+@pytest.mark.slow
+def test_bench_replays_a_decode_graph_of_each_batch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bs 3 against buckets of 1 and 2: without a bucket of its own its decode steps would run eagerly
+    monkeypatch.chdir(tmp_path)
+    seen: list[tuple[tuple[int, ...], set[int]]] = []
+    measure = bench_module._measure
+
+    def spy(engine: Engine, batch_size: int, prompt_len: int, sampling: SamplingParams, seed: int
+            ) -> tuple[float, float]:
+        result = measure(engine, batch_size, prompt_len, sampling, seed)
+        runner = engine.local_runner
+        seen.append((runner.buckets.batch_buckets, {key[0] for key in runner.graphs}))
+        return result
+
+    monkeypatch.setattr(bench_module, "_measure", spy)
+    code = main(["bench", "backend=npu", "bench.batch_sizes=[3]", "bench.handoff=[off]", "bench.transport=[inproc]",
+                 "bench.output_len=4", "bench.warmup_steps=2", "bench.prompt_len=4", "engine.graph_batch_sizes=[1,2]",
+                 "bench.prompt_lens=[]", f"hydra.run.dir={tmp_path / 'bench'}"])
+    assert code == 0
+    assert seen and all(buckets == (1, 2, 3) and 3 in rows for buckets, rows in seen), seen
+    assert decode_graph_sizes([1, 2, 4, 8, 16, 32, 64], [1, 8, 128]) == [1, 2, 4, 8, 16, 32, 64, 128]

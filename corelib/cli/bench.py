@@ -4,7 +4,8 @@ Every point runs in this one process, one after another, so every ratio in the t
 measured side by side. One engine is built per (backend, transport, materialization,
 handoff) and reused across batch sizes; each batch size first runs a warm-up round.
 A point decodes ``batch_size`` requests of ``prompt_len`` tokens for ``output_len`` new
-tokens each (EOS ignored), so every decode step has exactly ``batch_size`` sequences.
+tokens each (EOS ignored), so every decode step has exactly ``batch_size`` sequences; each
+batch size is also a decode graph bucket of the engine (beside ``engine.graph_batch_sizes``).
 
 Where the workload says how requests arrive (``workload.request_rate``,
 ``workload.max_concurrency`` or ``workload.dataset``), every engine also serves that workload,
@@ -20,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -162,6 +164,13 @@ def _overrides(cfg: DictConfig) -> list[str]:
                                                    "engine.fused_ops=", "engine.pdl=", "engine.fast_allreduce="))]
 
 
+def decode_graph_sizes(configured: Sequence[int], batch_sizes: Sequence[int]) -> list[int]:
+    """The decode graph buckets a bench engine captures: the configured ones and every batch size measured, so
+    that a point past the largest configured bucket (bs 128 against buckets up to 64) replays a graph of its own
+    size rather than running its steps eagerly."""
+    return sorted({*configured, *batch_sizes})
+
+
 def _measure(engine: Engine, batch_size: int, prompt_len: int, sampling: SamplingParams, seed: int
              ) -> tuple[float, float]:
     """(median TPOT ms, output tokens/s) for one batch decoded to the end."""
@@ -215,6 +224,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
             f"engine.pdl={pdl}",
             f"engine.fast_allreduce={allreduce}",
             f"engine.max_num_seqs={max(largest, 1, *spec.prompt_counts)}",
+            f"engine.graph_batch_sizes={decode_graph_sizes(cfg.engine.graph_batch_sizes, spec.batch_sizes)}",
             f"engine.max_num_batched_tokens={max(largest * spec.prompt_len, cfg.engine.max_num_batched_tokens)}",
         ]
         try:
