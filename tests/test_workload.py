@@ -254,7 +254,7 @@ def test_bench_decodes_with_the_sampling_it_is_given(tmp_path: Path, monkeypatch
     assert measured and set(measured) == {(1.0, 0.9)}, "the warm-up and the timed batches draw"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # an emulated engine that captures graphs (about 20 s)
 def test_bench_replays_a_decode_graph_of_each_batch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # bs 3 against buckets of 1 and 2: without a bucket of its own its decode steps would run eagerly
     monkeypatch.chdir(tmp_path)
@@ -274,4 +274,8 @@ def test_bench_replays_a_decode_graph_of_each_batch_size(tmp_path: Path, monkeyp
                  "bench.prompt_lens=[]", f"hydra.run.dir={tmp_path / 'bench'}"])
     assert code == 0
     assert seen and all(buckets == (1, 2, 3) and 3 in rows for buckets, rows in seen), seen
+
+
+def test_the_bench_adds_its_batch_sizes_to_the_decode_graph_buckets() -> None:
     assert decode_graph_sizes([1, 2, 4, 8, 16, 32, 64], [1, 8, 128]) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert decode_graph_sizes([1, 32], [32, 1]) == [1, 32]
