@@ -62,10 +62,11 @@ def load_kv_blocks(kc_ptr, vc_ptr, block, pos, live, d, d_ok, kv_head, block_siz
 
 
 @triton.jit
-def attend_tile(q, k, v, live, m, l, acc, scale, PRECISION: tl.constexpr):  # noqa: E741
-    """One key tile into the online softmax: the running maximum ``m``, sum ``l`` and output ``acc``."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-    s = tl.where(live[None, :], s, float("-inf"))
+def attend_tile(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):  # noqa: E741
+    """One key tile into the online softmax: the running maximum ``m``, sum ``l`` and output ``acc`` of each
+    query row; ``visible`` [rows, BLOCK_N] (or [1, BLOCK_N] for every row) says which keys a row sees."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK_N]
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -118,14 +119,14 @@ def _decode_kernel(
         if start < end:
             k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live, d, d_ok, kv_head, block_size,
                                   kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
-            m, l, acc = attend_tile(q, k, v, live, m, l, acc, scale, PRECISION)  # noqa: E741
+            m, l, acc = attend_tile(q, k, v, live[None, :], m, l, acc, scale, PRECISION)  # noqa: E741
     else:
         for first in range(start, end, BLOCK_N):
             pos = first + tl.arange(0, BLOCK_N)
             live = pos < end
             k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
                                 kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
-            m, l, acc = attend_tile(q, k, v, live, m, l, acc, scale, PRECISION)  # noqa: E741
+            m, l, acc = attend_tile(q, k, v, live[None, :], m, l, acc, scale, PRECISION)  # noqa: E741
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     out_row = seq * (GROUP * tl.num_programs(1)) + heads  # a row of the output [B * nh, hd]

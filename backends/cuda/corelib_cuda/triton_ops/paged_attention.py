@@ -38,7 +38,12 @@ from corelib_cuda.triton_ops.common import (
     next_power_of_2,
     upcast_in_kernel,
 )
-from corelib_cuda.triton_ops.decode_attention import load_kv_tile, merge_partials, paged_decode_attention
+from corelib_cuda.triton_ops.decode_attention import (
+    attend_tile,
+    load_kv_tile,
+    merge_partials,
+    paged_decode_attention,
+)
 
 _OP = "paged_attention"
 
@@ -79,15 +84,9 @@ def _chunk_kernel(
         live = pos < end
         k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
                             kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         # Key 0 is visible to every query (q_pos >= 0), so no row is all -inf.
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        visible = (pos[None, :] <= q_pos[:, None]) & live[None, :]
+        m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale, PRECISION)  # noqa: E741
     heads = tl.num_programs(2)
     tl.store(out_ptr + (token * heads + head)[:, None] * HEAD_DIM + d[None, :], acc / l[:, None],
              mask=q_ok[:, None] & d_ok[None, :])
