@@ -167,12 +167,39 @@ def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarg
     # Many programs wanted per multiprocessor: every shape splits K, and one counter buffer serves both calls.
     monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemv_programs_per_sm=64,
                                                                    gemm_programs_per_sm=64))
-    assert projections.gemv_plan(48, 512, 1, 4, INTERPRETER_SM_COUNT, projections.TUNING).split_k > 1
+    assert projections.gemv_plan(1, 48, 512, 1, 4, INTERPRETER_SM_COUNT, projections.TUNING).split_k > 1
     ops = op_target.ops
     for seed in (0, 1):
         args: tuple[Any, ...] = LinearResidualCase(torch.float32, rows, 48, 512).build(seed, torch.device("cpu"))
         expected = reference_ops().linear_residual(*args)  # first: the op may write over the residual
         assert_matches(ops.linear_residual(*args), expected, f"split-K linear_residual, launch {seed + 1}")
+
+def test_a_shape_measured_apart_gets_its_own_gemv_tile(op_target: OpTarget, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One product shape (M, N, K, sets) with a tile of its own: 64 float32 weights a program, many programs.
+    own = ((1, 48, 512, 1, 256, 64),)
+    tuning = dataclasses.replace(projections.TUNING, gemv_shape_tiles=own)
+    general = dataclasses.replace(projections.TUNING, gemv_shape_tiles=())
+
+    def plan(m: int, sets: int, of: projections.Tuning) -> projections.GemvPlan:
+        return projections.gemv_plan(m, 48, 512, sets, 4, INTERPRETER_SM_COUNT, of)
+
+    assert (plan(1, 1, tuning).block_n, plan(1, 1, tuning).block_k) == (1, 64)
+    assert plan(1, 1, general) != plan(1, 1, tuning)
+    assert plan(2, 1, tuning) == plan(2, 1, general)  # other rows, other sets: the general tile
+    assert plan(1, 2, tuning) == plan(1, 2, general)
+    monkeypatch.setattr(projections, "TUNING", tuning)
+    args: tuple[Any, ...] = LinearResidualCase(torch.float32, 1, 48, 512).build(0, torch.device("cpu"))
+    expected = reference_ops().linear_residual(*args)  # first: the op may write over the residual
+    assert_matches(op_target.ops.linear_residual(*args), expected, "linear_residual on a tile of its own")
+
+
+def test_the_measured_gemv_tiles_name_each_shape_once() -> None:
+    shapes = [entry[:4] for entry in projections.GEMV_SHAPE_TILES]
+    assert len(set(shapes)) == len(shapes)
+    for m, n, k, sets, tile, per_sm in projections.GEMV_SHAPE_TILES:
+        assert min(m, n, k, per_sm) >= 1 and sets in (1, 2) and tile >= 1024 and tile & (tile - 1) == 0
+        assert projections.kernel_for(m, n * sets, k, 2) is projections.Kernel.GEMV, "an entry the GEMV never sees"
+
 
 
 EPILOGUE_CASES = [

@@ -47,6 +47,25 @@ from corelib_cuda.triton_ops.common import (
     upcast_in_kernel,
 )
 
+#: The GEMV's tile and programs per multiprocessor by product shape, where they differ from ``Tuning``'s:
+#: (M, N, K, sets, tile bytes, programs per SM). Chosen one shape at a time in the whole decode step
+#: replayed as a graph (benchmarks/gemv_tiles.py, H200, bf16, two alternating rounds, kept where the step
+#: gained more than 0.2 %); all together, small-0.6b's step took 4.3 % less at bs 1 and 1.3 % at bs 2,
+#: llama-1b's 2.8 % and 0.4 %, llama-8b's 1.4 % at bs 1 (its larger weights leave the GEMV from two rows).
+#: Where K is long (the down projections) larger tiles pay; where the weight is small, smaller ones.
+GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (1, 3072, 1024, 2, 16384, 2),  # small-0.6b gate_up
+    (1, 1024, 3072, 1, 65536, 4),  # small-0.6b down
+    (1, 151936, 1024, 1, 8192, 2),  # small-0.6b LM head
+    (2, 1024, 1024, 2, 8192, 2),  # small-0.6b qkv
+    (2, 3072, 1024, 2, 8192, 2),  # small-0.6b gate_up
+    (1, 1536, 2048, 2, 16384, 4),  # llama-1b qkv
+    (1, 2048, 2048, 1, 8192, 2),  # llama-1b o
+    (1, 2048, 8192, 1, 65536, 2),  # llama-1b down
+    (2, 2048, 2048, 1, 16384, 4),  # llama-1b o
+    (1, 4096, 14336, 1, 65536, 4),  # llama-8b down
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -58,6 +77,9 @@ class Tuning:
     gemm_max_k: int = 1024  # ... where K is at most this (the module docstring says why)
     gemv_tile_bytes: int = 32768  # weight bytes one GEMV program loads at once
     gemv_programs_per_sm: int = 2  # split rows, then K, until the GEMV has this many programs per SM
+    #: (M, N, K, sets, tile bytes, programs per SM): the two above for one product's shape (sets 2: the
+    #: kernel's paired rows), as benchmarks/gemv_tiles.py measured them in the step
+    gemv_shape_tiles: tuple[tuple[int, int, int, int, int, int], ...] = GEMV_SHAPE_TILES
     gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
     gemm_block_n: int = 64
@@ -111,12 +133,17 @@ def _floor_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def gemv_plan(n_out: int, k: int, sets: int, itemsize: int, sms: int, tuning: Tuning) -> GemvPlan:
-    """Columns and K chunk per GEMV program: about ``gemv_tile_bytes`` of weights each, enough programs."""
-    budget = max(16, tuning.gemv_tile_bytes // itemsize)  # weight elements per program
+def gemv_plan(m: int, n_out: int, k: int, sets: int, itemsize: int, sms: int, tuning: Tuning) -> GemvPlan:
+    """Columns and K chunk per GEMV program: about ``gemv_tile_bytes`` of weights each, enough programs
+    (``gemv_shape_tiles`` gives both for the shapes measured one by one)."""
+    tile_bytes, per_sm = tuning.gemv_tile_bytes, tuning.gemv_programs_per_sm
+    for shape_m, shape_n, shape_k, shape_sets, shape_tile, shape_per_sm in tuning.gemv_shape_tiles:
+        if (shape_m, shape_n, shape_k, shape_sets) == (m, n_out, k, sets):
+            tile_bytes, per_sm = shape_tile, shape_per_sm
+    budget = max(16, tile_bytes // itemsize)  # weight elements per program
     block_k = min(next_power_of_2(k), max(16, budget // sets))
     block_n = min(16, next_power_of_2(n_out), max(1, _floor_power_of_2(budget // (block_k * sets))))
-    wanted = tuning.gemv_programs_per_sm * sms
+    wanted = per_sm * sms
     while triton.cdiv(n_out, block_n) * triton.cdiv(k, block_k) < wanted:
         if block_n > 1:
             block_n //= 2
@@ -207,7 +234,7 @@ class Projection:
         launch = {"launch_pdl": True} if pdl else {}
         norm_weight = self.norm_weight if self.norm_weight is not None else x
         if kernel is Kernel.GEMV:
-            plan = gemv_plan(self.n_out, k, sets, w.element_size(), sms, TUNING)
+            plan = gemv_plan(m, self.n_out, k, sets, w.element_size(), sms, TUNING)
             blocks = triton.cdiv(self.n_out, plan.block_n)
             part, count = self._workspace(plan.split_k, m, blocks)
             proj.gemv_kernel[(blocks, plan.split_k)](
