@@ -28,7 +28,7 @@ from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps
 from omegaconf import OmegaConf
 
-from corelib.config.schema import ModelConfig
+from corelib.config.schema import EngineConfig, ModelConfig
 from corelib.models.base import StepBatch
 from corelib.models.llama import KVCache, LlamaModel
 from corelib.models.registry import architecture
@@ -55,11 +55,18 @@ def load(name: str, dtype: str, device: Device, *extra: str) -> LlamaModel:
     return model
 
 
+def graph_width(max_model_len: int, tokens: int) -> int:
+    """The block-table width (blocks) of the decode graph the engine replays for contexts up to ``tokens``: the
+    narrowest of ``engine.graph_kv_sizes`` (its default) that holds them, else the full width."""
+    sizes = [size for size in EngineConfig().graph_kv_sizes if tokens <= size < max_model_len]
+    return -(-min(sizes) // BLOCK) if sizes else max_model_len // BLOCK
+
+
 def step_inputs(model: LlamaModel, batch: int, context: int, seed: int = 0) -> tuple[StepBatch, KVCache]:
     """Row b has ``context + b % 7`` cached tokens (random keys and values); its new token goes next."""
     shape, device = model.shape, model.weights.embed.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    width = shape.max_model_len // BLOCK  # the engine captures its graphs at the full width
+    width = graph_width(shape.max_model_len, context + 8)
     lengths = torch.tensor([context + b % 7 for b in range(batch)], device=device)
     live = -(-(context + 8) // BLOCK)
     data = torch.randn((shape.num_layers, 2, batch * live + 1, BLOCK, shape.num_kv_heads, shape.head_dim),
