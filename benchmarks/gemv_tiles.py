@@ -1,12 +1,14 @@
-"""The GEMV's tiles per weight shape, chosen in the decode step replayed as a graph.
+"""The GEMV's tiles per product shape, chosen in the decode step replayed as a graph.
 
 The GEMV's tile (weight bytes per program) and the programs it wants per multiprocessor are global
-``Tuning`` fields; ``Tuning.gemv_shape_tiles`` sets both for one weight shape. For each model, this
+``Tuning`` fields; ``Tuning.gemv_shape_tiles`` sets both for one product shape. For each model, this
 finds the shapes each swept batch size's step sends to the GEMV (by recording the kernel's plans
-over one eager step), then, one shape at a time with every other shape left as it is, times the whole step under
-each (tile, programs per SM) option, at that batch size, in rounds that alternate the order. A shape keeps the option
-with the lowest mean if it beats the default by more than ``--min-gain`` of the step. Last, the
-default and every kept option together are timed side by side at several batch sizes, with the
+over one eager step), then, one shape at a time (the shapes before it as already chosen, those after
+it on the general tile), times the whole step under each (tile, programs per SM) option at that batch
+size, in rounds that alternate the order. A shape keeps the option with the lowest mean if it beats the
+general tile by more than ``--min-gain`` of the step. The step is the one ``decode_step.py`` builds: the
+block tables as wide as the engine's narrowest decode graph that holds the context. Last, the
+general tile and every kept option together are timed side by side at several batch sizes, with the
 logits compared (largest error relative to their scale; whether every row's argmax agrees).
 
     python3 benchmarks/gemv_tiles.py --models small-0.6b llama-1b llama-8b --out gemv-tiles.json

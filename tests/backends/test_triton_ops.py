@@ -174,6 +174,7 @@ def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarg
         expected = reference_ops().linear_residual(*args)  # first: the op may write over the residual
         assert_matches(ops.linear_residual(*args), expected, f"split-K linear_residual, launch {seed + 1}")
 
+
 def test_a_shape_measured_apart_gets_its_own_gemv_tile(op_target: OpTarget, monkeypatch: pytest.MonkeyPatch) -> None:
     # One product shape (M, N, K, sets) with a tile of its own: 64 float32 weights a program, many programs.
     own = ((1, 48, 512, 1, 256, 64),)
@@ -199,7 +200,6 @@ def test_the_measured_gemv_tiles_name_each_shape_once() -> None:
     for m, n, k, sets, tile, per_sm in projections.GEMV_SHAPE_TILES:
         assert min(m, n, k, per_sm) >= 1 and sets in (1, 2) and tile >= 1024 and tile & (tile - 1) == 0
         assert projections.kernel_for(m, n * sets, k, 2) is projections.Kernel.GEMV, "an entry the GEMV never sees"
-
 
 
 EPILOGUE_CASES = [

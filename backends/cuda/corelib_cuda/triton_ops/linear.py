@@ -52,6 +52,7 @@ from corelib_cuda.triton_ops.common import (
 #: replayed as a graph (benchmarks/gemv_tiles.py, H200, bf16, two alternating rounds, kept where the step
 #: gained more than 0.2 %); all together, small-0.6b's step took 4.3 % less at bs 1 and 1.3 % at bs 2,
 #: llama-1b's 2.8 % and 0.4 %, llama-8b's 1.4 % at bs 1 (its larger weights leave the GEMV from two rows).
+#: In the engine (TPOT): small-0.6b bs 2 -5.5 %, bs 1 unchanged; llama-1b bs 1 -1.0 %; llama-8b bs 1 -0.8 %.
 #: Where K is long (the down projections) larger tiles pay; where the weight is small, smaller ones.
 GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 3072, 1024, 2, 16384, 2),  # small-0.6b gate_up
