@@ -22,8 +22,9 @@ from server.test_server_errors import error_of
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("key", ["", "  ", pytest.param("key\n", marks=pytest.mark.long),  # each: a server
-                                 pytest.param(" key", marks=pytest.mark.long)])  # start; two with the long checks
+@pytest.mark.parametrize("key", ["", pytest.param("  ", marks=pytest.mark.long),  # each: a server start;
+                                 pytest.param("key\n", marks=pytest.mark.long),  # three with the long checks
+                                 pytest.param(" key", marks=pytest.mark.long)])
 def test_an_empty_or_broken_api_key_never_means_no_authentication(cli: Cli, key: str) -> None:
     # CORELIB_API_KEY=$(cat key.txt) with key.txt missing sets the variable to "".
     result = cli("serve", "backend=cpu", "server.port=0", env={"CORELIB_API_KEY": key})

@@ -26,6 +26,7 @@ def loaded_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
+@pytest.mark.long  # a whole serve process, 11 s on 2 cores: with the long checks
 def test_the_http_process_never_loads_torch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

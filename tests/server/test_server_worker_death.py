@@ -37,6 +37,7 @@ def kill_the_worker(running: RunningServer) -> str:
     return f"worker rank 0 (pid {worker}) was killed by SIGKILL"
 
 
+@pytest.mark.long  # a server and a killed worker, 9 s on 2 cores (the next test kills one in the default run)
 def test_health_notices_a_worker_killed_while_nothing_runs(overrides: list[str]) -> None:
     with start_in_thread([*overrides, "engine.transport=shm"], CONFIG) as running:
         served = httpx.post(f"{running.url}/v1/completions", json={"prompt": [0, 5], "max_tokens": 2}, timeout=60)

@@ -41,7 +41,8 @@ def our_segments() -> set[str]:
     "backend",
     [
         pytest.param(["backend=cpu"], id="cpu-gloo"),
-        pytest.param(["backend=npu", "backend.emulator.chaos=0.3"], id="npu-emulated-gloo"),
+        pytest.param(["backend=npu", "backend.emulator.chaos=0.3"], id="npu-emulated-gloo",
+                     marks=pytest.mark.long),  # a second rank pair over gloo: with the long checks
         pytest.param(["backend=cuda", "backend.runtime=native"], id="cuda-nccl", marks=[
             pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]),
         pytest.param(["backend=cuda", "backend.runtime=native", "engine.async_token_handoff=on"],
