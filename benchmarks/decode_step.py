@@ -37,6 +37,7 @@ from corelib.ops.reference import reference_ops
 from corelib.platform.backend import DeviceSpec
 from corelib.platform.device import Capabilities, Device, Runtime
 from corelib.startup.compose import compose_config
+from corelib.step.buckets import BucketPolicy, blocks_for
 
 BLOCK = 16
 
@@ -56,10 +57,11 @@ def load(name: str, dtype: str, device: Device, *extra: str) -> LlamaModel:
 
 
 def graph_width(max_model_len: int, tokens: int) -> int:
-    """The block-table width (blocks) of the decode graph the engine replays for contexts up to ``tokens``: the
-    narrowest of ``engine.graph_kv_sizes`` (its default) that holds them, else the full width."""
-    sizes = [size for size in EngineConfig().graph_kv_sizes if tokens <= size < max_model_len]
-    return -(-min(sizes) // BLOCK) if sizes else max_model_len // BLOCK
+    """The block-table width (blocks) of the decode graph the engine replays for contexts up to ``tokens`` with
+    attention that reads only live blocks and ``engine.graph_kv_sizes`` at its default (the engine's own rule)."""
+    policy = BucketPolicy.build(True, [1], 1, max_model_len // BLOCK, False, True,
+                                live_widths=[blocks_for(size, BLOCK) for size in EngineConfig().graph_kv_sizes])
+    return policy.graph_kv(blocks_for(tokens, BLOCK))
 
 
 def step_inputs(model: LlamaModel, batch: int, context: int, seed: int = 0) -> tuple[StepBatch, KVCache]:
