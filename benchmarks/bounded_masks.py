@@ -1,6 +1,7 @@
-"""One row's grammar mask inside a string of ``maxLength`` 24, character by character: llguidance (the library
-corelib uses) with corelib's slices and with its own default ones, against xgrammar when it is installed, over the
-byte-level vocabulary of ``json_mode.py``.
+"""One row's grammar mask inside a string of ``maxLength`` 24, character by character: corelib's (llguidance's
+mask of the schema without the bound, the bound counted beside it: ``corelib.engine.string_bounds``), llguidance
+holding the bound in its grammar with corelib's slices and with its own default ones, and xgrammar when it is
+installed, over the byte-level vocabulary of ``json_mode.py``.
 
     python3 benchmarks/bounded_masks.py [WORKDIR]
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from corelib.engine.string_bounds import StringTracker, bounds_of, table_of
 from corelib.engine.structured import SLICES, grammar_of, llguidance_module, parser_limits
 from corelib.support.structured import StructuredOutputsParams
 
@@ -51,10 +53,17 @@ def main() -> None:
     prefix = tokenizer.encode('{"name":"').ids
     letters = [tokenizer.encode(letter).ids[0] for letter in LETTERS]
     ll = llguidance_module()
-    grammar = grammar_of(StructuredOutputsParams.of({"json": json_mode.SCHEMA}))
+    params = StructuredOutputsParams.of({"json": json_mode.SCHEMA})
+    grammar = grammar_of(params)
+    ll_tokenizer = ll.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=[1], slices=list(SLICES))
     templates = {name: ll.LLMatcher(ll.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=[1], slices=slices),
                                     grammar, limits=parser_limits())
                  for name, slices in (("llguidance", list(SLICES)), ("llguidance, its slices", None))}
+    bounds = bounds_of(params.schema)
+    assert bounds is not None
+    table = table_of(lambda t: bytes(ll_tokenizer.decode_bytes([t])), vocab, [0, 1])
+    templates["corelib (counted)"] = ll.LLMatcher(
+        ll_tokenizer, grammar_of(StructuredOutputsParams(json=bounds.grammar_schema)), limits=parser_limits())
     try:
         xgr: Any = importlib.import_module("xgrammar")
     except ImportError:
@@ -75,14 +84,18 @@ def main() -> None:
     first: dict[str, set[int]] = {}
     for _ in range(ROWS):
         ll_rows = {name: template.deep_copy() for name, template in templates.items()}
+        tracker = StringTracker(bounds, table)
         xg_row = None if compiled is None else xgr.GrammarMatcher(compiled)
         for token in prefix:
             assert all(row.consume_token(token) for row in ll_rows.values())
+            assert tracker.feed(table.token_bytes[token])
             assert xg_row is None or xg_row.accept_token(token)
         for at, letter in enumerate(letters):
             for name, row in ll_rows.items():
                 began = time.perf_counter()
                 row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
+                if name == "corelib (counted)":
+                    tracker.restrict(ll_mask.view(np.uint32))
                 best[name][at] = min(best[name][at], time.perf_counter() - began)
                 counts[name][at] = len(ids := allowed(ll_mask))
                 if name == "llguidance":
@@ -96,6 +109,7 @@ def main() -> None:
                     first = {"llguidance": set(ll_ids.tolist()), "xgrammar": set(xg_ids.tolist())}
                 assert xg_row.accept_token(letter)
             assert all(row.consume_token(letter) for row in ll_rows.values())
+            assert tracker.feed(table.token_bytes[letter])
     shown = range(0, len(letters), 3)
     print(f"{'characters in the string':>32}: " + " ".join(f"{at:>7}" for at in shown) + "  | all: sum, slowest")
     for library in libraries:

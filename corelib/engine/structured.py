@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from corelib.engine.string_bounds import Bounds, LostTrack, StringTracker, TokenTable, bounds_of, row_view, table_of
 from corelib.support.structured import StructuredOutputsError, StructuredOutputsParams
 from corelib.support.text import TOKENIZER_LIMIT, Tokenizer
 from corelib.trust.files import read_text
@@ -45,6 +46,9 @@ LIMITS = {
 }
 # Compact JSON: no whitespace between the tokens of the output (a small model would spend its tokens on it).
 COMPILE_OPTIONS = {"whitespace_flexible": False}
+# Count the strings' length bounds beside the grammar where the schema allows it (corelib.engine.string_bounds);
+# False leaves every bound to llguidance's grammar (benchmarks compare the two).
+COUNT_STRING_BOUNDS = True
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'  # a character a JSON string holds unescaped
 # llguidance's slices: the tokens of each slice go into the mask at once wherever the grammar allows every one of
 # them, instead of each being walked. Its default slices are strings of up to 10 and 30 characters, so inside a
@@ -161,17 +165,24 @@ def _executor() -> Any:
 def fill_rows(states: Iterable[tuple[GrammarState, int]], address: int, row_bytes: int, rows: int) -> None:
     """Write each state's mask into its row of the ``rows`` x ``row_bytes`` bitmask at ``address``, the rows
     computed in parallel by llguidance's thread pool (one pool per process, made on first use): a step's
-    masks are the host's work between two steps, since the grammar needs the token just sampled."""
+    masks are the host's work between two steps, since the grammar needs the token just sampled. Then each
+    row whose schema has strings counted beside the grammar loses the tokens their bounds forbid."""
+    states = list(states)
     matchers = [(state.matcher, row) for state, row in states]
     if matchers:
         _executor().unsafe_compute_mask_ptr(matchers, address, row_bytes, rows)
+    for state, row in states:
+        state.restrict(address + row * row_bytes)
 
 
 class GrammarState:
-    """One request's matcher: writes its row of the token bitmask, takes each sampled token."""
+    """One request's matcher: writes its row of the token bitmask, takes each sampled token. Where its schema
+    has strings whose length bounds are counted beside the grammar (``corelib.engine.string_bounds``), the
+    matcher's grammar has them taken out and ``tracker`` takes the tokens they forbid out of each mask."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, tracker: StringTracker | None = None) -> None:
         self._matcher = matcher
+        self._tracker = tracker
 
     @property
     def matcher(self) -> Any:
@@ -181,6 +192,13 @@ class GrammarState:
     def fill(self, address: int, nbytes: int) -> None:
         """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""
         self._matcher.unsafe_compute_mask_ptr(address, nbytes)
+        self.restrict(address)
+
+    def restrict(self, address: int) -> None:
+        """Take the tokens the counted strings' bounds forbid out of the mask the matcher wrote at ``address``."""
+        tracker = self._tracker
+        if tracker is not None:
+            tracker.restrict(row_view(address, tracker.table.words))
 
     def advance(self, token: int) -> str | None:
         """Take the sampled ``token``: None to go on, "done" when the grammar is complete, else why it failed."""
@@ -191,6 +209,14 @@ class GrammarState:
             return f"structured output: token {token} does not fit the grammar ({_one_line(matcher.get_error())})"
         if matcher.is_error():
             return f"structured output: {_one_line(matcher.get_error())}"
+        tracker = self._tracker
+        if tracker is not None and tracker.table.plain(token):
+            try:
+                fits = tracker.feed(tracker.table.token_bytes[token])
+            except LostTrack as lost:
+                return f"structured output: token {token} left the JSON the string bounds follow ({lost})"
+            if not fits:
+                return f"structured output: token {token} breaks a string's minLength or maxLength"
         return "done" if matcher.is_stopped() else None
 
 
@@ -213,18 +239,29 @@ class StructuredOutputs:
         # handed out in turn.
         self.templates_per_grammar = mask_threads()
         self._templates: OrderedDict[str, _Templates] = OrderedDict()
+        # Per schema, the strings whose bounds are counted beside the grammar (None: none is), and the
+        # vocabulary's bytes they are counted over, built with the first such schema.
+        self.count_string_bounds = COUNT_STRING_BOUNDS
+        self._bounds: OrderedDict[str, Bounds | None] = OrderedDict()
+        self._table: TokenTable | None = None
 
     def state(self, params: StructuredOutputsParams | Mapping[str, Any]) -> GrammarState:
         """A fresh matcher for ``params``; StructuredOutputsError (one line) when it cannot be served."""
         typed = StructuredOutputsParams.of(params)
-        grammar = self.grammars.grammar(typed)
+        grammar = self.grammars.grammar(typed)  # the schema as given: a bad one is refused as it is
+        bounds = self.bounds(typed)
+        tracker = None
+        if bounds is not None:
+            grammar = self.grammars.grammar(StructuredOutputsParams(json=bounds.grammar_schema))
+            tracker = StringTracker(bounds, self.token_table())
+        key = typed.key if tracker is None else f"counted:{typed.key}"  # the grammar its matchers were made of
         with self._lock:
-            templates = self._templates.get(typed.key)
+            templates = self._templates.get(key)
             if templates is not None:
-                self._templates.move_to_end(typed.key)
+                self._templates.move_to_end(key)
                 template = templates.next_one()
                 if template is not None:
-                    return GrammarState(template.deep_copy())
+                    return GrammarState(template.deep_copy(), tracker)
         ll = llguidance_module()
         template = ll.LLMatcher(self.ll_tokenizer(), grammar, limits=parser_limits())
         if template.is_error():
@@ -232,17 +269,44 @@ class StructuredOutputs:
             raise StructuredOutputsError("structured_outputs", f"structured_outputs: the grammar cannot be used "
                                                                f"with this tokenizer: {problem}")
         with self._lock:
-            templates = self._templates.setdefault(typed.key, _Templates(self.templates_per_grammar))
-            self._templates.move_to_end(typed.key)
+            templates = self._templates.setdefault(key, _Templates(self.templates_per_grammar))
+            self._templates.move_to_end(key)
             templates.add(template)
             while len(self._templates) > self.grammars.capacity:
                 self._templates.popitem(last=False)
-        return GrammarState(template.deep_copy())
+        return GrammarState(template.deep_copy(), tracker)
+
+    def bounds(self, params: StructuredOutputsParams) -> Bounds | None:
+        """The strings of ``params``' schema counted beside the grammar (None where none is), once per schema."""
+        if params.json is None or not self.count_string_bounds:
+            return None
+        with self._lock:
+            if params.key in self._bounds:
+                self._bounds.move_to_end(params.key)
+                return self._bounds[params.key]
+        found = bounds_of(params.schema)
+        with self._lock:
+            self._bounds[params.key] = found
+            while len(self._bounds) > self.grammars.capacity:
+                self._bounds.popitem(last=False)
+        return found
+
+    def token_table(self) -> TokenTable:
+        """Each token's bytes as llguidance sees them, scanned for the string bounds (built once, with the first
+        schema that needs it: a few tenths of a second at a 150k vocabulary)."""
+        ll_tokenizer = self.ll_tokenizer()
+        with self._lock:
+            if self._table is None:
+                special = [t for t in range(self.vocab_size) if ll_tokenizer.is_special_token(t)]
+                self._table = table_of(lambda t: bytes(ll_tokenizer.decode_bytes([t])), self.vocab_size, special)
+            return self._table
 
     def templates(self, params: StructuredOutputsParams | Mapping[str, Any]) -> int:
         """How many independent matchers ``params``' grammar has so far."""
+        typed = StructuredOutputsParams.of(params)
+        key = typed.key if self.bounds(typed) is None else f"counted:{typed.key}"
         with self._lock:
-            found = self._templates.get(StructuredOutputsParams.of(params).key)
+            found = self._templates.get(key)
             return 0 if found is None else len(found.matchers)
 
     def ll_tokenizer(self) -> Any:
