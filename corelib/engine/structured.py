@@ -13,7 +13,9 @@ left). Steps holding such a request run synchronously, so the matcher has seen e
 before it writes the next mask.
 
 A grammar is compiled once per distinct schema (an LRU cache) and bounded by the parser limits
-below, so a hostile schema costs a bounded amount of work and is refused in one line.
+below, so a hostile schema costs a bounded amount of work and is refused in one line. Strings whose
+``maxLength`` makes llguidance walk the vocabulary at every character have their bounds counted
+beside the grammar instead (``corelib.engine.string_bounds``).
 """
 
 from __future__ import annotations
