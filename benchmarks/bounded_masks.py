@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from corelib.engine.string_bounds import StringTracker, bounds_of, table_of
-from corelib.engine.structured import SLICES, grammar_of, llguidance_module, parser_limits
+from corelib.engine.structured import SLICES, GrammarState, grammar_of, llguidance_module, parser_limits
 from corelib.support.structured import StructuredOutputsParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -84,18 +84,19 @@ def main() -> None:
     first: dict[str, set[int]] = {}
     for _ in range(ROWS):
         ll_rows = {name: template.deep_copy() for name, template in templates.items()}
-        tracker = StringTracker(bounds, table)
+        counted = GrammarState(ll_rows["corelib (counted)"], StringTracker(bounds, table))
         xg_row = None if compiled is None else xgr.GrammarMatcher(compiled)
         for token in prefix:
-            assert all(row.consume_token(token) for row in ll_rows.values())
-            assert tracker.feed(table.token_bytes[token])
+            assert all(row.consume_token(token) for name, row in ll_rows.items() if name != "corelib (counted)")
+            assert counted.advance(token) is None
             assert xg_row is None or xg_row.accept_token(token)
         for at, letter in enumerate(letters):
             for name, row in ll_rows.items():
                 began = time.perf_counter()
-                row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
-                if name == "corelib (counted)":
-                    tracker.restrict(ll_mask.view(np.uint32))
+                if name == "corelib (counted)":  # the rows after the first find the matcher's masks kept
+                    counted.fill(ll_mask.ctypes.data, ll_mask.nbytes)
+                else:
+                    row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
                 best[name][at] = min(best[name][at], time.perf_counter() - began)
                 counts[name][at] = len(ids := allowed(ll_mask))
                 if name == "llguidance":
@@ -108,8 +109,8 @@ def main() -> None:
                 if at == 0:
                     first = {"llguidance": set(ll_ids.tolist()), "xgrammar": set(xg_ids.tolist())}
                 assert xg_row.accept_token(letter)
-            assert all(row.consume_token(letter) for row in ll_rows.values())
-            assert tracker.feed(table.token_bytes[letter])
+            assert all(row.consume_token(letter) for name, row in ll_rows.items() if name != "corelib (counted)")
+            assert counted.advance(letter) is None
     shown = range(0, len(letters), 3)
     print(f"{'characters in the string':>32}: " + " ".join(f"{at:>7}" for at in shown) + "  | all: sum, slowest")
     for library in libraries:

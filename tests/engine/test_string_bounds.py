@@ -27,7 +27,14 @@ from corelib.engine.string_bounds import (
     scan_string,
     table_of,
 )
-from corelib.engine.structured import SLICES, StructuredOutputs, grammar_of, llguidance_module, parser_limits
+from corelib.engine.structured import (
+    SLICES,
+    GrammarState,
+    StructuredOutputs,
+    grammar_of,
+    llguidance_module,
+    parser_limits,
+)
 from corelib.support.structured import StructuredOutputsParams
 from corelib.support.text import Tokenizer
 
@@ -63,6 +70,24 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "additionalProperties": False,
     },
     "a string at the root": {"type": "string", "minLength": 1, "maxLength": 4},
+    "free strings, enums, numbers, optional keys, arrays of objects": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "kind": {"enum": ["ab", "xyz"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "note": {"type": "string", "maxLength": 3},
+            "kept": {"$ref": "#/$defs/s"},
+            "either": {"anyOf": [{"$ref": "#/$defs/s"}, {"type": "integer"}]},
+            "items": {"type": "array", "minItems": 1, "maxItems": 2,
+                      "items": {"type": "object", "properties": {"k": {"type": "string"},
+                                                                 "v": {"type": "string", "maxLength": 2}},
+                                "required": ["k"], "additionalProperties": False}},
+        },
+        "$defs": {"s": {"type": "string", "maxLength": 2}},
+        "required": ["id", "kind", "items"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -129,11 +154,13 @@ def test_strings_reached_only_through_followed_paths_are_counted_and_taken_out_o
 def test_a_definition_also_used_where_the_tracker_does_not_follow_keeps_its_bounds() -> None:
     schema = {"$defs": {"s": {"type": "string", "maxLength": 3}}, "type": "object",
               "properties": {"a": {"$ref": "#/$defs/s"}, "b": {"anyOf": [{"$ref": "#/$defs/s"}, {"type": "null"}]}}}
-    assert bounds_of(json.dumps(schema)) is None
+    bounds = bounds_of(json.dumps(schema))
+    assert bounds is not None and bounds.strings == {} and bounds.grammar_schema == schema
     # a pattern, a format or a type list leaves the string to the grammar as well
     for string in ({"type": "string", "maxLength": 3, "pattern": "a+"}, {"type": ["string", "null"], "maxLength": 3},
                    {"type": "string", "maxLength": 3, "format": "date"}):
-        assert bounds_of(json.dumps({"type": "object", "properties": {"a": string}})) is None
+        found = bounds_of(json.dumps({"type": "object", "properties": {"a": string}}))
+        assert found is not None and found.strings == {}
 
 
 # ----------------------------------------------------------------------------- counting
@@ -182,13 +209,13 @@ def test_the_masks_keep_the_bounds_llguidance_keeps(vocabulary: tuple[Path, int]
     words = (vocab + 31) // 32
     rng = random.Random(name)
     extras = closed = 0
-    for _ in range(40):
-        theirs_matcher, ours_matcher, tracker = bounded.deep_copy(), unbounded.deep_copy(), StringTracker(bounds, table)
+    for _ in range(40):  # one schema's walks share its kept masks and verdicts, as its requests do
+        theirs_matcher, ours_matcher = bounded.deep_copy(), unbounded.deep_copy()
+        state = GrammarState(ours_matcher, StringTracker(bounds, table))
         for _ in range(60):
             theirs, ours = np.zeros(words, np.uint32), np.zeros(words, np.uint32)
             theirs_matcher.unsafe_compute_mask_ptr(theirs.ctypes.data, theirs.nbytes)
-            ours_matcher.unsafe_compute_mask_ptr(ours.ctypes.data, ours.nbytes)
-            tracker.restrict(ours)
+            state.fill(ours.ctypes.data, ours.nbytes)
             allowed, ours_allowed = _allowed(theirs.tobytes(), vocab), _allowed(ours.tobytes(), vocab)
             assert allowed <= ours_allowed, f"{name}: ours takes out {sorted(allowed - ours_allowed)[:5]}"
             for token in ours_allowed - allowed:  # llguidance must take its bytes one by one
@@ -201,9 +228,8 @@ def test_the_masks_keep_the_bounds_llguidance_keeps(vocabulary: tuple[Path, int]
             # every third token, one with a quote or a backslash where one is allowed: crossings and escapes
             special = [t for t in sorted(allowed) if any(c in table.token_bytes[t] for c in b'"\\')]
             token = rng.choice(special if special and rng.random() < 0.33 else sorted(allowed))
-            assert theirs_matcher.consume_token(token) and ours_matcher.consume_token(token)
-            if table.plain(token):
-                assert tracker.feed(table.token_bytes[token])
+            assert theirs_matcher.consume_token(token)
+            assert state.advance(token) in (None, "done")
         closed += theirs_matcher.is_stopped()
     assert closed >= 10, "too few walks reached the end of the JSON to have crossed every bound"
     assert extras == 0 or name != "a string at the root"
