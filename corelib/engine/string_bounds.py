@@ -87,11 +87,6 @@ def _kind(node: object) -> str | None:
     return None
 
 
-def _free_string(node: object) -> bool:
-    """Whether ``node`` is a string whose grammar (bounds taken out) does not depend on its content so far."""
-    return isinstance(node, dict) and node.get("type") == "string" and node.keys() <= _STRING_KEYS
-
-
 def _pointer(root: object, ref: str) -> object:
     """The node a local ``$ref`` names (a JSON pointer into ``root``); None when it names nothing."""
     node = root
@@ -114,20 +109,6 @@ class Bounds:
     strings: dict[int, tuple[int, int]]  # id of a string node -> (minLength, maxLength)
     grammar_schema: dict[str, Any]  # the schema with those strings' bounds taken out
     _verdicts: OrderedDict[tuple[Any, ...], _Verdicts] = dataclasses.field(default_factory=OrderedDict)
-    _masks: OrderedDict[tuple[Any, ...], npt.NDArray[np.uint32]] = dataclasses.field(default_factory=OrderedDict)
-
-    def cached_mask(self, key: tuple[Any, ...]) -> npt.NDArray[np.uint32] | None:
-        """The matcher's mask at the place ``key`` (:meth:`StringTracker.mask_key`), where one was kept."""
-        found = self._masks.get(key)
-        if found is not None:
-            self._masks.move_to_end(key)
-        return found
-
-    def keep_mask(self, key: tuple[Any, ...], row: npt.NDArray[np.uint32]) -> None:
-        """Keep the matcher's mask ``row`` for the place ``key``; a few hundred places at most."""
-        self._masks[key] = row.copy()
-        while len(self._masks) > MAX_POSITIONS:
-            self._masks.popitem(last=False)
 
     def verdicts(self, position: tuple[Any, ...], candidates: npt.NDArray[np.uint32]) -> _Verdicts:
         """What the crossing tokens fed at ``position`` did (:meth:`StringTracker.restrict`), kept for every
@@ -176,8 +157,7 @@ class Bounds:
 
 
 def bounds_of(schema: str) -> Bounds | None:
-    """What of ``schema`` (JSON text) the tracker counts (``strings``: perhaps none); None for a schema nested
-    too deep to walk (the grammar keeps it all)."""
+    """What of ``schema`` (JSON text) the tracker counts; None when it counts nothing (the grammar keeps it all)."""
     root = json.loads(schema)
     counted: set[int] = set()
     kept: set[int] = set()
@@ -222,6 +202,8 @@ def bounds_of(schema: str) -> Bounds | None:
     except RecursionError:  # nested past Python's stack: the grammar keeps every bound
         return None
     strings = {key: (nodes[key].get("minLength", 0), nodes[key]["maxLength"]) for key in counted - kept}
+    if not strings:
+        return None
 
     def without_bounds(value: object) -> object:
         if isinstance(value, list):
@@ -402,18 +384,14 @@ class StringTracker:
     """One request's output followed through the JSON: the stack of objects and arrays with their schemas, and
     inside a string, its characters so far and its bounds (None where it is not counted here)."""
 
-    __slots__ = ("bounds", "count", "escape", "free", "is_key", "key", "limits", "stack", "state", "table",
-                 "utf8_left")
+    __slots__ = ("bounds", "count", "escape", "is_key", "key", "limits", "stack", "state", "table")
 
     def __init__(self, bounds: Bounds, table: TokenTable) -> None:
         self.bounds = bounds
         self.table = table
         self.state = VALUE
-        # [is object, schema, the key's schema or the item index, the keys so far]
-        self.stack: list[list[Any]] = []
+        self.stack: list[list[Any]] = []  # [is object, schema, the key's schema or the item index]
         self.is_key = False
-        self.free = False  # in a value string whose grammar does not depend on its content
-        self.utf8_left = 0  # continuation bytes the string's last character still needs
         self.key = bytearray()
         self.limits: tuple[int, int] | None = None
         self.count = 0
@@ -424,14 +402,13 @@ class StringTracker:
         other.bounds, other.table, other.state = self.bounds, self.table, self.state
         other.stack = [list(frame) for frame in self.stack]
         other.is_key, other.key, other.limits = self.is_key, bytearray(self.key), self.limits
-        other.count, other.escape, other.free = self.count, self.escape, self.free
-        other.utf8_left = self.utf8_left
+        other.count, other.escape = self.count, self.escape
         return other
 
     def _value_schema(self) -> object:
         if not self.stack:
             return self.bounds.resolve(self.bounds.root)
-        is_object, schema, at, _ = self.stack[-1]
+        is_object, schema, at = self.stack[-1]
         return at if is_object else self.bounds.item(schema, at)
 
     def feed(self, data: bytes) -> bool:
@@ -451,9 +428,6 @@ class StringTracker:
                     self.escape, starts = AFTER_BACKSLASH, True
                 else:
                     starts = byte & 0xC0 != 0x80
-                    # a lead byte of 2, 3 or 4 bytes; a continuation byte; an ASCII byte
-                    self.utf8_left = (3 if byte >= 0xF0 else 2 if byte >= 0xE0 else 1) if byte >= 0xC0 else (
-                        max(self.utf8_left - 1, 0) if not starts else 0)
             elif escape == AFTER_BACKSLASH:
                 self.escape = HEX0 if byte == ord("u") else NORMAL
             else:
@@ -475,12 +449,12 @@ class StringTracker:
         if state in (VALUE, VALUE_OR_END):
             schema = self._value_schema()
             if byte == QUOTE:
-                self._open(False, schema)
+                self._open(False, self.bounds.of(schema))
             elif byte == ord("{"):
-                self.stack.append([True, schema, None, ()])
+                self.stack.append([True, schema, None])
                 self.state = KEY_OR_END
             elif byte == ord("["):
-                self.stack.append([False, schema, 0, None])
+                self.stack.append([False, schema, 0])
                 self.state = VALUE_OR_END
             else:
                 self.state = SCALAR
@@ -508,23 +482,15 @@ class StringTracker:
                 return self._pop()
         raise LostTrack(f"byte {bytes((byte,))!r} where the JSON cannot take it")
 
-    def _open(self, is_key: bool, schema: object) -> None:
-        """A string starts: a key, or a value of ``schema``."""
-        self.state, self.is_key, self.count, self.escape = STRING, is_key, 0, NORMAL
-        self.limits = None if is_key else self.bounds.of(schema)
-        # A free string: its grammar is the same at every character (bounds counted here, or none at all).
-        self.free = not is_key and _free_string(schema) and (
-            self.limits is not None or not {"maxLength", "minLength"} & schema.keys())  # type: ignore[attr-defined]
-        self.utf8_left = 0
+    def _open(self, is_key: bool, limits: tuple[int, int] | None) -> None:
+        self.state, self.is_key, self.limits, self.count, self.escape = STRING, is_key, limits, 0, NORMAL
         self.key.clear()
 
     def _close(self) -> bool:
         """The string ends: False when it is a counted one shorter than its minLength."""
         if self.is_key:
-            frame = self.stack[-1]
-            key = json.loads(b'"' + bytes(self.key) + b'"')
-            frame[2] = self.bounds.child(frame[1], key)
-            frame[3] = (*frame[3], key)
+            schema = self.stack[-1][1]
+            self.stack[-1][2] = self.bounds.child(schema, json.loads(b'"' + bytes(self.key) + b'"'))
             self.state = COLON
             return True
         self.state = AFTER if self.stack else DONE
@@ -542,7 +508,7 @@ class StringTracker:
         array's index past its prefixItems taken as the first past them), the state, and in a string its
         escape state and, for a key, the key so far. Not the characters counted: those are compared apart."""
         frames = []
-        for is_object, schema, at, _ in self.stack:
+        for is_object, schema, at in self.stack:
             if is_object:
                 frames.append((True, id(schema), id(at)))
             else:
@@ -551,21 +517,6 @@ class StringTracker:
         if self.state != STRING:
             return (self.state, *frames)
         return (STRING, self.escape, bytes(self.key) if self.is_key else self.limits is None, *frames)
-
-    def mask_key(self) -> tuple[Any, ...] | None:
-        """Where the matcher's mask for the next token depends on nothing but where the output is in the schema,
-        that place: inside a free string (not in a \\u escape's or a character's middle) under objects and arrays
-        the tracker follows, each object with the keys it has so far and each array with its index (which
-        ``maxItems`` and ``prefixItems`` read). None anywhere else (numbers, enums, keys, what the tracker does
-        not follow), where the mask depends on more."""
-        if self.state != STRING or not self.free or self.utf8_left or self.escape >= HEX0:
-            return None  # (the grammar takes only some \u escapes: their digits depend on the ones before)
-        frames: list[Any] = [self.escape]
-        for is_object, schema, at, keys in self.stack:
-            if _kind(schema) not in ("object", "array"):
-                return None
-            frames.append((id(schema), keys if is_object else at))
-        return tuple(frames)
 
     def restrict(self, row: npt.NDArray[np.uint32]) -> None:
         """Take out of ``row`` (the matcher's mask for the next token) every token the bounds forbid."""

@@ -170,11 +170,9 @@ def fill_rows(states: Iterable[tuple[GrammarState, int]], address: int, row_byte
     masks are the host's work between two steps, since the grammar needs the token just sampled. Then each
     row whose schema has strings counted beside the grammar loses the tokens their bounds forbid."""
     states = list(states)
-    missed = [(state, row) for state, row in states if not state.fill_kept(address + row * row_bytes)]
-    if missed:
-        _executor().unsafe_compute_mask_ptr([(state.matcher, row) for state, row in missed], address, row_bytes, rows)
-    for state, row in missed:
-        state.keep(address + row * row_bytes)
+    matchers = [(state.matcher, row) for state, row in states]
+    if matchers:
+        _executor().unsafe_compute_mask_ptr(matchers, address, row_bytes, rows)
     for state, row in states:
         state.restrict(address + row * row_bytes)
 
@@ -187,7 +185,6 @@ class GrammarState:
     def __init__(self, matcher: Any, tracker: StringTracker | None = None) -> None:
         self._matcher = matcher
         self._tracker = tracker
-        self._place: tuple[Any, ...] | None = None  # where the mask being written is kept (StringTracker.mask_key)
 
     @property
     def matcher(self) -> Any:
@@ -196,31 +193,8 @@ class GrammarState:
 
     def fill(self, address: int, nbytes: int) -> None:
         """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""
-        if not self.fill_kept(address):
-            self._matcher.unsafe_compute_mask_ptr(address, nbytes)
-            self.keep(address)
+        self._matcher.unsafe_compute_mask_ptr(address, nbytes)
         self.restrict(address)
-
-    def fill_kept(self, address: int) -> bool:
-        """Write the matcher's mask from those kept for its schema, where the output is at a place whose mask
-        depends on nothing else (inside a string whose grammar is the same at every character): whether it did.
-        Inside such strings, where most tokens are sampled, the matcher then computes nothing."""
-        tracker = self._tracker
-        self._place = None if tracker is None else tracker.mask_key()
-        if self._place is None:
-            return False
-        assert tracker is not None
-        kept = tracker.bounds.cached_mask(self._place)
-        if kept is None:
-            return False
-        row_view(address, tracker.table.words)[:] = kept
-        return True
-
-    def keep(self, address: int) -> None:
-        """Keep the mask the matcher wrote at ``address`` where :meth:`fill_kept` found none for its place."""
-        tracker = self._tracker
-        if tracker is not None and self._place is not None:
-            tracker.bounds.keep_mask(self._place, row_view(address, tracker.table.words))
 
     def restrict(self, address: int) -> None:
         """Take the tokens the counted strings' bounds forbid out of the mask the matcher wrote at ``address``."""
@@ -282,8 +256,7 @@ class StructuredOutputs:
         if bounds is not None:
             grammar = self.grammars.grammar(StructuredOutputsParams(json=bounds.grammar_schema))
             tracker = StringTracker(bounds, self.token_table())
-        # the grammar its matchers were made of
-        key = typed.key if bounds is None or not bounds.strings else f"counted:{typed.key}"
+        key = typed.key if tracker is None else f"counted:{typed.key}"  # the grammar its matchers were made of
         with self._lock:
             templates = self._templates.get(key)
             if templates is not None:
@@ -333,8 +306,7 @@ class StructuredOutputs:
     def templates(self, params: StructuredOutputsParams | Mapping[str, Any]) -> int:
         """How many independent matchers ``params``' grammar has so far."""
         typed = StructuredOutputsParams.of(params)
-        bounds = self.bounds(typed)
-        key = typed.key if bounds is None or not bounds.strings else f"counted:{typed.key}"
+        key = typed.key if self.bounds(typed) is None else f"counted:{typed.key}"
         with self._lock:
             found = self._templates.get(key)
             return 0 if found is None else len(found.matchers)
