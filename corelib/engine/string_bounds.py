@@ -8,7 +8,7 @@ characters it starts are no more than what is left; one that closes it, when the
 lands within [minLength, maxLength].
 
 So where the schema lets it be done exactly, the matcher gets the schema with those strings'
-bounds taken out (:func:`unbounded`), and each request's :class:`StringTracker` follows its output
+bounds taken out (:func:`bounds_of`), and each request's :class:`StringTracker` follows its output
 through the JSON (objects, arrays, keys, each string's characters) and takes away from the
 matcher's mask what the bounds forbid:
 
@@ -20,10 +20,12 @@ matcher's mask what the bounds forbid:
   quote and its first characters) is one feed per group and a vector compare.
 
 A character is what llguidance counts in a bounded string: a code point written as is, or an escape
-(``\\n``, ``\\u00e9``: each one; a surrogate pair two). A token that ends inside a multi-byte character or
-an escape has started that character, so it counts it.
+(``\\n``, ``\\u001f``: each one). A token that ends inside a multi-byte character or an escape has
+started that character, so it counts it. The masks then equal llguidance's with the bounds in its
+grammar but in one way: at a string's bound llguidance lets it close with the bare quote token only,
+where this also allows a token such as ``",`` whose bytes llguidance takes one by one.
 
-A string is rewritten only where every path to it from the root is one the tracker follows:
+A string is counted here only where every path to it from the root is one the tracker follows:
 ``properties`` (and ``additionalProperties``) of plain objects, ``items`` and ``prefixItems`` of plain
 arrays, and local ``$ref``\\s. A string reached through ``anyOf``, ``oneOf``, ``allOf``, conditionals or
 anything else keeps its bounds in the grammar, and llguidance enforces them as before. Tests compare
