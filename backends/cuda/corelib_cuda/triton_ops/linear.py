@@ -50,15 +50,14 @@ from corelib_cuda.triton_ops.common import (
 #: The GEMV's tile and programs per multiprocessor by product shape, where they differ from ``Tuning``'s:
 #: (M, N, K, sets, tile bytes, programs per SM). Chosen one shape at a time in the whole decode step
 #: replayed as a graph (benchmarks/gemv_tiles.py, H200, bf16, two alternating rounds, kept where the step
-#: gained more than 0.2 %); all together, small-0.6b's step took 1.3 % less at bs 2, llama-1b's 2.8 % at
-#: bs 1 and 0.4 % at bs 2, llama-8b's 1.4 % at bs 1 (its larger weights leave the GEMV from two rows).
-#: In the engine (TPOT): small-0.6b bs 2 -5.5 %; llama-1b bs 1 -1.0 %; llama-8b bs 1 -0.8 %.
+#: gained more than 0.2 %); all together, small-0.6b's step took 4.3 % less at bs 1 and 1.3 % at bs 2,
+#: llama-1b's 2.8 % and 0.4 %, llama-8b's 1.4 % at bs 1 (its larger weights leave the GEMV from two rows).
+#: In the engine (TPOT): small-0.6b bs 2 -5.5 %, bs 1 unchanged; llama-1b bs 1 -1.0 %; llama-8b bs 1 -0.8 %.
 #: Where K is long (the down projections) larger tiles pay; where the weight is small, smaller ones.
-#: small-0.6b's bs-1 entries were swept again with the block tables as wide as the engine's 256-token
-#: decode graphs (its attention then has 4 splits, not 32): there the general tile is within 0.2 % for its
-#: gate_up, down and LM head, whose first entries cost the step 1.4 % and 2.7 %, and only o gains (0.4 %).
 GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
-    (1, 1024, 1024, 1, 16384, 4),  # small-0.6b o
+    (1, 3072, 1024, 2, 16384, 2),  # small-0.6b gate_up
+    (1, 1024, 3072, 1, 65536, 4),  # small-0.6b down
+    (1, 151936, 1024, 1, 8192, 2),  # small-0.6b LM head
     (2, 1024, 1024, 2, 8192, 2),  # small-0.6b qkv
     (2, 3072, 1024, 2, 8192, 2),  # small-0.6b gate_up
     (1, 1536, 2048, 2, 16384, 4),  # llama-1b qkv
