@@ -324,6 +324,9 @@ class TokenTable:
         is_quote = matrix == QUOTE
         has_quote = is_quote.any(axis=1) & self._plain
         self.quoted_bits = _bits(has_quote, self.words)
+        # Tokens of string content alone (no quote, no backslash): inside a string out of any escape they only add
+        # their characters (StringTracker.feed_token's shortcut).
+        self.content = ~(is_quote | (matrix == BACKSLASH_BYTE)).any(axis=1) & self._plain
         self.first_quote = np.where(has_quote, is_quote.argmax(axis=1), width).astype(np.int32)
         shift = self.first_quote[:, None] + 1 + np.arange(width)[None, :]
         shifted = np.where(shift < width, np.take_along_axis(matrix, np.minimum(shift, width - 1), axis=1), -1)
@@ -412,6 +415,15 @@ class StringTracker:
             return self.bounds.resolve(self.bounds.root)
         is_object, schema, at = self.stack[-1]
         return at if is_object else self.bounds.item(schema, at)
+
+    def feed_token(self, token: int) -> bool:
+        """:meth:`feed` the bytes of ``token`` (of the table's vocabulary); inside a counted string, a token of
+        content alone only adds its characters."""
+        table = self.table
+        if self.state == STRING and self.escape == NORMAL and self.limits is not None and table.content[token]:
+            self.count += int(table.columns(NORMAL).chars[token])
+            return self.count <= self.limits[1]
+        return self.feed(table.token_bytes[token])
 
     def feed(self, data: bytes) -> bool:
         """Take ``data``; False when it breaks a counted string's bounds (the state is then undefined).

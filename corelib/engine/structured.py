@@ -214,7 +214,7 @@ class GrammarState:
         tracker = self._tracker
         if tracker is not None and tracker.table.plain(token):
             try:
-                fits = tracker.feed(tracker.table.token_bytes[token])
+                fits = tracker.feed_token(token)
             except LostTrack as lost:
                 return f"structured output: token {token} left the JSON the string bounds follow ({lost})"
             if not fits:
