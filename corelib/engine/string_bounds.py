@@ -30,6 +30,11 @@ A string is counted here only where every path to it from the root is one the tr
 arrays, and local ``$ref``\\s. A string reached through ``anyOf``, ``oneOf``, ``allOf``, conditionals or
 anything else keeps its bounds in the grammar, and llguidance enforces them as before. Tests compare
 the masks with llguidance's own over walks through such schemas.
+
+Long: one mechanism in three parts that only make sense together: which strings are counted (the
+schema walk), what each token does inside a string (the vectorised scan, with the per-count bitmasks),
+and the tracker that follows an output and applies both; apart, each would export its internals to
+the others.
 """
 
 from __future__ import annotations
