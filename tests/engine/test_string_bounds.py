@@ -230,7 +230,8 @@ def test_the_masks_keep_the_bounds_llguidance_keeps(vocabulary: tuple[Path, int]
             assert state.advance(token) in (None, "done")
         closed += theirs_matcher.is_stopped()
     assert closed >= 10, "too few walks reached the end of the JSON to have crossed every bound"
-    assert extras == 0 or name != "a string at the root"
+    if name == "a string at the root":  # nothing may follow its closing quote: there the masks are equal
+        assert extras == 0
 
 
 def test_a_token_past_a_bound_fails_its_request_when_the_mask_was_not_applied(tmp_path: Path) -> None:
