@@ -61,7 +61,7 @@ def main() -> None:
                  for name, slices in (("llguidance", list(SLICES)), ("llguidance, its slices", None))}
     bounds = bounds_of(params.schema)
     assert bounds is not None
-    table = table_of(lambda t: bytes(ll_tokenizer.decode_bytes([t])), vocab, [0, 1])
+    table = table_of(ll_tokenizer, vocab)
     templates["corelib (counted)"] = ll.LLMatcher(
         ll_tokenizer, grammar_of(StructuredOutputsParams(json=bounds.grammar_schema)), limits=parser_limits())
     try:
@@ -93,7 +93,7 @@ def main() -> None:
         for at, letter in enumerate(letters):
             for name, row in ll_rows.items():
                 began = time.perf_counter()
-                if name == "corelib (counted)":  # the rows after the first find the matcher's masks kept
+                if name == "corelib (counted)":  # the matcher's mask, then the tracker's restriction
                     counted.fill(ll_mask.ctypes.data, ll_mask.nbytes)
                 else:
                     row.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)

@@ -44,7 +44,7 @@ import dataclasses
 import functools
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -228,24 +228,29 @@ def bounds_of(schema: str) -> Bounds | None:
 # ----------------------------------------------------------------------------- counting a string's characters
 
 
+def string_byte(escape: int, byte: int) -> tuple[int, bool]:
+    """One byte inside a JSON string that does not close it (not a quote in escape state NORMAL): the escape
+    state after it, and whether it starts a character (a backslash does, and so does any byte in NORMAL but a
+    UTF-8 continuation byte; an escape's later bytes do not)."""
+    if escape == NORMAL:
+        if byte == BACKSLASH_BYTE:
+            return AFTER_BACKSLASH, True
+        return NORMAL, byte & 0xC0 != 0x80
+    if escape == AFTER_BACKSLASH:
+        return (HEX0 if byte == ord("u") else NORMAL), False
+    return (escape + 1 if escape < HEX3 else NORMAL), False
+
+
 def scan_string(data: bytes, start: int, escape: int) -> tuple[int, int, int]:
     """Scan ``data[start:]`` inside a JSON string in escape state ``escape``: (characters started before the
     closing quote or the end, the closing quote's index or -1, the escape state at the end)."""
     chars = 0
     for at in range(start, len(data)):
         byte = data[at]
-        if escape == NORMAL:
-            if byte == QUOTE:
-                return chars, at, NORMAL
-            if byte == BACKSLASH_BYTE:
-                chars += 1
-                escape = AFTER_BACKSLASH
-            elif byte & 0xC0 != 0x80:  # not a UTF-8 continuation byte: a new character
-                chars += 1
-        elif escape == AFTER_BACKSLASH:
-            escape = HEX0 if byte == ord("u") else NORMAL
-        else:
-            escape = escape + 1 if escape < HEX3 else NORMAL
+        if escape == NORMAL and byte == QUOTE:
+            return chars, at, NORMAL
+        escape, starts = string_byte(escape, byte)
+        chars += starts
     return chars, -1, escape
 
 
@@ -325,6 +330,7 @@ class TokenTable:
         self._plain[[t for t in special if 0 <= t < self.vocab]] = False
         self._matrix = matrix
         self._columns: dict[int, _StringColumns] = {}
+        self.scratch = np.zeros(self.words, np.uint32)  # StringTracker.restrict's (one thread writes the masks)
         # From outside a string: the first quote opens one; what the token holds after it, scanned from there.
         is_quote = matrix == QUOTE
         has_quote = is_quote.any(axis=1) & self._plain
@@ -438,19 +444,9 @@ class StringTracker:
     def _byte(self, byte: int) -> bool:  # one JSON scanner, a branch per state
         state = self.state
         if state == STRING:
-            escape = self.escape
-            starts = False  # whether the byte starts a character (scan_string's rule)
-            if escape == NORMAL:
-                if byte == QUOTE:
-                    return self._close()
-                if byte == BACKSLASH_BYTE:
-                    self.escape, starts = AFTER_BACKSLASH, True
-                else:
-                    starts = byte & 0xC0 != 0x80
-            elif escape == AFTER_BACKSLASH:
-                self.escape = HEX0 if byte == ord("u") else NORMAL
-            else:
-                self.escape = escape + 1 if escape < HEX3 else NORMAL
+            if self.escape == NORMAL and byte == QUOTE:
+                return self._close()
+            self.escape, starts = string_byte(self.escape, byte)
             if self.is_key:
                 self.key.append(byte)
             elif starts and self.limits is not None:
@@ -556,7 +552,7 @@ class StringTracker:
         else:
             candidates = table.quoted_bits
         verdicts = self.bounds.verdicts(self._position(), candidates)
-        new = row & verdicts.unfed
+        new = np.bitwise_and(row, verdicts.unfed, out=table.scratch)  # no array made per row and step
         if np.count_nonzero(new):  # (faster than any() at these sizes)
             ids = _ids(new)
             broke = np.zeros_like(new)
@@ -609,6 +605,8 @@ def _row_type(words: int) -> Any:
     return ctypes.c_uint32 * words
 
 
-def table_of(token_bytes: Callable[[int], bytes], vocab: int, special: Iterable[int]) -> TokenTable:
-    """The :class:`TokenTable` of a vocabulary of ``vocab`` tokens, each one's bytes from ``token_bytes``."""
-    return TokenTable([token_bytes(token) for token in range(vocab)], special)
+def table_of(ll_tokenizer: Any, vocab: int) -> TokenTable:
+    """The :class:`TokenTable` of llguidance's tokenizer ``ll_tokenizer`` over ``vocab`` tokens (its special
+    tokens, ids past the tokenizer's among them, never counted)."""
+    special = [token for token in range(vocab) if ll_tokenizer.is_special_token(token)]
+    return TokenTable([bytes(ll_tokenizer.decode_bytes([token])) for token in range(vocab)], special)

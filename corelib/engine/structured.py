@@ -48,9 +48,6 @@ LIMITS = {
 }
 # Compact JSON: no whitespace between the tokens of the output (a small model would spend its tokens on it).
 COMPILE_OPTIONS = {"whitespace_flexible": False}
-# Count the strings' length bounds beside the grammar where the schema allows it (corelib.engine.string_bounds);
-# False leaves every bound to llguidance's grammar (benchmarks compare the two).
-COUNT_STRING_BOUNDS = True
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'  # a character a JSON string holds unescaped
 # llguidance's slices: the tokens of each slice go into the mask at once wherever the grammar allows every one of
 # them, instead of each being walked. Its default slices are strings of up to 10 and 30 characters, so inside a
@@ -243,7 +240,7 @@ class StructuredOutputs:
         self._templates: OrderedDict[str, _Templates] = OrderedDict()
         # Per schema, the strings whose bounds are counted beside the grammar (None: none is), and the
         # vocabulary's bytes they are counted over, built with the first such schema.
-        self.count_string_bounds = COUNT_STRING_BOUNDS
+        self.count_string_bounds = True  # False leaves every bound to llguidance's grammar (benchmarks compare)
         self._bounds: OrderedDict[str, Bounds | None] = OrderedDict()
         self._table: TokenTable | None = None
 
@@ -256,7 +253,7 @@ class StructuredOutputs:
         if bounds is not None:
             grammar = self.grammars.grammar(StructuredOutputsParams(json=bounds.grammar_schema))
             tracker = StringTracker(bounds, self.token_table())
-        key = typed.key if tracker is None else f"counted:{typed.key}"  # the grammar its matchers were made of
+        key = _template_key(typed, bounds)
         with self._lock:
             templates = self._templates.get(key)
             if templates is not None:
@@ -299,14 +296,13 @@ class StructuredOutputs:
         ll_tokenizer = self.ll_tokenizer()
         with self._lock:
             if self._table is None:
-                special = [t for t in range(self.vocab_size) if ll_tokenizer.is_special_token(t)]
-                self._table = table_of(lambda t: bytes(ll_tokenizer.decode_bytes([t])), self.vocab_size, special)
+                self._table = table_of(ll_tokenizer, self.vocab_size)
             return self._table
 
     def templates(self, params: StructuredOutputsParams | Mapping[str, Any]) -> int:
         """How many independent matchers ``params``' grammar has so far."""
         typed = StructuredOutputsParams.of(params)
-        key = typed.key if self.bounds(typed) is None else f"counted:{typed.key}"
+        key = _template_key(typed, self.bounds(typed))
         with self._lock:
             found = self._templates.get(key)
             return 0 if found is None else len(found.matchers)
@@ -329,6 +325,12 @@ class StructuredOutputs:
                 self._ll_tokenizer = ll.LLTokenizer(text, n_vocab=self.vocab_size,
                                                     eos_token=self.eos_token_ids or None, slices=list(SLICES))
             return self._ll_tokenizer
+
+
+def _template_key(params: StructuredOutputsParams, bounds: Bounds | None) -> str:
+    """What a grammar's independent matchers are kept under: the schema, and whether its matchers' grammar has the
+    counted strings' bounds taken out."""
+    return params.key if bounds is None else f"counted:{params.key}"
 
 
 class _Templates:

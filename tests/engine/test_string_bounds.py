@@ -199,7 +199,7 @@ def test_the_masks_keep_the_bounds_llguidance_keeps(vocabulary: tuple[Path, int]
     schema = SCHEMAS[name]
     bounds = bounds_of(json.dumps(schema, separators=(",", ":")))
     assert bounds is not None
-    table = table_of(lambda t: bytes(ll_tokenizer.decode_bytes([t])), vocab, [0, 1])
+    table = table_of(ll_tokenizer, vocab)
     bounded = ll.LLMatcher(ll_tokenizer, grammar_of(StructuredOutputsParams(json=schema)), limits=parser_limits())
     unbounded = ll.LLMatcher(ll_tokenizer, grammar_of(StructuredOutputsParams(json=bounds.grammar_schema)),
                              limits=parser_limits())
