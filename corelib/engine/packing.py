@@ -330,7 +330,7 @@ class InputBuilder:
         structured = [row for row, (seq, samples) in enumerate(zip(step.seqs, step.samples, strict=True))
                       if samples and seq.grammar is not None and not seq.is_finished]
         fill_masks(step, structured, self._numpy_views(fi.layout, fi.arena)[TOKEN_MASK])
-        return fi.layout.views(fi.arena)[TOKEN_MASK]
+        return fi.layout.view(fi.arena, TOKEN_MASK)
 
     def _recounts(self, seqs: list[EngineSequence], index_t: npt.NDArray[np.int64]) -> list[int]:
         """The rows whose penalty counts the device rebuilds before the step's forward: those with a penalty whose
@@ -373,8 +373,11 @@ def fill_prompt_positions(step: ScheduledStep, out: npt.NDArray[Any]) -> None:
 def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) -> None:
     """Each structured row's token bitmask from its grammar, the rows in parallel; every other row allows every
     token. A failure is told to the request whose grammar failed (found by filling the rows one by one)."""
-    masks.fill(ALL_ALLOWED)
     states = [(grammar, row) for row in rows if (grammar := step.seqs[row].grammar) is not None]
+    if len(states) < masks.shape[0]:  # a grammar writes its whole row: only the others are set here
+        others = np.ones(masks.shape[0], dtype=bool)
+        others[[row for _, row in states]] = False
+        masks[others] = ALL_ALLOWED
     try:
         fill_rows(states, masks.ctypes.data, masks.strides[0], masks.shape[0])
         return

@@ -429,7 +429,7 @@ class ModelRunner:
         """The step's token bitmask into the buffer the sampling reads (stream-ordered before the forward); a
         sampled step without one sets the buffer back to all ones once, after a step that had one."""
         if _carries_mask(fi):
-            masks = fi.layout.views(arena)[TOKEN_MASK]
+            masks = fi.layout.view(arena, TOKEN_MASK)
             self.compute.launch(lambda: self.token_mask.copy_(masks))
             self._mask_set = True
         elif self._mask_set and fi.sample:

@@ -112,3 +112,14 @@ def test_a_padded_step_writes_the_same_tokens_and_pads_past_them() -> None:
     assert not views["block_tables"][n:].any()
     assert np.array_equal(views["temperature"].numpy(), np.zeros(ROWS, dtype=np.float32))
     assert (views["stop_ids"].numpy() == -1).all() and not views["bias_ids"].any()
+
+
+def test_one_fields_view_is_that_field_of_every_fields_views() -> None:
+    layout = LAYOUT.masked(LAYOUT.step_layout(5))
+    arena = torch.arange(layout.nbytes, dtype=torch.int64).to(torch.uint8)
+    every = layout.views(arena)
+    for name, view in every.items():
+        alone = layout.view(arena, name)
+        assert alone.dtype == view.dtype and alone.shape == view.shape and alone.data_ptr() == view.data_ptr()
+    with pytest.raises(KeyError, match="no field 'nope'"):
+        layout.view(arena, "nope")

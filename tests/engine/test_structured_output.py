@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -160,6 +161,35 @@ def test_the_rows_filled_in_parallel_are_the_rows_filled_one_by_one(model_dir: P
     for row, state in enumerate(states):
         state.fill(alone[row].ctypes.data, alone[row].nbytes)
     assert (together == alone).all() and (together[0] != together[1]).any() and (together[3] == -1).all()
+
+
+def test_a_steps_masks_allow_every_token_on_the_rows_without_a_grammar(model_dir: Path) -> None:
+    # The arena is reused: whatever an earlier step left in the rows of a plain request or of the padding must
+    # not reach their sampling, and a grammar's row is its mask whatever was there.
+    import numpy as np
+
+    from corelib.engine.packing import fill_masks
+    from corelib.ops.token_mask import ALL_ALLOWED
+
+    tokenizer = Tokenizer.from_directory(model_dir)
+    assert tokenizer is not None
+    outputs = StructuredOutputs(tokenizer, tokenizer.vocab_size, [1])
+    grammars = [outputs.state(StructuredOutputsParams(json=SCHEMA)) for _ in range(2)]
+    for token in tokenizer.encode('{"na', add_special_tokens=False):
+        assert grammars[1].advance(token) is None
+    words = mask_words(tokenizer.vocab_size)
+    expected = np.zeros((2, words), dtype=np.int32)
+    for row, grammar in enumerate(grammars):
+        grammar.fill(expected[row].ctypes.data, expected[row].nbytes)
+    step: Any = SimpleNamespace(seqs=[SimpleNamespace(grammar=grammars[0]), SimpleNamespace(grammar=None),
+                                      SimpleNamespace(grammar=grammars[1])])
+    masks = np.zeros((4, words), dtype=np.int32)  # row 1 a plain request's, row 3 the padding's
+    fill_masks(step, [0, 2], masks)
+    assert (masks[[1, 3]] == ALL_ALLOWED).all()
+    assert (masks[[0, 2]] == expected).all() and (expected[0] != expected[1]).any()
+    every = np.zeros((2, words), dtype=np.int32)
+    fill_masks(SimpleNamespace(seqs=[step.seqs[0], step.seqs[2]]), [0, 1], every)  # type: ignore[arg-type]
+    assert (every == expected).all()
 
 
 def test_a_grammar_hands_out_copies_of_independent_matchers_in_turn(model_dir: Path,
