@@ -1,0 +1,90 @@
+"""The host's work in a JSON-mode step, beside a plain step's, in one run: where a structured step's time goes.
+
+    python benchmarks/json_host.py --backend npu --rounds 2
+
+A JSON step is the host's between two device steps: once a step's tokens are back, each grammar
+takes its token (post-process), the next step's masks are written (masks), and only then is that
+step's sampling queued; the scheduling and packing of the step after it follow. This times each
+of those calls on the engine (medians per step, µs) for the schemas of ``json_mode.py`` and plain
+decoding with the same settings, alternating, on json_mode.py's checkpoint (``--tiny``: two narrow
+layers, the default here, so that the emulator's device work stays small beside the host's).
+The rows' device work is not timed: ``json_mode.py`` gives the TPOT ratio on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from json_mode import SCHEMA, VOCAB, typical, write_checkpoint
+
+from corelib.engine.api import Engine
+from corelib.engine.sequence import SamplingParams
+
+CALLS = {"schedule": ("scheduler", "schedule"), "fill": ("builder", "fill"), "masks": ("builder", "fill_owed_masks"),
+         "post-process": ("scheduler", "postprocess")}
+
+
+def timed(engine: Engine) -> dict[str, list[float]]:
+    """Wrap the engine's host calls of CALLS so that each call's wall time is kept (seconds) under its name."""
+    kept: dict[str, list[float]] = {name: [] for name in CALLS}
+    for name, (owner_name, method) in CALLS.items():
+        owner = getattr(engine.core, owner_name)
+        inner = getattr(owner, method)
+
+        def timing(*args: Any, _inner: Any = inner, _into: list[float] = kept[name], **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _into.append(time.perf_counter() - started)
+
+        setattr(owner, method, timing)
+    return kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="npu")
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/json_mode_tiny"))
+    parser.add_argument("--full", action="store_true", help="json_mode.py's full small-0.6b shape, not --tiny's")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=80)
+    parser.add_argument("--rounds", type=int, default=2, help="plain and JSON runs of each schema, alternating")
+    parser.add_argument("overrides", nargs="*", help="more engine keys (key=value)")
+    args = parser.parse_args()
+    model = write_checkpoint(args.workdir, not args.full)
+    prompts = [[0, *random.Random(i).sample(range(300, VOCAB), 24)] for i in range(args.requests)]
+    with Engine.from_overrides([f"backend={args.backend}", f"model.path={model}", "model.dtype=auto",
+                                f"engine.max_num_seqs={args.concurrency}", *args.overrides]) as engine:
+        if engine.tokenizer is None:
+            raise SystemExit("the checkpoint has no tokenizer")
+        [quote] = engine.tokenizer.encode('"', add_special_tokens=False)
+        kept = timed(engine)
+        print(f"requests {args.requests}, concurrency {args.concurrency}, backend {args.backend}; "
+              f"median µs per call (calls)")
+        for case, schema in (("unbounded strings", typical(SCHEMA)), ("strings of maxLength 24 and 8", SCHEMA)):
+            bias = {quote: 8.0} if schema is not SCHEMA else None
+            runs = {"plain": [SamplingParams(max_tokens=args.max_tokens * 3 // 4, temperature=0.0, seed=i,
+                                             logit_bias=bias, ignore_eos=True) for i in range(args.requests)],
+                    "JSON": [SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=i, logit_bias=bias,
+                                            structured_outputs={"json": schema}) for i in range(args.requests)]}
+            for params in runs.values():  # compiled, warmed, graphs captured
+                engine.generate(prompts[: args.concurrency], params[: args.concurrency])
+            for round_ in range(1, args.rounds + 1):
+                for name, params in runs.items():
+                    for times in kept.values():
+                        times.clear()
+                    engine.generate(prompts, params)
+                    figures = ", ".join(f"{call} {statistics.median(times) * 1e6:.0f} ({len(times)})"
+                                        for call, times in kept.items() if times)
+                    print(f"{case}, round {round_}, {name}: {figures}")
+
+
+if __name__ == "__main__":
+    main()
