@@ -1,12 +1,15 @@
 """A step's grammar masks on the host: llguidance's thread pool, with each row's matcher a copy of one template
-or of one of ``mask_threads()`` independent templates (as the engine now hands them out).
+or of one of several independent templates (the engine keeps one per mask thread and hands them out in turn).
 
 Rows are brought to their states by random walks through allowed tokens (the quote taken a quarter of the
 times it is allowed, as a trained model closes its strings), over the small-0.6b-sized byte-level vocabulary of
-``json_mode.py``, for the two schemas of that script; each timing is one step's masks, 32 rows, on fresh copies
-(a matcher keeps the mask of its state), the median over the trials after two that warm the lexers.
+``json_mode.py`` with corelib's slices, for the two schemas of that script; each timing is one step's masks, 32
+rows, on fresh copies (a matcher keeps the mask of its state), the median over the trials after two, every
+template's lexer warmed through every walk first. For each thread count (1, 2, 4, 8 and ``mask_threads()``, or those given): the rows copied from one
+template, and from as many templates as threads, handed out in turn (the engine's order) or grouped by template
+(copies of one template wait for each other's lexer, so a thread that takes neighbouring rows waits less).
 
-    python3 benchmarks/mask_threads.py [WORKDIR]
+    python3 benchmarks/mask_threads.py [--threads N ...] [WORKDIR]
 """
 
 from __future__ import annotations
@@ -55,42 +58,64 @@ def walks(template: Any, quote: int, rng: random.Random) -> list[list[list[int]]
 
 
 def main() -> None:
+    import argparse
+
     from tokenizers import Tokenizer
 
+    from corelib.engine.structured import SLICES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1, 2, 4, 8, mask_threads())")
+    parser.add_argument("workdir", type=Path, nargs="?", default=Path("outputs/mask_threads"))
+    args = parser.parse_args()
     ll = llguidance_module()
-    work = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/mask_threads")
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / "tokenizer.json"
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    path = args.workdir / "tokenizer.json"
     if not path.exists():
         json_mode.write_tokenizer(path)
-    tokenizer = ll.LLTokenizer(path.read_text(), n_vocab=json_mode.VOCAB, eos_token=[1])
+    tokenizer = ll.LLTokenizer(path.read_text(), n_vocab=json_mode.VOCAB, eos_token=[1], slices=list(SLICES))
     [quote] = Tokenizer.from_file(str(path)).encode('"').ids
-    threads = mask_threads()
+    default = mask_threads()
+    counts = sorted(set(args.threads or [n for n in (1, 2, 4, 8) if n <= default] + [default]))
     masks = np.zeros((ROWS, (json_mode.VOCAB + 31) // 32), dtype=np.int32)
-    print(f"cpus {os.cpu_count()}, mask threads {threads}; ms for one step's masks of {ROWS} rows (median)")
+    print(f"cpus {os.cpu_count()}, mask threads {default}; ms for one step's masks of {ROWS} rows (median)")
     for name, schema in (("unbounded strings", json_mode.typical(json_mode.SCHEMA)),
                          ("strings of maxLength 24 and 8", json_mode.SCHEMA)):
         grammar = grammar_of(StructuredOutputsParams.of({"json": schema}))
-        one = ll.LLMatcher(tokenizer, grammar, limits=parser_limits())
-        pool = [ll.LLMatcher(tokenizer, grammar, limits=parser_limits()) for _ in range(threads)]
-        trials = walks(one, quote, random.Random(1))
-        results = {}
-        for label, templates in (("one template", [one]), (f"{threads} templates", pool)):
-            for count in sorted({1, threads}):
-                executor = ll.LLExecutor(num_threads=count)
+        templates = [ll.LLMatcher(tokenizer, grammar, limits=parser_limits()) for _ in range(max(counts))]
+        trials = walks(templates[0], quote, random.Random(1))
+        for template in templates:  # every template's lexer warmed through every walk first
+            for rows in trials:
+                for walk in rows:
+                    matcher = template.deep_copy()
+                    for token in walk:
+                        matcher.consume_token(token)
+                    matcher.unsafe_compute_mask_ptr(masks.ctypes.data, masks.strides[0])
+        print(f"{name}:")
+        for count in counts:
+            executor = ll.LLExecutor(num_threads=count)
+            results = {}
+            cases = [("one template", 1, False)]
+            if count > 1:
+                cases += [(f"{count} templates in turn", count, False), (f"{count} templates grouped", count, True)]
+            for label, kept, grouped in cases:
                 times = []
                 for rows in trials:
                     matchers = []
                     for row, walk in enumerate(rows):
-                        matcher = templates[row % len(templates)].deep_copy()
+                        matcher = templates[row % kept].deep_copy()
                         for token in walk:
                             matcher.consume_token(token)
-                        matchers.append((matcher, row))
+                        matchers.append((row % kept, matcher, row))
+                    if grouped:
+                        matchers.sort(key=lambda entry: entry[0])
                     began = time.perf_counter()
-                    executor.unsafe_compute_mask_ptr(matchers, masks.ctypes.data, masks.strides[0], ROWS)
+                    executor.unsafe_compute_mask_ptr([(matcher, row) for _, matcher, row in matchers],
+                                                     masks.ctypes.data, masks.strides[0], ROWS)
                     times.append((time.perf_counter() - began) * 1e3)
-                results[f"{label}, {count} thread{'s' if count > 1 else ''}"] = statistics.median(times[2:])
-        print(f"{name}: " + "; ".join(f"{key} {value:.3f}" for key, value in results.items()))
+                results[label] = statistics.median(times[2:])
+            print(f"  {count} thread{'s' if count > 1 else ''}: " +
+                  "; ".join(f"{key} {value:.3f}" for key, value in results.items()))
 
 
 if __name__ == "__main__":
