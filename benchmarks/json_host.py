@@ -50,7 +50,8 @@ def timed(engine: Engine) -> dict[str, list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="npu")
-    parser.add_argument("--workdir", type=Path, default=Path("outputs/json_mode_tiny"))
+    parser.add_argument("--workdir", type=Path, help="where the checkpoint is written once (default: "
+                        "outputs/json_mode_tiny, or json_mode.py's outputs/json_mode_model with --full)")
     parser.add_argument("--full", action="store_true", help="json_mode.py's full small-0.6b shape, not --tiny's")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="plain and JSON runs of each schema, alternating")
     parser.add_argument("overrides", nargs="*", help="more engine keys (key=value)")
     args = parser.parse_args()
-    model = write_checkpoint(args.workdir, not args.full)
+    workdir = args.workdir or Path("outputs/json_mode_model" if args.full else "outputs/json_mode_tiny")
+    model = write_checkpoint(workdir, not args.full)
     prompts = [[0, *random.Random(i).sample(range(300, VOCAB), 24)] for i in range(args.requests)]
     with Engine.from_overrides([f"backend={args.backend}", f"model.path={model}", "model.dtype=auto",
                                 f"engine.max_num_seqs={args.concurrency}", *args.overrides]) as engine:
