@@ -157,27 +157,19 @@ def mask_threads() -> int:
 
 @functools.cache
 def _executor() -> Any:
-    """llguidance's thread pool, one per process; None where it would have one thread: handing the rows to a lone
-    worker computes nothing sooner and adds a thread switch, which on a busy host can wait a scheduler tick."""
-    threads = mask_threads()
-    return llguidance_module().LLExecutor(num_threads=threads) if threads > 1 else None
+    """llguidance's thread pool, one per process."""
+    return llguidance_module().LLExecutor(num_threads=mask_threads())
 
 
 def fill_rows(states: Iterable[tuple[GrammarState, int]], address: int, row_bytes: int, rows: int) -> None:
     """Write each state's mask into its row of the ``rows`` x ``row_bytes`` bitmask at ``address``, the rows
-    computed in parallel by llguidance's thread pool (one pool per process, made on first use; on the calling
-    thread where the pool would have one): a step's masks are the host's work between two steps, since the
-    grammar needs the token just sampled. Then each row whose schema has strings counted beside the grammar
-    loses the tokens their bounds forbid."""
+    computed in parallel by llguidance's thread pool (one pool per process, made on first use): a step's
+    masks are the host's work between two steps, since the grammar needs the token just sampled. Then each
+    row whose schema has strings counted beside the grammar loses the tokens their bounds forbid."""
     states = list(states)
-    pool = _executor() if len(states) > 1 else None
-    if pool is None:
-        for state, row in states:
-            if row >= rows:
-                raise ValueError(f"row {row} is past the bitmask's {rows} rows")
-            state.fill(address + row * row_bytes, row_bytes)
-        return
-    pool.unsafe_compute_mask_ptr([(state.matcher, row) for state, row in states], address, row_bytes, rows)
+    matchers = [(state.matcher, row) for state, row in states]
+    if matchers:
+        _executor().unsafe_compute_mask_ptr(matchers, address, row_bytes, rows)
     for state, row in states:
         state.restrict(address + row * row_bytes)
 
