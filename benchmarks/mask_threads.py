@@ -8,8 +8,8 @@ rows, on fresh copies (a matcher keeps the mask of its state), the median (and t
 after two, every template's lexer warmed through every walk first. For each thread count (1, 2, 4, 8 and
 ``mask_threads()``, or those given): the rows copied from one template, and from as many templates as threads,
 handed out in turn (the engine's order) or grouped by template (copies of one template wait for each other's
-lexer, so a thread that takes neighbouring rows waits less); with one thread, also the rows computed on the
-calling thread, as the engine does where the pool would have one.
+lexer, so a thread that takes neighbouring rows waits less); with one thread, also the rows computed one by one
+on the calling thread (each call lets go of the GIL and takes it back).
 
     python3 benchmarks/mask_threads.py [--threads N ...] [WORKDIR]
 """
@@ -98,7 +98,7 @@ def main() -> None:
             executor = ll.LLExecutor(num_threads=count)
             results: dict[str, str] = {}
             cases = [("one template", 1, False)]
-            if count == 1:  # what the engine does where the pool would have one thread
+            if count == 1:  # no hand-off to a pool thread, but a GIL round trip per row
                 cases += [("one template, on the calling thread", 1, False)]
             else:
                 cases += [(f"{count} templates in turn", count, False), (f"{count} templates grouped", count, True)]
