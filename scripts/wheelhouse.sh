@@ -48,19 +48,20 @@ echo "==> corelib and its backend plugins, from the files git would ship"
             cp "$repo/$file" "$work/src/$file"
         fi
     done
-(cd "$work/src" && python3 -m pip wheel --quiet --no-deps --wheel-dir "$out" \
+(cd "$work/src" && python3 -m pip wheel --quiet --no-deps --wheel-dir "$work/own" \
     . backends/cpu backends/cuda backends/npu backends/mlu)
+cp "$work"/own/*.whl "$out"/
 
 echo "==> corelib[$extras]'s dependencies but torch"
-python3 - "$out" "$extras" >"$work/requirements.txt" <<'PY'
+python3 - "$work/own" "$extras" >"$work/requirements.txt" <<'PY'
 import sys
 import zipfile
 from pathlib import Path
 
 from pip._vendor.packaging.requirements import Requirement
 
-out, extras = Path(sys.argv[1]), [e for e in sys.argv[2].split(",") if e]
-[wheel] = sorted(out.glob("corelib-*.whl"))
+built, extras = Path(sys.argv[1]), [e for e in sys.argv[2].split(",") if e]
+[wheel] = built.glob("corelib-*.whl")  # corelib's own, just built (the plugins' names have an underscore)
 with zipfile.ZipFile(wheel) as archive:
     [name] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
     metadata = archive.read(name).decode()
