@@ -16,35 +16,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from pathlib import Path
-from typing import Any
 
-from json_mode import SCHEMA, VOCAB, typical, write_checkpoint
+from json_mode import SCHEMA, VOCAB, Timers, typical, write_checkpoint
 
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
 
 CALLS = {"schedule": ("scheduler", "schedule"), "fill": ("builder", "fill"), "masks": ("builder", "fill_owed_masks"),
          "post-process": ("scheduler", "postprocess")}
-
-
-def timed(engine: Engine) -> dict[str, list[float]]:
-    """Wrap the engine's host calls of CALLS so that each call's wall time is kept (seconds) under its name."""
-    kept: dict[str, list[float]] = {name: [] for name in CALLS}
-    for name, (owner_name, method) in CALLS.items():
-        owner = getattr(engine.core, owner_name)
-        inner = getattr(owner, method)
-
-        def timing(*args: Any, _inner: Any = inner, _into: list[float] = kept[name], **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                _into.append(time.perf_counter() - started)
-
-        setattr(owner, method, timing)
-    return kept
 
 
 def main() -> None:
@@ -67,7 +47,9 @@ def main() -> None:
         if engine.tokenizer is None:
             raise SystemExit("the checkpoint has no tokenizer")
         [quote] = engine.tokenizer.encode('"', add_special_tokens=False)
-        kept = timed(engine)
+        timers = Timers(tuple(CALLS))
+        for label, (owner, method) in CALLS.items():
+            timers.wrap(getattr(engine.core, owner), method, label)
         print(f"requests {args.requests}, concurrency {args.concurrency}, backend {args.backend}; "
               f"median µs per call (calls)")
         for case, schema in (("unbounded strings", typical(SCHEMA)), ("strings of maxLength 24 and 8", SCHEMA)):
@@ -80,11 +62,10 @@ def main() -> None:
                 engine.generate(prompts[: args.concurrency], params[: args.concurrency])
             for round_ in range(1, args.rounds + 1):
                 for name, params in runs.items():
-                    for times in kept.values():
-                        times.clear()
+                    timers.take()
                     engine.generate(prompts, params)
                     figures = ", ".join(f"{call} {statistics.median(times) * 1e6:.0f} ({len(times)})"
-                                        for call, times in kept.items() if times)
+                                        for call, times in timers.calls.items() if times)
                     print(f"{case}, round {round_}, {name}: {figures}")
 
 

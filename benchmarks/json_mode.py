@@ -107,25 +107,30 @@ def mean_tpot(outputs: list[RequestOutput]) -> float:
 
 
 class Timers:
-    """Wall time inside the grammar's two host calls (the masks of a step, each request taking its token)."""
+    """Wall time inside wrapped host calls (the masks of a step, each request taking its token, ...): each call's
+    seconds kept under its label."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {"masks": 0.0, "advance": 0.0, "new matcher": 0.0}
+    def __init__(self, labels: tuple[str, ...] = ("masks", "advance", "new matcher")) -> None:
+        self.calls: dict[str, list[float]] = {label: [] for label in labels}
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
         inner = getattr(owner, name)
+        into = self.calls.setdefault(label, [])
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[label] += time.perf_counter() - started
+                into.append(time.perf_counter() - started)
 
         setattr(owner, name, timed)
 
     def take(self) -> dict[str, float]:
-        taken, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        """Each label's seconds in all since the last take; the calls are forgotten."""
+        taken = {label: sum(calls) for label, calls in self.calls.items()}
+        for calls in self.calls.values():
+            calls.clear()
         return taken
 
 

@@ -59,6 +59,14 @@ def walks(template: Any, quote: int, rng: random.Random) -> list[list[list[int]]
     return trials
 
 
+def walked(template: Any, walk: list[int]) -> Any:
+    """A fresh copy of ``template`` that has taken the tokens of ``walk``."""
+    matcher = template.deep_copy()
+    for token in walk:
+        matcher.consume_token(token)
+    return matcher
+
+
 def main() -> None:
     import argparse
 
@@ -89,10 +97,7 @@ def main() -> None:
         for template in templates:  # every template's lexer warmed through every walk first
             for rows in trials:
                 for walk in rows:
-                    matcher = template.deep_copy()
-                    for token in walk:
-                        matcher.consume_token(token)
-                    matcher.unsafe_compute_mask_ptr(masks.ctypes.data, masks.strides[0])
+                    walked(template, walk).unsafe_compute_mask_ptr(masks.ctypes.data, masks.strides[0])
         print(f"{name}:")
         for count in counts:
             executor = ll.LLExecutor(num_threads=count)
@@ -107,10 +112,7 @@ def main() -> None:
                 for rows in trials:
                     matchers = []
                     for row, walk in enumerate(rows):
-                        matcher = templates[row % kept].deep_copy()
-                        for token in walk:
-                            matcher.consume_token(token)
-                        matchers.append((row % kept, matcher, row))
+                        matchers.append((row % kept, walked(templates[row % kept], walk), row))
                     if grouped:
                         matchers.sort(key=lambda entry: entry[0])
                     began = time.perf_counter()

@@ -41,13 +41,7 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 
 echo "==> corelib and its backend plugins, from the files git would ship"
-(cd "$repo" && git ls-files --cached --others --exclude-standard -z) |
-    while IFS= read -r -d '' file; do
-        if [ -f "$repo/$file" ]; then
-            mkdir -p "$work/src/$(dirname "$file")"
-            cp "$repo/$file" "$work/src/$file"
-        fi
-    done
+"$repo/scripts/shipped-tree.sh" "$repo" "$work/src"
 (cd "$work/src" && python3 -m pip wheel --quiet --no-deps --wheel-dir "$work/own" \
     . backends/cpu backends/cuda backends/npu backends/mlu)
 cp "$work"/own/*.whl "$out"/
