@@ -9,22 +9,27 @@ per request, when it is added) runs synchronously, after a drain.
 
 Structured output run ahead (``structured_overlap``): a step holding a grammar's row is queued
 before the previous step's tokens are read, owing its mask; once every earlier step is read
-(each grammar has taken its token) the host writes the masks and the step's sampling is queued
-behind its forward. No step is queued while one owes its mask, so no forward reads a token that
-is not sampled yet.
+(each grammar has taken its token) the masks are written on the mask thread while the loop
+schedules and packs the next step, and the step's sampling is queued behind its forward once
+they are. No step is queued while one owes its mask, so no forward reads a token that is not
+sampled yet.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from corelib.config.options import StepCheck
-from corelib.engine.packing import InputBuilder, PackingError
+from corelib.engine.packing import InputBuilder, PackingError, StepMasks
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
+from corelib.engine.structured import MaskThread
 from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 from corelib.platform.device import MemoryStats
@@ -58,8 +63,21 @@ class InFlight:
     future: StepFuture
     path: str
     schedule_s: float = 0.0  # host time the scheduler took to choose this step
-    pack_s: float = 0.0  # host time to pack it into its arena (its grammar masks included)
+    pack_s: float = 0.0  # host time to pack it into its arena (and to wait for its grammar masks)
     fi: ForwardInput | None = None  # a step that owes its grammar mask: what it was packed into
+    masks: StepMasks | None = None  # that mask, its grammars' rows being computed on the mask thread
+    computing: Future[None] | None = None
+
+
+@dataclass
+class _Packed:
+    """A step in its arena, not yet submitted."""
+
+    step: ScheduledStep
+    fi: ForwardInput
+    arena: torch.Tensor
+    schedule_s: float
+    pack_s: float
 
 
 class EngineCore:
@@ -87,6 +105,7 @@ class EngineCore:
         self._next_step_id = 0
         self._finished: list[Sequence] = []
         self.tracer: Tracer = NULL_TRACER
+        self._mask_thread: MaskThread | None = None  # started with the first step that owes its grammar masks
 
     @property
     def num_in_flight(self) -> int:
@@ -162,13 +181,16 @@ class EngineCore:
         if isinstance(decision, ScheduledStep):
             if not self.pipeline.can_submit():
                 self._complete_oldest()
+            packed = self._pack(decision, scheduled)  # while an earlier step's masks are written on their thread
+            if packed is None:
+                return True
             self._settle_masks()  # the step after one that owes its mask reads the tokens that mask decides
-            self._submit(decision, scheduled)
+            self._submit(packed)
             if decision.synchronous:
                 self.drain()
             while self.pipeline.must_read():
                 self._complete_oldest()
-            self._settle_masks()  # now, while the step's forward runs
+            self._settle_masks(begin=True)  # written while this step's forward runs and the next one is packed
             return True
         if self.pipeline:
             self._complete_oldest()
@@ -182,7 +204,8 @@ class EngineCore:
         while self.pipeline:
             self._complete_oldest()
 
-    def _submit(self, step: ScheduledStep, schedule_s: float = 0.0) -> None:
+    def _pack(self, step: ScheduledStep, schedule_s: float) -> _Packed | None:
+        """``step`` in an arena; None when it could not be packed (its requests at fault end, the others wait)."""
         started = time.perf_counter()
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -204,40 +227,60 @@ class EngineCore:
         except PackingError as error:
             arenas.release(arena)
             self._refuse_packing(step, error)
-            return
+            return None
         except BaseException:
             arenas.release(arena)
             raise
-        packed = time.perf_counter() - started
+        return _Packed(step, fi, arena, schedule_s, time.perf_counter() - started)
+
+    def _submit(self, packed: _Packed) -> None:
+        arenas, arena, fi = self.executor.arenas, packed.arena, packed.fi
         try:
-            with self.tracer.span("submit", SCHEDULER_LANE, step=step_id):
+            with self.tracer.span("submit", SCHEDULER_LANE, step=fi.step_id):
                 future = self.executor.submit(fi, lambda: arenas.release(arena))
         except BaseException:
             arenas.release(arena)
             raise
+        step = packed.step
         path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
-        self.pipeline.push(InFlight(step, future, path, schedule_s, packed, fi if fi.mask_deferred else None))
+        self.pipeline.push(InFlight(step, future, path, packed.schedule_s, packed.pack_s,
+                                    fi if fi.mask_deferred else None))
 
-    def _settle_masks(self) -> None:
+    def _settle_masks(self, begin: bool = False) -> None:
         """Supply the grammar mask a step in flight owes: every step before it is read first, so each grammar
-        has taken its token."""
+        has taken its token. ``begin``: only start writing it, on the mask thread (it is supplied before the
+        next step is submitted, or before this one is read)."""
         owing = next((item for item in self.pipeline if item.fi is not None), None)
         if owing is None:
             return
         while self.pipeline.oldest() is not owing:
             self._complete_oldest()
-        self._supply_mask(owing)
+        if not begin:
+            self._supply_mask(owing)
+        elif owing.masks is None and owing.fi is not None:
+            if self._mask_thread is None:
+                self._mask_thread = MaskThread()
+            owing.masks = self.builder.owed_masks(owing.step, owing.fi)
+            owing.computing = self._mask_thread.start(owing.masks.compute, self.timeout_s,
+                                                      f"the grammar masks of step {owing.fi.step_id}")
 
     def _supply_mask(self, item: InFlight) -> None:
-        """Write ``item``'s grammar masks into its arena and queue its sampling. A request whose grammar fails to
-        write its mask ends with the error; its row allows every token, and its token is never read."""
+        """Write ``item``'s grammar masks into its arena (or wait for the mask thread to have written them) and
+        queue its sampling. A request whose grammar fails to write its mask ends with the error; its row allows
+        every token, and its token is never read."""
         fi, started = item.fi, time.perf_counter()
         if fi is None:
             return
+        pending, item.masks = item.masks, None
         with self.tracer.span("grammar masks", SCHEDULER_LANE, step=fi.step_id):
             for _ in range(len(item.step.seqs) + 1):
                 try:
-                    masks = self.builder.fill_owed_masks(item.step, fi)
+                    if pending is not None:
+                        computed, pending = pending, None
+                        self._wait_for_masks(item, fi)
+                        masks = computed.finish()
+                    else:
+                        masks = self.builder.fill_owed_masks(item.step, fi)
                     break
                 except PackingError as error:
                     for seq in error.seqs:
@@ -248,6 +291,12 @@ class EngineCore:
             item.fi = None
             item.future.supply_mask(masks)
         item.pack_s += time.perf_counter() - started
+
+    def _wait_for_masks(self, item: InFlight, fi: ForwardInput) -> None:
+        """Until the mask thread has computed ``item``'s grammar rows into ``fi``'s arena (bounded)."""
+        computing, item.computing = item.computing, None
+        if computing is not None and self._mask_thread is not None:
+            self._mask_thread.result(computing, self.timeout_s, f"the grammar masks of step {fi.step_id}")
 
     def _refuse_packing(self, step: ScheduledStep, error: PackingError) -> None:
         """A step that could not be packed: its requests at fault fail, the others run in a later step."""
@@ -283,7 +332,8 @@ class EngineCore:
         while self.pipeline:
             item = self.pipeline.pop()
             if item.fi is not None:  # its sampling is not queued: let it sample anything, its tokens are dropped
-                item.fi = None
+                self._wait_for_masks(item, item.fi)  # the mask thread writes into its arena: it finishes first
+                item.fi, item.masks = None, None
                 item.future.supply_mask(None)
             item.future.result(self.timeout_s)
 
@@ -293,4 +343,8 @@ class EngineCore:
         self.executor.attach_tracer(tracer)
 
     def close(self) -> None:
-        self.executor.close(self.timeout_s)
+        try:
+            self.executor.close(self.timeout_s)
+        finally:
+            if self._mask_thread is not None:
+                self._mask_thread.close(self.timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ import torch
 
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
-from corelib.engine.structured import GrammarCache, StructuredOutputs, fill_rows
+from corelib.engine.structured import GrammarCache, MaskThread, StructuredOutputs, fill_rows
 from corelib.models.synthetic import write_text_checkpoint
 from corelib.ops.token_mask import apply_token_bitmask, mask_words
 from corelib.sampling_params import SamplingError
@@ -349,6 +350,112 @@ def test_a_bad_schema_fails_its_request_alone(engine: Engine) -> None:
     outputs = engine.generate(["Hello"] * 2, [bad, schema_requests(1)[0]])
     assert outputs[0].outputs[0].finish_reason == "error"
     check_schema(outputs[1].outputs[0].text)
+
+
+def mask_threads_since(before: set[threading.Thread]) -> list[str]:
+    """The mask threads alive now that were not in ``before`` (another engine of the module may hold one)."""
+    return [t.name for t in set(threading.enumerate()) - before if t.name.startswith(MaskThread.NAME) and t.is_alive()]
+
+
+@pytest.mark.slow
+def test_the_next_step_is_packed_while_a_steps_masks_are_written(model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop packs the next step while the mask thread writes the masks a step owes, and queues the step's
+    sampling only once they are written. The first mask job waits for the next step's packing (which a loop
+    writing each step's masks before it packs the next never gets to) and for the loop to wait for it (a loop
+    that queued the sampling without waiting would hand over unwritten masks). Closing the engine stops the
+    mask thread."""
+    from corelib.engine.packing import InputBuilder, StepMasks
+    from corelib.transport.executor import _InprocFuture
+
+    first_owing: list[int] = []
+    packed_next, loop_waits = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    computing: set[int] = set()  # the arenas whose grammar rows are being computed
+    supplied: list[tuple[int, bool]] = []
+    fill, compute = InputBuilder.fill, StepMasks.compute
+    result, supply_mask = MaskThread.result, _InprocFuture.supply_mask
+
+    def packing(self: InputBuilder, step_id: int, *args: Any) -> Any:
+        if first_owing and step_id > first_owing[0]:
+            packed_next.set()
+        fi = fill(self, step_id, *args)
+        if fi.mask_deferred and not first_owing:
+            first_owing.append(step_id)
+        return fi
+
+    def masking(self: StepMasks) -> None:
+        computing.add(self.out.data_ptr())
+        if not waited:
+            waited.append(packed_next.wait(5.0) and loop_waits.wait(5.0))
+        compute(self)
+        computing.discard(self.out.data_ptr())
+
+    def waiting(self: MaskThread, *args: Any) -> Any:
+        loop_waits.set()
+        return result(self, *args)
+
+    def supplying(self: _InprocFuture, masks: torch.Tensor | None) -> None:
+        if masks is not None:  # None: a step cancelled at close samples anything, its tokens dropped
+            supplied.append((self._handle.step_id, masks.data_ptr() not in computing))
+        supply_mask(self, masks)
+
+    monkeypatch.setattr(InputBuilder, "fill", packing)
+    monkeypatch.setattr(StepMasks, "compute", masking)
+    monkeypatch.setattr(MaskThread, "result", waiting)
+    monkeypatch.setattr(_InprocFuture, "supply_mask", supplying)
+    before = set(threading.enumerate())
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=8",
+                                f"model.path={model_dir}", *CHAOS]) as engine:
+        outputs = engine.generate(["Hello, my name is"] * 4, schema_requests(4))
+        assert engine.core.metrics.num_steps > 3 and mask_threads_since(before)
+    assert waited == [True]
+    assert len(supplied) > 3 and all(done for _, done in supplied), supplied
+    for output in outputs:
+        check_schema(output.outputs[0].text)
+    assert not mask_threads_since(before)
+
+
+@pytest.mark.slow
+def test_a_grammar_failing_on_the_mask_thread_ends_its_request_alone(model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mask job that fails names its request, which ends with the error; the step's other rows get their masks
+    (written again on the loop's thread) and the engine goes on. Closing it with steps in flight, each owing its
+    masks, stops the mask thread too."""
+    from corelib.engine import packing, structured
+
+    def failing(states: Any, *args: Any) -> None:
+        raise RuntimeError("the pool failed")
+
+    broken: list[structured.GrammarState] = []
+    fill = structured.GrammarState.fill
+
+    def row_by_row(self: structured.GrammarState, address: int, nbytes: int) -> None:
+        if self in broken:
+            raise RuntimeError("this grammar broke")
+        fill(self, address, nbytes)
+
+    monkeypatch.setattr(packing, "compute_rows", failing)
+    monkeypatch.setattr(structured.GrammarState, "fill", row_by_row)
+    before = set(threading.enumerate())
+    with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=8",
+                                f"model.path={model_dir}"]) as engine:
+        assert engine.plan.decisions["structured_overlap"].enabled
+        ids = [engine.add_request("Hello, my name is", params) for params in schema_requests(3)]
+        engine.step()
+        broken.append(next(seq.grammar for seq in engine.scheduler.running if seq.request_id == ids[0]))
+        outputs = {}
+        while engine.has_unfinished:
+            outputs.update((output.request_id, output) for output in engine.step())
+        assert outputs[ids[0]].outputs[0].finish_reason == "error"
+        assert "this grammar broke" in (outputs[ids[0]].outputs[0].error or "")
+        for request_id in ids[1:]:
+            check_schema(outputs[request_id].outputs[0].text)
+        for _ in range(3):  # steps in flight when it closes
+            engine.add_request("Hello, my name is", schema_requests(1)[0])
+        engine.step()
+        engine.step()
+    assert not mask_threads_since(before)
 
 
 def test_a_model_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
