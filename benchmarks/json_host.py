@@ -23,9 +23,8 @@ from pathlib import Path
 from json_mode import SCHEMA, VOCAB, Timers, typical, write_checkpoint
 
 from corelib.engine.api import Engine
-from corelib.engine.packing import StepMasks
 from corelib.engine.sequence import SamplingParams
-from corelib.engine.structured import MaskThread
+from corelib.engine.step_masks import MaskThread, StepMasks
 
 # Each call timed: on the engine's part named, or on a class. The masks are computed on the mask thread while the
 # loop schedules and fills the next step; "masks' wait" is the loop's wait for them, "bounds" the counted strings'.

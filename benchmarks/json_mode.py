@@ -188,13 +188,13 @@ def main() -> None:
         cases = {"unbounded strings": (typical(SCHEMA), {quote: args.quote_bias}, True),
                  "strings of maxLength 24 and 8": (SCHEMA, None, True),
                  "strings of maxLength 24 and 8, the bounds in llguidance's grammar": (SCHEMA, None, False)}
-        from corelib.engine import packing
+        from corelib.engine import step_masks
         from corelib.engine import structured as grammar_module
 
         timers = Timers(("masks", "bounds", "masks' wait", "advance", "new matcher"))
-        timers.wrap(packing.StepMasks, "compute", "masks")  # on the mask thread, beside the next step's packing
-        timers.wrap(packing.StepMasks, "finish", "bounds")  # the counted strings' bounds, on the loop's thread
-        timers.wrap(grammar_module.MaskThread, "result", "masks' wait")  # the loop waiting for the mask thread
+        timers.wrap(step_masks.StepMasks, "compute", "masks")  # on the mask thread, beside the next step's packing
+        timers.wrap(step_masks.StepMasks, "finish", "bounds")  # the counted strings' bounds, on the loop's thread
+        timers.wrap(step_masks.MaskThread, "result", "masks' wait")  # the loop waiting for the mask thread
         timers.wrap(grammar_module.GrammarState, "advance", "advance")
         timers.wrap(engine.structured, "state", "new matcher")
         print(f"requests {args.requests}, concurrency {args.concurrency}, backend {args.backend}")

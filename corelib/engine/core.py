@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from corelib.config.options import StepCheck
-from corelib.engine.packing import InputBuilder, PackingError, StepMasks
+from corelib.engine.packing import InputBuilder, PackingError
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
-from corelib.engine.structured import MaskThread
+from corelib.engine.step_masks import MaskThread, StepMasks
 from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 from corelib.platform.device import MemoryStats

@@ -24,11 +24,10 @@ import torch
 
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import Sequence as EngineSequence
-from corelib.engine.structured import compute_rows
+from corelib.engine.step_masks import StepMasks
 from corelib.engine.token_fields import TokenWriter
 from corelib.ops.sampling import CUT_NEUTRAL, PENALTY_NEUTRAL
 from corelib.ops.spec import SAMPLING_COLUMNS, SAMPLING_TABLES, SamplingColumn
-from corelib.ops.token_mask import ALL_ALLOWED
 from corelib.sampling_params import FLOAT32_MAX, INT64_LIMIT
 from corelib.step.arena import ArenaLayout
 from corelib.step.fields import PROMPT_LOGPROBS, TOKEN_MASK, TOKEN_NAMES, pad_row_fields
@@ -336,7 +335,7 @@ class InputBuilder:
         structured = [row for row, (seq, samples) in enumerate(zip(step.seqs, step.samples, strict=True))
                       if samples and seq.grammar is not None and not seq.is_finished]
         return StepMasks(step, structured, self._numpy_views(fi.layout, fi.arena)[TOKEN_MASK],
-                         fi.layout.view(fi.arena, TOKEN_MASK))
+                         fi.layout.view(fi.arena, TOKEN_MASK), _failed)
 
     def _recounts(self, seqs: list[EngineSequence], index_t: npt.NDArray[np.int64]) -> list[int]:
         """The rows whose penalty counts the device rebuilds before the step's forward: those with a penalty whose
@@ -379,43 +378,6 @@ def fill_prompt_positions(step: ScheduledStep, out: npt.NDArray[Any]) -> None:
 def fill_masks(step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any]) -> None:
     """Each structured row's token bitmask from its grammar, the rows in parallel; every other row allows every
     token. A failure is told to the request whose grammar failed (found by filling the rows one by one)."""
-    job = StepMasks(step, rows, masks, torch.from_numpy(masks))
+    job = StepMasks(step, rows, masks, torch.from_numpy(masks), _failed)
     job.compute()
     job.finish()
-
-
-class StepMasks:
-    """A step's token bitmask (``masks`` [rows, words] int32; ``out``, the same memory as the device's copy reads
-    it) in three parts. Made: the rows without a grammar allow every token. ``compute``: the grammars' rows,
-    written by llguidance's thread pool without the GIL, on any thread (the loop's or the mask thread).
-    ``finish``, on the loop's thread: the tokens each schema's counted string bounds forbid taken out. A failure
-    of the pool is found in ``finish`` by filling the rows one by one, and told to the request whose grammar
-    failed (PackingError)."""
-
-    def __init__(self, step: ScheduledStep, rows: list[int], masks: npt.NDArray[Any], out: torch.Tensor) -> None:
-        self._step, self._masks, self.out = step, masks, out
-        self._states = [(grammar, row) for row in rows if (grammar := step.seqs[row].grammar) is not None]
-        self._failed = False
-        if len(self._states) < masks.shape[0]:  # a grammar writes its whole row: only the others are set here
-            others = np.ones(masks.shape[0], dtype=bool)
-            others[[row for _, row in self._states]] = False
-            masks[others] = ALL_ALLOWED
-
-    def compute(self) -> None:
-        try:
-            compute_rows(self._states, self._masks.ctypes.data, self._masks.strides[0], self._masks.shape[0])
-        except Exception:  # noqa: BLE001 - whose it is shows in finish
-            self._failed = True
-
-    def finish(self) -> torch.Tensor:
-        """The step's rows for the device (``out``); PackingError naming a request whose grammar failed."""
-        masks = self._masks
-        for grammar, row in self._states:
-            try:
-                if self._failed:
-                    grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
-                else:
-                    grammar.restrict(masks[row].ctypes.data)
-            except Exception as error:  # whatever it is, it is this request's
-                raise _failed(self._step.seqs[row], error) from error
-        return self.out

@@ -10,9 +10,9 @@ the packer writes its row of the step's token bitmask (int32, bit ``t`` of word 
 sampling work. After the token comes back the matcher takes it: a token it refuses fails the
 request, and once the grammar is complete the request finishes (its EOS would be the one token
 left). The matcher has seen every token before it writes the next mask: steps holding such a
-request run synchronously, or (``structured_overlap``) are queued owing their mask, which the
-:class:`MaskThread` writes once the previous step's tokens were taken, while the loop packs the
-next step.
+request run synchronously, or (``structured_overlap``) are queued owing their mask, which is
+computed once the previous step's tokens were taken, on a thread of its own while the loop packs
+the next step (``corelib.engine.step_masks``).
 
 A grammar is compiled once per distinct schema (an LRU cache) and bounded by the parser limits
 below, so a hostile schema costs a bounded amount of work and is refused in one line. Strings whose
@@ -22,13 +22,11 @@ beside the grammar instead (``corelib.engine.string_bounds``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from corelib.engine.string_bounds import Bounds, LostTrack, StringTracker, TokenTable, bounds_of, row_view, table_of
@@ -183,50 +181,6 @@ def compute_rows(states: list[tuple[GrammarState, int]], address: int, row_bytes
     if states:
         _executor().unsafe_compute_mask_ptr([(state.matcher, row) for state, row in states], address, row_bytes,
                                             rows)
-
-
-class MaskThread:
-    """The thread a step's grammar masks are computed on while the loop schedules and packs the next step: one
-    job at a time. A job that gives up the GIL at once (llguidance's pool does) runs beside the loop's Python:
-    ``start`` returns once the job has begun, since a thread that waits for the GIL would otherwise start only
-    when the loop next blocks. ``close`` stops the thread (bounded)."""
-
-    NAME = "corelib-grammar-masks"
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.NAME)
-        self._last: Future[None] | None = None
-
-    def start(self, job: Callable[[], None], timeout: float, what: str) -> Future[None]:
-        """Run ``job`` (``what``, for an error) on the thread; returns once it began."""
-        began = threading.Event()
-
-        def run() -> None:
-            began.set()
-            job()
-
-        future = self._pool.submit(run)
-        self._last = future
-        if not began.wait(timeout):
-            raise TimeoutError(f"{what}: the {self.NAME} thread did not take the job within {timeout:g} s")
-        return future
-
-    def result(self, future: Future[None], timeout: float, what: str) -> None:
-        """Wait for ``future`` (its error raised here); TimeoutError naming ``what`` and the thread past ``timeout``."""
-        try:
-            future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{what} were not written within {timeout:g} s (thread {self.NAME})") from None
-
-    def close(self, timeout: float) -> None:
-        """Stop the thread once its job (if any) is done: TimeoutError when that job outlasts ``timeout``."""
-        last = self._last
-        if last is not None:
-            concurrent.futures.wait([last], timeout)
-        finished = last is None or last.done()
-        self._pool.shutdown(wait=finished, cancel_futures=True)
-        if not finished:
-            raise TimeoutError(f"the {self.NAME} thread's job did not end within {timeout:g} s")
 
 
 class GrammarState:

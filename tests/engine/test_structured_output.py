@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,8 @@ import torch
 
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
-from corelib.engine.structured import GrammarCache, MaskThread, StructuredOutputs, fill_rows
+from corelib.engine.step_masks import MaskThread
+from corelib.engine.structured import GrammarCache, StructuredOutputs, fill_rows
 from corelib.models.synthetic import write_text_checkpoint
 from corelib.ops.token_mask import apply_token_bitmask, mask_words
 from corelib.sampling_params import SamplingError
@@ -357,6 +359,28 @@ def mask_threads_since(before: set[threading.Thread]) -> list[str]:
     return [t.name for t in set(threading.enumerate()) - before if t.name.startswith(MaskThread.NAME) and t.is_alive()]
 
 
+def test_the_mask_thread_runs_a_job_names_itself_when_late_and_stops_on_close() -> None:
+    before = set(threading.enumerate())
+    thread, release, ran = MaskThread(), threading.Event(), []
+    done = thread.start(lambda: ran.append(1), 10.0, "the grammar masks of step 1")
+    thread.result(done, 10.0, "the grammar masks of step 1")
+    assert ran == [1] and mask_threads_since(before)
+    stuck = thread.start(lambda: release.wait(30.0) and None, 10.0, "the grammar masks of step 2")
+    with pytest.raises(TimeoutError, match=r"^the grammar masks of step 2 were not written within 0.01 s \(thread "
+                                           r"corelib-grammar-masks\)$"):
+        thread.result(stuck, 0.01, "the grammar masks of step 2")
+    with pytest.raises(TimeoutError, match=r"corelib-grammar-masks thread's job did not end within 0\.01 s$"):
+        thread.close(0.01)
+    release.set()
+    stuck.result(10.0)
+    idle = MaskThread()
+    idle.close(10.0)
+    deadline = time.monotonic() + 10.0
+    while mask_threads_since(before) and time.monotonic() < deadline:  # the stuck job's thread ends after it
+        time.sleep(0.01)
+    assert not mask_threads_since(before)
+
+
 @pytest.mark.slow
 def test_the_next_step_is_packed_while_a_steps_masks_are_written(model_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -365,7 +389,8 @@ def test_the_next_step_is_packed_while_a_steps_masks_are_written(model_dir: Path
     writing each step's masks before it packs the next never gets to) and for the loop to wait for it (a loop
     that queued the sampling without waiting would hand over unwritten masks). Closing the engine stops the
     mask thread."""
-    from corelib.engine.packing import InputBuilder, StepMasks
+    from corelib.engine.packing import InputBuilder
+    from corelib.engine.step_masks import StepMasks
     from corelib.transport.executor import _InprocFuture
 
     first_owing: list[int] = []
@@ -422,7 +447,7 @@ def test_a_grammar_failing_on_the_mask_thread_ends_its_request_alone(model_dir: 
     """A mask job that fails names its request, which ends with the error; the step's other rows get their masks
     (written again on the loop's thread) and the engine goes on. Closing it with steps in flight, each owing its
     masks, stops the mask thread too."""
-    from corelib.engine import packing, structured
+    from corelib.engine import step_masks, structured
 
     def failing(states: Any, *args: Any) -> None:
         raise RuntimeError("the pool failed")
@@ -435,7 +460,7 @@ def test_a_grammar_failing_on_the_mask_thread_ends_its_request_alone(model_dir: 
             raise RuntimeError("this grammar broke")
         fill(self, address, nbytes)
 
-    monkeypatch.setattr(packing, "compute_rows", failing)
+    monkeypatch.setattr(step_masks, "compute_rows", failing)
     monkeypatch.setattr(structured.GrammarState, "fill", row_by_row)
     before = set(threading.enumerate())
     with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=8",
