@@ -1,4 +1,4 @@
-"""The garbage collector around a long-lived process's startup."""
+"""The garbage collector around a long-lived engine's startup."""
 
 from __future__ import annotations
 
@@ -11,3 +11,9 @@ def freeze_startup_heap() -> None:
     health check waits. vLLM's engine core does the same once it is up."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_startup_heap() -> None:
+    """Give what was frozen back to the collector: an engine that closes leaves its objects to be collected
+    (another engine of the process then runs with its startup heap in sight again, slower passes only)."""
+    gc.unfreeze()

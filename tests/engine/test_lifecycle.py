@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import traceback
@@ -29,6 +30,14 @@ def no_new_threads() -> Iterator[None]:
             return
         time.sleep(0.05)
     raise AssertionError(f"threads left behind: {[t.name for t in extra]}")
+
+
+def test_the_startup_heap_is_frozen_while_the_engine_runs_and_given_back_at_close() -> None:
+    gc.unfreeze()  # whatever an earlier test of this process froze
+    with Engine.from_overrides(["backend=npu"]) as engine:
+        assert gc.get_freeze_count() > 0  # no full collection walks what startup built
+        engine.generate([[2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert gc.get_freeze_count() == 0  # an engine that closed leaves its objects to the collector
 
 
 def test_failed_graph_capture_leaves_no_thread(monkeypatch: pytest.MonkeyPatch, no_new_threads: None) -> None:
