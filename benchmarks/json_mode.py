@@ -185,9 +185,16 @@ def main() -> None:
             raise SystemExit("the checkpoint has no tokenizer")
         [quote] = tokenizer.encode('"', add_special_tokens=False)
         # The bounded schema twice: its bounds counted beside the grammar (corelib's default), then left to it.
-        cases = {"unbounded strings": (typical(SCHEMA), {quote: args.quote_bias}, True),
-                 "strings of maxLength 24 and 8": (SCHEMA, None, True),
-                 "strings of maxLength 24 and 8, the bounds in llguidance's grammar": (SCHEMA, None, False)}
+        # Both schemas again with a step's masks computed the other way (the mask thread beside the next step's
+        # packing, or the loop's thread) than the engine chose for this machine.
+        chosen = engine.core.masks_beside_packing
+        ways = {True: "on the mask thread, beside the next step's packing", False: "on the loop's thread"}
+        other = ways[not chosen]
+        cases = {"unbounded strings": (typical(SCHEMA), {quote: args.quote_bias}, True, chosen),
+                 "strings of maxLength 24 and 8": (SCHEMA, None, True, chosen),
+                 "strings of maxLength 24 and 8, the bounds in llguidance's grammar": (SCHEMA, None, False, chosen),
+                 f"unbounded strings, the masks {other}": (typical(SCHEMA), {quote: args.quote_bias}, True, not chosen),
+                 f"strings of maxLength 24 and 8, the masks {other}": (SCHEMA, None, True, not chosen)}
         from corelib.engine import step_masks
         from corelib.engine import structured as grammar_module
 
@@ -197,9 +204,11 @@ def main() -> None:
         timers.wrap(step_masks.MaskThread, "result", "masks' wait")  # the loop waiting for the mask thread
         timers.wrap(grammar_module.GrammarState, "advance", "advance")
         timers.wrap(engine.structured, "state", "new matcher")
-        print(f"requests {args.requests}, concurrency {args.concurrency}, backend {args.backend}")
-        for name, (schema, bias, counted) in cases.items():
+        print(f"requests {args.requests}, concurrency {args.concurrency}, backend {args.backend}; the masks "
+              f"{ways[chosen]}")
+        for name, (schema, bias, counted, beside) in cases.items():
             engine.structured.count_string_bounds = counted
+            engine.core.masks_beside_packing = beside
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
                                      logit_bias=bias, structured_outputs={"json": schema})
                       for i in range(args.requests)]

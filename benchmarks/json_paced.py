@@ -130,6 +130,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=2, help="JSON and plain runs of each schema, alternating")
+    parser.add_argument("--mask-thread", choices=("default", "on", "off"), default="default",
+                        help="a step's grammar masks computed on the mask thread while the next step is packed, or "
+                             "on the loop's thread (default: the engine's choice for this machine)")
     parser.add_argument("overrides", nargs="*", help="more engine keys (key=value)")
     args = parser.parse_args()
     model = write_checkpoint(args.workdir, True)
@@ -144,8 +147,11 @@ def main() -> None:
     prompts = [[0, *random.Random(i).sample(range(300, VOCAB), 24)] for i in range(args.requests)]
     with Engine.from_overrides(["backend=npu", f"model.path={model}", "engine.async_token_handoff=on",
                                 f"engine.max_num_seqs={args.concurrency}", *args.overrides]) as engine:
+        if args.mask_thread != "default":
+            engine.core.masks_beside_packing = args.mask_thread == "on"
         print(f"requests {args.requests}, concurrency {args.concurrency}, a step {args.step_ms} ms; "
-              f"structured_overlap {engine.plan.is_enabled('structured_overlap')}")
+              f"structured_overlap {engine.plan.is_enabled('structured_overlap')}, "
+              f"masks beside packing {engine.core.masks_beside_packing}")
         for name, schema in (("unbounded strings", typical(SCHEMA)), ("strings of maxLength 24 and 8", SCHEMA)):
             structured = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=i,
                                          structured_outputs={"json": schema}) for i in range(args.requests)]

@@ -9,10 +9,10 @@ per request, when it is added) runs synchronously, after a drain.
 
 Structured output run ahead (``structured_overlap``): a step holding a grammar's row is queued
 before the previous step's tokens are read, owing its mask; once every earlier step is read
-(each grammar has taken its token) the masks are written on the mask thread while the loop
-schedules and packs the next step, and the step's sampling is queued behind its forward once
-they are. No step is queued while one owes its mask, so no forward reads a token that is not
-sampled yet.
+(each grammar has taken its token) the masks are written (on the mask thread while the loop
+schedules and packs the next step, where the machine has cores to spare), and the step's sampling
+is queued behind its forward once they are. No step is queued while one owes its mask, so no
+forward reads a token that is not sampled yet.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from corelib.engine.packing import InputBuilder, PackingError
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
 from corelib.engine.sequence import FinishReason, Sequence
 from corelib.engine.step_masks import MaskThread, StepMasks
+from corelib.engine.structured import mask_threads
 from corelib.observe.metrics import WINDOW, HostTime, MetricsCollector, StepRecord
 from corelib.observe.trace import NULL_TRACER, SCHEDULER_LANE, Tracer
 from corelib.platform.device import MemoryStats
@@ -65,8 +66,8 @@ class InFlight:
     schedule_s: float = 0.0  # host time the scheduler took to choose this step
     pack_s: float = 0.0  # host time to pack it into its arena (and to wait for its grammar masks)
     fi: ForwardInput | None = None  # a step that owes its grammar mask: what it was packed into
-    masks: StepMasks | None = None  # that mask, its grammars' rows being computed on the mask thread
-    computing: Future[None] | None = None
+    masks: StepMasks | None = None  # that mask, once its grammars' rows are being computed...
+    computing: Future[None] | None = None  # ...by this job of the mask thread
 
 
 @dataclass
@@ -106,6 +107,10 @@ class EngineCore:
         self._finished: list[Sequence] = []
         self.tracer: Tracer = NULL_TRACER
         self._mask_thread: MaskThread | None = None  # started with the first step that owes its grammar masks
+        # Compute a step's owed masks on the mask thread while the next step is packed: where llguidance's pool
+        # has more than one thread (more than two CPUs). On two, the loop, the pool's thread and the mask thread
+        # share both cores and each hand-over costs as much as the overlap saves (benchmarks/json_paced.py).
+        self.masks_beside_packing = mask_threads() > 1
 
     @property
     def num_in_flight(self) -> int:
@@ -248,14 +253,14 @@ class EngineCore:
 
     def _settle_masks(self, begin: bool = False) -> None:
         """Supply the grammar mask a step in flight owes: every step before it is read first, so each grammar
-        has taken its token. ``begin``: only start writing it, on the mask thread (it is supplied before the
-        next step is submitted, or before this one is read)."""
+        has taken its token. ``begin``: where ``masks_beside_packing``, only start writing it on the mask thread
+        (it is supplied before the next step is submitted, or before this one is read)."""
         owing = next((item for item in self.pipeline if item.fi is not None), None)
         if owing is None:
             return
         while self.pipeline.oldest() is not owing:
             self._complete_oldest()
-        if not begin:
+        if not begin or not self.masks_beside_packing:
             self._supply_mask(owing)
         elif owing.masks is None and owing.fi is not None:
             if self._mask_thread is None:
@@ -294,9 +299,9 @@ class EngineCore:
 
     def _wait_for_masks(self, item: InFlight, fi: ForwardInput) -> None:
         """Until the mask thread has computed ``item``'s grammar rows into ``fi``'s arena (bounded)."""
-        computing, item.computing = item.computing, None
-        if computing is not None and self._mask_thread is not None:
-            self._mask_thread.result(computing, self.timeout_s, f"the grammar masks of step {fi.step_id}")
+        if item.computing is not None and self._mask_thread is not None:
+            self._mask_thread.result(item.computing, self.timeout_s, f"the grammar masks of step {fi.step_id}")
+        item.computing = None
 
     def _refuse_packing(self, step: ScheduledStep, error: PackingError) -> None:
         """A step that could not be packed: its requests at fault fail, the others run in a later step."""

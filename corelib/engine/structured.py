@@ -163,21 +163,11 @@ def _executor() -> Any:
     return llguidance_module().LLExecutor(num_threads=mask_threads())
 
 
-def fill_rows(states: Iterable[tuple[GrammarState, int]], address: int, row_bytes: int, rows: int) -> None:
-    """Write each state's mask into its row of the ``rows`` x ``row_bytes`` bitmask at ``address``: the rows
-    computed in parallel (:func:`compute_rows`), then each row whose schema has strings counted beside the grammar
-    loses the tokens their bounds forbid."""
-    states = list(states)
-    compute_rows(states, address, row_bytes, rows)
-    for state, row in states:
-        state.restrict(address + row * row_bytes)
-
-
 def compute_rows(states: list[tuple[GrammarState, int]], address: int, row_bytes: int, rows: int) -> None:
-    """Each state's matcher's mask into its row (as :func:`fill_rows`, without the bounds counted beside the
-    grammar), the rows computed in parallel by llguidance's thread pool (one per process, made on first use)
-    without the GIL: a step's masks are the host's work between two steps, since the grammar needs the token
-    just sampled."""
+    """Each state's matcher's mask into its row of the ``rows`` x ``row_bytes`` bitmask at ``address`` (the bounds
+    counted beside the grammar are applied apart: :meth:`GrammarState.restrict`), the rows computed in parallel
+    by llguidance's thread pool (one per process, made on first use) without the GIL: a step's masks are the
+    host's work between two steps, since the grammar needs the token just sampled."""
     if states:
         _executor().unsafe_compute_mask_ptr([(state.matcher, row) for state, row in states], address, row_bytes,
                                             rows)
@@ -194,7 +184,7 @@ class GrammarState:
 
     @property
     def matcher(self) -> Any:
-        """llguidance's matcher (for :func:`fill_rows`)."""
+        """llguidance's matcher (for :func:`compute_rows`)."""
         return self._matcher
 
     def fill(self, address: int, nbytes: int) -> None:

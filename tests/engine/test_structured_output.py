@@ -11,7 +11,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from corelib.engine.api import Engine
+from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.engine.step_masks import MaskThread
-from corelib.engine.structured import GrammarCache, StructuredOutputs, fill_rows
+from corelib.engine.structured import GrammarCache, GrammarState, StructuredOutputs
 from corelib.models.synthetic import write_text_checkpoint
 from corelib.ops.token_mask import apply_token_bitmask, mask_words
 from corelib.sampling_params import SamplingError
@@ -148,8 +149,15 @@ def schema_requests(count: int) -> list[SamplingParams]:
                            structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(count)]
 
 
+def step_of(grammars: Iterable[GrammarState | None]) -> Any:
+    """A step whose rows hold these grammars (None: a plain request's row), as the packer reads it."""
+    return SimpleNamespace(seqs=[SimpleNamespace(grammar=grammar) for grammar in grammars])
+
+
 def test_the_rows_filled_in_parallel_are_the_rows_filled_one_by_one(model_dir: Path) -> None:
     import numpy as np
+
+    from corelib.engine.packing import fill_masks
 
     tokenizer = Tokenizer.from_directory(model_dir)
     assert tokenizer is not None
@@ -158,8 +166,8 @@ def test_the_rows_filled_in_parallel_are_the_rows_filled_one_by_one(model_dir: P
     for token in tokenizer.encode('{"name":"ab', add_special_tokens=False):  # row 1 a few tokens in
         assert states[1].advance(token) is None
     words = mask_words(tokenizer.vocab_size)
-    together = np.full((4, words), -1, dtype=np.int32)  # row 3 has no grammar: left as it was
-    fill_rows([(state, row) for row, state in enumerate(states)], together.ctypes.data, together.strides[0], 4)
+    together = np.zeros((4, words), dtype=np.int32)  # row 3 has no grammar: every token allowed
+    fill_masks(step_of([*states, None]), [0, 1, 2], together)
     alone = np.full((4, words), -1, dtype=np.int32)
     for row, state in enumerate(states):
         state.fill(alone[row].ctypes.data, alone[row].nbytes)
@@ -202,6 +210,8 @@ def test_a_grammar_hands_out_copies_of_independent_matchers_in_turn(model_dir: P
     import llguidance
     import numpy as np
 
+    from corelib.engine.packing import fill_masks
+
     made = []
     original = llguidance.LLMatcher
 
@@ -223,7 +233,7 @@ def test_a_grammar_hands_out_copies_of_independent_matchers_in_turn(model_dir: P
     assert len({id(state.matcher) for state in states}) == 7  # each request's own copy
     words = mask_words(tokenizer.vocab_size)
     masks = np.zeros((7, words), dtype=np.int32)
-    fill_rows([(state, row) for row, state in enumerate(states)], masks.ctypes.data, masks.strides[0], 7)
+    fill_masks(step_of(states), list(range(7)), masks)
     assert (masks == masks[0]).all()  # the same grammar whichever matcher a copy came from
 
 
@@ -269,12 +279,15 @@ def mixed_requests() -> tuple[list[str], list[SamplingParams]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["decode-graphs", "two-ahead", "mixed-graphs", "prompt-logprobs"])
+@pytest.mark.parametrize("shape", ["decode-graphs", "two-ahead", "mixed-graphs", "prompt-logprobs", "mask-thread",
+                                   "masks-on-the-loop"])
 def test_structured_steps_run_ahead_and_give_the_synchronous_tokens(model_dir: Path, shape: str) -> None:
     """structured_overlap under chaos: each step is queued before its grammar mask and sampled once the mask is
     written, and the tokens are those of the synchronous path (which waits for each token before the next mask).
     Writing the mask before the previous step's tokens were taken by the grammars breaks the equality (or the
-    grammar refuses a token); queuing a step while another owes its mask is refused by the runner."""
+    grammar refuses a token); queuing a step while another owes its mask is refused by the runner. The masks are
+    computed on the mask thread while the next step is packed, or on the loop's thread (both set apart here; the
+    other shapes take the machine's default)."""
     prompts, params = mixed_requests()
     if shape == "prompt-logprobs":  # steps with prompt logprobs run eagerly, forward and sampling alike
         params = [dataclasses.replace(p, prompt_logprobs=2) if i % 3 == 0 else p for i, p in enumerate(params)]
@@ -282,6 +295,8 @@ def test_structured_steps_run_ahead_and_give_the_synchronous_tokens(model_dir: P
               "engine.chunked_prefill=on", "backend=npu"]
     extra = {"mixed-graphs": ["engine.mixed_graphs=on"], "two-ahead": ["engine.run_ahead=2"]}.get(shape, [])
     with Engine.from_overrides([*common, *CHAOS, *extra, "engine.async_token_handoff=on"]) as ahead:
+        if shape in ("mask-thread", "masks-on-the-loop"):  # else the default: by the machine's CPUs
+            ahead.core.masks_beside_packing = shape == "mask-thread"
         ran_ahead = ahead.generate(prompts, params)
         summary = ahead.metrics(1.0)
     with Engine.from_overrides([*common, *extra, "engine.async_token_handoff=off"]) as sync:
@@ -365,7 +380,10 @@ def test_the_mask_thread_runs_a_job_names_itself_when_late_and_stops_on_close() 
     done = thread.start(lambda: ran.append(1), 10.0, "the grammar masks of step 1")
     thread.result(done, 10.0, "the grammar masks of step 1")
     assert ran == [1] and mask_threads_since(before)
-    stuck = thread.start(lambda: release.wait(30.0) and None, 10.0, "the grammar masks of step 2")
+    def stuck_job() -> None:
+        release.wait(30.0)
+
+    stuck = thread.start(stuck_job, 10.0, "the grammar masks of step 2")
     with pytest.raises(TimeoutError, match=r"^the grammar masks of step 2 were not written within 0.01 s \(thread "
                                            r"corelib-grammar-masks\)$"):
         thread.result(stuck, 0.01, "the grammar masks of step 2")
@@ -432,6 +450,7 @@ def test_the_next_step_is_packed_while_a_steps_masks_are_written(model_dir: Path
     before = set(threading.enumerate())
     with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=8",
                                 f"model.path={model_dir}", *CHAOS]) as engine:
+        engine.core.masks_beside_packing = True  # the default only where the machine has more than two CPUs
         outputs = engine.generate(["Hello, my name is"] * 4, schema_requests(4))
         assert engine.core.metrics.num_steps > 3 and mask_threads_since(before)
     assert waited == [True]
@@ -466,10 +485,13 @@ def test_a_grammar_failing_on_the_mask_thread_ends_its_request_alone(model_dir: 
     with Engine.from_overrides(["backend=npu", "engine.async_token_handoff=on", "engine.max_num_seqs=8",
                                 f"model.path={model_dir}"]) as engine:
         assert engine.plan.decisions["structured_overlap"].enabled
+        engine.core.masks_beside_packing = True
         ids = [engine.add_request("Hello, my name is", params) for params in schema_requests(3)]
         engine.step()
-        broken.append(next(seq.grammar for seq in engine.scheduler.running if seq.request_id == ids[0]))
-        outputs = {}
+        grammar = next(seq.grammar for seq in engine.scheduler.running if seq.request_id == ids[0])
+        assert grammar is not None
+        broken.append(grammar)
+        outputs: dict[str, RequestOutput] = {}
         while engine.has_unfinished:
             outputs.update((output.request_id, output) for output in engine.step())
         assert outputs[ids[0]].outputs[0].finish_reason == "error"
