@@ -95,10 +95,11 @@ class StepMasks:
 
     def finish(self) -> torch.Tensor:
         """The step's rows for the device (``out``); raises what ``failed`` makes of a request's grammar failing."""
-        masks = self._masks
-        for grammar, row in self._states:
+        masks, failed = self._masks, self._pool_failed
+        # Rows the pool wrote lose what their counted strings' bounds forbid (most schemas count none).
+        for grammar, row in self._states if failed else [entry for entry in self._states if entry[0].counts_bounds]:
             try:
-                if self._pool_failed:
+                if failed:
                     grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
                 else:
                     grammar.restrict(masks[row].ctypes.data)

@@ -187,6 +187,11 @@ class GrammarState:
         """llguidance's matcher (for :func:`compute_rows`)."""
         return self._matcher
 
+    @property
+    def counts_bounds(self) -> bool:
+        """Whether :meth:`restrict` takes anything out: the schema has strings counted beside the grammar."""
+        return self._tracker is not None
+
     def fill(self, address: int, nbytes: int) -> None:
         """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""
         self._matcher.unsafe_compute_mask_ptr(address, nbytes)
