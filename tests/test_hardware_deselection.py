@@ -45,3 +45,25 @@ def test_the_summary_reads_as_a_sentence() -> None:
     assert hardware_summary(Counter()) is None
     assert hardware_summary(Counter({"mlu": 2, "gpu": 1})) == (
         "deselected 3 tests that need hardware absent here: 1 need a GPU, 2 need an MLU")
+
+
+CLOSE_MODULE = """
+def test_close_finishes_queued_work_and_joins_every_thread(conformance_target):
+    pass
+
+def test_another_conformance_test(conformance_target):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_the_close_test_runs_as_many_more_times_as_asked(pytester: pytest.Pytester) -> None:
+    # A race between close and a helper thread shows as one failure in many runs of the whole suite.
+    pytester.makepyfile(test_close=CLOSE_MODULE)
+    args = ["-p", "corelib.testing.plugin", "-p", "no:cacheprovider", "-n", "0", "--corelib-backend", "cpu"]
+    once = pytester.runpytest_inprocess(*args).parseoutcomes()["passed"]
+    again = pytester.runpytest_inprocess(*args, "--corelib-repeat-close", "3", "-v")
+    targets = once // 2
+    assert targets > 0
+    again.assert_outcomes(passed=targets * 4 + targets)  # the close test 1 + 3 times, the other test once
+    again.stdout.fnmatch_lines(["*test_close_finishes_queued_work_and_joins_every_thread*-run3]*PASSED*"])

@@ -39,6 +39,7 @@ _specs_key = pytest.StashKey[dict[Target, DeviceSpec | str]]()
 _hardware_key = pytest.StashKey[Counter[str]]()  # deselected tests by the hardware mark they need
 HARDWARE_NAMES = {"gpu": "a GPU", "npu": "an NPU", "mlu": "an MLU"}
 NO_KERNELS = "-no-kernels"  # an op test of a backend without an op provider
+REPEATED_CLOSE_TEST = "test_close_finishes_queued_work_and_joins_every_thread"  # --corelib-repeat-close
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,6 +66,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--corelib-seed", type=int, default=0, help="seed of the emulator's chaos delays")
     group.addoption(
         "--corelib-timeout", type=float, default=10.0, help="longest wait of any device operation, in s"
+    )
+    group.addoption(
+        "--corelib-repeat-close",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the conformance test of close() N more times per target, inside the same session (a race "
+        "between close and a helper thread shows as one failure in many)",
     )
 
 
@@ -200,6 +209,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         marks = [getattr(pytest.mark, target.hardware_mark)] if target.hardware_mark else []
         params.append(pytest.param(target, id=target.id, marks=marks))
     metafunc.parametrize("conformance_target", params)
+    repeats = metafunc.config.getoption("--corelib-repeat-close")
+    if repeats > 0 and metafunc.function.__name__ == REPEATED_CLOSE_TEST:
+        metafunc.fixturenames.append("close_repeat")  # a parameter the test does not take: its runs' ids
+        metafunc.parametrize("close_repeat", range(repeats + 1), ids=[f"run{i}" for i in range(repeats + 1)])
 
 
 @pytest.fixture
