@@ -380,6 +380,7 @@ def test_the_mask_thread_runs_a_job_names_itself_when_late_and_stops_on_close() 
     done = thread.start(lambda: ran.append(1), 10.0, "the grammar masks of step 1")
     thread.result(done, 10.0, "the grammar masks of step 1")
     assert ran == [1] and mask_threads_since(before)
+
     def stuck_job() -> None:
         release.wait(30.0)
 
