@@ -31,31 +31,29 @@ from corelib.config.options import EngineOptions
 from corelib.config.schema import Transport
 from corelib.engine.api import Engine
 from corelib.engine.sequence import SamplingParams
-from corelib.platform.device import MemoryStats
 from corelib.startup.start import Startup
-from corelib.step.arena import ArenaPool
 from corelib.step.build import ModelFactory
 from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
+from corelib.testing.executor import InstantExecutor
 from corelib.transport import factory
-from corelib.transport.executor import SPARE_ARENAS, Executor, StepFuture
+from corelib.transport.executor import Executor, StepFuture
 
 QUOTE_SHARE = 0.25
 CANDIDATES = 64  # random tokens tried against a structured row's mask before its whole row is read
 SAMPLE_S = 50e-6  # a step's sampling, the last part of its time (the processed argmax at 32 rows)
 
 
-class PacedExecutor(Executor):
-    """A device whose every step takes ``step_s`` and samples from the grammar masks handed to it."""
+class PacedExecutor(InstantExecutor):
+    """A device whose every step takes ``step_s`` and samples from the grammar masks handed to it (corelib's
+    instant executor, its arenas and all, given a pace)."""
 
     defers_masks = True
 
     def __init__(self, layout: EngineLayout, depth: int, step_s: float, quote: int, eos: int, timeout_s: float,
                  masked_s: float = 0.0) -> None:
-        self.arenas = ArenaPool(lambda shape, dtype: torch.zeros(shape, dtype=dtype), layout.arena_bytes,
-                                depth + SPARE_ARENAS, timeout_s)
-        self.notices = []
+        super().__init__(layout, depth, timeout_s=timeout_s)
         self.step_s, self.quote, self.eos, self.masked_s = step_s, quote, eos, masked_s
         self._free_at = 0.0  # when the stand-in device finishes its last step
 
@@ -88,12 +86,6 @@ class PacedExecutor(Executor):
             bits = words[few, word].astype(np.int64)
             out[few] = word * 32 + np.log2(bits & -bits).astype(np.int64)
         return [int(token) for token in out]
-
-    def memory_stats(self) -> list[MemoryStats]:
-        return [MemoryStats(0, 0, 0)]
-
-    def close(self, timeout: float) -> None:
-        return None
 
 
 class _PacedFuture(StepFuture):

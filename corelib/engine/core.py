@@ -23,8 +23,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from corelib.config.options import StepCheck
 from corelib.engine.packing import InputBuilder, PackingError
 from corelib.engine.scheduler import NoStep, ScheduledStep, Scheduler
@@ -68,17 +66,6 @@ class InFlight:
     fi: ForwardInput | None = None  # a step that owes its grammar mask: what it was packed into
     masks: StepMasks | None = None  # that mask, once its grammars' rows are being computed...
     computing: Future[None] | None = None  # ...by this job of the mask thread
-
-
-@dataclass
-class _Packed:
-    """A step in its arena, not yet submitted."""
-
-    step: ScheduledStep
-    fi: ForwardInput
-    arena: torch.Tensor
-    schedule_s: float
-    pack_s: float
 
 
 class EngineCore:
@@ -186,11 +173,11 @@ class EngineCore:
         if isinstance(decision, ScheduledStep):
             if not self.pipeline.can_submit():
                 self._complete_oldest()
-            packed = self._pack(decision, scheduled)  # while an earlier step's masks are written on their thread
+            packed = self._pack(decision)  # while an earlier step's masks are written on their thread
             if packed is None:
                 return True
             self._settle_masks()  # the step after one that owes its mask reads the tokens that mask decides
-            self._submit(packed)
+            self._submit(decision, *packed, scheduled)
             if decision.synchronous:
                 self.drain()
             while self.pipeline.must_read():
@@ -209,8 +196,9 @@ class EngineCore:
         while self.pipeline:
             self._complete_oldest()
 
-    def _pack(self, step: ScheduledStep, schedule_s: float) -> _Packed | None:
-        """``step`` in an arena; None when it could not be packed (its requests at fault end, the others wait)."""
+    def _pack(self, step: ScheduledStep) -> tuple[ForwardInput, float] | None:
+        """``step`` in an arena (``fi.arena``) and the seconds that took; None when it could not be packed (its
+        requests at fault end, the others wait)."""
         started = time.perf_counter()
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -236,33 +224,31 @@ class EngineCore:
         except BaseException:
             arenas.release(arena)
             raise
-        return _Packed(step, fi, arena, schedule_s, time.perf_counter() - started)
+        return fi, time.perf_counter() - started
 
-    def _submit(self, packed: _Packed) -> None:
-        arenas, arena, fi = self.executor.arenas, packed.arena, packed.fi
+    def _submit(self, step: ScheduledStep, fi: ForwardInput, pack_s: float, schedule_s: float) -> None:
+        arenas, arena = self.executor.arenas, fi.arena
         try:
             with self.tracer.span("submit", SCHEDULER_LANE, step=fi.step_id):
                 future = self.executor.submit(fi, lambda: arenas.release(arena))
         except BaseException:
             arenas.release(arena)
             raise
-        step = packed.step
         path = "async" if self.pipeline.run_ahead and not step.synchronous else "sync"
-        self.pipeline.push(InFlight(step, future, path, packed.schedule_s, packed.pack_s,
-                                    fi if fi.mask_deferred else None))
+        self.pipeline.push(InFlight(step, future, path, schedule_s, pack_s, fi if fi.mask_deferred else None))
 
     def _settle_masks(self, begin: bool = False) -> None:
         """Supply the grammar mask a step in flight owes: every step before it is read first, so each grammar
         has taken its token. ``begin``: where ``masks_beside_packing``, only start writing it on the mask thread
         (it is supplied before the next step is submitted, or before this one is read)."""
         owing = next((item for item in self.pipeline if item.fi is not None), None)
-        if owing is None:
+        if owing is None or owing.fi is None:
             return
         while self.pipeline.oldest() is not owing:
             self._complete_oldest()
         if not begin or not self.masks_beside_packing:
             self._supply_mask(owing)
-        elif owing.masks is None and owing.fi is not None:
+        elif owing.masks is None:
             if self._mask_thread is None:
                 self._mask_thread = MaskThread()
             owing.masks = self.builder.owed_masks(owing.step, owing.fi)
