@@ -3,7 +3,8 @@
 # its four backend plugins, and every dependency of corelib[EXTRAS] but torch, for that host's Python version
 # and platform, in one folder to copy there. Run it where the package index can be reached:
 #
-#   scripts/wheelhouse.sh OUT [--python 3.12] [--platform manylinux_2_35_x86_64] [--extras serve,structured]
+#   scripts/wheelhouse.sh OUT [--python 3.12] [--platform manylinux_2_35_x86_64] [--extras serve,structured] \
+#       [--with REQUIREMENT ...]
 #
 # (defaults: this interpreter's version and platform, the serve and structured extras; a manylinux_2_N tag is
 # the host's glibc 2.N, `ldd --version` there, and takes the wheels of every older glibc too), then on the host:
@@ -11,11 +12,15 @@
 #   python3 -m pip install --no-index --find-links OUT "corelib[serve,structured]" \
 #       corelib-cpu corelib-cuda corelib-npu corelib-mlu
 #
+# --with adds a requirement beside corelib's, its dependencies with it: the GPU suite in benchmarks/h200.sh
+# (`pytest -m gpu -n 6`) also wants `--with pytest-xdist --with openai` (the client the server's tests drive),
+# installed the same way.
+#
 # The host's torch is kept (corelib asks for torch>=2.6,<2.15). A dependency published only as source
 # (antlr4-python3-runtime, which hydra-core needs) is built here into a pure-Python wheel.
 set -euo pipefail
 
-usage="usage: scripts/wheelhouse.sh OUT [--python X.Y] [--platform TAG] [--extras a,b]"
+usage="usage: scripts/wheelhouse.sh OUT [--python X.Y] [--platform TAG] [--extras a,b] [--with REQ]..."
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
     echo "wheelhouse: $usage" >&2
     exit 2
@@ -25,11 +30,13 @@ shift
 python_version=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 platform=""
 extras="serve,structured"
+with=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --python) python_version=${2:?$usage}; shift 2 ;;
         --platform) platform=${2:?$usage}; shift 2 ;;
         --extras) extras=${2:?$usage}; shift 2 ;;
+        --with) with+=("${2:?$usage}"); shift 2 ;;
         *) echo "wheelhouse: unknown argument $1; $usage" >&2; exit 2 ;;
     esac
 done
@@ -69,6 +76,9 @@ for line in metadata.splitlines():
         requirement.marker = None  # judged here, with the extras: the host runs the same kind of system
         print(requirement)
 PY
+if [ ${#with[@]} -gt 0 ]; then
+    printf '%s\n' "${with[@]}" >>"$work/requirements.txt"
+fi
 sed 's/^/    /' "$work/requirements.txt"
 
 echo "==> pure-Python wheels, those published only as source built here"
