@@ -223,8 +223,16 @@ def test_bench_serves_the_workload_beside_its_sweep(tmp_path: Path, monkeypatch:
                  "bench.warmup_steps=2", "workload.num_requests=5", "workload.max_concurrency=2",
                  "workload.output_len_max=4", "workload.output_len_min=2", f"hydra.run.dir={tmp_path / 'bench'}"])
     assert code == 0
-    served = json.loads((tmp_path / "bench" / "bench.json").read_text())["served"]
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    served = report["served"]
     assert len(served) == 2  # one per engine of the sweep: inproc and shm
+    slowest = {p["transport"]: p["transport_us_slowest"] for p in report["points"]}
+    assert slowest["inproc"] == []
+    steps = [at for at, _ in slowest["shm"]]
+    hops = [us for _, us in slowest["shm"]]
+    assert 0 < len(hops) <= 5 and hops == sorted(hops, reverse=True) and len(set(steps)) == len(steps)
+    [shm] = [p for p in report["points"] if p["transport"] == "shm"]
+    assert hops[0] >= shm["transport_us_p99"] >= shm["transport_us_p50"]
     for entry in served:
         assert (entry["requests"], entry["requests_failed"], entry["max_concurrency"]) == (5, 0, 2)
         assert entry["ttft_ms_p50"] > 0 and entry["tokens_per_s"] > 0

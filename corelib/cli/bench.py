@@ -45,6 +45,9 @@ from corelib.startup.compose import compose_config
 from corelib.startup.start import Startup, start
 from corelib.support.progress import say, show
 
+#: the slowest SHM hops a point keeps in bench.json, with where they fell
+SLOWEST_HOPS = 5
+
 
 @dataclass
 class BenchPoint:
@@ -68,6 +71,9 @@ class BenchPoint:
     # the inputs ready there
     transport_us_p50: float | None = None
     transport_us_p99: float | None = None
+    # The point's slowest hops, slowest first: [the step's place among the point's steps (0: the first after the
+    # warm-up), µs]; whether a tail is the first steps of a batch or spread over the run.
+    transport_us_slowest: list[list[float]] = field(default_factory=list)
     # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
     host_us: float | None = None
     host_schedule_us: float | None = None
@@ -245,7 +251,8 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                            for r in range(spec.repeats)]
                 stats = engine.stats(since_step=first_step)
                 device, steps = stats.device, stats.steps
-                transport_us = [s.transport_us for s in steps if s.transport_us is not None]
+                hops = [(at, s.transport_us) for at, s in enumerate(steps) if s.transport_us is not None]
+                transport_us = [us for _, us in hops]
                 host = [s.host for s in steps if s.host is not None and s.kind.value == "decode"]
                 tpot = statistics.median(r[0] for r in repeats)
                 point = BenchPoint(
@@ -267,6 +274,7 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     repeats_tpot_ms=[r[0] for r in repeats],
                     transport_us_p50=percentile(transport_us, 50),
                     transport_us_p99=percentile(transport_us, 99),
+                    transport_us_slowest=[[at, us] for at, us in sorted(hops, key=lambda hop: -hop[1])[:SLOWEST_HOPS]],
                     host_us=percentile([h.total_us for h in host], 50),
                     host_schedule_us=percentile([h.schedule_us for h in host], 50),
                     host_pack_us=percentile([h.pack_us for h in host], 50),
