@@ -42,7 +42,6 @@ from corelib.errors import CorelibError, one_line
 from corelib.server.commands import CommandWriter
 from corelib.server.events import EngineFacts
 from corelib.server.messages import Command, Decoder, Failed, Frame, Ready, Stop, encode
-from corelib.support.heap import freeze_startup_heap
 from corelib.support.text import Tokenizer
 from corelib.trust.isolation import worker_command, worker_environment
 
@@ -326,7 +325,6 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - raised again in the server, as the server's own error
         output.send(Failed(_portable(error)))
         sys.exit(1)
-    freeze_startup_heap()  # the model, its graphs, torch's and Triton's modules
     output.send(Ready(facts))
     status = 0
     try:
