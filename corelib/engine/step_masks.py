@@ -97,12 +97,14 @@ class StepMasks:
         """The step's rows for the device (``out``); raises what ``failed`` makes of a request's grammar failing."""
         masks, failed = self._masks, self._pool_failed
         # Rows the pool wrote lose what their counted strings' bounds forbid (most schemas count none).
-        for grammar, row in self._states if failed else [entry for entry in self._states if entry[0].counts_bounds]:
+        rows = self._states if failed else [entry for entry in self._states if entry[0].counts_bounds]
+        words = masks.view(np.uint32) if rows else masks
+        for grammar, row in rows:
             try:
                 if failed:
                     grammar.fill(masks[row].ctypes.data, masks[row].nbytes)
                 else:
-                    grammar.restrict(masks[row].ctypes.data)
+                    grammar.restrict(words[row])
             except Exception as error:  # whatever it is, it is this request's
                 raise self._failed_as(self._step.seqs[row], error) from error
         return self.out

@@ -387,20 +387,21 @@ MAX_POSITIONS = 512
 
 class _Verdicts:
     """At one position of the tracker: the crossing tokens not fed yet (``unfed``), and every token but those
-    fed that broke a bound (``keep``)."""
+    fed that broke a bound (``keep``; ``broke`` once any did)."""
 
-    __slots__ = ("keep", "unfed")
+    __slots__ = ("broke", "keep", "unfed")
 
     def __init__(self, candidates: npt.NDArray[np.uint32]) -> None:
         self.unfed = candidates.copy()
         self.keep = np.full_like(candidates, 0xFFFFFFFF)
+        self.broke = False
 
 
 class StringTracker:
     """One request's output followed through the JSON: the stack of objects and arrays with their schemas, and
     inside a string, its characters so far and its bounds (None where it is not counted here)."""
 
-    __slots__ = ("bounds", "count", "escape", "is_key", "key", "limits", "stack", "state", "table")
+    __slots__ = ("bounds", "count", "escape", "is_key", "key", "limits", "stack", "state", "table", "verdicts")
 
     def __init__(self, bounds: Bounds, table: TokenTable) -> None:
         self.bounds = bounds
@@ -412,13 +413,16 @@ class StringTracker:
         self.limits: tuple[int, int] | None = None
         self.count = 0
         self.escape = NORMAL
+        # The verdicts of where it is (:meth:`restrict`), kept while only a string's count moves: None once a byte
+        # is fed (the position may have changed).
+        self.verdicts: _Verdicts | None = None
 
     def copy(self) -> StringTracker:
         other = StringTracker.__new__(StringTracker)
         other.bounds, other.table, other.state = self.bounds, self.table, self.state
         other.stack = [list(frame) for frame in self.stack]
         other.is_key, other.key, other.limits = self.is_key, bytearray(self.key), self.limits
-        other.count, other.escape = self.count, self.escape
+        other.count, other.escape, other.verdicts = self.count, self.escape, None
         return other
 
     def _value_schema(self) -> object:
@@ -439,6 +443,7 @@ class StringTracker:
     def feed(self, data: bytes) -> bool:
         """Take ``data``; False when it breaks a counted string's bounds (the state is then undefined).
         LostTrack where ``data`` is not JSON this tracker follows."""
+        self.verdicts = None
         return all(self._byte(byte) for byte in data)
 
     def _byte(self, byte: int) -> bool:  # one JSON scanner, a branch per state
@@ -551,15 +556,20 @@ class StringTracker:
             candidates = columns.crossing_bits
         else:
             candidates = table.quoted_bits
-        verdicts = self.bounds.verdicts(self._position(), candidates)
+        verdicts = self.verdicts
+        if verdicts is None:  # the position is looked up once per byte fed, not per row and step
+            verdicts = self.verdicts = self.bounds.verdicts(self._position(), candidates)
         new = np.bitwise_and(row, verdicts.unfed, out=table.scratch)  # no array made per row and step
         if np.count_nonzero(new):  # (faster than any() at these sizes)
             ids = _ids(new)
             broke = np.zeros_like(new)
             _set(broke, ids[~self._fit(ids)])
-            verdicts.keep &= ~broke
+            if np.count_nonzero(broke):
+                verdicts.keep &= ~broke
+                verdicts.broke = True
             verdicts.unfed &= ~new
-        row &= verdicts.keep
+        if verdicts.broke:  # most positions never see a crossing token break a bound: no AND over the row
+            row &= verdicts.keep
 
     def _fit(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         """Whether each of ``ids`` keeps the bounds of what it crosses into. In a string, past its closing quote

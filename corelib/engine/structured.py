@@ -29,6 +29,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from corelib.engine.string_bounds import Bounds, LostTrack, StringTracker, TokenTable, bounds_of, row_view, table_of
 from corelib.support.structured import StructuredOutputsError, StructuredOutputsParams
 from corelib.support.text import TOKENIZER_LIMIT, Tokenizer
@@ -195,13 +198,16 @@ class GrammarState:
     def fill(self, address: int, nbytes: int) -> None:
         """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""
         self._matcher.unsafe_compute_mask_ptr(address, nbytes)
-        self.restrict(address)
-
-    def restrict(self, address: int) -> None:
-        """Take the tokens the counted strings' bounds forbid out of the mask the matcher wrote at ``address``."""
         tracker = self._tracker
         if tracker is not None:
             tracker.restrict(row_view(address, tracker.table.words))
+
+    def restrict(self, row: npt.NDArray[np.uint32]) -> None:
+        """Take the tokens the counted strings' bounds forbid out of ``row``, the mask the matcher wrote (a view of
+        the step's bitmask, written in place)."""
+        tracker = self._tracker
+        if tracker is not None:
+            tracker.restrict(row)
 
     def advance(self, token: int) -> str | None:
         """Take the sampled ``token``: None to go on, "done" when the grammar is complete, else why it failed."""
