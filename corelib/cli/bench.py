@@ -37,13 +37,13 @@ from corelib.engine.outputs import RequestOutput
 from corelib.engine.sequence import SamplingParams
 from corelib.errors import ConfigError
 from corelib.loadtest.workload import Request, arrival_offsets, build_workload
-from corelib.observe.metrics import percentile
 from corelib.observe.rundir import RunDir
 from corelib.plugins import PluginRegistry
 from corelib.sampling_params import SamplingError
 from corelib.startup.compose import compose_config
 from corelib.startup.start import Startup, start
 from corelib.support.progress import say, show
+from corelib.support.stats import percentile
 
 #: the slowest SHM hops a point keeps in bench.json, with where they fell
 SLOWEST_HOPS = 5

@@ -53,6 +53,7 @@ from corelib.loadtest.workload import DATASET_LIMIT
 from corelib.observe.rundir import RunDir
 from corelib.sampling_params import SamplingError, SamplingParams
 from corelib.support.progress import Progress, Task, current, reporting
+from corelib.support.stats import percentile
 from corelib.trust.files import parse_json, read_text
 
 Prompt = str | list[int]
@@ -100,13 +101,6 @@ class Point:
     @property
     def lost(self) -> int:
         return self.failed + self.incomplete
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 class Load:

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from corelib.support.stats import percentile
+
 TOKEN_MARK = b"<"  # a model without a tokenizer streams each token as <id>; nothing else in a chunk has it
 END_OF_BODY = b"\r\n0\r\n\r\n"  # the last chunk of a chunked response
 STARTUP_TIMEOUT_S = 120.0
@@ -156,13 +158,6 @@ class Result:
     client_cpu_us_per_token: float | None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 async def load(url: str, pids: dict[str, int], clients: int, tokens: int, warmup_s: float, seconds: float,
                step_ms: float | None) -> Result:
     """Stream from ``url`` with ``clients`` clients; measure the window after ``warmup_s``."""
@@ -197,12 +192,12 @@ async def load(url: str, pids: dict[str, int], clients: int, tokens: int, warmup
     running.clear()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.gather(*(s.closed for s in streams)), 60)
-    p50 = _percentile(window.tpot_ms, 50)
+    p50 = percentile(window.tpot_ms, 50)
     mean = sum(window.tpot_ms) / len(window.tpot_ms) if window.tpot_ms else None
     return Result(
         step_ms, clients, tokens, span, window.tokens / span, window.events / span,
         window.tokens / window.events if window.events else 0.0, window.completed, window.wrong,
-        p50, _percentile(window.tpot_ms, 90), engine_ms,
+        p50, percentile(window.tpot_ms, 90), engine_ms,
         mean / engine_ms if mean is not None and engine_ms else None,
         cpu, sum(cpu.values()) * 1e6 / window.tokens if window.tokens and cpu else None,
         next(iter(cpu.values())) * 1e6 / window.events if window.events and cpu else None,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from corelib.sampling_params import FinishReason
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepResult
+from corelib.support.stats import percentile
 
 if TYPE_CHECKING:
     from corelib.engine.sequence import Sequence
@@ -63,14 +64,6 @@ def _record(row: _Row) -> StepRecord:
     host = row[8]
     return StepRecord(row[0], StepKind(row[1]), row[2], row[3], row[4], row[5], row[6], row[7],
                       None if host is None else HostTime(*host), row[9])
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 class MetricsCollector:

@@ -8,6 +8,7 @@ from corelib.engine.sequence import FinishReason, SamplingParams, Sequence
 from corelib.observe.metrics import MetricsCollector
 from corelib.step.forward_input import StepKind
 from corelib.step.handoff import StepResult
+from corelib.support.stats import percentile
 
 
 def finished(index: int, outputs: int, reason: FinishReason = FinishReason.length) -> Sequence:
@@ -88,3 +89,12 @@ def test_the_step_window_leaves_nothing_for_the_garbage_collector_to_walk() -> N
     record = metrics.steps_since(1499)[0]
     assert (record.step_id, record.kind, record.host, record.num_tokens) == (1499, StepKind.decode,
                                                                           HostTime(10.0, 20.0, 5.0), 2)
+
+
+def test_a_percentile_is_a_value_measured_at_its_nearest_rank() -> None:
+    hops = [float(value) for value in range(128, 0, -1)]  # 128 hops, unordered: the bench's p99 of a point
+    assert percentile(hops, 99) == 127.0  # the second slowest, not a value between two measured
+    assert percentile(hops, 50) == 65.0  # rank round(0.5 * 127) = 64 of 0..127
+    assert (percentile(hops, 0), percentile(hops, 100)) == (1.0, 128.0)
+    assert percentile(iter([3.0]), 99) == 3.0
+    assert percentile([], 50) is None
