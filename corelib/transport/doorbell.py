@@ -4,6 +4,9 @@ A waiter spins for a bounded time (``engine.shm.spin_us``), re-reading its condi
 yielding the GIL every turn; then it announces in its control word that it sleeps, re-checks,
 and blocks on its eventfd. A publisher, after storing a counter, writes the waiter's eventfd
 only when that word says someone sleeps, so a step whose peer is spinning costs no system call.
+A publisher that was idle may ring before it has anything to publish (a heads-up: an engine's
+first step after an idle spell is being scheduled and packed); a waiter woken with nothing ready
+spins again, for at least :data:`HEADS_UP_SPIN_S`, so that what comes finds it awake.
 
 The announce and re-check are the store-then-load handshake that store buffers break even on
 x86-64: without a barrier the waiter may miss the publisher's counter while the publisher
@@ -37,6 +40,10 @@ from corelib.errors import TransportError, WorkerDied
 
 CHECK_S = 0.25  # longest blocking wait between two liveness checks
 HOST_SPIN_US = 150.0  # the most a waiting end spins where the host's cores compute the step
+# How long a waiter spins after a heads-up (a ring with nothing published): the publisher was idle and is preparing
+# what it publishes next (an engine's first step after an idle spell: scheduled, packed), so no step is running
+# whose cores the spin could take, and the wait ends as soon as that comes.
+HEADS_UP_SPIN_S = 2e-3
 _MACHINE = platform.machine().lower()
 # x86-64 keeps stores in program order for other CPUs (TSO) and never reorders a load with an
 # older load: a frame written before its counter is seen whole once the counter is seen.
@@ -172,11 +179,14 @@ class Waiter:
         alive: Callable[[], str | None],
         watch: Sequence[int] = (),
         peer: str = "the peer",
+        heads_up_spin_s: float = HEADS_UP_SPIN_S,
     ) -> None:
         self.fd = fd
         self._words = words
         self._asleep = asleep
         self._spin_s = max(0.0, spin_us) * 1e-6
+        # After a heads-up, at least HEADS_UP_SPIN_S; a waiter told never to spin (spin_us 0) does not.
+        self._heads_up_spin_s = max(self._spin_s, heads_up_spin_s) if self._spin_s > 0 else 0.0
         self._alive = alive
         self._peer = peer
         self._poller = select.poll()
@@ -187,18 +197,19 @@ class Waiter:
         self.sleeps = 0  # blocking waits so far (a spin that sufficed is not one)
 
     def wait(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Until ``ready()`` (True) or ``timeout`` seconds (False); raises WorkerDied when the peer is gone."""
+        """Until ``ready()`` (True) or ``timeout`` seconds (False); raises WorkerDied when the peer is gone.
+
+        A ring of the doorbell that finds nothing ready is the publisher's heads-up (``Bell.ring`` without a
+        publication: what it publishes comes soon), so the waiter spins again before it sleeps: it is awake when
+        that comes, instead of paying the eventfd's wake-up then."""
         if ready():
             return True
-        clock = time.perf_counter
-        spin_end = clock() + self._spin_s
-        while clock() < spin_end:
-            os.sched_yield()  # the GIL is released across the call: other threads of this process run
-            if ready():
-                return True
         deadline = time.monotonic() + timeout
         words, asleep, fd = self._words, self._asleep, self.fd
+        spin = self._spin_s
         while True:
+            if spin and self._spin(ready, spin):
+                return True
             words[asleep] = 1
             membarrier()
             drain(fd)
@@ -214,9 +225,21 @@ class Waiter:
             words[asleep] = 0
             if ready():
                 return True
+            spin = self._heads_up_spin_s if any(event_fd == fd for event_fd, _ in events) else 0.0
             if not events or any(event_fd in self._watch for event_fd, _ in events):
                 self._check(hung_up=any(event_fd in self._watch and mask & (select.POLLHUP | select.POLLERR)
                                         for event_fd, mask in events))
+
+    @staticmethod
+    def _spin(ready: Callable[[], bool], seconds: float) -> bool:
+        """Re-check ``ready()`` for ``seconds``, yielding the GIL every turn: whether it came."""
+        clock = time.perf_counter
+        spin_end = clock() + seconds
+        while clock() < spin_end:
+            os.sched_yield()  # the GIL is released across the call: other threads of this process run
+            if ready():
+                return True
+        return False
 
     def _check(self, hung_up: bool) -> None:
         reason = self._alive()

@@ -63,6 +63,11 @@ class Executor(ABC):
     def memory_stats(self) -> list[MemoryStats]:
         """What each device of this executor holds, one entry per rank."""
 
+    def wake(self) -> None:
+        """A step follows soon, after the engine was idle: what runs it may start waking now, while the step is
+        scheduled and packed (nothing by default)."""
+        return None
+
     def check_alive(self) -> None:
         """Raise when what runs the steps is gone, even with no step in flight (nothing to check by default)."""
         return None

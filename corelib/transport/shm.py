@@ -310,6 +310,12 @@ class Producer:
             bell.ring()
         return seq
 
+    def nudge(self) -> None:
+        """Tell the consumers a frame follows soon (nothing published): one asleep on its doorbell wakes now and
+        spins, so the frame finds it awake (a system call per sleeping consumer, none where all spin)."""
+        for bell in self._bells:
+            bell.ring()
+
     def progress(self) -> str:
         """How far each consumer got: the one that stalls shows behind the others."""
         return self._released_so_far()
