@@ -42,8 +42,7 @@ from corelib.trust.isolation import worker_command, worker_environment
 
 ROOT_CAUSE_GRACE_S = 0.25  # a failure reported by one rank: how long to look for a peer that died first
 STARTUP_TIMEOUT_FACTOR = 10  # a worker builds weights and captures graphs: allow well over one wait
-# ...and never less than this: a worker's start is an interpreter importing torch, whose time depends on
-# how busy the machine is, not on how long a device wait may take (a dead worker is seen at once anyway).
+# ...and never less: a worker's start (torch imported) takes what the machine's load makes it; a dead one shows at once
 STARTUP_TIMEOUT_MIN_S = 60.0
 
 
@@ -187,10 +186,9 @@ class ShmExecutor(Executor):
     def why_gone(self) -> str | None:
         """None while every worker runs; else what happened, the root cause first.
 
-        A rank that died without a word (killed, crashed) is named before the ranks that
-        then failed because of it (a collective that lost its peer); across nodes, another
-        node that is gone or failed is named before this node's ranks.
-        """
+        A rank that died without a word (killed, crashed) is named before the ranks that then failed because of it
+        (a collective that lost its peer); across nodes, another node that is gone or failed is named before this
+        node's ranks."""
         with self._liveness:
             if self._gone is None:
                 self._gone = self._why_gone()
@@ -202,9 +200,8 @@ class ShmExecutor(Executor):
         for rank in self.ranks:
             self._read_control(rank)
         if len(self.ranks) > 1 and any(rank.message is not None for rank in self.ranks):
-            # A rank whose collective lost its peer reports at once, while the peer that died
-            # may not show as exited yet (its sockets close before it can be waited for): give
-            # the silent ones a moment, so that the root cause is named first.
+            # A rank whose collective lost its peer reports at once, while the peer that died may not show as exited
+            # yet (its sockets close before it can be waited for): the silent ones get a moment, root cause first.
             deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
             for rank in self.ranks:
                 if rank.message is None:
@@ -271,8 +268,7 @@ class ShmExecutor(Executor):
         return _ShmFuture(self, fi.step_id)
 
     def wake(self) -> None:
-        """Ring the doorbell of every worker asleep on it, so that it spins by the time the step's frame comes: the
-        first step after an idle spell would otherwise wait for the eventfd's wake-up (about a hundred µs)."""
+        """A heads-up for each worker asleep on its doorbell: it spins when the frame comes, instead of waking."""
         if self.failure is None:
             self.producer.nudge()
 
