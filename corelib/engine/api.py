@@ -200,6 +200,7 @@ class Engine:
         """
         with self._driving("add_request"):
             self._check_open()
+            self.core.wake_if_idle()
             seq = self._sequence(prompt, sampling or SamplingParams(), request_id, multimodal)
             if seq is not None:
                 self.core.add(seq)
@@ -220,6 +221,7 @@ class Engine:
         """
         with self._driving("add_requests_sharing_prompt"):
             self._check_open()
+            self.core.wake_if_idle()
             ids = list(request_ids) if request_ids is not None else [None] * len(samplings)
             if len(ids) != len(samplings):
                 raise RequestError(f"{len(samplings)} sampling settings but {len(ids)} request ids")

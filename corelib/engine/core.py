@@ -104,23 +104,22 @@ class EngineCore:
         return len(self.pipeline)
 
     # ------------------------------------------------------------------ requests
+    def wake_if_idle(self) -> None:
+        """A request is coming (call it before the request is checked and tokenized): where the engine is idle, its
+        first step follows, so the executor may start waking what runs it now."""
+        if not self.pipeline and not self.scheduler.has_unfinished:
+            self.executor.wake()
+
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; its per-step sync facts are decided now, once, not at every step."""
-        self._wake_if_idle()
         seq.sync_mask = self._step_check.facts_of(seq)
         self.scheduler.add(seq)
 
     def add_group(self, seqs: list[Sequence]) -> None:
         """Queue the requests of one prompt (an API's ``n``): they share its KV blocks once it is computed."""
-        self._wake_if_idle()
         for seq in seqs:
             seq.sync_mask = self._step_check.facts_of(seq)
         self.scheduler.add_group(seqs)
-
-    def _wake_if_idle(self) -> None:
-        """A request for an idle engine: its first step follows, so the executor may wake what runs it now."""
-        if not self.pipeline and not self.scheduler.has_unfinished:
-            self.executor.wake()
 
     # ------------------------------------------------------------------ finished requests
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:

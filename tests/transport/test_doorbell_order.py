@@ -126,3 +126,7 @@ def test_a_request_to_an_idle_engine_wakes_the_executor_once() -> None:
         assert wakes == [0], "the first request wakes the executor once; the others find the engine busy"
         engine.generate([[3, 4, 5]], params)
         assert wakes == [0, 0]
+        engine.add_requests_sharing_prompt([3, 4, 5], [params, params])  # an API's n: one request, two outputs
+        while engine.has_unfinished:
+            engine.step()
+        assert wakes == [0, 0, 0]
