@@ -198,9 +198,8 @@ class GrammarState:
     def fill(self, address: int, nbytes: int) -> None:
         """Write the mask of the next token into the ``nbytes`` bytes at ``address`` (one row of int32 words)."""
         self._matcher.unsafe_compute_mask_ptr(address, nbytes)
-        tracker = self._tracker
-        if tracker is not None:
-            tracker.restrict(row_view(address, tracker.table.words))
+        if self._tracker is not None:
+            self.restrict(row_view(address, nbytes // 4))
 
     def restrict(self, row: npt.NDArray[np.uint32]) -> None:
         """Take the tokens the counted strings' bounds forbid out of ``row``, the mask the matcher wrote (a view of

@@ -306,13 +306,12 @@ class Producer:
         self._words[COMMITTED] = seq + 1
         self._next_seq = seq + 1
         self._reserved = False
-        for bell in self._bells:
-            bell.ring()
+        self.nudge()  # the consumers that sleep wake to the frame just published
         return seq
 
     def nudge(self) -> None:
-        """Tell the consumers a frame follows soon (nothing published): one asleep on its doorbell wakes now and
-        spins, so the frame finds it awake (a system call per sleeping consumer, none where all spin)."""
+        """Ring every consumer asleep on its doorbell (a system call each, none where all spin). Without a frame
+        published, a heads-up: a frame follows soon, and a consumer woken so spins until it comes."""
         for bell in self._bells:
             bell.ring()
 
