@@ -3,7 +3,8 @@
     python3 benchmarks/attention_splits.py VARIANT bench [overrides...]
 
 VARIANT:
-  base      the kernels as they are (at a 256-token graph width: four splits of 64 keys and a merge kernel)
+  base      the kernels as they are (a 256-token graph width at bs 1 on an H200: four splits of 64 keys and a
+            merge kernel; two splits at bs 32)
   split256  at least 256 keys a split (a 256-token width: one split, 64-key tiles in a loop, no merge kernel;
             the full 2,048-token width at bs 1: 8 splits instead of 32)
   tile256   split256, and a span of at most 256 keys read as one tile by 8 warps
