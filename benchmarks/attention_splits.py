@@ -8,6 +8,8 @@ VARIANT:
   split256  at least 256 keys a split (a 256-token width: one split, 64-key tiles in a loop, no merge kernel;
             the full 2,048-token width at bs 1: 8 splits instead of 32)
   tile256   split256, and a span of at most 256 keys read as one tile by 8 warps
+  early     base, with a one-tile split reading the keys of earlier steps before the PDL wait (EARLY_KV)
+  early256  tile256 with EARLY_KV
 
 benchmarks/attention_splits.sh runs the variants alternating, in process, async.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 import corelib_cuda.triton_ops.decode_attention as attention
 
-VARIANTS = ("base", "split256", "tile256")
+VARIANTS = ("base", "split256", "tile256", "early", "early256")
 ConfigFn = Callable[[int, int, int, int, int, int], attention.DecodeConfig]
 
 
@@ -37,9 +39,11 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
         sys.exit(f"usage: attention_splits.py {{{','.join(VARIANTS)}}} bench [overrides...]")
     variant = sys.argv.pop(1)
-    if variant != "base":
+    if variant in ("split256", "tile256", "early256"):
         attention.MIN_SPLIT_KEYS = 256
-    if variant == "tile256":
+    if variant.startswith("early"):
+        attention.EARLY_KV = True
+    if variant in ("tile256", "early256"):
         attention.decode_config = _one_wide_tile(attention.decode_config)  # type: ignore[assignment]
     from corelib.__main__ import entry
 

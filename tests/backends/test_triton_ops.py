@@ -27,7 +27,7 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'core
 
 from corelib_cpu.device import CpuBackend
 from corelib_cuda.backend import CUDABackend
-from corelib_cuda.triton_ops import TritonOps
+from corelib_cuda.triton_ops import TritonOps, decode_attention
 from corelib_cuda.triton_ops import linear as projections
 from corelib_cuda.triton_ops import paged_attention as attention
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
@@ -120,6 +120,21 @@ def test_a_split_reads_its_cache_blocks_before_the_wait_only_when_it_holds_one_t
     assert decode_config(1, 8, 2, 64, 2048, 132) == DecodeConfig(32, 16, 64, 64, 4, 2, one_tile=True)
     assert decode_config(32, 8, 2, 64, 2048, 132).one_tile is False
     assert decode_config(8, 8, 2, 64, 256, 132).one_tile is True  # a narrow graph: 4 splits of 64 keys
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["old-keys-early", "every-key-late"])
+def test_the_decode_attention_reads_the_same_keys_early_or_late(
+    op_target: OpTarget, early: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A one-tile split may read the keys of earlier steps before the wait and the newest after it: the same
+    # results either way. (That the newest comes after the wait is for the GPU's PDL test to show.)
+    monkeypatch.setattr(decode_attention, "EARLY_KV", early)
+    call = CALLS["paged_attention"]
+    for case in DECODE_CASES:
+        actual = call(op_target.ops, case.build(0, torch.device("cpu")))
+        expected = call(reference_ops(), case.build(0, torch.device("cpu")))
+        for a, e in zip(actual, expected, strict=True):
+            assert_matches(a, e, f"decode attention {case}, old keys {'early' if early else 'late'}")
 
 
 def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[StepBatch, KVCache]:

@@ -34,6 +34,9 @@ _OP = "paged_attention"  # its decode steps: one query per row
 MAX_SPLITS = 32
 #: fewer keys than this per split cost more in merging than they gain in parallelism
 MIN_SPLIT_KEYS = 64
+#: a split of one key tile reads the keys and values of earlier steps before the PDL wait, and only the
+#: step's own (the newest position, which the kernel before writes) after it
+EARLY_KV = False
 
 
 @triton.jit
@@ -81,8 +84,8 @@ def _decode_kernel(
     scale, block_size,
     q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ONE_TILE: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ONE_TILE: tl.constexpr, EARLY_KV: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched early: the next kernel may launch too
         tl.extra.cuda.gdc_launch_dependents()
@@ -98,16 +101,20 @@ def _decode_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     table = bt_ptr + seq * bt_s0
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_ok, d_ok = g < GROUP, d < HEAD_DIM
     if ONE_TILE:  # no split holds more than one tile: its cache blocks too
         pos = start + tl.arange(0, BLOCK_N)
         live = pos < end
         blocks = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
+        if EARLY_KV:  # and the keys of earlier steps: only the newest is this step's
+            newest = pos == seq_len - 1
+            k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live & ~newest, d, d_ok, kv_head, block_size,
+                                  kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
     if PDL:
         tl.extra.cuda.gdc_wait()
 
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
-    g_ok, d_ok = g < GROUP, d < HEAD_DIM
     heads = kv_head * GROUP + g  # the query heads that read this KV head
     q = tl.load(q_ptr + seq * q_s0 + heads[:, None] * q_s1 + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
@@ -117,8 +124,14 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     if ONE_TILE:
         if start < end:
-            k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live, d, d_ok, kv_head, block_size,
-                                  kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+            if EARLY_KV:  # the newest key and value, in the split that holds them
+                k_new, v_new = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live & newest, d, d_ok, kv_head,
+                                              block_size, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
+                k = tl.where(newest[:, None], k_new, k)
+                v = tl.where(newest[:, None], v_new, v)
+            else:
+                k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live, d, d_ok, kv_head, block_size,
+                                      kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
             m, l, acc = attend_tile(q, k, v, live[None, :], m, l, acc, scale, PRECISION)  # noqa: E741
     else:
         for first in range(start, end, BLOCK_N):
@@ -233,7 +246,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, GROUP_PAD=config.group_pad, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_N=config.block_n,
-        SPLITS=splits, ONE_TILE=config.one_tile, UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), PDL=pdl,
+        SPLITS=splits, ONE_TILE=config.one_tile, EARLY_KV=config.one_tile and EARLY_KV, UPCAST=upcast_in_kernel(),
+        PRECISION=dot_precision(q.dtype), PDL=pdl,
         num_warps=config.warps, num_stages=config.stages, **launch,
     )  # fmt: skip
     if splits > 1:
