@@ -2,7 +2,7 @@
 # The decode attention at short spans in the engine: benchmarks/attention_splits.py's variants and 128-token decode
 # graphs beside the 256-token ones (kv128), alternating, ROUNDS rounds (default 2); small-0.6b, in process, async, TPOT.
 # Usage: benchmarks/attention_splits.sh OUTDIR
-# Environment: MODEL (small-0.6b), BATCHES ("[1,8,32]"), CAP (seconds per run, 100).
+# Environment: MODEL (small-0.6b), BATCHES ("[1,8,32,128]"), CAP (seconds per run, 100).
 set -uo pipefail
 out=${1:?usage: attention_splits.sh OUTDIR}
 mkdir -p "$out"; out=$(cd "$out" && pwd); repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,7 +12,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for variant in base early wide early-wide kv128; do
     tag="$variant-$round"
     args=(bench backend=cuda backend.runtime=native bench=h200 "model=${MODEL:-small-0.6b}" "bench.transport=[inproc]"
-          "bench.handoff=[on]" "bench.prompt_lens=[]" "bench.batch_sizes=${BATCHES:-[1,8,32]}" bench.warmup_steps=8
+          "bench.handoff=[on]" "bench.prompt_lens=[]" "bench.batch_sizes=${BATCHES:-[1,8,32,128]}" bench.warmup_steps=8
           hydra.run.dir="$out/$tag")
     if [ "$variant" = kv128 ]; then
       cmd=(python3 "$repo/benchmarks/attention_splits.py" base "${args[@]}" "engine.graph_kv_sizes=[128,256]")
