@@ -9,6 +9,7 @@ VARIANT:
   wide        a span of at most 256 keys as one split and one tile (8 warps at 256 keys), no merge kernel;
               wider spans as in base
   early-wide  wide with EARLY_KV
+  one-split   a span of at most 256 keys as one split, its 64-key tiles in a loop (only the live ones), no merge
 
 benchmarks/attention_splits.sh runs the variants alternating, in process, async.
 """
@@ -21,19 +22,21 @@ from collections.abc import Callable
 import corelib_cuda.triton_ops.decode_attention as attention
 import triton
 
-VARIANTS = ("base", "early", "wide", "early-wide")
+VARIANTS = ("base", "early", "wide", "early-wide", "one-split")
 ConfigFn = Callable[[int, int, int, int, int, int], attention.DecodeConfig]
 
 
-def _one_tile_at_short_spans(plain: ConfigFn) -> ConfigFn:
-    def wide(batch: int, kv_heads: int, group: int, head_dim: int, span: int, sms: int) -> attention.DecodeConfig:
+def _one_split_at_short_spans(plain: ConfigFn, one_tile: bool) -> ConfigFn:
+    def short(batch: int, kv_heads: int, group: int, head_dim: int, span: int, sms: int) -> attention.DecodeConfig:
         config = plain(batch, kv_heads, group, head_dim, span, sms)
         if span > 256:
             return config
+        if not one_tile:
+            return config._replace(splits=1, one_tile=span <= config.block_n)
         block_n = max(64, triton.next_power_of_2(span))
         return config._replace(splits=1, block_n=block_n, warps=8 if block_n >= 256 else 4, one_tile=True)
 
-    return wide
+    return short
 
 
 def main() -> int:
@@ -42,8 +45,9 @@ def main() -> int:
     variant = sys.argv.pop(1)
     if variant.startswith("early"):
         attention.EARLY_KV = True
-    if variant.endswith("wide"):
-        attention.decode_config = _one_tile_at_short_spans(attention.decode_config)  # type: ignore[assignment]
+    if variant.endswith("wide") or variant == "one-split":
+        attention.decode_config = _one_split_at_short_spans(  # type: ignore[assignment]
+            attention.decode_config, one_tile=variant != "one-split")
     from corelib.__main__ import entry
 
     return entry()

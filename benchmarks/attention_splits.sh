@@ -9,7 +9,7 @@ mkdir -p "$out"; out=$(cd "$out" && pwd); repo=$(cd "$(dirname "$0")/.." && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 status=0
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for variant in base early wide early-wide kv128; do
+  for variant in base early wide early-wide one-split kv128; do
     tag="$variant-$round"
     args=(bench backend=cuda backend.runtime=native bench=h200 "model=${MODEL:-small-0.6b}" "bench.transport=[inproc]"
           "bench.handoff=[on]" "bench.prompt_lens=[]" "bench.batch_sizes=${BATCHES:-[1,8,32,128]}" bench.warmup_steps=8
