@@ -110,7 +110,8 @@ def _decode_kernel(
         blocks = tl.load(table + pos // block_size, mask=live, other=0).to(tl.int64)
         if EARLY_KV:  # and the keys of earlier steps: only the newest is this step's
             newest = pos == seq_len - 1
-            k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live & ~newest, d, d_ok, kv_head, block_size,
+            older = live & (pos != seq_len - 1)
+            k, v = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, older, d, d_ok, kv_head, block_size,
                                   kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
     if PDL:
         tl.extra.cuda.gdc_wait()
