@@ -20,21 +20,22 @@ import sys
 from collections.abc import Callable
 
 import corelib_cuda.triton_ops.decode_attention as attention
-import triton
+from corelib_cuda.triton_ops.common import next_power_of_2
 
 VARIANTS = ("base", "early", "wide", "early-wide", "one-split")
 ConfigFn = Callable[[int, int, int, int, int, int], attention.DecodeConfig]
+SHORT_SPAN = 256  # keys: the default decode graph's width
 
 
 def _one_split_at_short_spans(plain: ConfigFn, one_tile: bool) -> ConfigFn:
     def short(batch: int, kv_heads: int, group: int, head_dim: int, span: int, sms: int) -> attention.DecodeConfig:
         config = plain(batch, kv_heads, group, head_dim, span, sms)
-        if span > 256:
+        if span > SHORT_SPAN:
             return config
         if not one_tile:
             return config._replace(splits=1, one_tile=span <= config.block_n)
-        block_n = max(64, triton.next_power_of_2(span))
-        return config._replace(splits=1, block_n=block_n, warps=8 if block_n >= 256 else 4, one_tile=True)
+        block_n = max(64, next_power_of_2(span))
+        return config._replace(splits=1, block_n=block_n, warps=8 if block_n >= SHORT_SPAN else 4, one_tile=True)
 
     return short
 
