@@ -100,6 +100,9 @@ class EngineOptions:
     # A structured-output step runs ahead: its forward is queued at once, its sampling once the host has written
     # the grammar's mask from the previous step's tokens (EngineCore owes it; the in-process executor takes it).
     structured_overlap: bool = False
+    # The norms' weights folded into the qkv and gate/up weights at start (the provider runs the fused norm ops
+    # faster so: no norm kernel beside a library GEMM); the model folds only where its layers run fused.
+    fold_norms: bool = False
 
     @property
     def pipeline_depth(self) -> int:
@@ -137,6 +140,8 @@ class EngineOptions:
             pdl=plan.is_enabled("pdl") and bool(fused),
             attention_reads_live_blocks_only="paged_attention" in fused and provider is not None
             and provider.live_blocks_only,
+            fold_norms=provider is not None and provider.folded_norms
+            and {"norm_qkv_rope_kv_write", "norm_gate_up_silu_mul"} <= set(fused),
             compile=engine.compile,
             timeout_s=engine.timeout_s,
             step_check=step_check,

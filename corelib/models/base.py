@@ -9,7 +9,7 @@ for everything a backend may accelerate.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -106,4 +106,14 @@ class Model(Protocol):
         ``vocab_shard`` attribute (a :class:`corelib.models.sharding.VocabShard`), and the runner
         picks the token across ranks (:mod:`corelib.step.vocab_parallel`).
         """
+        ...
+
+
+@runtime_checkable
+class FoldsNorms(Protocol):
+    """A model that can fold its norms' weights into the projections after them, for an op provider that
+    runs its fused norm ops faster so (``OpProvider.folded_norms``)."""
+
+    def fold_norm_weights(self) -> bool:
+        """Fold them (once) where its layers run the fused norm ops; returns whether they are folded."""
         ...

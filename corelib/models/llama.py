@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +34,7 @@ from corelib.models.rope import inv_freq
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import VocabShard
 from corelib.models.weight_map import weight_map
-from corelib.ops import Ops
+from corelib.ops import Ops, fold_norm_weight
 from corelib.platform.device import Device
 from corelib.support.progress import current as current_progress
 
@@ -52,6 +52,19 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [hd]
     conv: torch.Tensor | None = None  # [K, H] hybrid only: depthwise causal convolution
     conv_norm: torch.Tensor | None = None  # [H]
+    # input_norm and post_norm are folded into qkv's and gate_up's columns (LlamaModel.fold_norm_weights):
+    # the norms before them take a unit weight
+    norms_folded: bool = field(default=False, init=False)
+
+    @property
+    def norm_before_qkv(self) -> torch.Tensor | None:
+        """The weight of the norm before the qkv projection; None where it is folded into qkv."""
+        return None if self.norms_folded else self.input_norm
+
+    @property
+    def norm_before_gate_up(self) -> torch.Tensor | None:
+        """The weight of the norm before the gate/up projection; None where it is folded into gate_up."""
+        return None if self.norms_folded else self.post_norm
 
 
 @dataclass
@@ -175,11 +188,12 @@ def fused_layer(
 ) -> torch.Tensor:
     """One decoder layer on one device as five ops: the residual stream h [T, H] in, the next one out."""
     eps, tokens = shape.rms_norm_eps, h.shape[0]
-    q = ops.norm_qkv_rope_kv_write(h, layer.input_norm, eps, layer.qkv, layer.qkv_bias, batch.positions, cos_sin,
-                                   k_cache, v_cache, batch.slot_mapping)  # [T, nh, hd]
+    q = ops.norm_qkv_rope_kv_write(h, layer.norm_before_qkv, eps, layer.qkv, layer.qkv_bias, batch.positions,
+                                   cos_sin, k_cache, v_cache, batch.slot_mapping)  # [T, nh, hd]
     attn = ops.paged_attention(q, k_cache, v_cache, batch.attention, 1.0 / math.sqrt(shape.head_dim))
     h = ops.linear_residual(attn.reshape(tokens, shape.num_heads * shape.head_dim), layer.o, h)
-    return ops.linear_residual(ops.norm_gate_up_silu_mul(h, layer.post_norm, eps, layer.gate_up), layer.down, h)
+    return ops.linear_residual(ops.norm_gate_up_silu_mul(h, layer.norm_before_gate_up, eps, layer.gate_up),
+                               layer.down, h)
 
 
 def decoder_layer(
@@ -236,6 +250,20 @@ class LlamaModel:
 
     def facts(self) -> ModelFacts:
         return self._facts
+
+    def fold_norm_weights(self) -> bool:
+        """Fold each layer's input and post-attention norm weights into its qkv and gate/up weights (once; the
+        old weights are freed), where every layer runs fused (one device, no per-head q/k norms): the fused
+        norm ops then take a unit weight. Returns whether the weights are folded."""
+        layers = self.weights.layers
+        if self.weights.all_reduce is not None or any(layer.q_norm is not None for layer in layers):
+            return False
+        for layer in layers:
+            if not layer.norms_folded:
+                layer.qkv = fold_norm_weight(layer.qkv, layer.input_norm)
+                layer.gate_up = fold_norm_weight(layer.gate_up, layer.post_norm)
+                layer.norms_folded = True
+        return True
 
     def allocate_state(self, device: Device, num_blocks: int, block_size: int, num_states: int) -> KVCache:
         shape = self.shape

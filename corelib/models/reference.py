@@ -21,11 +21,12 @@ from corelib.models.rope import inv_freq
 from corelib.models.shape import ModelShape
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # LlamaRMSNorm: statistics in float32, back to the input dtype, then the weight in that dtype
+    # (None: folded into the projection after it, LayerWeights.norms_folded)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,8 +125,8 @@ def _hidden(weights: ModelWeights, token_ids: Sequence[int]) -> torch.Tensor:
     for layer in weights.layers:
         if layer.conv is not None:
             h = h + _conv(layer, shape, h)
-        h = h + _attention(layer, shape, _rms_norm(h, layer.input_norm, shape.rms_norm_eps), cos, sin)
-        h = h + _mlp(layer, _rms_norm(h, layer.post_norm, shape.rms_norm_eps))
+        h = h + _attention(layer, shape, _rms_norm(h, layer.norm_before_qkv, shape.rms_norm_eps), cos, sin)
+        h = h + _mlp(layer, _rms_norm(h, layer.norm_before_gate_up, shape.rms_norm_eps))
     return h
 
 

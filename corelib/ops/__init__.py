@@ -6,6 +6,7 @@ an :class:`OpProvider` to the engine; the ``fused_ops`` gate decides whether it 
 ``Ops.with_provider`` swaps in the provider's ops while the rest stay on the reference.
 """
 
+from corelib.ops.composed import fold_norm_weight
 from corelib.ops.spec import (
     COMPOSED_OPS,
     OP_NAMES,
@@ -31,5 +32,6 @@ __all__ = [
     "SamplingColumn",
     "SamplingInputs",
     "TokenHistory",
+    "fold_norm_weight",
     "load_provider",
 ]

@@ -10,9 +10,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from corelib.ops.spec import Ops
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] with the RMSNorm weight [K] before it folded into its columns, in its dtype (a new
+    tensor): linear(rms_norm(h) * norm_weight, weight) == linear(rms_norm(h), folded), up to one rounding of
+    each weight. A fused op given ``norm_weight=None`` then normalizes with a unit weight."""
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
+
+
+def _normed(ops: Ops, h: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rms_norm(h) * norm_weight; None: the weight is folded into the projection after it (a unit weight,
+    rounded as the reference rounds the normalized rows)."""
+    if norm_weight is None:
+        return F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    return ops.rms_norm(h, norm_weight, eps)[0]
 
 
 def linear_residual(ops: Ops, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -22,7 +38,7 @@ def linear_residual(ops: Ops, x: torch.Tensor, weight: torch.Tensor, residual: t
 def norm_qkv_rope_kv_write(
     ops: Ops,
     h: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
     qkv_weight: torch.Tensor,
     qkv_bias: torch.Tensor | None,
@@ -33,7 +49,7 @@ def norm_qkv_rope_kv_write(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
-    x, _ = ops.rms_norm(h, norm_weight, eps)
+    x = _normed(ops, h, norm_weight, eps)
     qkv = ops.linear(x, qkv_weight, qkv_bias)  # [B, (nh + 2 nkv) hd]
     nh = qkv.shape[1] // hd - 2 * nkv
     qk = qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd)  # q and k rotated together
@@ -42,9 +58,9 @@ def norm_qkv_rope_kv_write(
 
 
 def norm_gate_up_silu_mul(
-    ops: Ops, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor
+    ops: Ops, h: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, gate_up_weight: torch.Tensor
 ) -> torch.Tensor:
-    x, _ = ops.rms_norm(h, norm_weight, eps)
+    x = _normed(ops, h, norm_weight, eps)
     return ops.silu_mul(ops.linear(x, gate_up_weight))
 
 

@@ -318,7 +318,7 @@ class NormQkvRopeKvWrite(Protocol):
     def __call__(
         self,
         h: torch.Tensor,
-        norm_weight: torch.Tensor,
+        norm_weight: torch.Tensor | None,
         eps: float,
         qkv_weight: torch.Tensor,
         qkv_bias: torch.Tensor | None,
@@ -330,7 +330,8 @@ class NormQkvRopeKvWrite(Protocol):
     ) -> torch.Tensor:
         """The attention input of a decoder layer: rms_norm, the qkv projection, RoPE and the KV write.
 
-        h [B, H] (the residual stream), norm_weight [H], qkv_weight [(nh + 2 nkv) hd, H] (query
+        h [B, H] (the residual stream), norm_weight [H], or None where it is folded into qkv_weight's
+        columns (:func:`fold_norm_weight`: a unit weight), qkv_weight [(nh + 2 nkv) hd, H] (query
         rows, then key, then value rows), qkv_bias [(nh + 2 nkv) hd] or None; nkv and hd come from
         the caches [NB, bs, nkv, hd]. k and v go to the cache at slot_mapping [B] (negative: not
         written); returns the rotated queries [B, nh, hd]. The same as rms_norm, linear and
@@ -341,9 +342,10 @@ class NormQkvRopeKvWrite(Protocol):
 
 class NormGateUpSiluMul(Protocol):
     def __call__(
-        self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor
+        self, h: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, gate_up_weight: torch.Tensor
     ) -> torch.Tensor:
-        """The MLP input: silu_mul(linear(rms_norm(h) , gate_up_weight)): h [M, H], gate_up [2 I, H] -> [M, I]."""
+        """The MLP input: silu_mul(linear(rms_norm(h) , gate_up_weight)): h [M, H], gate_up [2 I, H] -> [M, I];
+        norm_weight [H], or None where it is folded into gate_up_weight's columns (a unit weight)."""
         ...
 
 
@@ -416,6 +418,11 @@ class OpProvider(Protocol):
     #: KV-width buckets but those ``engine.graph_kv_sizes`` names. False when the kernel reads the
     #: whole width it is given.
     live_blocks_only: bool
+    #: its norm_qkv_rope_kv_write and norm_gate_up_silu_mul run faster with the norm's weight folded
+    #: into the projection's columns (norm_weight None), which the engine then does once at start
+    #: (:func:`fold_norm_weight`): beside a library GEMM, the norm's 1/rms then scales the product in
+    #: the kernel after it, and no norm kernel runs before it.
+    folded_norms: bool
 
     def available(self) -> str | None:
         """None when the provider can load here; else why not, in one line (a missing package)."""

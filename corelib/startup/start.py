@@ -89,7 +89,9 @@ def _start(raw: DictConfig, registry: PluginRegistry) -> Startup:
     if options.fused_ops and provider is not None:
         rest = [op for op in OP_NAMES if op not in options.fused_ops]
         messages.append(f"fused ops from {provider.name}: {', '.join(options.fused_ops)}"
-                        + (f"; the reference runs {', '.join(rest)}" if rest else ""))
+                        + (f"; the reference runs {', '.join(rest)}" if rest else "")
+                        + ("; the norms' weights folded into the qkv and gate/up weights where the layers run fused"
+                           if options.fold_norms else ""))
     return Startup(raw, config, backend, resolution.spec, plan, tuple(messages), options, default_context)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from corelib.config.options import EngineOptions, Staging
 from corelib.config.schema import CorelibConfig, Transport
-from corelib.models.base import Model
+from corelib.models.base import FoldsNorms, Model
 from corelib.models.registry import architecture
 from corelib.models.sharding import TensorShard
 from corelib.ops import Ops, load_provider
@@ -54,6 +54,8 @@ def build_device_steps(
     """Runner, stager and handoff on ``device``; every decode graph captured now (largest bucket first),
     unless capture is lazy (then each the first time a step needs it)."""
     torch.manual_seed(0)
+    if options.fold_norms and isinstance(model, FoldsNorms):
+        model.fold_norm_weights()  # before any graph is captured: the graphs read the folded weights
     compute = device.stream("compute")
     handoff = TokenHandoff(device, compute, layout.rows, layout.rows, options.pipeline_depth, timing=True)
     runner = ModelRunner(device, compute, model, build_ops(backend, device, options), layout,

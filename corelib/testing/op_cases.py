@@ -14,7 +14,14 @@ from typing import Protocol
 
 import torch
 
-from corelib.ops import SAMPLING_COLUMNS, SAMPLING_TABLES, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops import (
+    SAMPLING_COLUMNS,
+    SAMPLING_TABLES,
+    PagedAttention,
+    SamplingInputs,
+    TokenHistory,
+    fold_norm_weight,
+)
 from corelib.ops.sampling import CUT_NEUTRAL
 
 LONG_CONTEXT = 1900
@@ -328,11 +335,14 @@ class NormGateUpCase:
     m: int
     hidden: int
     inter: int
+    folded: bool = False  # the norm's weight folded into gate_up's columns, norm_weight None
 
     def build(self, seed: int, device: torch.device) -> Args:
         gen = torch.Generator().manual_seed(seed)
         h = randn(gen, self.m, self.hidden, dtype=self.dtype)
         nw, gate_up = norm_weight(gen, self.hidden, self.dtype), weight(gen, 2 * self.inter, self.hidden, self.dtype)
+        if self.folded:
+            return h.to(device), None, 1e-6, fold_norm_weight(gate_up, nw).to(device)
         return h.to(device), nw.to(device), 1e-6, gate_up.to(device)
 
 
@@ -365,6 +375,7 @@ class NormQkvCase:
     hidden: int = 256
     kv_heads: int = 2
     bias: bool = False  # Qwen2's qkv bias
+    folded: bool = False  # the norm's weight folded into qkv's columns, norm_weight None
 
     def build(self, seed: int, device: torch.device) -> Args:
         gen = torch.Generator().manual_seed(seed)
@@ -380,8 +391,11 @@ class NormQkvCase:
         slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.batch]
         kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
         vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        return (h.to(device), nw.to(device), 1e-6, qkv.to(device), None if bias is None else bias.to(device),
-                positions.to(device), cos_sin.to(device), kc.to(device), vc.to(device), slots.to(device))
+        if self.folded:
+            qkv = fold_norm_weight(qkv, nw)
+        return (h.to(device), None if self.folded else nw.to(device), 1e-6, qkv.to(device),
+                None if bias is None else bias.to(device), positions.to(device), cos_sin.to(device), kc.to(device),
+                vc.to(device), slots.to(device))
 
 
 def case_id(case: object) -> str:

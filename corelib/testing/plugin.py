@@ -274,6 +274,7 @@ def op_target(conformance_spec: DeviceSpec, request: pytest.FixtureRequest) -> O
         declared=provider.op_names(),
         loaded=provider.load(device),
         torch_device=device.torch_device,
+        folded_norms=provider.folded_norms,
         device=device,
         no_graph_reason=f"{device.name} cannot capture graphs",
     )

@@ -85,6 +85,7 @@ def test_the_options_carry_pdl_only_with_fused_ops() -> None:
 class RecordingProvider:
     name = "recording"
     live_blocks_only = True
+    folded_norms = False
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []

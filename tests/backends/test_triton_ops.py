@@ -85,6 +85,7 @@ def op_target() -> OpTarget:
         declared=provider.op_names(),
         loaded=provider.load(device),
         torch_device=device.torch_device,
+        folded_norms=provider.folded_norms,
         device=None,
         no_graph_reason="Triton's interpreter runs kernels at once on the CPU: there is no graph to capture",
     )

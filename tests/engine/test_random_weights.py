@@ -34,7 +34,7 @@ def _tensors(weights: ModelWeights) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(weights.layers):
         for field in dataclasses.fields(LayerWeights):
             value = getattr(layer, field.name)
-            if value is not None:
+            if isinstance(value, torch.Tensor):
                 found[f"{i}.{field.name}"] = value
     return found
 

@@ -254,6 +254,7 @@ class MluOps:
 
     name = "torch_mlu_ops"
     live_blocks_only = False  # decode attention stays on the reference, which gathers the whole width
+    folded_norms = False  # the fused ops are compositions around fused_rms_norm, which takes the weight itself
 
     def available(self) -> str | None:
         try:

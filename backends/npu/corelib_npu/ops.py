@@ -286,6 +286,7 @@ class NpuOps:
 
     name = "torch_npu"
     live_blocks_only = False  # lengths are static per graph: every row reads the width it is given, masked
+    folded_norms = False  # the fused ops are compositions around npu_rms_norm, which takes the weight itself
 
     def available(self) -> str | None:
         try:

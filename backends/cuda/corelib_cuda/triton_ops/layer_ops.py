@@ -2,7 +2,10 @@
 
 Where ``kernel_for`` picks cuBLAS (more rows than the GEMV pays for), each op runs as the
 composition it fuses, with this provider's own kernels around the cuBLAS product: the same
-results, a few more launches.
+results, a few more launches. Where the norm's weight is folded into the projection's
+(``norm_weight`` None, as the engine folds it for this provider), cuBLAS multiplies the rows of h
+themselves and the kernel after it (RoPE and the KV write, or SiLU-and-multiply) scales each
+product row by its 1/rms: no norm kernel runs before the product.
 """
 
 from __future__ import annotations
@@ -11,20 +14,22 @@ import torch
 import torch.nn.functional as F
 
 from corelib_cuda.triton_ops import projection as proj
-from corelib_cuda.triton_ops.activation import silu_mul
+from corelib_cuda.triton_ops.activation import silu_mul, silu_mul_normed
 from corelib_cuda.triton_ops.common import check
 from corelib_cuda.triton_ops.linear import Kernel, Projection, kernel_for, rows_of
 from corelib_cuda.triton_ops.norm import rms_norm
-from corelib_cuda.triton_ops.rope import rope_kv_write
+from corelib_cuda.triton_ops.rope import rope_kv_write, rope_kv_write_normed
 
 
-def _norm_weight(op: str, h: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    check(norm_weight.shape == (h.shape[-1],) and norm_weight.dtype == h.dtype, op,
-          f"norm_weight is {norm_weight.dtype} {tuple(norm_weight.shape)}; expected {h.dtype} ({h.shape[-1]},)")
+def _norm_weight(op: str, h: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
+    """A norm weight of h's width and dtype; None: folded into the projection (a unit weight)."""
+    if norm_weight is not None:
+        check(norm_weight.shape == (h.shape[-1],) and norm_weight.dtype == h.dtype, op,
+              f"norm_weight is {norm_weight.dtype} {tuple(norm_weight.shape)}; expected {h.dtype} ({h.shape[-1]},)")
 
 
-def norm_gate_up_silu_mul(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
-                          *, pdl: bool = False) -> torch.Tensor:
+def norm_gate_up_silu_mul(h: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                          gate_up_weight: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     # h [M, H], gate_up [2I, H] -> silu(gate) * up [M, I]
     op = "norm_gate_up_silu_mul"
     x = rows_of(op, h, gate_up_weight)
@@ -33,10 +38,12 @@ def norm_gate_up_silu_mul(h: torch.Tensor, norm_weight: torch.Tensor, eps: float
     inter = gate_up_weight.shape[0] // 2
     kernel = kernel_for(x.shape[0], 2 * inter, x.shape[1], gate_up_weight.element_size())
     if kernel is Kernel.CUBLAS:
+        if norm_weight is None:  # folded: the SiLU kernel scales the product by the rows' 1/rms
+            return silu_mul_normed(F.linear(x, gate_up_weight), x, eps)
         return silu_mul(F.linear(rms_norm(x, norm_weight, eps)[0], gate_up_weight))
     out = torch.empty((x.shape[0], inter), dtype=h.dtype, device=h.device)
     return Projection(proj.SILU, x, gate_up_weight, out, inter, paired=True, pair_offset=inter, norm_weight=norm_weight,
-                   eps=eps).run(kernel, pdl)
+                      eps=eps, unit_norm=norm_weight is None).run(kernel, pdl)
 
 
 def norm_logits(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *, pdl: bool = False
@@ -53,7 +60,7 @@ def norm_logits(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 
 def norm_qkv_rope_kv_write(
     h: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
     qkv_weight: torch.Tensor,
     qkv_bias: torch.Tensor | None,
@@ -86,11 +93,16 @@ def norm_qkv_rope_kv_write(
     check(qkv_bias is None or qkv_bias.shape == (rows,), op, f"qkv_bias must be ({rows},)")
     kernel = kernel_for(batch, rows, x.shape[1], qkv_weight.element_size())
     if kernel is Kernel.CUBLAS:
-        qkv = F.linear(rms_norm(x, norm_weight, eps)[0], qkv_weight, qkv_bias)  # [B, (nh + 2 nkv) hd]
+        if norm_weight is None:  # folded: the RoPE kernel scales the product by the rows' 1/rms, then adds the bias
+            qkv = F.linear(x, qkv_weight)  # [B, (nh + 2 nkv) hd]
+            qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
+            return rope_kv_write_normed(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, x, eps,
+                                        qkv_bias)[:, :nh]
+        qkv = F.linear(rms_norm(x, norm_weight, eps)[0], qkv_weight, qkv_bias)
         qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
         return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[:, :nh]
     out = torch.empty((batch, nh, hd), dtype=h.dtype, device=h.device)
     launch = Projection(proj.ROPE, x, qkv_weight, out.view(batch, nh * hd), rows // 2, paired=True,
-                        norm_weight=norm_weight, eps=eps, bias=qkv_bias,
+                        norm_weight=norm_weight, unit_norm=norm_weight is None, eps=eps, bias=qkv_bias,
                         rope=(positions, cos_sin, k_cache, v_cache, slot_mapping), heads=(nh, nkv, hd // 2))
     return launch.run(kernel, pdl).view(batch, nh, hd)

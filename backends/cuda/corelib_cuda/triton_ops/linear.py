@@ -205,6 +205,7 @@ class Projection:
     pair_offset: int = 0
     norm_weight: torch.Tensor | None = None
     eps: float = 0.0
+    unit_norm: bool = False  # the rows normalized with a unit weight (the norm's is folded into ``weight``)
     bias: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     rope: tuple[Any, ...] = ()  # positions, cos_sin, k_cache, v_cache, slot_mapping
@@ -229,9 +230,9 @@ class Projection:
             k_cache, v_cache, slots, *kc_strides, *vc_strides, k_cache.shape[1] if self.rope else 1,
         ]
         num_q, num_kv, half = self.heads
-        flags = {"MODE": self.mode, "PAIRED": self.paired, "NORM": self.norm_weight is not None,
-                 "HAS_BIAS": self.bias is not None, "NUM_Q": num_q, "NUM_KV": num_kv, "HALF": half, "PDL": pdl,
-                 "RNE": interpreting()}
+        flags = {"MODE": self.mode, "PAIRED": self.paired, "NORM": self.norm_weight is not None or self.unit_norm,
+                 "NORM_WEIGHT": self.norm_weight is not None, "HAS_BIAS": self.bias is not None, "NUM_Q": num_q,
+                 "NUM_KV": num_kv, "HALF": half, "PDL": pdl, "RNE": interpreting()}
         launch = {"launch_pdl": True} if pdl else {}
         norm_weight = self.norm_weight if self.norm_weight is not None else x
         if kernel is Kernel.GEMV:
@@ -249,7 +250,7 @@ class Projection:
         grid = (triton.cdiv(m, g.block_m), triton.cdiv(self.n_out, g.block_n), g.split_k)
         part, count = self._workspace(g.split_k, m, grid[0] * grid[1])
         stats = x  # unused without a norm or a split
-        if self.norm_weight is not None and g.split_k > 1:  # each split's squares of the rows, [blocks, split, M]
+        if flags["NORM"] and g.split_k > 1:  # each split's squares of the rows, [blocks, split, M]
             stats = torch.empty((grid[0] * grid[1], g.split_k, m), dtype=torch.float32, device=device)
         proj.gemm_kernel[grid](
             x, w, norm_weight, part, count, stats, *common,

@@ -15,6 +15,24 @@ from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "rms_norm"
 _MAX_HIDDEN = 16384
+_ROW_CHUNK = 1024  # elements of a row read at once by ``row_rstd``
+
+
+@triton.jit
+def row_rstd(x_ptr, width, eps, BLOCK: tl.constexpr):
+    """1 / rms of one row of ``width`` elements at ``x_ptr``, in float32, read ``BLOCK`` at a time: for a kernel
+    after a projection whose norm's weight is folded into it (the rows' scale, without the norm's kernel)."""
+    total = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, width, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + ks, mask=ks < width, other=0.0).to(tl.float32)
+        total += x * x
+    return 1.0 / tl.sqrt(tl.sum(total, axis=0) / width + eps)
+
+
+def row_chunk(width: int) -> int:
+    """``row_rstd``'s BLOCK for rows of ``width``."""
+    return min(_ROW_CHUNK, next_power_of_2(width))
 
 
 # The row count changes with every step's tokens: not specialised, so one compiled kernel serves them all.

@@ -59,9 +59,12 @@ def _columns(pid, n_out, pair_offset, BLOCK: tl.constexpr, MODE: tl.constexpr, H
 
 
 @triton.jit
-def _normed(x, rstd, nw, DTYPE: tl.constexpr, RNE: tl.constexpr):
-    # the reference: weight * rms_norm(h.float()).to(dtype), the product in the model dtype
-    return rounded(rounded(x * rstd, DTYPE, RNE) * nw, DTYPE, RNE)
+def _normed(x, rstd, nw, DTYPE: tl.constexpr, RNE: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+    # the reference: weight * rms_norm(h.float()).to(dtype), the product in the model dtype (without
+    # NORM_WEIGHT the weight is folded into the projection's: rms_norm(h.float()).to(dtype))
+    if NORM_WEIGHT:
+        return rounded(rounded(x * rstd, DTYPE, RNE) * nw, DTYPE, RNE)
+    return rounded(x * rstd, DTYPE, RNE)
 
 
 @triton.jit
@@ -180,7 +183,7 @@ def gemv_kernel(
     pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
     kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
     M, n_out, K, x_s0, w_s0, pair_offset, eps,
-    MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
     EARLY: tl.constexpr,
@@ -197,7 +200,8 @@ def gemv_kernel(
     w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
     if PAIRED:
         w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
-    if NORM:
+    nw = 1.0
+    if NORM and NORM_WEIGHT:
         nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -217,7 +221,7 @@ def gemv_kernel(
                 rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             else:
                 rstd = tl.sum(_row_rstd(x_ptr, x_s0, ms, ms < M, K, eps, BLOCK_K), axis=0)
-            x = _normed(x, rstd, nw, dtype, RNE)
+            x = _normed(x, rstd, nw, dtype, RNE, NORM_WEIGHT)
         acc_a = tl.sum(w_a * x[None, :], axis=1)[None, :]  # [1, BLOCK_N]
         if PAIRED:
             acc_b = tl.sum(w_b * x[None, :], axis=1)[None, :]
@@ -262,18 +266,21 @@ def gemv_kernel(
 
 
 @triton.jit
-def _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM: tl.constexpr, DTYPE: tl.constexpr, RNE: tl.constexpr):
+def _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+            DTYPE: tl.constexpr, RNE: tl.constexpr):
     """Rows ``ms`` of x at columns ``ks`` [BLOCK_M, BLOCK_K] and their squares summed over ``ks`` [BLOCK_M].
 
-    With NORM the tile is x * norm_weight, rounded once for the tensor cores; the rows' 1/rms scales the
-    products once K is summed (``_scaled``), so no program reads x twice."""
+    With NORM the tile is x * norm_weight, rounded once for the tensor cores (x itself without NORM_WEIGHT:
+    the weight is folded into the projection's); the rows' 1/rms scales the products once K is summed
+    (``_scaled``), so no program reads x twice."""
     x = tl.load(x_ptr + ms[:, None] * x_s0 + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     squares = tl.zeros([ms.shape[0]], tl.float32)
     if NORM:
         xf = x.to(tl.float32)
         squares = tl.sum(xf * xf, axis=1)
-        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        x = rounded(xf * nw[None, :], DTYPE, RNE).to(DTYPE)
+        if NORM_WEIGHT:
+            nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = rounded(xf * nw[None, :], DTYPE, RNE).to(DTYPE)
     return x, squares
 
 
@@ -307,7 +314,7 @@ def gemm_kernel(
     pos_ptr, cs_ptr, cs_s0, cs_s1, kc_ptr, vc_ptr, slot_ptr,
     kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, block_size,
     M, n_out, K, x_s0, w_s0, pair_offset, eps, k_per_split,
-    MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
@@ -339,7 +346,7 @@ def gemm_kernel(
     else:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    x, squares = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, dtype, RNE)
+    x, squares = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, NORM_WEIGHT, dtype, RNE)
     acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
     if PAIRED:
         acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
@@ -348,7 +355,7 @@ def gemm_kernel(
         k_ok = ks < k_end
         w_mask = c_ok[:, None] & k_ok[None, :]
         w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
-        x, more = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, dtype, RNE)
+        x, more = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, NORM_WEIGHT, dtype, RNE)
         squares += more
         acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
         if PAIRED:

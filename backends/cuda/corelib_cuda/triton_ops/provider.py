@@ -25,6 +25,7 @@ class TritonOps:
 
     name = "triton"
     live_blocks_only = True  # the decode kernel splits each sequence's own length (seq_lens) over its programs
+    folded_norms = True  # beside cuBLAS, the RoPE and SiLU kernels scale by 1/rms: no norm kernel (layer_ops)
 
     def available(self) -> str | None:
         try:

@@ -11,21 +11,34 @@ import triton
 import triton.language as tl
 
 from corelib_cuda.triton_ops.common import check, check_float, interpreting, last_dim_contiguous, next_power_of_2
+from corelib_cuda.triton_ops.norm import row_chunk, row_rstd
 from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "rope_kv_write"
 
+@triton.jit
+def _unnormed(x, rstd, bias_ptr, cols, ok, DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
+    """A product of the rows before their norm (its weight folded into the projection's) as the projection of the
+    normalized rows gives it: times the row's 1/rms, plus the bias, rounded to the model dtype."""
+    x = x * rstd
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    return rounded(x, DTYPE, RNE).to(tl.float32)
+
 
 @triton.jit
 def _rope_kv_write_kernel(
-    qk_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, out_ptr,
+    qk_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, out_ptr, h_ptr, bias_ptr,
     qk_s0, qk_s1, v_s0, v_s1, cs_s0, cs_s1,
     kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
-    block_size,
+    block_size, h_s0, hidden, eps,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, RNE: tl.constexpr,
+    NORM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    # One program per token: every q and k head rotated, k and v written to the token's slot.
+    # One program per token: every q and k head rotated, k and v written to the token's slot. With NORM_ROWS,
+    # qk and v are the product of the rows of h before their norm (its weight folded into the projection's):
+    # each is scaled by its row's 1/rms and given the bias here first.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -35,6 +48,12 @@ def _rope_kv_write_kernel(
     src = qk_ptr + t * qk_s0 + heads[:, None] * qk_s1 + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if NORM_ROWS:
+        rstd = row_rstd(h_ptr + t * h_s0, hidden, eps, ROW_CHUNK)
+        features = heads[:, None] * (2 * HALF) + d[None, :]  # the bias's columns (q and k: the first rows)
+        x1 = _unnormed(x1, rstd, bias_ptr, features, mask, dtype, HAS_BIAS, RNE)
+        x2 = _unnormed(x2, rstd, bias_ptr, features + HALF, mask, dtype, HAS_BIAS, RNE)
     cos = cs_ptr + pos * cs_s0 + d
     c1 = tl.load(cos, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -42,7 +61,6 @@ def _rope_kv_write_kernel(
     s2 = tl.load(cos + cs_s1 + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     # x * cos + rotate_half(x) * sin with each product rounded to the model dtype, as the
     # reference computes it in that dtype.
-    dtype = out_ptr.dtype.element_ty
     o1 = rounded(x1 * c1, dtype, RNE) + rounded(-x2 * s1, dtype, RNE)
     o2 = rounded(x2 * c2, dtype, RNE) + rounded(x1 * s2, dtype, RNE)
     o1, o2 = rounded(o1, dtype, RNE).to(dtype), rounded(o2, dtype, RNE).to(dtype)
@@ -64,6 +82,9 @@ def _rope_kv_write_kernel(
     full = tl.arange(0, 2 * BLOCK_HALF)
     v_mask = ((kv < NUM_KV) & (slot + kv * 0 >= 0))[:, None] & (full < 2 * HALF)[None, :]
     v = tl.load(v_ptr + t * v_s0 + kv[:, None] * v_s1 + full[None, :], mask=v_mask, other=0.0)
+    if NORM_ROWS:
+        v_cols = (NUM_Q + NUM_KV + kv)[:, None] * (2 * HALF) + full[None, :]
+        v = _unnormed(v.to(tl.float32), rstd, bias_ptr, v_cols, v_mask, dtype, HAS_BIAS, RNE).to(dtype)
     v_dst = vc_ptr + block * vc_sb + offset * vc_st + kv[:, None] * vc_sh + full[None, :]
     tl.store(v_dst, v, mask=v_mask)
 
@@ -87,6 +108,24 @@ def rope_kv_write(
 ) -> torch.Tensor:
     # qk [T, nh+nkv, hd], v [T, nkv, hd] (views of one qkv output), positions [T], cos_sin [L, 2, hd],
     # k_cache / v_cache [NB, bs, nkv, hd], slot_mapping [T] -> rotated qk [T, nh+nkv, hd]
+    return rope_kv_write_normed(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+
+def rope_kv_write_normed(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``rope_kv_write``; with ``rows`` [T, H] (h, whose norm's weight is folded into the projection that gave
+    qk and v from h itself), qk and v are first scaled by each row's 1/rms and given ``bias``
+    [(nh + 2 nkv) hd] (the projection's, left out of its product): the norm's kernel is not needed."""
     check_float(_OP, qk=qk, v=v, cos_sin=cos_sin)
     check(qk.dim() == 3 and v.dim() == 3 and k_cache.dim() == 4, _OP,
           f"expected qk [T, nh+nkv, hd], v [T, nkv, hd], caches [NB, bs, nkv, hd]; got qk {tuple(qk.shape)}, "
@@ -107,14 +146,23 @@ def rope_kv_write(
     if tokens == 0:
         return out
     qk, v, cos_sin = last_dim_contiguous(qk), last_dim_contiguous(v), last_dim_contiguous(cos_sin)
+    if rows is not None:
+        check(rows.dim() == 2 and rows.shape[0] == tokens and rows.stride(-1) == 1 and rows.dtype == qk.dtype, _OP,
+              f"rows {rows.dtype} {tuple(rows.shape)}; expected {qk.dtype} [{tokens}, H], its last dim contiguous")
+        check(bias is None or bias.shape == ((heads + kv_heads) * head_dim,), _OP,
+              f"bias {None if bias is None else tuple(bias.shape)}; expected ({(heads + kv_heads) * head_dim},)")
     block_heads, block_kv, block_half, warps = _config(heads, kv_heads, head_dim)
+    hidden = 1 if rows is None else rows.shape[1]
     _rope_kv_write_kernel[(tokens,)](
         qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, out,
+        qk if rows is None else rows, qk if bias is None else bias,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0), cos_sin.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_cache.shape[1],
+        k_cache.shape[1], 0 if rows is None else rows.stride(0), hidden, eps,
         NUM_Q=heads - kv_heads, NUM_KV=kv_heads, HALF=head_dim // 2,
-        BLOCK_HEADS=block_heads, BLOCK_KV=block_kv, BLOCK_HALF=block_half, RNE=interpreting(), num_warps=warps,
+        BLOCK_HEADS=block_heads, BLOCK_KV=block_kv, BLOCK_HALF=block_half, RNE=interpreting(),
+        NORM_ROWS=rows is not None, HAS_BIAS=bias is not None and rows is not None,
+        ROW_CHUNK=row_chunk(hidden), num_warps=warps,
     )  # fmt: skip
     return out
