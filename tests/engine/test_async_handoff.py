@@ -2,6 +2,11 @@
 
 The mixed workload has arrivals while steps are in flight, different lengths, EOS,
 max_tokens=1 and a KV pool small enough to force preemption.
+
+Async runs the same requests in other batches than sync (a request that ends frees its row a step
+later), and a GPU kernel's summation order follows the batch size: where two logits tie to within
+float32's rounding the two paths may break the tie differently. Such a request is compared up to
+that token, which the plain reference must show as a tie; a token taken out of order is never one.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from collections import Counter
 
 import pytest
 import torch
-from support import EngineFactory
+from support import EngineFactory, local_weights
 
 from corelib.engine import Engine, SamplingParams
 from corelib.errors import PlanRefused
+from corelib.models.reference import reference_logits
 
 POOL = ["engine.max_num_seqs=6", "engine.num_kv_blocks=24", "model.max_model_len=160"]
 
@@ -49,6 +55,32 @@ def run_with_arrivals(engine: Engine, requests: list[tuple[list[int], SamplingPa
     return outputs
 
 
+#: two logits within this share of the largest one are a tie that a row's batch may break either way (float32)
+TIE = 1e-5
+
+
+def assert_same_tokens(got: dict[str, list[int]], expected: dict[str, list[int]], engine: Engine,
+                       requests: list[tuple[list[int], SamplingParams]]) -> None:
+    """``got`` is ``expected``, but where a request's first different token ties with the expected one in the
+    plain reference's logits (then the rest of that request is not compared); a few such requests at most."""
+    assert got.keys() == expected.keys()
+    ties = []
+    for request_id in sorted(expected, key=int):
+        want, have = expected[request_id], got[request_id]
+        if want == have:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), None)
+        assert at is not None, f"request {request_id}: {len(have)} tokens where sync gave {len(want)}: {have} {want}"
+        logits = reference_logits(local_weights(engine), [*requests[int(request_id)][0], *want[:at]]).double()
+        scale, top = float(logits.abs().max()), float(logits.max())
+        behind = top - min(float(logits[want[at]]), float(logits[have[at]]))
+        assert behind <= TIE * scale, (
+            f"request {request_id}, token {at}: async {have[at]}, sync {want[at]}; the reference's logits "
+            f"{float(logits[have[at]]):.6f} and {float(logits[want[at]]):.6f} (largest {top:.6f}) are no tie")
+        ties.append(request_id)
+    assert len(ties) <= max(1, len(expected) // 100), f"near ties in {len(ties)} requests: {ties}"
+
+
 def frequent_token(make_engine: EngineFactory, requests: list[tuple[list[int], SamplingParams]]) -> int:
     probe = make_engine(["backend=cpu", *POOL])
     outs = probe.generate([p for p, _ in requests[:20]], SamplingParams(max_tokens=30, ignore_eos=True))
@@ -77,7 +109,7 @@ def test_async_matches_sync_under_chaos(make_engine: EngineFactory, backend: str
     chaos = ["backend.emulator.chaos=0.2", "backend.emulator.chaos_max_ms=0.5"] if runtime == "emulated" else []
     engine = make_engine([*common, *chaos, "engine.async_token_handoff=on"])
     got = run_with_arrivals(engine, requests)
-    assert got == expected
+    assert_same_tokens(got, expected, engine, requests)
     summary = engine.metrics(1.0)
     assert summary["steps_decode"] >= 2000, summary["steps_decode"]
     assert summary["steps_async"] == summary["steps"], "every step should take the async path"
