@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", type=int, default=10, metavar="STEPS", help="replays profiled for the kernels")
+    parser.add_argument("--clones", action="store_true",
+                        help="the plain weights as copies made after folding (where each variant's weights lie)")
     parser.add_argument("--out", default="fold.json")
     args = parser.parse_args()
     device = decode_step.open_device()
@@ -45,6 +47,8 @@ def main() -> None:
         plain = [(layer.qkv, layer.gate_up) for layer in model.weights.layers]
         assert model.fold_norm_weights()
         folded = [(layer.qkv, layer.gate_up) for layer in model.weights.layers]
+        if args.clones:  # the plain weights again in memory allocated after the model's, as the folded weights are
+            plain = [(qkv.clone(), gate_up.clone()) for qkv, gate_up in plain]
         for batch in args.batches:
             inputs, cache = decode_step.step_inputs(model, batch, args.context)
             times: dict[str, list[float]] = {"plain": [], "folded": []}

@@ -14,14 +14,7 @@ from typing import Protocol
 
 import torch
 
-from corelib.ops import (
-    SAMPLING_COLUMNS,
-    SAMPLING_TABLES,
-    PagedAttention,
-    SamplingInputs,
-    TokenHistory,
-    fold_norm_weight,
-)
+from corelib.ops import SAMPLING_COLUMNS, SAMPLING_TABLES, PagedAttention, SamplingInputs, TokenHistory
 from corelib.ops.sampling import CUT_NEUTRAL
 
 LONG_CONTEXT = 1900
@@ -289,113 +282,6 @@ class SampleCase:
             if self.argmax or self.uncut:
                 sampling = dataclasses.replace(sampling, draws=not self.argmax, cuts=False)
         return logits.to(device), sampling
-
-
-def weight(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """A projection weight scaled as the random initialisation scales it (outputs of unit size)."""
-    return randn(gen, rows, k, dtype=F32).mul(k**-0.5).to(dtype)
-
-
-@dataclass(frozen=True)
-class LinearCase:
-    dtype: torch.dtype
-    m: int  # rows of x: a decode batch (1-128) or a prefill
-    n: int
-    k: int
-    bias: bool = False
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        x = randn(gen, self.m, self.k, dtype=self.dtype)
-        w = weight(gen, self.n, self.k, self.dtype)
-        b = randn(gen, self.n, dtype=self.dtype) if self.bias else None
-        return x.to(device), w.to(device), None if b is None else b.to(device)
-
-
-@dataclass(frozen=True)
-class LinearResidualCase:
-    dtype: torch.dtype
-    m: int
-    n: int
-    k: int
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        x, w = randn(gen, self.m, self.k, dtype=self.dtype), weight(gen, self.n, self.k, self.dtype)
-        return x.to(device), w.to(device), randn(gen, self.m, self.n, dtype=self.dtype).to(device)
-
-
-def norm_weight(gen: torch.Generator, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    return (1.0 + 0.1 * randn(gen, hidden)).to(dtype)
-
-
-@dataclass(frozen=True)
-class NormGateUpCase:
-    dtype: torch.dtype
-    m: int
-    hidden: int
-    inter: int
-    folded: bool = False  # the norm's weight folded into gate_up's columns, norm_weight None
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
-        nw, gate_up = norm_weight(gen, self.hidden, self.dtype), weight(gen, 2 * self.inter, self.hidden, self.dtype)
-        if self.folded:
-            return h.to(device), None, 1e-6, fold_norm_weight(gate_up, nw).to(device)
-        return h.to(device), nw.to(device), 1e-6, gate_up.to(device)
-
-
-@dataclass(frozen=True)
-class NormLogitsCase:
-    dtype: torch.dtype
-    m: int
-    hidden: int
-    vocab: int
-
-    @property
-    def tolerance_dtype(self) -> torch.dtype:
-        """The logits are float32, but their error is the model dtype's (the reference rounds to it)."""
-        return self.dtype
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
-        nw, head = norm_weight(gen, self.hidden, self.dtype), weight(gen, self.vocab, self.hidden, self.dtype)
-        return h.to(device), nw.to(device), 1e-6, head.to(device)
-
-
-@dataclass(frozen=True)
-class NormQkvCase:
-    dtype: torch.dtype
-    batch: int
-    group: int
-    head_dim: int
-    block_size: int
-    hidden: int = 256
-    kv_heads: int = 2
-    bias: bool = False  # Qwen2's qkv bias
-    folded: bool = False  # the norm's weight folded into qkv's columns, norm_weight None
-
-    def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        nkv, hd = self.kv_heads, self.head_dim
-        rows = (nkv * self.group + 2 * nkv) * hd
-        h = randn(gen, self.batch, self.hidden, dtype=self.dtype)
-        nw, qkv = norm_weight(gen, self.hidden, self.dtype), weight(gen, rows, self.hidden, self.dtype)
-        bias = randn(gen, rows, dtype=self.dtype) if self.bias else None
-        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
-        positions = torch.randint(0, 4096, (self.batch,), generator=gen)
-        num_blocks = -(-self.batch // self.block_size) + 3
-        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.batch]
-        kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        if self.folded:
-            qkv = fold_norm_weight(qkv, nw)
-        return (h.to(device), None if self.folded else nw.to(device), 1e-6, qkv.to(device),
-                None if bias is None else bias.to(device), positions.to(device), cos_sin.to(device), kc.to(device),
-                vc.to(device), slots.to(device))
 
 
 def case_id(case: object) -> str:

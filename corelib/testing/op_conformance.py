@@ -45,16 +45,28 @@ from corelib.testing.op_cases import (
     Case,
     ChunkCase,
     DecodeCase,
-    LinearCase,
-    LinearResidualCase,
     NormCase,
-    NormGateUpCase,
-    NormLogitsCase,
-    NormQkvCase,
     RopeCase,
     SampleCase,
     SiluCase,
     case_id,
+)
+from corelib.testing.projection_cases import (
+    GATE_UP_CASES,
+    GATE_UP_SWEEP,
+    LINEAR_CASES,
+    LINEAR_RESIDUAL_CASES,
+    LINEAR_RESIDUAL_SWEEP,
+    LINEAR_SWEEP,
+    LOGITS_CASES,
+    LOGITS_SWEEP,
+    QKV_CASES,
+    QKV_SWEEP,
+    LinearCase,
+    LinearResidualCase,
+    NormGateUpCase,
+    NormLogitsCase,
+    NormQkvCase,
 )
 
 #: the normwise tolerance of each dtype, relative to the reference output's largest magnitude
@@ -158,43 +170,6 @@ SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 100
                 SampleCase(4, 1000, uncut=True)]
 SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True), SampleCase(32, argmax=True),
                 SampleCase(32, uncut=True), SampleCase(128, ties=True, sampled=True)]
-# The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every
-# kernel a provider may choose by M (1-128), and a prefill-sized M.
-_M = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128)
-LINEAR_CASES = [
-    LinearCase(F32, 1, 97, 300),
-    LinearCase(BF16, 3, 64, 1000, bias=True),
-    LinearCase(F32, 17, 33, 200),
-    LinearCase(BF16, 128, 96, 160),
-]
-LINEAR_SWEEP = [LinearCase(d, m, n, k, bias=m % 2 == 1) for d, m, (n, k) in
-                itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500), (33, 2048)))] + [
-    LinearCase(BF16, 300, 256, 512), LinearCase(F32, 513, 97, 300)]
-LINEAR_RESIDUAL_CASES = [LinearResidualCase(F32, 1, 97, 300), LinearResidualCase(BF16, 5, 64, 1000),
-                         LinearResidualCase(BF16, 32, 96, 200)]
-LINEAR_RESIDUAL_SWEEP = [LinearResidualCase(d, m, n, k) for d, m, (n, k) in
-                         itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500)))]
-# With the norm's weight folded into the projection (norm_weight None): one case per kernel a provider may
-# choose by M (a GEMV's few rows, a tensor-core kernel's, a library GEMM's beside the epilogue kernel).
-GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77), NormGateUpCase(BF16, 20, 128, 64),
-                 NormGateUpCase(F32, 1, 96, 80, folded=True), NormGateUpCase(BF16, 8, 200, 77, folded=True),
-                 NormGateUpCase(BF16, 20, 1500, 64, folded=True)]
-GATE_UP_SWEEP = [NormGateUpCase(d, m, h, i, folded=f) for d, m, (h, i), f in
-                 itertools.product((F32, BF16), _M, ((1000, 301), (256, 768)), (False, True))]
-LOGITS_CASES = [NormLogitsCase(F32, 1, 96, 1000), NormLogitsCase(BF16, 3, 200, 517), NormLogitsCase(BF16, 33, 64, 300)]
-LOGITS_SWEEP = [NormLogitsCase(d, m, 1024, 5003) for d, m in itertools.product((F32, BF16), _M)]
-QKV_CASES = [
-    NormQkvCase(F32, 1, 2, 64, 16),
-    NormQkvCase(BF16, 3, 4, 128, 16, hidden=300, bias=True),
-    NormQkvCase(F32, 5, 1, 64, 32, kv_heads=1),
-    NormQkvCase(BF16, 24, 8, 64, 16, kv_heads=1),
-    NormQkvCase(BF16, 3, 4, 128, 16, hidden=300, bias=True, folded=True),
-    NormQkvCase(F32, 8, 2, 64, 16, folded=True),
-    NormQkvCase(BF16, 24, 8, 64, 16, kv_heads=1, folded=True),
-    NormQkvCase(F32, 20, 2, 64, 16, hidden=1500, bias=True, folded=True),
-]
-QKV_SWEEP = [NormQkvCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 0, folded=f) for d, m, g, hd, h, f in
-             itertools.product((F32, BF16), _M, (1, 4), (64, 128), (200, 1024), (False, True))]
 
 
 # -- tests -------------------------------------------------------------------------------------

@@ -46,17 +46,7 @@ from corelib.ops.reference import reference_ops
 from corelib.platform.backend import DeviceSpec
 from corelib.platform.device import Capabilities, Device, Runtime
 from corelib.startup.compose import compose_config
-from corelib.testing.op_cases import (
-    BF16,
-    F32,
-    Case,
-    DecodeCase,
-    LinearCase,
-    LinearResidualCase,
-    NormGateUpCase,
-    NormLogitsCase,
-    NormQkvCase,
-)
+from corelib.testing.op_cases import BF16, F32, Case, DecodeCase
 from corelib.testing.op_conformance import *  # noqa: F403
 from corelib.testing.op_conformance import (
     CALLS,
@@ -66,6 +56,7 @@ from corelib.testing.op_conformance import (
     OpTarget,
     assert_matches,
 )
+from corelib.testing.projection_cases import LinearCase, LinearResidualCase, NormGateUpCase, NormLogitsCase, NormQkvCase
 
 
 def _cpu() -> Device:

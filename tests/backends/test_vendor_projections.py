@@ -16,7 +16,7 @@ from vendorkit import FakeTmo, FakeTorchNpu, Op, close, install_mlu, install_npu
 
 from corelib.ops import Ops
 from corelib.ops.reference import reference_ops
-from corelib.testing.op_cases import NormGateUpCase, NormLogitsCase, NormQkvCase
+from corelib.testing.projection_cases import NormGateUpCase, NormLogitsCase, NormQkvCase
 
 
 @pytest.fixture

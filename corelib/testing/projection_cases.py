@@ -1,0 +1,159 @@
+"""Inputs of the projection ops' conformance cases (``linear``, ``linear_residual`` and the fused norm ops), as
+:mod:`corelib.testing.op_cases` builds the others: the same tensors from a seed on any device; and the cases.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from corelib.ops import fold_norm_weight
+from corelib.testing.op_cases import BF16, F32, Args, randn
+
+
+def weight(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A projection weight scaled as the random initialisation scales it (outputs of unit size)."""
+    return randn(gen, rows, k, dtype=F32).mul(k**-0.5).to(dtype)
+
+
+@dataclass(frozen=True)
+class LinearCase:
+    dtype: torch.dtype
+    m: int  # rows of x: a decode batch (1-128) or a prefill
+    n: int
+    k: int
+    bias: bool = False
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        x = randn(gen, self.m, self.k, dtype=self.dtype)
+        w = weight(gen, self.n, self.k, self.dtype)
+        b = randn(gen, self.n, dtype=self.dtype) if self.bias else None
+        return x.to(device), w.to(device), None if b is None else b.to(device)
+
+
+@dataclass(frozen=True)
+class LinearResidualCase:
+    dtype: torch.dtype
+    m: int
+    n: int
+    k: int
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        x, w = randn(gen, self.m, self.k, dtype=self.dtype), weight(gen, self.n, self.k, self.dtype)
+        return x.to(device), w.to(device), randn(gen, self.m, self.n, dtype=self.dtype).to(device)
+
+
+def norm_weight(gen: torch.Generator, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1.0 + 0.1 * randn(gen, hidden)).to(dtype)
+
+
+@dataclass(frozen=True)
+class NormGateUpCase:
+    dtype: torch.dtype
+    m: int
+    hidden: int
+    inter: int
+    folded: bool = False  # the norm's weight folded into gate_up's columns, norm_weight None
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
+        nw, gate_up = norm_weight(gen, self.hidden, self.dtype), weight(gen, 2 * self.inter, self.hidden, self.dtype)
+        if self.folded:
+            return h.to(device), None, 1e-6, fold_norm_weight(gate_up, nw).to(device)
+        return h.to(device), nw.to(device), 1e-6, gate_up.to(device)
+
+
+@dataclass(frozen=True)
+class NormLogitsCase:
+    dtype: torch.dtype
+    m: int
+    hidden: int
+    vocab: int
+
+    @property
+    def tolerance_dtype(self) -> torch.dtype:
+        """The logits are float32, but their error is the model dtype's (the reference rounds to it)."""
+        return self.dtype
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
+        nw, head = norm_weight(gen, self.hidden, self.dtype), weight(gen, self.vocab, self.hidden, self.dtype)
+        return h.to(device), nw.to(device), 1e-6, head.to(device)
+
+
+@dataclass(frozen=True)
+class NormQkvCase:
+    dtype: torch.dtype
+    batch: int
+    group: int
+    head_dim: int
+    block_size: int
+    hidden: int = 256
+    kv_heads: int = 2
+    bias: bool = False  # Qwen2's qkv bias
+    folded: bool = False  # the norm's weight folded into qkv's columns, norm_weight None
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        nkv, hd = self.kv_heads, self.head_dim
+        rows = (nkv * self.group + 2 * nkv) * hd
+        h = randn(gen, self.batch, self.hidden, dtype=self.dtype)
+        nw, qkv = norm_weight(gen, self.hidden, self.dtype), weight(gen, rows, self.hidden, self.dtype)
+        bias = randn(gen, rows, dtype=self.dtype) if self.bias else None
+        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
+        positions = torch.randint(0, 4096, (self.batch,), generator=gen)
+        num_blocks = -(-self.batch // self.block_size) + 3
+        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.batch]
+        kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        if self.folded:
+            qkv = fold_norm_weight(qkv, nw)
+        return (h.to(device), None if self.folded else nw.to(device), 1e-6, qkv.to(device),
+                None if bias is None else bias.to(device), positions.to(device), cos_sin.to(device), kc.to(device),
+                vc.to(device), slots.to(device))
+
+
+# The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every
+# kernel a provider may choose by M (1-128), and a prefill-sized M.
+_M = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128)
+LINEAR_CASES = [
+    LinearCase(F32, 1, 97, 300),
+    LinearCase(BF16, 3, 64, 1000, bias=True),
+    LinearCase(F32, 17, 33, 200),
+    LinearCase(BF16, 128, 96, 160),
+]
+LINEAR_SWEEP = [LinearCase(d, m, n, k, bias=m % 2 == 1) for d, m, (n, k) in
+                itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500), (33, 2048)))] + [
+    LinearCase(BF16, 300, 256, 512), LinearCase(F32, 513, 97, 300)]
+LINEAR_RESIDUAL_CASES = [LinearResidualCase(F32, 1, 97, 300), LinearResidualCase(BF16, 5, 64, 1000),
+                         LinearResidualCase(BF16, 32, 96, 200)]
+LINEAR_RESIDUAL_SWEEP = [LinearResidualCase(d, m, n, k) for d, m, (n, k) in
+                         itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500)))]
+# With the norm's weight folded into the projection (norm_weight None): one case per kernel a provider may
+# choose by M (a GEMV's few rows, a tensor-core kernel's, a library GEMM's beside the epilogue kernel).
+GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77), NormGateUpCase(BF16, 20, 128, 64),
+                 NormGateUpCase(F32, 1, 96, 80, folded=True), NormGateUpCase(BF16, 8, 200, 77, folded=True),
+                 NormGateUpCase(BF16, 20, 1500, 64, folded=True)]
+GATE_UP_SWEEP = [NormGateUpCase(d, m, h, i, folded=f) for d, m, (h, i), f in
+                 itertools.product((F32, BF16), _M, ((1000, 301), (256, 768)), (False, True))]
+LOGITS_CASES = [NormLogitsCase(F32, 1, 96, 1000), NormLogitsCase(BF16, 3, 200, 517), NormLogitsCase(BF16, 33, 64, 300)]
+LOGITS_SWEEP = [NormLogitsCase(d, m, 1024, 5003) for d, m in itertools.product((F32, BF16), _M)]
+QKV_CASES = [
+    NormQkvCase(F32, 1, 2, 64, 16),
+    NormQkvCase(BF16, 3, 4, 128, 16, hidden=300, bias=True),
+    NormQkvCase(F32, 5, 1, 64, 32, kv_heads=1),
+    NormQkvCase(BF16, 24, 8, 64, 16, kv_heads=1),
+    NormQkvCase(BF16, 3, 4, 128, 16, hidden=300, bias=True, folded=True),
+    NormQkvCase(F32, 8, 2, 64, 16, folded=True),
+    NormQkvCase(BF16, 24, 8, 64, 16, kv_heads=1, folded=True),
+    NormQkvCase(F32, 20, 2, 64, 16, hidden=1500, bias=True, folded=True),
+]
+QKV_SWEEP = [NormQkvCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 0, folded=f) for d, m, g, hd, h, f in
+             itertools.product((F32, BF16), _M, (1, 4), (64, 128), (200, 1024), (False, True))]
