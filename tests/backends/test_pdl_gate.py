@@ -82,6 +82,12 @@ def test_the_options_carry_pdl_only_with_fused_ops() -> None:
     assert not _options("engine.fused_ops=off").pdl
 
 
+def test_the_options_fold_the_norms_only_with_the_fused_norm_ops() -> None:
+    # The Triton provider declares folded_norms: the engine folds where its fused norm ops run, never without them.
+    assert _options().fold_norms
+    assert not _options("engine.fused_ops=off").fold_norms
+
+
 class RecordingProvider:
     name = "recording"
     live_blocks_only = True
