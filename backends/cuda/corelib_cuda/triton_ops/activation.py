@@ -34,14 +34,10 @@ def _silu_mul_kernel(x_ptr, out_ptr, h_ptr, inter, x_s0, h_s0, hidden, eps, BLOC
     tl.store(out_ptr + row * inter + cols, rounded(silu * up, dtype, RNE).to(dtype), mask=ok)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    # x [T, 2I] (gate then up) -> [T, I]
-    return silu_mul_normed(x)
-
-
-def silu_mul_normed(x: torch.Tensor, rows: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """``silu_mul``; with ``rows`` [T, H] (h, whose norm's weight is folded into the gate/up weight that gave
-    x from h itself), gate and up are first scaled by each row's 1/rms: the norm's kernel is not needed."""
+def silu_mul(x: torch.Tensor, *, rows: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [T, 2I] (gate then up) -> [T, I]. With ``rows`` [T, H] (h, whose norm's weight is folded into the
+    gate/up weight that gave x from h itself), gate and up are first scaled by each row's 1/rms: the norm's
+    kernel is not needed."""
     check_float(_OP, x=x)
     check(x.dim() == 2 and x.shape[1] % 2 == 0, _OP, f"expected x [T, 2I]; got {tuple(x.shape)}")
     tokens, inter = x.shape[0], x.shape[1] // 2

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from corelib_cuda.triton_ops import projection as proj
-from corelib_cuda.triton_ops.activation import silu_mul, silu_mul_normed
+from corelib_cuda.triton_ops.activation import silu_mul
 from corelib_cuda.triton_ops.common import check
 from corelib_cuda.triton_ops.linear import Kernel, Projection, kernel_for, rows_of
 from corelib_cuda.triton_ops.norm import rms_norm
-from corelib_cuda.triton_ops.rope import rope_kv_write, rope_kv_write_normed
+from corelib_cuda.triton_ops.rope import rope_kv_write
 
 
 def _norm_weight(op: str, h: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
@@ -39,7 +39,7 @@ def norm_gate_up_silu_mul(h: torch.Tensor, norm_weight: torch.Tensor | None, eps
     kernel = kernel_for(x.shape[0], 2 * inter, x.shape[1], gate_up_weight.element_size())
     if kernel is Kernel.CUBLAS:
         if norm_weight is None:  # folded: the SiLU kernel scales the product by the rows' 1/rms
-            return silu_mul_normed(F.linear(x, gate_up_weight), x, eps)
+            return silu_mul(F.linear(x, gate_up_weight), rows=x, eps=eps)
         return silu_mul(F.linear(rms_norm(x, norm_weight, eps)[0], gate_up_weight))
     out = torch.empty((x.shape[0], inter), dtype=h.dtype, device=h.device)
     return Projection(proj.SILU, x, gate_up_weight, out, inter, paired=True, pair_offset=inter, norm_weight=norm_weight,
@@ -96,8 +96,8 @@ def norm_qkv_rope_kv_write(
         if norm_weight is None:  # folded: the RoPE kernel scales the product by the rows' 1/rms, then adds the bias
             qkv = F.linear(x, qkv_weight)  # [B, (nh + 2 nkv) hd]
             qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
-            return rope_kv_write_normed(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, x, eps,
-                                        qkv_bias)[:, :nh]
+            return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=x, eps=eps,
+                                 bias=qkv_bias)[:, :nh]
         qkv = F.linear(rms_norm(x, norm_weight, eps)[0], qkv_weight, qkv_bias)
         qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
         return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[:, :nh]

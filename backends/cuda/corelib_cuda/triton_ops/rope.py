@@ -105,27 +105,17 @@ def rope_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    # qk [T, nh+nkv, hd], v [T, nkv, hd] (views of one qkv output), positions [T], cos_sin [L, 2, hd],
-    # k_cache / v_cache [NB, bs, nkv, hd], slot_mapping [T] -> rotated qk [T, nh+nkv, hd]
-    return rope_kv_write_normed(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-
-
-def rope_kv_write_normed(
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    *,
     rows: torch.Tensor | None = None,
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``rope_kv_write``; with ``rows`` [T, H] (h, whose norm's weight is folded into the projection that gave
-    qk and v from h itself), qk and v are first scaled by each row's 1/rms and given ``bias``
-    [(nh + 2 nkv) hd] (the projection's, left out of its product): the norm's kernel is not needed."""
+    """qk [T, nh+nkv, hd], v [T, nkv, hd] (views of one qkv output), positions [T], cos_sin [L, 2, hd],
+    k_cache / v_cache [NB, bs, nkv, hd], slot_mapping [T] -> rotated qk [T, nh+nkv, hd].
+
+    With ``rows`` [T, H] (h, whose norm's weight is folded into the projection that gave qk and v from h
+    itself), qk and v are first scaled by each row's 1/rms and given ``bias`` [(nh + 2 nkv) hd] (the
+    projection's, left out of its product): the norm's kernel is not needed."""
     check_float(_OP, qk=qk, v=v, cos_sin=cos_sin)
     check(qk.dim() == 3 and v.dim() == 3 and k_cache.dim() == 4, _OP,
           f"expected qk [T, nh+nkv, hd], v [T, nkv, hd], caches [NB, bs, nkv, hd]; got qk {tuple(qk.shape)}, "
