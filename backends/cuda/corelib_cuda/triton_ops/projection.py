@@ -18,7 +18,8 @@ cores), it sums the rows' squares over its own K range as it goes (split-K progr
 beside their partials), and the rows' 1/rms scales the products once K is summed. It rounds one
 product where the reference rounds two, within the dtype's tolerance of it, and no program
 reads the whole of K for the statistics (at 32 rows that second read cost more than the norm's
-own kernel).
+own kernel). Without NORM_WEIGHT the norm's weight is folded into W (``fold_norm_weight``): the
+rows are normalized with a unit weight.
 Paired rows (PAIRED): each output column reads two weight rows, a and b: gate and up for
 SiLU-and-multiply (b = a + I), or a feature and its rotate-half partner for RoPE
 (b = a + hd/2 within a head), so a program always holds both halves it combines.

@@ -16,6 +16,7 @@ from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "rope_kv_write"
 
+
 @triton.jit
 def _unnormed(x, rstd, bias_ptr, cols, ok, DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
     """A product of the rows before their norm (its weight folded into the projection's) as the projection of the
