@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from corelib_cuda.triton_ops import linear
 from corelib_cuda.triton_ops import projection as proj
 from corelib_cuda.triton_ops.activation import silu_mul
 from corelib_cuda.triton_ops.common import check
@@ -53,7 +54,11 @@ def norm_logits(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     _norm_weight("norm_logits", h, norm_weight)
     kernel = kernel_for(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
     if kernel is Kernel.CUBLAS:
-        return F.linear(rms_norm(x, norm_weight, eps)[0], weight).float()
+        normed = rms_norm(x, norm_weight, eps)[0]
+        if linear.TUNING.gemm_float_logits and normed.is_cuda and normed.dtype in (torch.bfloat16, torch.float16):
+            # cuBLAS writes float32 itself (its accumulation, unrounded): no bf16 logits to widen in a kernel after
+            return torch.mm(normed, weight.t(), out_dtype=torch.float32)
+        return F.linear(normed, weight).float()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=h.device)
     return Projection(proj.LOGITS, x, weight, out, weight.shape[0], norm_weight=norm_weight, eps=eps).run(kernel, pdl)
 

@@ -88,6 +88,7 @@ class Tuning:
     gemm_stages: int = 3
     gemm_min_k_tiles: int = 4  # K tiles each split keeps at least
     gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
+    gemm_float_logits: bool = True  # the LM head's cuBLAS product written as float32 (no widening kernel after it)
 
 
 class Kernel(enum.Enum):
