@@ -98,14 +98,14 @@ def norm_qkv_rope_kv_write(
     check(qkv_bias is None or qkv_bias.shape == (rows,), op, f"qkv_bias must be ({rows},)")
     kernel = kernel_for(batch, rows, x.shape[1], qkv_weight.element_size())
     if kernel is Kernel.CUBLAS:
-        if norm_weight is None:  # folded: the RoPE kernel scales the product by the rows' 1/rms, then adds the bias
-            qkv = F.linear(x, qkv_weight)  # [B, (nh + 2 nkv) hd]
-            qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
-            return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=x, eps=eps,
-                                 bias=qkv_bias)[:, :nh]
-        qkv = F.linear(rms_norm(x, norm_weight, eps)[0], qkv_weight, qkv_bias)
+        # Folded (no norm weight): cuBLAS multiplies h's rows themselves, and the RoPE kernel scales the product by
+        # their 1/rms, then adds the bias; else the norm's kernel before the product, the bias in cuBLAS's epilogue.
+        folded = norm_weight is None
+        normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)[0]
+        qkv = F.linear(normed, qkv_weight, None if folded else qkv_bias)  # [B, (nh + 2 nkv) hd]
         qk, v = qkv[:, : (nh + nkv) * hd].view(batch, nh + nkv, hd), qkv[:, (nh + nkv) * hd :].view(batch, nkv, hd)
-        return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[:, :nh]
+        return rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=x if folded else None,
+                             eps=eps, bias=qkv_bias if folded else None)[:, :nh]
     out = torch.empty((batch, nh, hd), dtype=h.dtype, device=h.device)
     launch = Projection(proj.ROPE, x, qkv_weight, out.view(batch, nh * hd), rows // 2, paired=True,
                         norm_weight=norm_weight, unit_norm=norm_weight is None, eps=eps, bias=qkv_bias,
