@@ -30,8 +30,9 @@ note "== torch: $(python3 -c 'import torch; print(torch.__version__, torch.versi
 for section in $sections; do
   case $section in
     tests)  # native cuda: conformance, engine, SHM race on registered memory, tensor parallelism; the test
-            # of close() CLOSE_REPEATS more times inside (default 20)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" \
+            # of close() CLOSE_REPEATS more times inside (default 20); -v names each test's worker, so a failure
+            # can be read against what ran before it in the same process
+      python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="-p corelib.testing.plugin -ra" \
         --corelib-repeat-close "${CLOSE_REPEATS:-20}" -n "${GPU_TEST_WORKERS:-6}" \
         --junitxml="$out/gpu-tests.xml" tests >"$out/gpu-tests.log" 2>&1
       rc=$?; [ "$rc" = 0 ] || status=1

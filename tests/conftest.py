@@ -103,6 +103,17 @@ def make_engine() -> Iterator[EngineFactory]:
         engine.close()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """A GPU test waits for its own device work at its teardown: an asynchronous device fault (a device-side
+    assert, an illegal address) then fails the test that queued it, not the next test of the same worker
+    process that happens to synchronize (a faulted CUDA context fails every later call in that process)."""
+    yield
+    on_gpu = item.get_closest_marker("gpu") is not None and torch.cuda.is_available()
+    if on_gpu and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks that follow from what a test does.
