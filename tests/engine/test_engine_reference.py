@@ -19,7 +19,8 @@ def check_against_reference(make_engine: EngineFactory, overrides: list[str]) ->
     outputs = engine.generate(PROMPTS, params)
     for prompt, n, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
         expected = reference_generate(local_weights(engine), prompt, n)
-        assert out.output_token_ids == expected, f"prompt {prompt[:4]}...: engine and reference disagree"
+        assert out.output_token_ids == expected, (f"prompt {prompt[:4]}...: engine and reference disagree "
+                                                  f"(finish reason {out.finish_reason}, error {out.error!r})")
         assert out.finish_reason == "length"
     return engine
 
