@@ -187,16 +187,26 @@ class RopeCase:
         nkv, hd = self.kv_heads, self.head_dim
         nh = nkv * self.group
         qkv = randn(gen, self.tokens, (nh + 2 * nkv) * hd, dtype=self.dtype).to(device)
-        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
-        positions = torch.randint(0, 4096, (self.tokens,), generator=gen)
-        num_blocks = -(-self.tokens // self.block_size) + 3
-        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.tokens]
-        kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        positions, cos_sin, kc, vc, slots = rope_kv_inputs(gen, self.tokens, self.block_size, nkv, hd, self.dtype,
+                                                           device)
         qk = qkv[:, : (nh + nkv) * hd].view(self.tokens, nh + nkv, hd)
         v = qkv[:, (nh + nkv) * hd :].view(self.tokens, nkv, hd)
-        return qk, v, positions.to(device), cos_sin.to(device), kc.to(device), vc.to(device), slots.to(device)
+        return qk, v, positions, cos_sin, kc, vc, slots
+
+
+def rope_kv_inputs(gen: torch.Generator, tokens: int, block_size: int, kv_heads: int, head_dim: int,
+                   dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What RoPE and the KV write read beside the projection, for ``tokens`` tokens, on ``device``: positions,
+    a cos/sin table of 4096 positions, key and value caches of a few blocks more than the tokens need, and a
+    distinct cache slot per token."""
+    angles = torch.rand(4096, 1, head_dim, generator=gen) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    num_blocks = -(-tokens // block_size) + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    kc = randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    vc = randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    return positions.to(device), cos_sin.to(device), kc.to(device), vc.to(device), slots.to(device)
 
 
 @dataclass(frozen=True)

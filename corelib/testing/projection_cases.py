@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from corelib.ops import fold_norm_weight
-from corelib.testing.op_cases import BF16, F32, Args, randn
+from corelib.testing.op_cases import BF16, F32, Args, randn, rope_kv_inputs
 
 
 def weight(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -51,6 +51,13 @@ def norm_weight(gen: torch.Generator, hidden: int, dtype: torch.dtype) -> torch.
     return (1.0 + 0.1 * randn(gen, hidden)).to(dtype)
 
 
+def normed_product(gen: torch.Generator, m: int, hidden: int, rows: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused norm op's h [m, hidden], the norm's weight [hidden] and the projection's weight [rows, hidden]."""
+    h = randn(gen, m, hidden, dtype=dtype)
+    return h, norm_weight(gen, hidden, dtype), weight(gen, rows, hidden, dtype)
+
+
 @dataclass(frozen=True)
 class NormGateUpCase:
     dtype: torch.dtype
@@ -61,8 +68,7 @@ class NormGateUpCase:
 
     def build(self, seed: int, device: torch.device) -> Args:
         gen = torch.Generator().manual_seed(seed)
-        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
-        nw, gate_up = norm_weight(gen, self.hidden, self.dtype), weight(gen, 2 * self.inter, self.hidden, self.dtype)
+        h, nw, gate_up = normed_product(gen, self.m, self.hidden, 2 * self.inter, self.dtype)
         if self.folded:
             return h.to(device), None, 1e-6, fold_norm_weight(gate_up, nw).to(device)
         return h.to(device), nw.to(device), 1e-6, gate_up.to(device)
@@ -81,9 +87,7 @@ class NormLogitsCase:
         return self.dtype
 
     def build(self, seed: int, device: torch.device) -> Args:
-        gen = torch.Generator().manual_seed(seed)
-        h = randn(gen, self.m, self.hidden, dtype=self.dtype)
-        nw, head = norm_weight(gen, self.hidden, self.dtype), weight(gen, self.vocab, self.hidden, self.dtype)
+        h, nw, head = normed_product(torch.Generator().manual_seed(seed), self.m, self.hidden, self.vocab, self.dtype)
         return h.to(device), nw.to(device), 1e-6, head.to(device)
 
 
@@ -103,21 +107,14 @@ class NormQkvCase:
         gen = torch.Generator().manual_seed(seed)
         nkv, hd = self.kv_heads, self.head_dim
         rows = (nkv * self.group + 2 * nkv) * hd
-        h = randn(gen, self.batch, self.hidden, dtype=self.dtype)
-        nw, qkv = norm_weight(gen, self.hidden, self.dtype), weight(gen, rows, self.hidden, self.dtype)
+        h, nw, qkv = normed_product(gen, self.batch, self.hidden, rows, self.dtype)
         bias = randn(gen, rows, dtype=self.dtype) if self.bias else None
-        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype)
-        positions = torch.randint(0, 4096, (self.batch,), generator=gen)
-        num_blocks = -(-self.batch // self.block_size) + 3
-        slots = torch.randperm(num_blocks * self.block_size, generator=gen)[: self.batch]
-        kc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
-        vc = randn(gen, num_blocks, self.block_size, nkv, hd, dtype=self.dtype)
+        positions, cos_sin, kc, vc, slots = rope_kv_inputs(gen, self.batch, self.block_size, nkv, hd, self.dtype,
+                                                           device)
         if self.folded:
             qkv = fold_norm_weight(qkv, nw)
         return (h.to(device), None if self.folded else nw.to(device), 1e-6, qkv.to(device),
-                None if bias is None else bias.to(device), positions.to(device), cos_sin.to(device), kc.to(device),
-                vc.to(device), slots.to(device))
+                None if bias is None else bias.to(device), positions, cos_sin, kc, vc, slots)
 
 
 # The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from corelib_cuda.triton_ops.common import check, check_float, interpreting, last_dim_contiguous
-from corelib_cuda.triton_ops.norm import row_chunk, row_rstd
+from corelib_cuda.triton_ops.norm import check_rows, row_chunk, row_rstd
 from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "silu_mul"
@@ -46,8 +46,7 @@ def silu_mul(x: torch.Tensor, *, rows: torch.Tensor | None = None, eps: float = 
         return out
     x = last_dim_contiguous(x)
     if rows is not None:
-        check(rows.dim() == 2 and rows.shape[0] == tokens and rows.stride(-1) == 1 and rows.dtype == x.dtype, _OP,
-              f"rows {rows.dtype} {tuple(rows.shape)}; expected {x.dtype} [{tokens}, H], its last dim contiguous")
+        check_rows(_OP, rows, tokens, x.dtype)
     hidden = 1 if rows is None else rows.shape[1]
     _silu_mul_kernel[(tokens, triton.cdiv(inter, _BLOCK))](
         x, out, x if rows is None else rows, inter, x.stride(0), 0 if rows is None else rows.stride(0), hidden, eps,

@@ -35,6 +35,13 @@ def row_chunk(width: int) -> int:
     return min(_ROW_CHUNK, next_power_of_2(width))
 
 
+def check_rows(op: str, rows: torch.Tensor, tokens: int, dtype: torch.dtype) -> None:
+    """``rows`` [tokens, H] of ``dtype``, its last dim contiguous: the h whose 1/rms a kernel after a folded
+    projection reads with ``row_rstd``."""
+    check(rows.dim() == 2 and rows.shape[0] == tokens and rows.stride(-1) == 1 and rows.dtype == dtype, op,
+          f"rows {rows.dtype} {tuple(rows.shape)}; expected {dtype} [{tokens}, H], its last dim contiguous")
+
+
 # The row count changes with every step's tokens: not specialised, so one compiled kernel serves them all.
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from corelib_cuda.triton_ops.common import check, check_float, interpreting, last_dim_contiguous, next_power_of_2
-from corelib_cuda.triton_ops.norm import row_chunk, row_rstd
+from corelib_cuda.triton_ops.norm import check_rows, row_chunk, row_rstd
 from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "rope_kv_write"
@@ -138,8 +138,7 @@ def rope_kv_write(
         return out
     qk, v, cos_sin = last_dim_contiguous(qk), last_dim_contiguous(v), last_dim_contiguous(cos_sin)
     if rows is not None:
-        check(rows.dim() == 2 and rows.shape[0] == tokens and rows.stride(-1) == 1 and rows.dtype == qk.dtype, _OP,
-              f"rows {rows.dtype} {tuple(rows.shape)}; expected {qk.dtype} [{tokens}, H], its last dim contiguous")
+        check_rows(_OP, rows, tokens, qk.dtype)
         check(bias is None or bias.shape == ((heads + kv_heads) * head_dim,), _OP,
               f"bias {None if bias is None else tuple(bias.shape)}; expected ({(heads + kv_heads) * head_dim},)")
     block_heads, block_kv, block_half, warps = _config(heads, kv_heads, head_dim)
