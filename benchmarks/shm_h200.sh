@@ -7,7 +7,8 @@
 # slowest of 128). Prints per point: TPOT (median of the two runs),
 # transport latency p50/p99 (producer commit to inputs staged in the worker; the worse run), device
 # occupancy (the worse run), and the targets (ordered at bs 1 and 32: hop p50 <= 30 and p99 <= 100 µs), then
-# where each run's slowest ordered hops fell. Bounded: each run is stopped after RUN_LIMIT_S seconds.
+# where each run's slowest ordered hops fell, and what the early H2D costs on arrival (benchmarks/early_h2d.py).
+# Bounded: each run is stopped after RUN_LIMIT_S seconds.
 set -uo pipefail
 out=${1:?usage: shm_h200.sh OUTDIR [overrides...]}
 shift
@@ -34,6 +35,9 @@ run() {  # run NAME transports materializations
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1); $(date -u +%FT%TZ)"
 run a "[inproc,shm]" "[early,ordered]"
 run b "[shm,inproc]" "[ordered,early]"
+# What the early H2D itself costs the receiving thread (pageable ring slot, pinned bounce, registered slot)
+timeout 120 python3 "$(dirname "$0")/early_h2d.py" "${backend[@]}" --out "$out/early_h2d.json" >"$out/early_h2d.log" 2>&1 \
+  || { status=1; echo "== early_h2d: failed; see $out/early_h2d.log"; }
 
 python3 - "$out" <<'EOF' || status=1
 import json, statistics, sys
@@ -91,4 +95,5 @@ for (transport, materialization, bs), runs in sorted(points.items(), key=lambda 
             hops = ", ".join(f"{at}: {us:.0f}" for at, us in p.get("transport_us_slowest", []))
             print(f"slowest ordered hops, bs {bs}, run {p['run']}: {hops}")
 EOF
+[ -f "$out/early_h2d.log" ] && grep -E "bs " "$out/early_h2d.log"
 exit $status
