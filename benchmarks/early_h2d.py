@@ -1,14 +1,16 @@
 """What a frame's H2D costs the receiving thread on arrival, from a ring slot in shared memory, while the device runs.
 
 Early materialization issues the H2D of a frame's arena on the thread that reads the frame
-(``EarlyStager.receive``). Over SHM its hop has measured 115-270 µs at the median on H100 and H200
-hosts, against 27-45 µs for ordered materialization, whose thread copies the slot into a pinned
-snapshot and issues no device call. This times, on one thread, the host side of each way the
-arena can reach the device on arrival, at the decode layouts' sizes:
+(``EarlyStager.receive``). Over SHM its hop measured 115-270 µs at the median on H100 and H200
+hosts while it copied straight from the (pageable) ring slot, against 27-45 µs for ordered
+materialization, whose thread copies the slot into a pinned snapshot and issues no device call.
+This times, on one thread, the host side of each way the arena can reach the device on arrival,
+at the decode layouts' sizes:
 
-- ``pageable``: what ``EarlyStager.receive`` does: device memory, then the copy on the polling
-  stream straight from the ring slot (not registered: the driver stages a pageable source), an event;
-- ``pinned``: a memcpy of the slot into a pinned buffer first, then the same copy from that buffer;
+- ``pageable``: device memory, then the copy on the polling stream straight from the ring slot
+  (not registered: the driver stages a pageable source when the copy is issued), an event;
+- ``pinned``: a memcpy of the slot into a pinned buffer first, then the same copy from that buffer
+  (what ``EarlyStager.receive`` does where the device stages pageable copies itself, cuda);
 - ``registered``: the ring registered with the device, the copy straight from the slot (what
   ``engine.shm.register_host`` does: the race the early path shows);
 - ``snapshot``: ordered materialization's side on arrival, the memcpy into a pinned buffer alone;
