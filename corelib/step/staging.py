@@ -19,7 +19,7 @@ One strategy per engine, chosen once at startup (``EngineOptions.staging``):
   the producer's next write: on a device that reads the source when the copy runs (pinned or
   registered memory, npu's unchecked DMA), the step may read the next frame's bytes. Where the
   device stages a pageable source itself when the copy is issued
-  (``capabilities.pageable_h2d_is_staged``, cuda) and the ring is not registered, the stager does
+  (``capabilities.pageable_h2d_is_staged``: cuda, mlu) and the ring is not registered, the stager does
   that staging: one copy of the arena into a pinned buffer the step owns, then the H2D from it.
   The same bytes reach the device, read at the same moment, without the driver's pageable path
   on the receiving thread.

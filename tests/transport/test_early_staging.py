@@ -91,6 +91,7 @@ def test_each_step_owns_its_pinned_copy_of_the_slot_until_it_is_done(
 @pytest.mark.parametrize(("overrides", "registered", "stages"), [
     (["backend=cuda", "backend.runtime=emulated"], False, True),
     (["backend=cuda", "backend.runtime=emulated"], True, False),  # engine.shm.register_host: the slot as it is
+    (["backend=mlu"], False, True),
     (["backend=npu"], False, False),  # the npu's copies read their source when they run: the hazard early shows
 ])
 def test_the_early_stager_stages_a_slot_itself_only_where_the_device_would(overrides: list[str], registered: bool,
