@@ -303,7 +303,8 @@ class Device(ABC):
         return self._empty(tuple(shape), dtype)
 
     def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Zeroed device memory, filled synchronously (for set-up, not the hot loop)."""
+        """Zeroed device memory (for set-up, not the hot loop), filled on the thread's current stream: a stream of
+        the device's own reads it once :meth:`synchronize` has run."""
         out = self.empty(shape, dtype)
         out.zero_()
         return out

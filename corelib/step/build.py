@@ -69,6 +69,10 @@ def build_device_steps(
                           in_place=shm and reads_ring_in_place(staging, device), registered=ring_registered)
     steps = DeviceSteps(runner, stager, handoff)
     try:
+        # The set-up above ran on this thread's current stream (the KV cache and the relays zeroed, the token
+        # mask filled, the norms folded into the weights), and nothing orders that stream before the compute
+        # stream, which reads all of it from the first warm-up or step on: wait for it once, here.
+        device.synchronize()
         if options.graphs and not options.lazy_capture:
             runner.capture()
     except BaseException:
