@@ -182,6 +182,20 @@ def test_split_k_leaves_its_counters_ready_for_the_next_launch(op_target: OpTarg
         assert_matches(ops.linear_residual(*args), expected, f"split-K linear_residual, launch {seed + 1}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_two_streams_never_share_split_k_counters() -> None:
+    # Two engines of one process replay their steps on two streams at once; the launches of one stream run one
+    # after another and may share a counter buffer, those of two may not.
+    device = torch.device("cuda", torch.cuda.current_device())
+    first, second = torch.cuda.Stream(device), torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(first):
+        counters = projections._counters(device, 7)
+        assert projections._counters(device, 7) is counters, "one stream's launches reuse their counters"
+    with torch.cuda.stream(second):
+        assert projections._counters(device, 7).data_ptr() != counters.data_ptr()
+
+
 def test_a_shape_measured_apart_gets_its_own_gemv_tile(op_target: OpTarget, monkeypatch: pytest.MonkeyPatch) -> None:
     # One product shape (M, N, K, sets) with a tile of its own: 64 float32 weights a program, many programs.
     own = ((1, 48, 512, 1, 256, 64),)

@@ -182,15 +182,19 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
     return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, 4, stages, swap)
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed split-K counters: each launch's last program resets those it used, so one stream reuses them."""
-    key = (device, n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    """Zeroed split-K counters of the current stream: each launch's last program resets those it used, so the
+    launches of one stream reuse them, one after another; two streams (two engines of one process) running at
+    once get their own, or one launch's programs would count into the other's."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, n, stream)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        counters = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return counters
 
 
 @dataclasses.dataclass
