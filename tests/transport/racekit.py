@@ -41,13 +41,11 @@ def race(
     widen: Callable[[Device, object], None] | None = None,
     in_place: bool = False,
     stages_itself: bool | None = None,
-    buffers: int = 4,
 ) -> int:
     """Steps whose device inputs differed from what the producer sent (0 means no race seen).
 
     ``in_place``: the ordered stager's H2D reads the (registered) ring slot itself, given back once read;
-    ``stages_itself``: asserts whether the early stager copies the slot into pinned memory first; ``buffers``: the
-    stager's snapshot buffers and events (at least 3: the loop keeps two steps in flight while it takes a third)."""
+    ``stages_itself``: asserts whether the early stager copies the slot into pinned memory first."""
     cfg = compose_config(["model.num_layers=1", "engine.graph=off", "engine.max_num_seqs=4", "model.max_model_len=64",
                           *overrides])
     startup = start(cfg, PluginRegistry())
@@ -60,7 +58,7 @@ def race(
     registration = device.register_host(wired.ring.whole) if register_host or in_place else None
     compute = device.stream("compute")
     mode = Staging.ordered if ordered else Staging.early
-    stager = build_stager(mode, device, compute, decode.nbytes, buffers, timeout, in_place=in_place,
+    stager = build_stager(mode, device, compute, decode.nbytes, 4, timeout, in_place=in_place,
                           registered=registration is not None)
     if stages_itself is not None:
         assert isinstance(stager, EarlyStager) and stager.stages_itself is stages_itself, \

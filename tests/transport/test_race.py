@@ -42,7 +42,7 @@ def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
     # cuda stages a pageable source when the copy is issued; the early stager does that staging itself, into
     # pinned buffers its steps own (the copy from them reads late, under chaos): the early path keeps working there
     assert race(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.5",
-                 "backend.emulator.chaos_max_ms=0.3"], ordered=False, steps=300, stages_itself=True, buffers=3) == 0
+                 "backend.emulator.chaos_max_ms=0.3"], ordered=False, steps=300, stages_itself=True) == 0
 
 
 def test_the_early_stager_copies_a_registered_ring_as_it_is() -> None:
