@@ -188,8 +188,11 @@ _COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed split-K counters of the current stream: each launch's last program resets those it used, so the
     launches of one stream reuse them, one after another; two streams (two engines of one process) running at
-    once get their own, or one launch's programs would count into the other's."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    once get their own, or one launch's programs would count into the other's. Traced by ``torch.compile``
+    (``engine.compile``), the stream is left out: the compiled layer keeps the counters it was traced with."""
+    stream = 0
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        stream = torch.cuda.current_stream(device).cuda_stream
     key = (device, n, stream)
     counters = _COUNTERS.get(key)
     if counters is None:
