@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-from ringkit import wire
+from ringkit import decode_header, wire
 
 from corelib.config.options import Staging
 from corelib.platform.device import Device, Event
@@ -23,7 +23,7 @@ from corelib.startup.compose import compose_config
 from corelib.startup.start import start
 from corelib.step.layout import EngineLayout
 from corelib.step.staging import EarlyStager, Staged, build_stager
-from corelib.transport.wire import FrameHeader, FrameKind, input_of
+from corelib.transport.wire import input_of
 
 PATTERN = 1_000_003
 
@@ -70,9 +70,7 @@ def race(
     def produce() -> None:
         try:
             for step in range(steps):
-                header = FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
-                                     layout=decode.encode(), num_tokens=1, max_query_len=1)
-                wired.producer.write(header, pattern(step, words).view(torch.uint8))
+                wired.producer.write(decode_header(decode, step), pattern(step, words).view(torch.uint8))
         except BaseException as error:  # noqa: BLE001 - re-raised by the test thread
             failure.append(error)
 

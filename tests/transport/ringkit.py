@@ -6,8 +6,10 @@ import os
 import select
 from dataclasses import dataclass, field
 
+from corelib.step.arena import ArenaLayout
 from corelib.transport.doorbell import new_eventfd
 from corelib.transport.shm import Consumer, Producer, Ring
+from corelib.transport.wire import FrameHeader, FrameKind
 
 
 @dataclass
@@ -33,6 +35,12 @@ def wire(num_slots: int = 2, slot_bytes: int = 4096, consumers: int = 1, timeout
     ends = [Consumer(ring, i, bells[i], room, timeout, name=name, spin_us=spin_us, payload_crc=payload_crc)
             for i in range(consumers)]
     return Wired(ring, producer, ends, [*bells, room])
+
+
+def decode_header(layout: ArenaLayout, step: int) -> FrameHeader:
+    """The header of step ``step``'s frame: one row decoding one token, its arena in ``layout``."""
+    return FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1, layout=layout.encode(),
+                       num_tokens=1, max_query_len=1)
 
 
 class RecordingPoller:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ringkit import Wired, wire
+from ringkit import Wired, decode_header, wire
 
 from corelib.config.options import Staging
 from corelib.errors import DeviceTimeout
@@ -25,7 +25,7 @@ from corelib.step.arena import ArenaLayout
 from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
 from corelib.step.staging import EarlyStager, Staged, build_stager
-from corelib.transport.wire import FrameHeader, FrameKind, input_of
+from corelib.transport.wire import input_of
 
 
 @pytest.fixture
@@ -46,8 +46,7 @@ def _frame(wired: Wired, layout: ArenaLayout, step: int) -> tuple[ForwardInput, 
     """Frame ``step`` written into the ring as the packer writes it, and read as a worker reads it."""
     arena = wired.producer.reserve()
     arena[: layout.nbytes].view(torch.int64).copy_(_pattern(step, layout))
-    wired.producer.commit(FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
-                                      layout=layout.encode(), num_tokens=1, max_query_len=1), layout.nbytes)
+    wired.producer.commit(decode_header(layout, step), layout.nbytes)
     consumer = wired.consumers[0]
     frame = consumer.read()
     return input_of(frame.header, frame.payload, "frame"), functools.partial(consumer.release, frame)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ringkit import Wired, wire
+from ringkit import Wired, decode_header, wire
 
 from corelib.engine import Engine, SamplingParams
 from corelib.platform.device import Device, Stream
@@ -28,7 +28,7 @@ from corelib.step.layout import EngineLayout
 from corelib.step.staging import build_stager, reads_ring_in_place
 from corelib.transport import shm
 from corelib.transport.shm_executor import ShmExecutor
-from corelib.transport.wire import FrameHeader, FrameKind, input_of
+from corelib.transport.wire import input_of
 
 STEPS = 12
 
@@ -105,9 +105,7 @@ def run_steps(overrides: list[str], spies: Spies, wired: Wired) -> None:
         for step in range(STEPS):
             arena = wired.producer.reserve()  # what the executor hands the packer
             arena[: layout.nbytes].view(torch.int64).fill_(step)  # the packer's writes
-            header = FrameHeader(FrameKind.step, 0, step_id=step, num_seqs=1, bucket=1, kv_blocks=1,
-                                 layout=layout.encode(), num_tokens=1, max_query_len=1)
-            wired.producer.commit(header, layout.nbytes)
+            wired.producer.commit(decode_header(layout, step), layout.nbytes)
             stager.release_read()
             frame = consumer.read()
             fi = input_of(frame.header, frame.payload, "frame")
