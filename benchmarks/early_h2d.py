@@ -1,20 +1,17 @@
 """What a frame's H2D costs the receiving thread on arrival, from a ring slot in shared memory, while the device runs.
 
 Early materialization issues the H2D of a frame's arena on the thread that reads the frame
-(``EarlyStager.receive``). Over SHM its hop measured 115-270 µs at the median on H100 and H200
-hosts while it copied straight from the (pageable) ring slot, against 27-45 µs for ordered
-materialization, whose thread copies the slot into a pinned snapshot and issues no device call.
-This times, on one thread, the host side of each way the arena can reach the device on arrival,
-at the decode layouts' sizes:
+(``EarlyStager.receive``). Over SHM its hop has measured 115-270 µs at the median on H100 and H200
+hosts, against 27-45 µs for ordered materialization, whose thread copies the slot into a pinned
+snapshot and issues no device call. This times, on one thread, the host side of each way the
+arena can reach the device on arrival, at the decode layouts' sizes:
 
-- ``pageable``: the early stager as it is for a registered ring (device memory, then the copy on
-  the polling stream straight from the slot, an event), over a ring that is not registered: the
-  driver stages the pageable source when the copy is issued;
-- ``pinned``: the early stager where the device stages pageable copies itself (cuda) and the ring
-  is not registered: a memcpy of the slot into a pinned buffer first, then the copy from that;
-- ``registered``: the ``pageable`` stager once the ring is registered with the device (what
+- ``pageable``: what ``EarlyStager.receive`` does: device memory, then the copy on the polling
+  stream straight from the ring slot (not registered: the driver stages a pageable source), an event;
+- ``pinned``: a memcpy of the slot into a pinned buffer first, then the same copy from that buffer;
+- ``registered``: the ring registered with the device, the copy straight from the slot (what
   ``engine.shm.register_host`` does: the race the early path shows);
-- ``snapshot``: the ordered stager without registration: the memcpy into a pinned snapshot alone;
+- ``snapshot``: ordered materialization's side on arrival, the memcpy into a pinned buffer alone;
 
 each with the device idle and with its compute stream busy (a sleep kernel covering the whole run,
 where the backend has one; the emulator's compute stream is busy with a long host function).
@@ -36,28 +33,24 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from corelib.config.options import Staging
 from corelib.config.schema import CorelibConfig
 from corelib.platform.device import Device
 from corelib.plugins import PluginRegistry
 from corelib.startup.compose import compose_config, prepare_config_store
 from corelib.startup.start import start
-from corelib.step.arena import ArenaLayout
-from corelib.step.forward_input import ForwardInput
+from corelib.step import staging
 from corelib.step.layout import EngineLayout
-from corelib.step.staging import InputStager, Staged, build_stager
 from corelib.transport.shm import Ring
-from corelib.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, input_of
 
 ROWS = (1, 32, 128)
 SLOTS = 4
 
 
-def decode_layout(overrides: list[str], rows: int) -> ArenaLayout:
+def arena_bytes(overrides: list[str], rows: int) -> int:
     """The decode arena of ``rows`` rows, as the engine lays it out for the model in ``overrides``."""
     config = OmegaConf.to_object(compose_config([*overrides, f"engine.max_num_seqs={rows}"]))
     assert isinstance(config, CorelibConfig)
-    return EngineLayout.of(config).decode_layout
+    return EngineLayout.of(config).decode_layout.nbytes
 
 
 def timed(fn: Callable[[int], None], repeats: int) -> list[float]:
@@ -85,53 +78,54 @@ def busy(device: Device, seconds: float) -> Callable[[], None]:
     return compute.synchronize
 
 
-def receiving(stager: InputStager, inputs: list[ForwardInput], repeats: int) -> list[float]:
-    """``timed`` frames received by ``stager``, frame ``i`` from slot ``i % SLOTS``, whose earlier step is done by
-    then; every step done and given back at the end."""
-    held: list[Staged | None] = [None] * SLOTS
+def measure(device: Device, ring: Ring, nbytes: int, repeats: int) -> dict[str, list[float]]:
+    stream = device.stream("polling")
+    events = [device.event(name=f"early_h2d[{i}]") for i in range(SLOTS)]
+    pinned = [device.host_empty((nbytes,), torch.uint8, pinned=True) for _ in range(SLOTS)]
+    target = device.empty((nbytes,), torch.uint8)
+    slots = [ring.payload(i)[:nbytes] for i in range(SLOTS)]
+    kept: list[Any] = [None] * SLOTS  # each way's device buffer lives until its slot comes round again
 
-    def done(staged: Staged | None) -> None:
-        if staged is not None:
-            if staged.ready is not None:
-                staged.ready.synchronize()
-            staged.release()  # its buffers go back
-
-    def receive(i: int) -> None:
+    def pageable(i: int) -> None:
         slot = i % SLOTS
-        done(held[slot])
-        held[slot] = stager.receive(inputs[slot], lambda: None)
+        events[slot].synchronize()
+        out = device.empty((nbytes,), torch.uint8)
+        stream.copy(out, slots[slot])
+        stream.record(events[slot])
+        kept[slot] = out
 
-    try:
-        return timed(receive, repeats)
-    finally:
-        for staged in held:
-            done(staged)
+    def bounced(i: int) -> None:
+        slot = i % SLOTS
+        events[slot].synchronize()  # the pinned buffer is free again
+        staging._copy_bytes(pinned[slot], slots[slot])  # the ordered stager's own copy
+        out = device.empty((nbytes,), torch.uint8)
+        stream.copy(out, pinned[slot])
+        stream.record(events[slot])
+        kept[slot] = out
 
+    def snapshot(i: int) -> None:
+        slot = i % SLOTS
+        staging._copy_bytes(pinned[slot], slots[slot])  # the ordered stager's own copy
 
-def measure(device: Device, ring: Ring, layout: ArenaLayout, repeats: int) -> dict[str, list[float]]:
-    """Each way's host µs per frame, idle and busy."""
-    compute = device.stream("compute")
-    inputs = [input_of(FrameHeader(FrameKind.step, slot, step_id=slot, num_seqs=1, bucket=1, kv_blocks=1,
-                                   payload_len=layout.nbytes, layout=layout.words, num_tokens=1, max_query_len=1),
-                       ring.payload(slot)[: layout.nbytes]) for slot in range(SLOTS)]
+    def registered(i: int) -> None:
+        slot = i % SLOTS
+        events[slot].synchronize()
+        stream.copy(target, slots[slot])
+        stream.record(events[slot])
 
-    def stager(mode: Staging, registered: bool = False) -> InputStager:
-        return build_stager(mode, device, compute, layout.nbytes, SLOTS, 30.0, registered=registered)
-
-    ways = {"pageable": stager(Staging.early, registered=True),  # the slot as it is: unregistered, pageable
-            "pinned": stager(Staging.early), "snapshot": stager(Staging.ordered)}
+    ways: dict[str, Callable[[int], None]] = {"pageable": pageable, "pinned": bounced, "snapshot": snapshot}
     result: dict[str, list[float]] = {}
     for load in ("idle", "busy"):
-        for name, way in ways.items():
+        for name, fn in ways.items():
             done = busy(device, 0.5 + repeats * 200e-6) if load == "busy" else device.synchronize
-            result[f"{name} {load}"] = receiving(way, inputs, repeats)
+            result[f"{name} {load}"] = timed(fn, repeats)
             done()
     if device.capabilities.host_register:
         registration = device.register_host(ring.whole)
         try:
             for load in ("idle", "busy"):
                 done = busy(device, 0.5 + repeats * 200e-6) if load == "busy" else device.synchronize
-                result[f"registered {load}"] = receiving(ways["pageable"], inputs, repeats)
+                result[f"registered {load}"] = timed(registered, repeats)
                 done()
         finally:
             device.synchronize()
@@ -152,15 +146,14 @@ def main() -> None:
     prepare_config_store(registry)
     startup = start(compose_config(overrides), registry)
     device = startup.backend.open(startup.spec)
-    layouts = {rows: decode_layout(overrides, rows) for rows in ROWS}
-    slot_bytes = -(-(max(layout.nbytes for layout in layouts.values()) + HEADER_BYTES) // 4096) * 4096
+    sizes = {rows: arena_bytes(overrides, rows) for rows in ROWS}
+    slot_bytes = -(-(max(sizes.values()) + 1024) // 4096) * 4096
     ring = Ring.create("early-h2d", SLOTS, slot_bytes)
     report: dict[str, Any] = {"device": device.name, "repeats": args.repeats, "points": []}
     try:
         print(f"{device.name}: host µs per frame, median / p99, {args.repeats} frames a point")
-        for rows, layout in layouts.items():
-            nbytes = layout.nbytes
-            for way, samples in measure(device, ring, layout, args.repeats).items():
+        for rows, nbytes in sizes.items():
+            for way, samples in measure(device, ring, nbytes, args.repeats).items():
                 samples.sort()
                 p50, p99 = statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
                 report["points"].append({"rows": rows, "bytes": nbytes, "way": way, "p50_us": round(p50, 2),

@@ -50,11 +50,9 @@ def build_device_steps(
     layout: EngineLayout,
     model: Model,
     staging: Staging,
-    ring_registered: bool = False,
 ) -> DeviceSteps:
     """Runner, stager and handoff on ``device``; every decode graph captured now (largest bucket first),
-    unless capture is lazy (then each the first time a step needs it). ``ring_registered``: a worker registers
-    its input ring with the device as it is (``engine.shm.register_host``)."""
+    unless capture is lazy (then each the first time a step needs it)."""
     torch.manual_seed(0)
     if options.fold_norms and isinstance(model, FoldsNorms):
         model.fold_norm_weights()  # before any graph is captured: the graphs read the folded weights
@@ -66,7 +64,7 @@ def build_device_steps(
     shm = options.transport is Transport.shm
     snapshots = options.pipeline_depth + SNAPSHOT_SPARE if shm else 0
     stager = build_stager(staging, device, compute, layout.arena_bytes, snapshots, config.engine.timeout_s,
-                          in_place=shm and reads_ring_in_place(staging, device), registered=ring_registered)
+                          in_place=shm and reads_ring_in_place(staging, device))
     steps = DeviceSteps(runner, stager, handoff)
     try:
         # The set-up above ran on this thread's current stream (the KV cache and the relays zeroed, the token

@@ -17,12 +17,7 @@ One strategy per engine, chosen once at startup (``EngineOptions.staging``):
 - ``early`` (SHM): on arrival, the receiving thread issues the H2D itself, straight from the
   ring slot, on its own stream, and releases the ring slot at once. Nothing orders that copy with
   the producer's next write: on a device that reads the source when the copy runs (pinned or
-  registered memory, npu's unchecked DMA), the step may read the next frame's bytes. Where the
-  device stages a pageable source itself when the copy is issued
-  (``capabilities.pageable_h2d_is_staged``: cuda, mlu) and the ring is not registered, the stager does
-  that staging: one copy of the arena into a pinned buffer the step owns, then the H2D from it.
-  The same bytes reach the device, read at the same moment, without the driver's pageable path
-  on the receiving thread.
+  registered memory, npu's unchecked DMA), the step may read the next frame's bytes.
 """
 
 from __future__ import annotations
@@ -185,41 +180,25 @@ class OrderedStager(InputStager):
 
 
 class EarlyStager(InputStager):
-    """The receiving thread issues the H2D straight from the shared slot, and releases it at once; where the
-    device would stage the (pageable) slot when the copy is issued, from a pinned copy of it (``staging_bytes``)."""
+    """The receiving thread issues the H2D straight from the shared slot, and releases it at once."""
 
     mode = Staging.early
 
-    def __init__(self, device: Device, compute: Stream, in_flight: int, staging_bytes: int = 0,
-                 timeout_s: float = 0.0) -> None:
+    def __init__(self, device: Device, compute: Stream, in_flight: int) -> None:
         super().__init__(device, compute)
         self.stream = device.stream("polling")
         self._events = [device.event(name=f"inputs.early_h2d[{i}]") for i in range(in_flight)]
         self._next = 0
-        self._pool = ArenaPool(lambda shape, dtype: device.host_empty(shape, dtype, pinned=True), staging_bytes,
-                               in_flight, timeout_s, "pinned early staging") if staging_bytes else None
-
-    @property
-    def stages_itself(self) -> bool:
-        """The slot is copied into a pinned buffer first (the staging the device would do for a pageable source)."""
-        return self._pool is not None
 
     def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
         nbytes = fi.layout.nbytes
         target = self.device.empty((nbytes,), torch.uint8)
-        if self._pool is None:
-            self.stream.copy(target, fi.arena[:nbytes])
-            release = None
-        else:
-            snapshot = _snapshot(self._pool, fi, release_ring_slot)  # the slot goes back once copied
-            self.stream.copy(target, snapshot.source[:nbytes])
-            release = snapshot.release  # the pinned buffer goes back with the step
+        self.stream.copy(target, fi.arena[:nbytes])
         ready = self._events[self._next]
         self._next = (self._next + 1) % len(self._events)
         self.stream.record(ready)
-        if release is None:
-            release_ring_slot()  # the copy may not have read the slot yet: the hazard
-        return Staged(fi, target, ready, release)
+        release_ring_slot()  # the copy may not have read the slot yet: the hazard
+        return Staged(fi, target, ready)
 
     def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
         if staged.ready is not None:
@@ -255,19 +234,16 @@ def _snapshot(pool: ArenaPool | None, fi: ForwardInput, release_ring_slot: Calla
 
 
 def build_stager(mode: Staging, device: Device, compute: Stream, snapshot_bytes: int, snapshots: int,
-                 timeout_s: float, in_place: bool = False, registered: bool = False) -> InputStager:
+                 timeout_s: float, in_place: bool = False) -> InputStager:
     """The stager for ``mode``; ``snapshots`` buffers of ``snapshot_bytes`` where frames are copied (steps in
-    flight, for the events of an ``in_place`` ordered stager, whose H2D reads registered ring slots).
-    ``registered``: the ring slots are registered with the device (an early stager copies them as they are)."""
+    flight, for the events of an ``in_place`` ordered stager, whose H2D reads registered ring slots)."""
     if mode is Staging.inline:
         return InlineStager(device, compute)
     if mode is Staging.host:
         return HostStager(device, compute)
     if mode is Staging.ordered:
         return OrderedStager(device, compute, snapshot_bytes, snapshots, timeout_s, in_place)
-    capabilities = device.capabilities
-    stages = capabilities.pageable_h2d_is_staged and capabilities.pinned_host and not registered
-    return EarlyStager(device, compute, snapshots, snapshot_bytes if stages else 0, timeout_s)
+    return EarlyStager(device, compute, snapshots)
 
 
 def reads_ring_in_place(mode: Staging, device: Device) -> bool:

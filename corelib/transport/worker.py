@@ -307,8 +307,7 @@ class Worker:
             shard = TensorShard(args.rank, args.world_size, all_reduce)
         model = load_model(args.config, device, shard)
         options = args.options
-        steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging,
-                                   ring_registered=args.register_host)
+        steps = build_device_steps(device, backend, args.config, options, layout, model, options.staging)
         spin_us = spin_for(args.config.engine.shm.spin_us, args.spec.on_host)
         payload_crc = args.config.engine.shm.payload_crc
         watch = self._parent_watch()

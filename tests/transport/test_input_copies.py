@@ -141,15 +141,6 @@ def test_without_host_registration_the_ordered_worker_keeps_its_pinned_snapshot(
                                   "arena taken from a pool": STEPS}
 
 
-def test_the_early_worker_on_cuda_makes_the_staging_copy_the_driver_would_make(spies: Spies, ring: Wired) -> None:
-    # cuda stages a pageable source when its copy is issued; the early stager makes that copy itself, into a
-    # pinned buffer of its own, and the H2D reads it: one host copy per step on the worker's side (the driver's own
-    # staging copy before).
-    run_steps(["backend=cuda", "backend.runtime=emulated", "engine.shm.materialization=early"], spies, ring)
-    assert dict(spies.counts) == {"host copy (snapshot)": STEPS, "arena taken from a pool": STEPS,
-                                  "stream copy host to device": STEPS, "stream copy device to device": STEPS}
-
-
 @pytest.mark.slow  # an SHM worker
 def test_the_scheduler_packs_each_step_into_its_ring_slot_and_copies_nothing(
     spies: Spies, monkeypatch: pytest.MonkeyPatch
