@@ -19,6 +19,12 @@ where the backend has one; the emulator's compute stream is busy with a long hos
     python3 benchmarks/early_h2d.py backend=cuda backend.runtime=native [--repeats 2000] [--out FILE]
 
 Prints the median and p99 in µs per way, size and load, and writes them as JSON with ``--out``.
+
+On an H200 (BENCHMARKS.md, 2026-12-05) the pageable source was not what the early hop spent: the
+pinned bounce took 75 / 80 / 102 µs at the median at bs 1 / 32 / 128 with the device idle, against
+54 / 56 / 72 straight from the pageable slot and 12-25 for the snapshot alone. What costs is the
+device calls on the receiving thread (allocation, the copy's issue, the event), so the early
+stager copies the slot as it is.
 """
 
 from __future__ import annotations

@@ -40,12 +40,10 @@ def race(
     register_host: bool = False,
     widen: Callable[[Device, object], None] | None = None,
     in_place: bool = False,
-    stages_itself: bool | None = None,
 ) -> int:
     """Steps whose device inputs differed from what the producer sent (0 means no race seen).
 
-    ``in_place``: the ordered stager's H2D reads the (registered) ring slot itself, given back once read;
-    ``stages_itself``: asserts whether the early stager copies the slot into pinned memory first."""
+    ``in_place``: the ordered stager's H2D reads the (registered) ring slot itself, given back once read."""
     cfg = compose_config(["model.num_layers=1", "engine.graph=off", "engine.max_num_seqs=4", "model.max_model_len=64",
                           *overrides])
     startup = start(cfg, PluginRegistry())
@@ -57,12 +55,8 @@ def race(
     wired = wire(num_slots=num_slots, slot_bytes=decode.nbytes + 1024 + 64, timeout=timeout)
     registration = device.register_host(wired.ring.whole) if register_host or in_place else None
     compute = device.stream("compute")
-    mode = Staging.ordered if ordered else Staging.early
-    stager = build_stager(mode, device, compute, decode.nbytes, 4, timeout, in_place=in_place,
-                          registered=registration is not None)
-    if stages_itself is not None:
-        assert isinstance(stager, EarlyStager) and stager.stages_itself is stages_itself, \
-            f"the early stager was to {'' if stages_itself else 'not '}copy the slot into pinned memory first"
+    stager = build_stager(Staging.ordered if ordered else Staging.early, device, compute, decode.nbytes, 4, timeout,
+                          in_place=in_place)
     target = device.empty((decode.nbytes,), torch.uint8)  # the static inputs a graph would read
     mismatches = device.zeros((1,), torch.int64)
     failure: list[BaseException] = []

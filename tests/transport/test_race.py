@@ -40,14 +40,14 @@ def test_ordered_in_place_over_a_ring_of_one_slot() -> None:
 def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
     # cuda stages a pageable source when the copy is issued: the early path keeps working there
     assert race(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.5",
-                 "backend.emulator.chaos_max_ms=0.3"], ordered=False, steps=300, stages_itself=True) == 0
+                 "backend.emulator.chaos_max_ms=0.3"], ordered=False, steps=300) == 0
 
 
 def test_the_early_stager_copies_a_registered_ring_as_it_is() -> None:
     # engine.shm.register_host: the copy reads the registered slot when it runs, so the race shows on cuda too
     assert race(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.5",
                  "backend.emulator.chaos_max_ms=0.3", "backend.emulator.seed=3"], ordered=False, steps=300,
-                register_host=True, stages_itself=False) > 0
+                register_host=True) > 0
 
 
 def _busy_polling_stream(device: object, stream: object) -> None:
