@@ -1,17 +1,19 @@
 """What a frame's H2D costs the receiving thread on arrival, from a ring slot in shared memory, while the device runs.
 
 Early materialization issues the H2D of a frame's arena on the thread that reads the frame
-(``EarlyStager.receive``). Over SHM its hop has measured 115-270 µs at the median on H100 and H200
-hosts, against 27-45 µs for ordered materialization, whose thread copies the slot into a pinned
-snapshot and issues no device call. This times, on one thread, the host side of each way the
-arena can reach the device on arrival, at the decode layouts' sizes:
+(``EarlyStager.receive``). Over SHM its hop measured 115-270 µs at the median on H100 and H200
+hosts while it copied straight from the (pageable) ring slot, against 27-45 µs for ordered
+materialization, whose thread copies the slot into a pinned snapshot and issues no device call.
+This times, on one thread, the host side of each way the arena can reach the device on arrival,
+at the decode layouts' sizes:
 
 - ``pageable``: what ``EarlyStager.receive`` does: device memory, then the copy on the polling
   stream straight from the ring slot (not registered: the driver stages a pageable source), an event;
-- ``pinned``: a memcpy of the slot into a pinned buffer first, then the same copy from that buffer;
-- ``registered``: the ring registered with the device, the copy straight from the slot (what
+- ``pinned``: the slot copied into a pinned buffer first (the ordered stager's copy), then the same
+  early stager's copy from that buffer;
+- ``registered``: the ``pageable`` stager once the ring is registered with the device (what
   ``engine.shm.register_host`` does: the race the early path shows);
-- ``snapshot``: ordered materialization's side on arrival, the memcpy into a pinned buffer alone;
+- ``snapshot``: the ordered stager without registration: the memcpy into a pinned snapshot alone;
 
 each with the device idle and with its compute stream busy (a sleep kernel covering the whole run,
 where the backend has one; the emulator's compute stream is busy with a long host function).
@@ -39,24 +41,29 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from corelib.config.options import Staging
 from corelib.config.schema import CorelibConfig
 from corelib.platform.device import Device
 from corelib.plugins import PluginRegistry
 from corelib.startup.compose import compose_config, prepare_config_store
 from corelib.startup.start import start
 from corelib.step import staging
+from corelib.step.arena import ArenaLayout
+from corelib.step.forward_input import ForwardInput
 from corelib.step.layout import EngineLayout
+from corelib.step.staging import InputStager, Staged, build_stager
 from corelib.transport.shm import Ring
+from corelib.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, input_of
 
 ROWS = (1, 32, 128)
 SLOTS = 4
 
 
-def arena_bytes(overrides: list[str], rows: int) -> int:
+def decode_layout(overrides: list[str], rows: int) -> ArenaLayout:
     """The decode arena of ``rows`` rows, as the engine lays it out for the model in ``overrides``."""
     config = OmegaConf.to_object(compose_config([*overrides, f"engine.max_num_seqs={rows}"]))
     assert isinstance(config, CorelibConfig)
-    return EngineLayout.of(config).decode_layout.nbytes
+    return EngineLayout.of(config).decode_layout
 
 
 def timed(fn: Callable[[int], None], repeats: int) -> list[float]:
@@ -84,54 +91,82 @@ def busy(device: Device, seconds: float) -> Callable[[], None]:
     return compute.synchronize
 
 
-def measure(device: Device, ring: Ring, nbytes: int, repeats: int) -> dict[str, list[float]]:
-    stream = device.stream("polling")
-    events = [device.event(name=f"early_h2d[{i}]") for i in range(SLOTS)]
-    pinned = [device.host_empty((nbytes,), torch.uint8, pinned=True) for _ in range(SLOTS)]
-    target = device.empty((nbytes,), torch.uint8)
-    slots = [ring.payload(i)[:nbytes] for i in range(SLOTS)]
-    kept: list[Any] = [None] * SLOTS  # each way's device buffer lives until its slot comes round again
+def receiving(stager: InputStager, inputs: list[ForwardInput], repeats: int) -> list[float]:
+    """``timed`` frames received by ``stager``, frame ``i`` from slot ``i % SLOTS``, whose earlier step is done by
+    then; every step done and given back at the end."""
+    held: list[Staged | None] = [None] * SLOTS
 
-    def pageable(i: int) -> None:
+    def done(staged: Staged | None) -> None:
+        if staged is not None:
+            if staged.ready is not None:
+                staged.ready.synchronize()
+            staged.release()  # its buffers go back
+
+    def receive(i: int) -> None:
         slot = i % SLOTS
-        events[slot].synchronize()
-        out = device.empty((nbytes,), torch.uint8)
-        stream.copy(out, slots[slot])
-        stream.record(events[slot])
-        kept[slot] = out
+        done(held[slot])
+        held[slot] = stager.receive(inputs[slot], lambda: None)
 
-    def bounced(i: int) -> None:
-        slot = i % SLOTS
-        events[slot].synchronize()  # the pinned buffer is free again
-        staging._copy_bytes(pinned[slot], slots[slot])  # the ordered stager's own copy
-        out = device.empty((nbytes,), torch.uint8)
-        stream.copy(out, pinned[slot])
-        stream.record(events[slot])
-        kept[slot] = out
+    try:
+        return timed(receive, repeats)
+    finally:
+        for staged in held:
+            done(staged)
 
-    def snapshot(i: int) -> None:
-        slot = i % SLOTS
-        staging._copy_bytes(pinned[slot], slots[slot])  # the ordered stager's own copy
 
-    def registered(i: int) -> None:
-        slot = i % SLOTS
-        events[slot].synchronize()
-        stream.copy(target, slots[slot])
-        stream.record(events[slot])
+class Bounced(InputStager):
+    """The early stager fed from a pinned copy of each slot, made on arrival: the staging the driver does for a
+    pageable source, done by the receiving thread (the copies go round ``SLOTS`` pinned buffers, each free again
+    once the step before on it is done)."""
 
-    ways: dict[str, Callable[[int], None]] = {"pageable": pageable, "pinned": bounced, "snapshot": snapshot}
+    mode = Staging.early
+
+    def __init__(self, early: InputStager, pinned: list[ForwardInput]) -> None:
+        super().__init__(early.device, early.compute)
+        self._early = early
+        self._pinned = pinned
+        self._next = 0
+
+    def receive(self, fi: ForwardInput, release_ring_slot: Callable[[], None]) -> Staged:
+        bounce = self._pinned[self._next]
+        self._next = (self._next + 1) % len(self._pinned)
+        nbytes = fi.layout.nbytes
+        staging._copy_bytes(bounce.arena[:nbytes], fi.arena[:nbytes])  # the ordered stager's own copy
+        return self._early.receive(bounce, release_ring_slot)
+
+    def to_device(self, staged: Staged, target: torch.Tensor | None) -> torch.Tensor:
+        return self._early.to_device(staged, target)
+
+
+def measure(device: Device, ring: Ring, layout: ArenaLayout, repeats: int) -> dict[str, list[float]]:
+    """Each way's host µs per frame, idle and busy."""
+    compute = device.stream("compute")
+
+    def frame(slot: int, arena: torch.Tensor) -> ForwardInput:
+        return input_of(FrameHeader(FrameKind.step, slot, step_id=slot, num_seqs=1, bucket=1, kv_blocks=1,
+                                    payload_len=layout.nbytes, layout=layout.words, num_tokens=1, max_query_len=1),
+                        arena)
+
+    inputs = [frame(slot, ring.payload(slot)[: layout.nbytes]) for slot in range(SLOTS)]
+    pinned = [frame(slot, device.host_empty((layout.nbytes,), torch.uint8, pinned=True)) for slot in range(SLOTS)]
+
+    def stager(mode: Staging) -> InputStager:
+        return build_stager(mode, device, compute, layout.nbytes, SLOTS, 30.0)
+
+    ways = {"pageable": stager(Staging.early), "pinned": Bounced(stager(Staging.early), pinned),
+            "snapshot": stager(Staging.ordered)}
     result: dict[str, list[float]] = {}
     for load in ("idle", "busy"):
-        for name, fn in ways.items():
+        for name, way in ways.items():
             done = busy(device, 0.5 + repeats * 200e-6) if load == "busy" else device.synchronize
-            result[f"{name} {load}"] = timed(fn, repeats)
+            result[f"{name} {load}"] = receiving(way, inputs, repeats)
             done()
     if device.capabilities.host_register:
         registration = device.register_host(ring.whole)
         try:
             for load in ("idle", "busy"):
                 done = busy(device, 0.5 + repeats * 200e-6) if load == "busy" else device.synchronize
-                result[f"registered {load}"] = timed(registered, repeats)
+                result[f"registered {load}"] = receiving(ways["pageable"], inputs, repeats)
                 done()
         finally:
             device.synchronize()
@@ -152,14 +187,15 @@ def main() -> None:
     prepare_config_store(registry)
     startup = start(compose_config(overrides), registry)
     device = startup.backend.open(startup.spec)
-    sizes = {rows: arena_bytes(overrides, rows) for rows in ROWS}
-    slot_bytes = -(-(max(sizes.values()) + 1024) // 4096) * 4096
+    layouts = {rows: decode_layout(overrides, rows) for rows in ROWS}
+    slot_bytes = -(-(max(layout.nbytes for layout in layouts.values()) + HEADER_BYTES) // 4096) * 4096
     ring = Ring.create("early-h2d", SLOTS, slot_bytes)
     report: dict[str, Any] = {"device": device.name, "repeats": args.repeats, "points": []}
     try:
         print(f"{device.name}: host µs per frame, median / p99, {args.repeats} frames a point")
-        for rows, nbytes in sizes.items():
-            for way, samples in measure(device, ring, nbytes, args.repeats).items():
+        for rows, layout in layouts.items():
+            nbytes = layout.nbytes
+            for way, samples in measure(device, ring, layout, args.repeats).items():
                 samples.sort()
                 p50, p99 = statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
                 report["points"].append({"rows": rows, "bytes": nbytes, "way": way, "p50_us": round(p50, 2),
