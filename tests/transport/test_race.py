@@ -43,7 +43,7 @@ def test_early_on_the_cuda_profile_is_safe_with_pageable_memory() -> None:
                  "backend.emulator.chaos_max_ms=0.3"], ordered=False, steps=300) == 0
 
 
-def test_the_early_stager_copies_a_registered_ring_as_it_is() -> None:
+def test_early_over_a_registered_ring_races_on_the_cuda_profile_too() -> None:
     # engine.shm.register_host: the copy reads the registered slot when it runs, so the race shows on cuda too
     assert race(["backend=cuda", "backend.runtime=emulated", "backend.emulator.chaos=0.5",
                  "backend.emulator.chaos_max_ms=0.3", "backend.emulator.seed=3"], ordered=False, steps=300,
