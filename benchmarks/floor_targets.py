@@ -3,16 +3,28 @@
     python3 benchmarks/floor_targets.py OUTDIR
 
 Reads OUTDIR/bench-*/bench.json, kernels.json, bandwidth.json, checks.json and step.json (whatever
-exists) and prints one line per target: the figure, the bound, met or missed; and each projection
-kernel's achieved bandwidth against the copy rate.
+exists) and prints one line per target: the figure, the bound, met or missed; under each TPOT target the
+step's read floor (the weights a decode step reads, the LM head included and the embedding table not, and the
+KV cache at the run's mean context, over the copy rate of bandwidth.json, else DEFAULT_COPY_RATE); and each
+projection kernel's achieved bandwidth against the copy rate.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from corelib.config.schema import CorelibConfig
+from corelib.models.registry import model_shape
+from corelib.models.weight_map import weight_map
+from corelib.startup.compose import compose_config
+from corelib.startup.limits import kv_cache_bytes
 
 # (bench run, batch size, TPOT bound in ms, what the target is)
 TPOT_TARGETS = [
@@ -26,8 +38,36 @@ TPOT_TARGETS = [
     ("long", 1, 0.5, "long context (prompt 1900) bs 1"),
     ("long", 32, 1.6, "long context (prompt 1900) bs 32"),
 ]
+# What each bench run of benchmarks/decode_floor.sh decodes: (model preset, prompt tokens); every run decodes
+# OUTPUT_LEN new tokens a request (conf/bench/h200.yaml), so its mean context is the prompt and half of them.
+RUNS = {"llama-1b": ("llama-1b", 32), "small": ("small-0.6b", 32), "llama-8b": ("llama-8b", 32),
+        "long": ("small-0.6b", 1900)}
+OUTPUT_LEN = 128
+DEFAULT_COPY_RATE = 4.24  # TB/s: the H200's device-to-device copy rate measured by benchmarks/kernels.py
 KERNELS_PER_LAYER = 6.0
 OCCUPANCY = 0.99
+
+
+@dataclass(frozen=True)
+class ReadFloor:
+    """What a decode step must read from device memory, and how long that takes at the copy rate."""
+
+    weight_bytes: int
+    kv_bytes: int
+    ms: float
+
+
+def read_floor(model: str, batch: int, prompt: int, copy_rate_tb_s: float, new_tokens: int = OUTPUT_LEN) -> ReadFloor:
+    """What a decode step of ``batch`` requests of ``model`` reads at their mean context: every weight but the
+    embedding table, whose rows it gathers, and their KV cache."""
+    config = OmegaConf.to_object(compose_config([f"model={model}"]))
+    if not isinstance(config, CorelibConfig):
+        raise TypeError("the composed config is not a CorelibConfig")
+    shape = model_shape(config.model)
+    weights = weight_map(shape).step_parameter_count() * torch.empty((), dtype=shape.dtype).element_size()
+    _, per_block, _ = kv_cache_bytes(config)
+    kv = round(batch * (prompt + new_tokens / 2) * per_block / config.engine.block_size)
+    return ReadFloor(weights, kv, (weights + kv) / (copy_rate_tb_s * 1e12) * 1e3)
 
 
 def _load(path: Path) -> Any:
@@ -48,13 +88,20 @@ def _line(what: str, figure: str, bound: str, met: bool | None) -> str:
 def report(out: Path) -> list[str]:
     lines = [f"{'target':<42} {'measured':>22} {'bound':>12} {'verdict':>7}"]
     benches = {p.parent.name.removeprefix("bench-"): _load(p)["points"] for p in sorted(out.glob("bench-*/bench.json"))}
+    bandwidth = _load(out / "bandwidth.json")
+    rate = bandwidth["copy_rate_tb_per_s"] if bandwidth else DEFAULT_COPY_RATE
     for run, batch, bound, what in TPOT_TARGETS:
+        model, prompt = RUNS[run]
+        floor = read_floor(model, batch, prompt, rate)
+        read = f"weights {floor.weight_bytes / 1e9:.2f} GB + KV {floor.kv_bytes / 1e9:.2f} GB"
+        floor_line = _line(f"  read floor: {read}", f"{floor.ms:.3f} ms", f"{rate:.2f} TB/s", None)
         point = _best(benches.get(run, []), batch)
         if point is None:
-            lines.append(_line(what, "not run", f"<= {bound} ms", None))
+            lines += [_line(what, "not run", f"<= {bound} ms", None), floor_line]
             continue
         pdl = "pdl" if point.get("pdl") else "no pdl"
-        lines.append(_line(what, f"{point['tpot_ms']:.3f} ms ({pdl})", f"<= {bound} ms", point["tpot_ms"] <= bound))
+        lines += [_line(what, f"{point['tpot_ms']:.3f} ms ({pdl})", f"<= {bound} ms", point["tpot_ms"] <= bound),
+                  floor_line]
         before = _best(benches.get(f"{run}-before", []), batch)
         if before is not None:
             lines.append(_line("  before (previous release)", f"{before['tpot_ms']:.3f} ms", "", None))
@@ -79,9 +126,7 @@ def report(out: Path) -> list[str]:
         fused = checks["fused_vs_reference"]
         lines.append(_line(f"fp32 fused tokens = reference, bs {fused['batch']}x{fused['steps']}",
                            "equal" if fused["equal"] else "differ", "equal", fused["equal"]))
-    bandwidth = _load(out / "bandwidth.json")
     if bandwidth:
-        rate = bandwidth["copy_rate_tb_per_s"]
         for row in bandwidth["kernels"]:
             lines.append(_line(f"{row['model']} bs {row['batch']} {row['projection']} ({row['kernel']})",
                                f"{row['tb_per_s']:.2f} TB/s, {100 * row['of_copy_rate']:.0f} %",

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import platform
 import statistics
 import sys
@@ -183,10 +182,8 @@ def copy_bandwidth(device: Device, mib: int, repeats: int = 5) -> float:
 def weight_bytes(shape: ModelShape) -> tuple[int, int]:
     """(bytes a decode step reads, bytes of all parameters): a step gathers only its rows of the embedding."""
     size = torch.empty((), dtype=shape.dtype).element_size()
-    counts = {name: math.prod(dims) for name, dims in weight_map(shape).shapes().items()}
-    total = sum(counts.values()) * size
-    embed = 0 if shape.tie_word_embeddings else counts["model.embed_tokens.weight"] * size
-    return total - embed, total
+    weights = weight_map(shape)
+    return weights.step_parameter_count() * size, weights.parameter_count() * size
 
 
 # ---------------------------------------------------------------------- transformers

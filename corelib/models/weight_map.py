@@ -63,6 +63,9 @@ class Weight:
     layer: int | None = None
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
 @dataclass(frozen=True)
 class WeightMap:
     """Every checkpoint tensor of one model, and the weights made of them."""
@@ -76,6 +79,13 @@ class WeightMap:
 
     def parameter_count(self) -> int:
         return sum(source.numel for source in self.sources.values())
+
+    def step_parameter_count(self) -> int:
+        """The parameters a decode step reads: all but the embedding table, whose rows it gathers (tied to the LM
+        head, the table is read whole as the head)."""
+        embed = self.sources.get(EMBEDDING)
+        gathered = 0 if embed is None or "lm_head.weight" not in self.sources else embed.numel
+        return self.parameter_count() - gathered
 
     def layer(self, index: int) -> Iterator[Weight]:
         return (weight for weight in self.weights if weight.layer == index)
@@ -95,7 +105,7 @@ def weight_map(shape: ModelShape) -> WeightMap:
     nq, nkv = shape.q_rows, shape.kv_rows
     row, norm = Split.row, Init.norm
     found = WeightMap()
-    embed = Source("model.embed_tokens.weight", (shape.vocab_size, h))
+    embed = Source(EMBEDDING, (shape.vocab_size, h))
     found._add("embed", [embed])
     for i in range(shape.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."

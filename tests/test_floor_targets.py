@@ -1,0 +1,67 @@
+"""benchmarks/floor_targets.py: the decode targets against a run's figures, each with the step's read floor."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from omegaconf import OmegaConf
+
+from corelib.config.schema import CorelibConfig
+from corelib.models.registry import model_shape
+from corelib.models.shape import ModelShape
+from corelib.models.weight_map import weight_map
+from corelib.startup.compose import compose_config
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "floor_targets.py"
+LLAMA_8B_PARAMETERS = 8_030_261_248
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("floor_targets", SCRIPT)
+    assert spec is not None and spec.loader is not None, f"cannot load {SCRIPT}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def shape_of(model: str) -> ModelShape:
+    config = OmegaConf.to_object(compose_config([f"model={model}"]))
+    assert isinstance(config, CorelibConfig)
+    return model_shape(config.model)
+
+
+def test_a_decode_step_reads_every_weight_but_an_untied_embedding_table() -> None:
+    untied = weight_map(shape_of("llama-8b"))
+    assert untied.parameter_count() == LLAMA_8B_PARAMETERS
+    assert untied.step_parameter_count() == LLAMA_8B_PARAMETERS - 128_256 * 4_096
+    tied = weight_map(shape_of("llama-1b"))
+    assert tied.step_parameter_count() == tied.parameter_count()  # the table is read whole, as the LM head
+
+
+def test_the_read_floor_counts_the_kv_cache_at_the_mean_context() -> None:
+    floor = load_script().read_floor("small-0.6b", 32, 1900, copy_rate_tb_s=4.0, new_tokens=128)
+    per_token = 28 * 2 * 8 * 64 * 2  # layers, K and V, KV heads, head width, bf16
+    assert floor.kv_bytes == 32 * (1900 + 64) * per_token
+    weights = weight_map(shape_of("small-0.6b")).step_parameter_count() * 2
+    assert floor.weight_bytes == weights
+    assert floor.ms == (weights + floor.kv_bytes) / 4.0e12 * 1e3
+
+
+def test_each_target_line_says_met_or_missed_with_its_floor_under_it(tmp_path: Path) -> None:
+    points = [{"batch_size": 1, "tpot_ms": 0.45, "pdl": True}, {"batch_size": 32, "tpot_ms": 2.1, "pdl": True}]
+    (tmp_path / "bench-long").mkdir()
+    (tmp_path / "bench-long" / "bench.json").write_text(json.dumps({"points": points}))
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"copy_rate_tb_per_s": 4.0, "kernels": []}))
+    lines = load_script().report(tmp_path)
+    bs1 = next(i for i, line in enumerate(lines) if line.startswith("long context (prompt 1900) bs 1 "))
+    assert lines[bs1].split()[-1] == "met" and "0.450 ms (pdl)" in lines[bs1]
+    assert "read floor: weights 1.02 GB + KV 0.11 GB" in lines[bs1 + 1] and "4.00 TB/s" in lines[bs1 + 1]
+    bs32 = next(i for i, line in enumerate(lines) if line.startswith("long context (prompt 1900) bs 32"))
+    assert lines[bs32].split()[-1] == "MISSED" and "KV 3.60 GB" in lines[bs32 + 1]
+    small = next(i for i, line in enumerate(lines) if line.startswith("small-0.6b bs 1 "))
+    assert "not run" in lines[small] and "read floor" in lines[small + 1]
