@@ -5,8 +5,9 @@
 Reads OUTDIR/bench-*/bench.json, kernels.json, bandwidth.json, checks.json and step.json (whatever
 exists) and prints one line per target: the figure, the bound, met or missed; under each TPOT target the
 step's read floor (the weights a decode step reads, the LM head included and the embedding table not, and the
-KV cache at the run's mean context, over the copy rate of bandwidth.json, else DEFAULT_COPY_RATE); and each
-projection kernel's achieved bandwidth against the copy rate.
+KV cache at the run's mean context, over the copy rate of bandwidth.json, else DEFAULT_COPY_RATE) and, from
+step.json, the step's device time replayed as a graph; and each projection kernel's achieved bandwidth against the
+copy rate.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ TPOT_TARGETS = [
 RUNS = {"llama-1b": ("llama-1b", 32), "small": ("small-0.6b", 32), "llama-8b": ("llama-8b", 32),
         "long": ("small-0.6b", 1900)}
 OUTPUT_LEN = 128
+SHORT_CONTEXT = 256  # tokens: a step.json row at most this long stands for the short-prompt runs
 DEFAULT_COPY_RATE = 4.24  # TB/s: the H200's device-to-device copy rate measured by benchmarks/kernels.py
 KERNELS_PER_LAYER = 6.0
 OCCUPANCY = 0.99
@@ -85,23 +87,45 @@ def _line(what: str, figure: str, bound: str, met: bool | None) -> str:
     return f"{what:<42} {figure:>22} {bound:>12} {verdict:>7}"
 
 
+def _device_time(rows: list[dict[str, Any]], model: str, batch: int, prompt: int) -> str | None:
+    """The device time of one decode step replayed as a graph (``decode_step.py``), its fastest build but the
+    reference ops, at a context like the run's (a long one for a long prompt), where step.json has it."""
+    long = prompt > SHORT_CONTEXT
+    found = [row for row in rows if row["model"] == model and row["batch"] == batch
+             and (row["context"] >= prompt if long else row["context"] <= SHORT_CONTEXT)]
+    if not found:
+        return None
+    row = found[0]
+    builds = {key.removesuffix("_us"): value for key, value in row.items()
+              if key.endswith("_us") and key != "reference_us"}
+    if not builds:
+        return None
+    build = min(builds, key=lambda name: builds[name])
+    return _line(f"  device per step ({build}, ctx {row['context']})",
+                 f"{builds[build] / 1e3:.3f} ms", "", None)
+
+
 def report(out: Path) -> list[str]:
     lines = [f"{'target':<42} {'measured':>22} {'bound':>12} {'verdict':>7}"]
     benches = {p.parent.name.removeprefix("bench-"): _load(p)["points"] for p in sorted(out.glob("bench-*/bench.json"))}
     bandwidth = _load(out / "bandwidth.json")
     rate = bandwidth["copy_rate_tb_per_s"] if bandwidth else DEFAULT_COPY_RATE
+    step = _load(out / "step.json")
     for run, batch, bound, what in TPOT_TARGETS:
         model, prompt = RUNS[run]
         floor = read_floor(model, batch, prompt, rate)
         read = f"weights {floor.weight_bytes / 1e9:.2f} GB + KV {floor.kv_bytes / 1e9:.2f} GB"
-        floor_line = _line(f"  read floor: {read}", f"{floor.ms:.3f} ms", f"{rate:.2f} TB/s", None)
+        below = [_line(f"  read floor: {read}", f"{floor.ms:.3f} ms", f"{rate:.2f} TB/s", None)]
+        device = _device_time(step["steps"] if step else [], model, batch, prompt)
+        if device is not None:
+            below.append(device)
         point = _best(benches.get(run, []), batch)
         if point is None:
-            lines += [_line(what, "not run", f"<= {bound} ms", None), floor_line]
+            lines += [_line(what, "not run", f"<= {bound} ms", None), *below]
             continue
         pdl = "pdl" if point.get("pdl") else "no pdl"
         lines += [_line(what, f"{point['tpot_ms']:.3f} ms ({pdl})", f"<= {bound} ms", point["tpot_ms"] <= bound),
-                  floor_line]
+                  *below]
         before = _best(benches.get(f"{run}-before", []), batch)
         if before is not None:
             lines.append(_line("  before (previous release)", f"{before['tpot_ms']:.3f} ms", "", None))
@@ -131,7 +155,6 @@ def report(out: Path) -> list[str]:
             lines.append(_line(f"{row['model']} bs {row['batch']} {row['projection']} ({row['kernel']})",
                                f"{row['tb_per_s']:.2f} TB/s, {100 * row['of_copy_rate']:.0f} %",
                                f"{rate:.2f} TB/s", None))
-    step = _load(out / "step.json")
     if step:
         for row in step["bf16_bound"]:
             baseline = row.get("reference_bf16_max_relative_error", float("nan"))

@@ -52,16 +52,23 @@ def test_the_read_floor_counts_the_kv_cache_at_the_mean_context() -> None:
     assert floor.ms == (weights + floor.kv_bytes) / 4.0e12 * 1e3
 
 
-def test_each_target_line_says_met_or_missed_with_its_floor_under_it(tmp_path: Path) -> None:
+def test_each_target_line_says_met_or_missed_with_its_floor_and_device_time_under_it(tmp_path: Path) -> None:
     points = [{"batch_size": 1, "tpot_ms": 0.45, "pdl": True}, {"batch_size": 32, "tpot_ms": 2.1, "pdl": True}]
     (tmp_path / "bench-long").mkdir()
     (tmp_path / "bench-long" / "bench.json").write_text(json.dumps({"points": points}))
     (tmp_path / "bandwidth.json").write_text(json.dumps({"copy_rate_tb_per_s": 4.0, "kernels": []}))
+    steps = [{"model": "small-0.6b", "batch": 1, "context": 64, "reference_us": 2400.0, "triton_us": 690.0,
+              "triton+pdl_us": 560.0, "pdl_equals_plain": True},
+             {"model": "small-0.6b", "batch": 1, "context": 1900, "reference_us": 2600.0, "triton+pdl_us": 620.0,
+              "pdl_equals_plain": True}]
+    (tmp_path / "step.json").write_text(json.dumps({"steps": steps, "bf16_bound": []}))
     lines = load_script().report(tmp_path)
     bs1 = next(i for i, line in enumerate(lines) if line.startswith("long context (prompt 1900) bs 1 "))
     assert lines[bs1].split()[-1] == "met" and "0.450 ms (pdl)" in lines[bs1]
     assert "read floor: weights 1.02 GB + KV 0.11 GB" in lines[bs1 + 1] and "4.00 TB/s" in lines[bs1 + 1]
+    assert "device per step (triton+pdl, ctx 1900)" in lines[bs1 + 2] and "0.620 ms" in lines[bs1 + 2]
     bs32 = next(i for i, line in enumerate(lines) if line.startswith("long context (prompt 1900) bs 32"))
     assert lines[bs32].split()[-1] == "MISSED" and "KV 3.60 GB" in lines[bs32 + 1]
     small = next(i for i, line in enumerate(lines) if line.startswith("small-0.6b bs 1 "))
     assert "not run" in lines[small] and "read floor" in lines[small + 1]
+    assert "device per step (triton+pdl, ctx 64)" in lines[small + 2] and "0.560 ms" in lines[small + 2]
