@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from corelib.config.schema import CorelibConfig
@@ -66,7 +65,7 @@ def read_floor(model: str, batch: int, prompt: int, copy_rate_tb_s: float, new_t
     if not isinstance(config, CorelibConfig):
         raise TypeError("the composed config is not a CorelibConfig")
     shape = model_shape(config.model)
-    weights = weight_map(shape).step_parameter_count() * torch.empty((), dtype=shape.dtype).element_size()
+    weights = weight_map(shape).step_parameter_count() * shape.dtype.itemsize
     _, per_block, _ = kv_cache_bytes(config)
     kv = round(batch * (prompt + new_tokens / 2) * per_block / config.engine.block_size)
     return ReadFloor(weights, kv, (weights + kv) / (copy_rate_tb_s * 1e12) * 1e3)

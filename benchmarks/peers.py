@@ -181,7 +181,7 @@ def copy_bandwidth(device: Device, mib: int, repeats: int = 5) -> float:
 
 def weight_bytes(shape: ModelShape) -> tuple[int, int]:
     """(bytes a decode step reads, bytes of all parameters): a step gathers only its rows of the embedding."""
-    size = torch.empty((), dtype=shape.dtype).element_size()
+    size = shape.dtype.itemsize
     weights = weight_map(shape)
     return weights.step_parameter_count() * size, weights.parameter_count() * size
 
