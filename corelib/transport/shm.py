@@ -62,7 +62,7 @@ from corelib.errors import TransportError
 from corelib.transport import doorbell
 from corelib.transport.doorbell import Bell, Waiter
 from corelib.transport.segment import PREFIX, SHM_DIR, Segment, segment_name, sweep_stale
-from corelib.transport.wire import HEADER_BYTES, FrameHeader, frame_crc
+from corelib.transport.wire import HEADER_BYTES, FrameHeader, frame_crc, sound_header
 
 __all__ = ["PREFIX", "SHM_DIR", "Consumer", "Frame", "Producer", "Ring", "Segment", "segment_name", "sweep_stale"]
 
@@ -370,8 +370,8 @@ class Consumer:
         """Until a frame is there (True) or ``also()`` holds (False); TransportError after ``timeout``."""
         words, expected = self._words, self._expected
 
-        def ready() -> bool:
-            return words[COMMITTED] > expected or (also is not None and also())
+        def ready() -> bool:  # the frame looked for again after ``also()``, a device query that may take a while
+            return words[COMMITTED] > expected or (also is not None and (also() or words[COMMITTED] > expected))
 
         if not self._waiter.wait(ready, timeout):
             raise TransportError(f"waited {timeout:g} s on {self._name}")
@@ -384,14 +384,19 @@ class Consumer:
             words, expected = self._words, self._expected
             if not self._waiter.wait(lambda: words[COMMITTED] > expected, timeout):
                 raise TransportError(f"waited {timeout:g} s for {who} on {self._name}")
+        ring = self.ring
         seq = self._expected
-        slot = seq % self.ring.num_slots
-        try:
-            header = self._checked(seq, slot)
-        except TransportError:
-            header = self._settled(seq, slot)
+        slot = seq % ring.num_slots
+        # Every frame's check in one call; a frame that fails it (or one whose payload is checked too) is checked
+        # again piece by piece, which names what is wrong, and re-read while it may still be arriving.
+        header = None if self._payload_crc else sound_header(ring.header_view(slot), seq, ring.capacity)
+        if header is None:
+            try:
+                header = self._checked(seq, slot)
+            except TransportError:
+                header = self._settled(seq, slot)
         self._expected = seq + 1
-        payload, data = self.ring.frame_views(slot, header.payload_len)
+        payload, data = ring.frame_views(slot, header.payload_len)
         return Frame(header, slot, payload, data)
 
     def where(self, seq: int, slot: int) -> str:

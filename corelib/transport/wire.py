@@ -147,7 +147,8 @@ class FrameHeader:
     def _pack_body(self, buffer: memoryview | bytearray) -> int:
         """Everything but the checksum into ``buffer``; returns the checksum's offset."""
         layout = self.layout
-        words = _words_bytes(layout)
+        found = _BYTES_OF.get(id(layout))  # a step's layout packed before (``_words_bytes``), looked up here
+        words = found[1] if found is not None and found[0] is layout else _words_bytes(layout)
         # kind and flags are int subclasses (IntEnum, IntFlag) or ints: struct packs them as they are
         _FIXED.pack_into(buffer, 0, MAGIC, VERSION, self.kind, self.seq, self.step_id, self.num_seqs, self.bucket,
                          self.kv_blocks, self.num_tokens, self.max_query_len, self.num_copies, self.decode_rows,
@@ -170,7 +171,8 @@ class FrameHeader:
         """Pack the header into ``buffer`` (a slot's header area) with its CRC-32C, taken over the packed bytes
         (and ``payload`` when given): the header is packed once."""
         at = self._pack_body(buffer)
-        self.checksum = frame_crc(buffer, at + _CHECKSUM_BYTES, payload)
+        crc: int = crc32c.crc32c(buffer[:at])  # frame_crc's, written out: this runs on every step's hop
+        self.checksum = crc if payload is None else crc32c.crc32c(payload, crc)
         _CHECKSUM.pack_into(buffer, at, self.checksum)
 
     def crc(self, payload: memoryview | bytes | None = None) -> int:
@@ -181,16 +183,11 @@ class FrameHeader:
     def unpack_from(cls, buffer: memoryview, where: str | None = None) -> FrameHeader:
         """The header packed at the start of ``buffer``; a TransportError says what is wrong, after ``where``
         (a caller on the hop leaves it out and adds it to the message: it is built only for a bad frame)."""
-        (magic, version, kind, seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
-         decode_rows, num_recounts, flags, sent_at, payload_len, words) = _FIXED.unpack_from(buffer, 0)
-        frame_kind = _KINDS.get(kind)
-        if magic != MAGIC or version != VERSION or frame_kind is None or words > MAX_LAYOUT_WORDS:
-            raise TransportError(_located(where, _malformed(magic, version, kind, words)))
-        end = _FIXED_BYTES + 8 * words
-        layout = _words_of(bytes(buffer[_FIXED_BYTES:end])) if words else ()
-        (checksum,) = _CHECKSUM.unpack_from(buffer, end)
-        return cls(frame_kind, seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len, checksum,
-                   layout, num_tokens, max_query_len, num_copies, decode_rows, num_recounts)
+        header = sound_header(buffer)
+        if header is None:
+            fields = _FIXED.unpack_from(buffer, 0)
+            raise TransportError(_located(where, _malformed(fields[0], fields[1], fields[2], fields[-1])))
+        return header
 
     def input_layout(self, where: str | None = None) -> ArenaLayout:
         """The arena layout of an input frame; a TransportError names the frame when it is malformed.
@@ -228,6 +225,30 @@ class FrameHeader:
 _KINDS = {int(kind): kind for kind in FrameKind}
 
 
+def sound_header(buffer: memoryview, seq: int | None = None, capacity: int = 0) -> FrameHeader | None:
+    """The header packed at the start of ``buffer``, or None where its magic, version, kind or layout length is off.
+    With ``seq``, also None unless it passes every other check of the header alone: it is frame ``seq``'s, its
+    payload length within ``capacity``, its CRC-32C sound. The caller asks :meth:`FrameHeader.unpack_from` and
+    :func:`frame_crc` what is wrong. The check every frame passes on the hop: one call, one unpack and one CRC, no
+    message built."""
+    (magic, version, kind, frame_seq, step_id, num_seqs, bucket, kv_blocks, num_tokens, max_query_len, num_copies,
+     decode_rows, num_recounts, flags, sent_at, payload_len, words) = _FIXED.unpack_from(buffer, 0)
+    frame_kind = _KINDS.get(kind)
+    if magic != MAGIC or version != VERSION or frame_kind is None or words > MAX_LAYOUT_WORDS:
+        return None
+    end = _FIXED_BYTES + 8 * words
+    (checksum,) = _CHECKSUM.unpack_from(buffer, end)
+    if seq is not None and (frame_seq != seq or payload_len > capacity or crc32c.crc32c(buffer[:end]) != checksum):
+        return None
+    if words:
+        raw = bytes(buffer[_FIXED_BYTES:end])
+        layout = _WORDS_OF.get(raw) or _words_of(raw)
+    else:
+        layout = ()
+    return FrameHeader(frame_kind, frame_seq, step_id, num_seqs, bucket, kv_blocks, flags, sent_at, payload_len,
+                       checksum, layout, num_tokens, max_query_len, num_copies, decode_rows, num_recounts)
+
+
 def _located(where: str | None, message: str) -> str:
     return message if where is None else f"{where}: {message}"
 
@@ -248,10 +269,8 @@ def input_header(fi: ForwardInput, sent_at: float) -> FrameHeader:
     # Plain integers: an IntFlag's ``|`` costs microseconds, on the path of every step.
     flags = (_SAMPLE if fi.sample else 0) | (_LOGPROBS if fi.logprobs else 0) | (_PADDED if fi.padded else 0) | (
         _PROMPT_LOGPROBS if fi.prompt_logprobs else 0) | (0 if fi.draws else _ARGMAX) | (0 if fi.cuts else _UNCUT)
-    return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, flags,
-                       sent_at=sent_at, layout=fi.layout.words, num_tokens=fi.num_tokens,
-                       max_query_len=fi.max_query_len, num_copies=fi.num_copies, decode_rows=fi.decode_rows,
-                       num_recounts=fi.num_recounts)
+    return FrameHeader(FrameKind.step, 0, fi.step_id, fi.num_seqs, fi.bucket, fi.kv_blocks, flags, sent_at, 0, 0,
+                       fi.layout.words, fi.num_tokens, fi.max_query_len, fi.num_copies, fi.decode_rows, fi.num_recounts)
 
 
 def input_of(header: FrameHeader, payload: torch.Tensor, where: str | None = None) -> ForwardInput:

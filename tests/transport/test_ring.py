@@ -20,7 +20,7 @@ from corelib.platform.backend import DeviceSpec
 from corelib.platform.device import Capabilities, Runtime
 from corelib.transport import doorbell, shm
 from corelib.transport.shm import ALWAYS, SHM_DIR, Consumer, Segment, asleep_word, released_word, sweep_stale
-from corelib.transport.wire import FrameHeader, FrameKind
+from corelib.transport.wire import FrameHeader, FrameKind, sound_header
 
 Make = Callable[..., Wired]
 
@@ -110,6 +110,34 @@ def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str, payloa
         struct.pack_into("<I", view, 0, 0xDEADBEEF)
     with pytest.raises(TransportError, match=rf"test ring frame 0 \(slot 0\): .*{message}"):
         w.consumers[0].read()
+
+
+@pytest.mark.parametrize("damage", ["none", "wrong-frame", *(case for case, _ in _DAMAGE)])
+def test_the_one_call_check_passes_a_sound_header_and_nothing_else(wired: Make, damage: str) -> None:
+    # The consumer's check of every frame (sound_header): a damaged header comes back None, for the piece-by-piece
+    # checks to name (the test above); a sound one as FrameHeader.unpack_from reads it.
+    w = wired()
+
+    def tamper(h: FrameHeader, payload: torch.Tensor) -> None:
+        if damage == "header-bitflip":
+            h.kv_blocks ^= 0x04
+        elif damage == "truncated":
+            h.payload_len -= 8
+        elif damage == "oversize":
+            h.payload_len = w.ring.capacity + 1
+
+    w.producer.tamper = tamper
+    w.producer.write(header(7), torch.arange(64, dtype=torch.uint8))
+    view = w.ring.header_view(0)
+    if damage == "version":
+        struct.pack_into("<H", view, 4, 99)
+    elif damage == "magic":
+        struct.pack_into("<I", view, 0, 0xDEADBEEF)
+    got = sound_header(view, 1 if damage == "wrong-frame" else 0, w.ring.capacity)
+    if damage == "none":
+        assert got == FrameHeader.unpack_from(view) and got is not None and got.step_id == 7
+    else:
+        assert got is None
 
 
 def test_without_the_payload_crc_the_payload_is_not_read_on_the_hop(wired: Make) -> None:
