@@ -35,8 +35,9 @@ run() {  # run NAME transports materializations
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1); $(date -u +%FT%TZ)"
 run a "[inproc,shm]" "[early,ordered]"
 run b "[shm,inproc]" "[ordered,early]"
-# What the early H2D itself costs the receiving thread (pageable ring slot, pinned bounce, registered slot)
-timeout 120 python3 "$(dirname "$0")/early_h2d.py" "${backend[@]}" --out "$out/early_h2d.json" >"$out/early_h2d.log" 2>&1 \
+# What the early H2D itself costs the receiving thread (pageable ring slot, pinned bounce, registered slot);
+# EARLY_H2D=0 leaves it out (two builds compared side by side)
+[ "${EARLY_H2D:-1}" = 0 ] || timeout 120 python3 "$(dirname "$0")/early_h2d.py" "${backend[@]}" --out "$out/early_h2d.json" >"$out/early_h2d.log" 2>&1 \
   || { status=1; echo "== early_h2d: failed; see $out/early_h2d.log"; }
 
 python3 - "$out" <<'EOF' || status=1
