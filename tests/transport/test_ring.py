@@ -82,14 +82,8 @@ _DAMAGE = [
 ]
 
 
-# A payload's bits are checked only with the payload CRC (the test after this one shows it unchecked).
-@pytest.mark.parametrize(
-    ("damage", "message", "payload_crc"),
-    [("bitflip", "bad checksum", True),
-     *[(*case, crc) for case in _DAMAGE for crc in (False, True)]],
-)
-def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str, payload_crc: bool) -> None:
-    w = wired(payload_crc=payload_crc)
+def write_damaged(w: Wired, damage: str) -> memoryview:
+    """Frame 0 (step 7, a 64-byte payload) written with ``damage`` done to it; returns its slot's header view."""
 
     def tamper(h: FrameHeader, payload: torch.Tensor) -> None:
         if damage == "bitflip":
@@ -108,6 +102,18 @@ def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str, payloa
         struct.pack_into("<H", view, 4, 99)
     elif damage == "magic":
         struct.pack_into("<I", view, 0, 0xDEADBEEF)
+    return view
+
+
+# A payload's bits are checked only with the payload CRC (the test after the next shows it unchecked).
+@pytest.mark.parametrize(
+    ("damage", "message", "payload_crc"),
+    [("bitflip", "bad checksum", True),
+     *[(*case, crc) for case in _DAMAGE for crc in (False, True)]],
+)
+def test_a_corrupt_frame_is_named(wired: Make, damage: str, message: str, payload_crc: bool) -> None:
+    w = wired(payload_crc=payload_crc)
+    write_damaged(w, damage)
     with pytest.raises(TransportError, match=rf"test ring frame 0 \(slot 0\): .*{message}"):
         w.consumers[0].read()
 
@@ -117,22 +123,7 @@ def test_the_one_call_check_passes_a_sound_header_and_nothing_else(wired: Make, 
     # The consumer's check of every frame (sound_header): a damaged header comes back None, for the piece-by-piece
     # checks to name (the test above); a sound one as FrameHeader.unpack_from reads it.
     w = wired()
-
-    def tamper(h: FrameHeader, payload: torch.Tensor) -> None:
-        if damage == "header-bitflip":
-            h.kv_blocks ^= 0x04
-        elif damage == "truncated":
-            h.payload_len -= 8
-        elif damage == "oversize":
-            h.payload_len = w.ring.capacity + 1
-
-    w.producer.tamper = tamper
-    w.producer.write(header(7), torch.arange(64, dtype=torch.uint8))
-    view = w.ring.header_view(0)
-    if damage == "version":
-        struct.pack_into("<H", view, 4, 99)
-    elif damage == "magic":
-        struct.pack_into("<I", view, 0, 0xDEADBEEF)
+    view = write_damaged(w, damage)
     got = sound_header(view, 1 if damage == "wrong-frame" else 0, w.ring.capacity)
     if damage == "none":
         assert got == FrameHeader.unpack_from(view) and got is not None and got.step_id == 7
