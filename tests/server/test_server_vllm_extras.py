@@ -25,6 +25,10 @@ pytestmark = pytest.mark.slow
 
 KEY = "extras-key"
 CONVERSATION = [{"role": "user", "content": "Hello world"}]
+# The server's float32 logprobs against the reference engine's: two engines of one model, whose sums need not agree
+# to the last bits (seen once, on a loaded 2-core machine: -6.462254 against -6.462303, ranks and tokens equal; the
+# cause was not pinned down). test_server_logprobs.py holds them to the same bound.
+LOGPROB_TOL = 1e-4
 
 
 def post(server: RunningServer, path: str, body: dict[str, object], key: str | None = None) -> httpx.Response:
@@ -97,7 +101,7 @@ def test_prompt_logprobs_are_the_engines_per_prompt_token(server: RunningServer,
         for token, logprob in want.items():
             assert entry[str(token)]["rank"] == logprob.rank
             assert entry[str(token)]["decoded_token"] == logprob.decoded_token
-            assert math.isclose(entry[str(token)]["logprob"], logprob.logprob, abs_tol=1e-5)
+            assert math.isclose(entry[str(token)]["logprob"], logprob.logprob, abs_tol=LOGPROB_TOL)
     chat = post(server, "/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 1, "prompt_logprobs": 0})
     assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"], "chat: beside the choices"
 
@@ -118,7 +122,7 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_then_the_output(server: Run
     assert expected.prompt_logprobs is not None and expected.logprobs is not None
     entries = [*expected.prompt_logprobs[1:], *expected.logprobs]
     for got, token, entry in zip(logprobs["token_logprobs"][1:], ids[1:], entries, strict=True):
-        assert entry is not None and math.isclose(got, entry[token].logprob, abs_tol=1e-5)
+        assert entry is not None and math.isclose(got, entry[token].logprob, abs_tol=LOGPROB_TOL)
     assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
     offsets = logprobs["text_offset"]
     assert offsets[0] == 0 and offsets[len(expected.prompt_token_ids)] == len(prompt), "the output after the echo"
