@@ -64,6 +64,7 @@ class Weight:
 
 
 EMBEDDING = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"  # absent where the head is the embedding table (tied)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class WeightMap:
         """The parameters a decode step reads: all but the embedding table, whose rows it gathers (tied to the LM
         head, the table is read whole as the head)."""
         embed = self.sources.get(EMBEDDING)
-        gathered = 0 if embed is None or "lm_head.weight" not in self.sources else embed.numel
+        gathered = 0 if embed is None or LM_HEAD not in self.sources else embed.numel
         return self.parameter_count() - gathered
 
     def layer(self, index: int) -> Iterator[Weight]:
@@ -127,7 +128,7 @@ def weight_map(shape: ModelShape) -> WeightMap:
             found._add("conv", [Source(f"model.layers.{i}.conv.weight", (shape.conv_kernel, h), init=Init.conv)], i)
             found._add("conv_norm", [Source(f"model.layers.{i}.conv_norm.weight", (h,), init=norm)], i)
     found._add("norm", [Source("model.norm.weight", (h,), init=norm)])
-    found._add("lm_head", [embed if shape.tie_word_embeddings else Source("lm_head.weight", (shape.vocab_size, h))])
+    found._add("lm_head", [embed if shape.tie_word_embeddings else Source(LM_HEAD, (shape.vocab_size, h))])
     return found
 
 

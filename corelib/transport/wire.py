@@ -97,14 +97,13 @@ def frame_crc(header: memoryview | bytes, header_bytes: int, payload: memoryview
 
 
 def _words_bytes(words: Sequence[int]) -> bytes:
+    """Layout words not packed before (``FrameHeader._pack_body`` looks them up in ``_BYTES_OF`` first), packed;
+    a tuple's are kept there."""
     if len(words) > MAX_LAYOUT_WORDS:
         raise TransportError(f"frame layout has {len(words)} words; at most {MAX_LAYOUT_WORDS} fit")
-    if not isinstance(words, tuple):
-        return _WORD_STRUCTS[len(words)].pack(*words)
-    found = _BYTES_OF.get(id(words))
-    if found is not None and found[0] is words:
-        return found[1]
     packed = _WORD_STRUCTS[len(words)].pack(*words)
+    if not isinstance(words, tuple):
+        return packed
     if len(_BYTES_OF) >= MAX_CACHED_LAYOUTS:
         _BYTES_OF.clear()
     _BYTES_OF[id(words)] = (words, packed)  # the entry holds the tuple: its id is not reused while cached
@@ -147,7 +146,7 @@ class FrameHeader:
     def _pack_body(self, buffer: memoryview | bytearray) -> int:
         """Everything but the checksum into ``buffer``; returns the checksum's offset."""
         layout = self.layout
-        found = _BYTES_OF.get(id(layout))  # a step's layout packed before (``_words_bytes``), looked up here
+        found = _BYTES_OF.get(id(layout))  # a step's layout packed before, by its tuple's identity
         words = found[1] if found is not None and found[0] is layout else _words_bytes(layout)
         # kind and flags are int subclasses (IntEnum, IntFlag) or ints: struct packs them as they are
         _FIXED.pack_into(buffer, 0, MAGIC, VERSION, self.kind, self.seq, self.step_id, self.num_seqs, self.bucket,
