@@ -30,6 +30,15 @@ from corelib_cuda.triton_ops import TritonOps, linear
 from corelib.ops.reference import reference_ops
 
 
+def _tupled(value: Any) -> Any:
+    """JSON's lists as tuples, so that a ``Tuning`` holding a table stays hashable (its plans are cached by it)."""
+    if isinstance(value, dict):
+        return {key: _tupled(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_tupled(item) for item in value)
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["small-0.6b", "llama-1b"])
@@ -41,7 +50,8 @@ def main() -> None:
     parser.add_argument("--pdl", choices=["on", "off"], default="on")
     parser.add_argument("--out", default="tuning.json")
     args = parser.parse_args()
-    configs = [(label, json.loads(changes), [int(b) for b in batches]) for label, changes, *batches in args.config]
+    configs = [(label, _tupled(json.loads(changes)), [int(b) for b in batches])
+               for label, changes, *batches in args.config]
     device = decode_step.open_device()
     ops = reference_ops().with_provider("triton", TritonOps().load(device, pdl=args.pdl == "on"))
     default = linear.TUNING

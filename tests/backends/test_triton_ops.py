@@ -223,6 +223,39 @@ def test_the_measured_gemv_tiles_name_each_shape_once() -> None:
         assert projections.kernel_for(m, n * sets, k, 2) is projections.Kernel.GEMV, "an entry the GEMV never sees"
 
 
+def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_its_own_tile(
+    op_target: OpTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An entry (rows up to, N, K, K tile, stages) routes its 2-byte product past gemm_max_m, and only there.
+    own = ((32, 96, 256, 128, 4),)
+    tuning = dataclasses.replace(projections.TUNING, gemm_shape_tiles=own)
+    monkeypatch.setattr(projections, "TUNING", tuning)
+    assert projections.kernel_for(32, 96, 256, 2) is projections.Kernel.GEMM
+    assert projections.kernel_for(20, 96, 256, 2) is projections.Kernel.GEMM
+    assert projections.kernel_for(33, 96, 256, 2) is projections.Kernel.CUBLAS  # past its rows
+    assert projections.kernel_for(32, 96, 256, 4) is projections.Kernel.CUBLAS  # measured for 2-byte weights
+    assert projections.kernel_for(32, 97, 256, 2) is projections.Kernel.CUBLAS  # another shape
+    plan = projections.gemm_plan(32, 48, 256, True, 2, INTERPRETER_SM_COUNT, tuning)  # paired: 2 x 48 rows
+    assert (plan.block_k, plan.stages) == (128, 4)
+    general = projections.gemm_plan(16, 48, 256, True, 2, INTERPRETER_SM_COUNT, tuning)  # gemm_max_m's own rows
+    assert (general.block_k, general.stages) == (tuning.gemm_block_k, tuning.gemm_stages)
+    case = NormGateUpCase(BF16, 20, 48, 256)  # gate and up: 96 weight rows of K = 256
+    actual = CALLS["norm_gate_up_silu_mul"](op_target.ops, case.build(0, torch.device("cpu")))
+    expected = CALLS["norm_gate_up_silu_mul"](reference_ops(), case.build(0, torch.device("cpu")))
+    for a, e in zip(actual, expected, strict=True):
+        assert_matches(a, e, "norm_gate_up_silu_mul on a measured tensor-core tile")
+
+
+def test_the_measured_gemm_tiles_name_each_shape_once_past_the_gemm_rows() -> None:
+    shapes = [entry[1:3] for entry in projections.GEMM_SHAPE_TILES]
+    assert len(set(shapes)) == len(shapes)
+    for max_m, n, k, block_k, stages in projections.GEMM_SHAPE_TILES:
+        assert max_m > projections.TUNING.gemm_max_m, "an entry the general rule already covers"
+        assert block_k >= 16 and block_k & (block_k - 1) == 0 and stages >= 1 and n >= 1 and k >= block_k
+        assert projections.kernel_for(max_m, n, k, 2) is projections.Kernel.GEMM
+        assert projections.kernel_for(max_m + 1, n, k, 2) is projections.Kernel.CUBLAS
+
+
 EPILOGUE_CASES = [
     ("linear_residual", LinearResidualCase(F32, 3, 48, 200)),
     ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 3, 2, 64, 16, hidden=128, bias=True)),

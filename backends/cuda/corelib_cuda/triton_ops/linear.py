@@ -18,6 +18,8 @@ decode step replayed as a graph, per model and batch size, chose between what it
   6-16 rows with it for K <= 1024 (the down projection through it cost more than it saved at 6
   and 12 rows); the 1 B shape (K = 2048) gained nothing at 6-16 rows, and both models lost
   11-62 % at 32-64 rows;
+- the tensor-core kernel also past ``gemm_max_m``, up to a row count of their own, for the product shapes
+  ``gemm_shape_tiles`` names, with the K tile and pipeline depth measured for them (``GEMM_SHAPE_TILES``);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
@@ -67,6 +69,21 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 4096, 14336, 1, 65536, 4),  # llama-8b down
 )
 
+#: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
+#: weight rows N, K, K tile, pipeline stages), for 2-byte weights. Measured in the whole decode step replayed as a
+#: graph under PDL (benchmarks/projection_tuning.py, bf16, H100): small-0.6b's step at 32 rows took 1,153-1,170 µs
+#: with every projection and the LM head through the kernel at 128-wide K tiles and 4 stages, against 1,243-1,251
+#: through cuBLAS and the norm, RoPE and SiLU kernels beside it; at 64-wide K tiles and 3 stages 1,387, and at 48
+#: or 64 rows 1,561-1,618 against 1,312-1,366. llama-1b's shapes (K = 2048 and 8192) lost 24 % at 32 rows the same
+#: way and are not here. A shape runs above the GEMV's rows and above ``gemm_max_m`` only where an entry names it.
+GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
+    (32, 4096, 1024, 128, 4),  # small-0.6b qkv
+    (32, 1024, 2048, 128, 4),  # small-0.6b o
+    (32, 6144, 1024, 128, 4),  # small-0.6b gate_up
+    (32, 1024, 3072, 128, 4),  # small-0.6b down
+    (32, 151936, 1024, 128, 4),  # small-0.6b LM head
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -86,6 +103,10 @@ class Tuning:
     gemm_block_n: int = 64
     gemm_block_k: int = 64
     gemm_stages: int = 3
+    gemm_warps: int = 4
+    #: (rows up to, weight rows N, K, K tile, stages): shapes past ``gemm_max_m`` rows that the tensor-core
+    #: kernel takes with their own tile (2-byte weights)
+    gemm_shape_tiles: tuple[tuple[int, int, int, int, int], ...] = GEMM_SHAPE_TILES
     gemm_min_k_tiles: int = 4  # K tiles each split keeps at least
     gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
     gemm_float_logits: bool = True  # the LM head's cuBLAS product written as float32 (no widening kernel after it)
@@ -105,7 +126,20 @@ def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
         return Kernel.GEMV
     if tuning.gemm_min_m <= m <= tuning.gemm_max_m and k <= tuning.gemm_max_k:
         return Kernel.GEMM
+    if gemm_shape_tile(m, n, k, itemsize, tuning) is not None:
+        return Kernel.GEMM
     return Kernel.CUBLAS
+
+
+def gemm_shape_tile(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> tuple[int, int] | None:
+    """(K tile, stages) of the tensor-core kernel for an [m, k] x [n, k]' product that ``gemm_shape_tiles``
+    names past ``gemm_max_m`` rows (n: the weight's rows, both halves of a paired product); None elsewhere."""
+    if itemsize != 2 or m <= tuning.gemm_max_m:
+        return None
+    for max_m, shape_n, shape_k, block_k, stages in tuning.gemm_shape_tiles:
+        if m <= max_m and (shape_n, shape_k) == (n, k):
+            return block_k, stages
+    return None
 
 
 #: the thresholds in use; a benchmark may replace it to sweep them
@@ -172,14 +206,18 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
     block_k = tuning.gemm_block_k if itemsize <= 2 else 32
+    stages = tuning.gemm_stages if itemsize <= 2 else 2
+    measured = gemm_shape_tile(m, n_out * (2 if paired else 1), k, itemsize, tuning)
+    if measured is not None:
+        block_k, stages = measured
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
     split = 1
     while (tiles * split < tuning.gemm_programs_per_sm * sms
            and k // (2 * split) >= tuning.gemm_min_k_tiles * block_k):
         split *= 2
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    stages = tuning.gemm_stages if itemsize <= 2 else 2
-    return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, 4, stages, swap)
+    return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, tuning.gemm_warps, stages,
+                    swap)
 
 
 _COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
