@@ -246,16 +246,6 @@ def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_i
         assert_matches(a, e, "norm_gate_up_silu_mul on a measured tensor-core tile")
 
 
-def test_the_measured_gemm_tiles_name_each_shape_once_past_the_gemm_rows() -> None:
-    shapes = [entry[1:3] for entry in projections.GEMM_SHAPE_TILES]
-    assert len(set(shapes)) == len(shapes)
-    for max_m, n, k, block_k, stages in projections.GEMM_SHAPE_TILES:
-        assert max_m > projections.TUNING.gemm_max_m, "an entry the general rule already covers"
-        assert block_k >= 16 and block_k & (block_k - 1) == 0 and stages >= 1 and n >= 1 and k >= block_k
-        assert projections.kernel_for(max_m, n, k, 2) is projections.Kernel.GEMM
-        assert projections.kernel_for(max_m + 1, n, k, 2) is projections.Kernel.CUBLAS
-
-
 EPILOGUE_CASES = [
     ("linear_residual", LinearResidualCase(F32, 3, 48, 200)),
     ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 3, 2, 64, 16, hidden=128, bias=True)),

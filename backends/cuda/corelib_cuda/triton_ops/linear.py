@@ -19,7 +19,7 @@ decode step replayed as a graph, per model and batch size, chose between what it
   and 12 rows); the 1 B shape (K = 2048) gained nothing at 6-16 rows, and both models lost
   11-62 % at 32-64 rows;
 - the tensor-core kernel also past ``gemm_max_m``, up to a row count of their own, for the product shapes
-  ``gemm_shape_tiles`` names, with the K tile and pipeline depth measured for them (``GEMM_SHAPE_TILES``);
+  ``gemm_shape_tiles`` names, with their own K tile and pipeline depth (``GEMM_SHAPE_TILES``: none kept yet);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
@@ -70,19 +70,12 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 )
 
 #: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
-#: weight rows N, K, K tile, pipeline stages), for 2-byte weights. Measured in the whole decode step replayed as a
-#: graph under PDL (benchmarks/projection_tuning.py, bf16, H100): small-0.6b's step at 32 rows took 1,153-1,170 µs
-#: with every projection and the LM head through the kernel at 128-wide K tiles and 4 stages, against 1,243-1,251
-#: through cuBLAS and the norm, RoPE and SiLU kernels beside it; at 64-wide K tiles and 3 stages 1,387, and at 48
-#: or 64 rows 1,561-1,618 against 1,312-1,366. llama-1b's shapes (K = 2048 and 8192) lost 24 % at 32 rows the same
-#: way and are not here. A shape runs above the GEMV's rows and above ``gemm_max_m`` only where an entry names it.
-GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 4096, 1024, 128, 4),  # small-0.6b qkv
-    (32, 1024, 2048, 128, 4),  # small-0.6b o
-    (32, 6144, 1024, 128, 4),  # small-0.6b gate_up
-    (32, 1024, 3072, 128, 4),  # small-0.6b down
-    (32, 151936, 1024, 128, 4),  # small-0.6b LM head
-)
+#: weight rows N, K, K tile, pipeline stages), for 2-byte weights; none so far. small-0.6b's five products at 32
+#: rows through the kernel at 128-wide K tiles and 4 stages made the step replayed as a graph under PDL 6-7 %
+#: shorter in two calls on H100s (benchmarks/projection_tuning.py: 1,153-1,170 µs against 1,243-1,251 through cuBLAS and
+#: the norm, RoPE and SiLU kernels beside it), 1 % in a third (1,236-1,249 against 1,252-1,256), and the engine's
+#: TPOT there 0.6 % longer (1.238-1.239 ms against 1.229-1.232 at bs 32); llama-1b's shapes lost 24 % the same way.
+GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
