@@ -72,7 +72,7 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 #: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
 #: weight rows N, K, K tile, pipeline stages), for 2-byte weights; none so far. small-0.6b's five products at 32
 #: rows through the kernel at 128-wide K tiles and 4 stages made the step replayed as a graph under PDL 6-7 %
-#: shorter in two calls on H100s (benchmarks/projection_tuning.py: 1,153-1,170 µs against 1,243-1,251 through cuBLAS and
+#: shorter in two calls on H100s (benchmarks/projection_tuning.py: 1,153-1,170 µs against 1,243-1,262 through cuBLAS and
 #: the norm, RoPE and SiLU kernels beside it), 1 % in a third (1,236-1,249 against 1,252-1,256), and the engine's
 #: TPOT there 0.6 % longer (1.238-1.239 ms against 1.229-1.232 at bs 32); llama-1b's shapes lost 24 % the same way.
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = ()
