@@ -47,12 +47,18 @@ def open_device() -> Device:
     return CUDABackend().open(DeviceSpec(backend="cuda", runtime=Runtime.native, capabilities=caps))
 
 
-def load(name: str, dtype: str, device: Device, *extra: str) -> LlamaModel:
+def load(name: str, dtype: str, device: Device, *extra: str, fold_norms: bool = False) -> LlamaModel:
+    """Model ``name`` with random weights on ``device``; with ``fold_norms`` its norms' weights folded into the qkv
+    and gate/up weights, as the engine folds them for a provider that runs the fused norm ops (the Triton one):
+    beside a cuBLAS product no norm kernel then runs, so a step timed without it pays two kernels a layer that the
+    engine does not."""
     raw = compose_config([f"model={name}", f"model.dtype={dtype}", "model.init=device", *extra]).model
     cfg = OmegaConf.to_object(raw)
     assert isinstance(cfg, ModelConfig)
     model = architecture(cfg.architecture).load(cfg, device, None, False)
     assert isinstance(model, LlamaModel)
+    if fold_norms:
+        assert model.fold_norm_weights(), f"{name}'s norms cannot be folded"
     return model
 
 

@@ -9,6 +9,10 @@ largest error relative to their scale, and whether every row's argmax agrees.
     python3 benchmarks/projection_tuning.py --models small-0.6b llama-1b --out tuning.json \\
         --config default '{}' 1 2 4 --config t32k-p2 '{"gemv_tile_bytes": 32768, "gemv_programs_per_sm": 2}' 1 2 4
 
+The norms' weights are folded into the qkv and gate/up weights, as the engine folds them for the Triton provider
+(``--fold-norms off``: as the checkpoint has them, so that beside cuBLAS two norm kernels a layer run which the
+engine does not run).
+
 With ``--profile N`` each step's kernels are listed too (N more replays under torch's profiler), by name
 and share, and one decoder layer's kernels in launch order with the idle time after each: where a
 configuration's time goes, kernel by kernel. ``--pdl off`` launches plainly, so that
@@ -48,6 +52,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also each step's kernels over this many replays, under torch's profiler (0: none)")
     parser.add_argument("--pdl", choices=["on", "off"], default="on")
+    parser.add_argument("--fold-norms", choices=["on", "off"], default="on",
+                        help="the norms' weights folded into the projections, as the engine folds them (default on)")
     parser.add_argument("--out", default="tuning.json")
     args = parser.parse_args()
     configs = [(label, _tupled(json.loads(changes)), [int(b) for b in batches])
@@ -58,7 +64,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for name in args.models:
-            model = decode_step.load(name, "bfloat16", device)
+            model = decode_step.load(name, "bfloat16", device, fold_norms=args.fold_norms == "on")
             first: dict[int, torch.Tensor] = {}
             for label, changes, batches in configs:
                 linear.TUNING = dataclasses.replace(default, **changes)
@@ -82,8 +88,8 @@ def main() -> None:
     finally:
         linear.TUNING = default
     with open(args.out, "w") as out:
-        json.dump({"context": args.context, "pdl": args.pdl, "default": dataclasses.asdict(default), "steps": rows},
-                  out, indent=2)
+        json.dump({"context": args.context, "pdl": args.pdl, "fold_norms": args.fold_norms,
+                   "default": dataclasses.asdict(default), "steps": rows}, out, indent=2)
     for r in rows:
         print(f"{r['model']:>11} bs {r['batch']:>3} {r['label']:>24} {r['us_per_step']:9.1f} us "
               f"err {r['relative_error']:.1e} argmax {'=' if r['argmax_equal'] else '!='}")

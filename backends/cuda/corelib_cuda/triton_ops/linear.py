@@ -75,6 +75,8 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 #: shorter in two calls on H100s (benchmarks/projection_tuning.py: 1,153-1,170 µs against 1,243-1,262 through cuBLAS and
 #: the norm, RoPE and SiLU kernels beside it), 1 % in a third (1,236-1,249 against 1,252-1,256), and the engine's
 #: TPOT there 0.6 % longer (1.238-1.239 ms against 1.229-1.232 at bs 32); llama-1b's shapes lost 24 % the same way.
+#: That step kept the norms' weights apart (two norm kernels a layer beside cuBLAS that the engine, folding them,
+#: does not run); the sweep now folds them as the engine does.
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
