@@ -46,7 +46,7 @@ from corelib.models.registry import llama_variant, model_shape
 from corelib.models.rope import inv_freq
 from corelib.models.shape import ModelShape
 from corelib.models.sharding import TensorShard
-from corelib.models.weight_map import weight_map
+from corelib.models.weight_map import LM_HEAD, weight_map
 from corelib.platform.device import Device
 from corelib.plugins import PluginRegistry
 from corelib.startup.compose import compose_config, prepare_config_store
@@ -207,7 +207,7 @@ def hf_model(shape: ModelShape, state: dict[str, torch.Tensor], device: torch.de
     finally:
         torch.set_default_dtype(previous)
     expected = set(model.state_dict())
-    tied = {"lm_head.weight"} if shape.tie_word_embeddings else set()
+    tied = {LM_HEAD} if shape.tie_word_embeddings else set()
     missing, unexpected = sorted(expected - set(state) - tied), sorted(set(state) - expected)
     if missing or unexpected:
         raise ConfigError(f"state dict and transformers model differ: missing {missing[:3]}, unexpected "

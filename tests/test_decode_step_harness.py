@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import torch
 from corelib_cpu.device import CpuBackend
+from support import load_benchmark
 
 from corelib.platform.backend import DeviceSpec
 from corelib.platform.device import Capabilities, Runtime
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("decode_step", BENCHMARKS / "decode_step.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_the_harness_folds_the_norms_into_the_projections_only_when_asked() -> None:
-    decode_step = load_script()
+    decode_step = load_benchmark("decode_step")
     device = CpuBackend().open(DeviceSpec(backend="cpu", runtime=Runtime.native, capabilities=Capabilities()))
     plain = decode_step.load("tiny", "float32", device)
     folded = decode_step.load("tiny", "float32", device, fold_norms=True)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 from omegaconf import OmegaConf
+from support import load_benchmark
 
 from corelib.config.schema import CorelibConfig
 from corelib.models.registry import model_shape
@@ -16,17 +14,7 @@ from corelib.models.shape import ModelShape
 from corelib.models.weight_map import weight_map
 from corelib.startup.compose import compose_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "floor_targets.py"
 LLAMA_8B_PARAMETERS = 8_030_261_248
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("floor_targets", SCRIPT)
-    assert spec is not None and spec.loader is not None, f"cannot load {SCRIPT}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def shape_of(model: str) -> ModelShape:
@@ -44,7 +32,7 @@ def test_a_decode_step_reads_every_weight_but_an_untied_embedding_table() -> Non
 
 
 def test_the_read_floor_counts_the_kv_cache_at_the_mean_context() -> None:
-    floor = load_script().read_floor("small-0.6b", 32, 1900, copy_rate_tb_s=4.0, new_tokens=128)
+    floor = load_benchmark("floor_targets").read_floor("small-0.6b", 32, 1900, copy_rate_tb_s=4.0, new_tokens=128)
     per_token = 28 * 2 * 8 * 64 * 2  # layers, K and V, KV heads, head width, bf16
     assert floor.kv_bytes == 32 * (1900 + 64) * per_token
     weights = weight_map(shape_of("small-0.6b")).step_parameter_count() * 2
@@ -62,7 +50,7 @@ def test_each_target_line_says_met_or_missed_with_its_floor_and_device_time_unde
              {"model": "small-0.6b", "batch": 1, "context": 1900, "reference_us": 2600.0, "triton+pdl_us": 620.0,
               "pdl_equals_plain": True}]
     (tmp_path / "step.json").write_text(json.dumps({"steps": steps, "bf16_bound": []}))
-    lines = load_script().report(tmp_path)
+    lines = load_benchmark("floor_targets").report(tmp_path)
     bs1 = next(i for i, line in enumerate(lines) if line.startswith("long context (prompt 1900) bs 1 "))
     assert lines[bs1].split()[-1] == "met" and "0.450 ms (pdl)" in lines[bs1]
     assert "read floor: weights 1.02 GB + KV 0.11 GB" in lines[bs1 + 1] and "4.00 TB/s" in lines[bs1 + 1]

@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from support import load_benchmark
 
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 NEW_TOKENS = 5
 TINY = ["--model", "tiny", "--device", "cpu", "--batch-sizes", "1", "3", "--prompt-len", "6", "--new-tokens",
         str(NEW_TOKENS), "--repeats", "1", "--floor-replays", "3", "--copy-mib", "4"]
 
 
-def load_peers() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("peers", SCRIPT)
-    assert spec is not None and spec.loader is not None, f"cannot load {SCRIPT}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_peers(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, object]:
     out = tmp_path / "peers.json"
-    assert load_peers().main([*TINY, *extra, "--out", str(out)]) == 0
+    assert load_benchmark("peers").main([*TINY, *extra, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "HF static" in printed and "weight-read floor" in printed
     result: dict[str, object] = json.loads(out.read_text())

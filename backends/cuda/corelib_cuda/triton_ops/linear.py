@@ -70,14 +70,9 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 )
 
 #: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
-#: weight rows N, K, K tile, pipeline stages), for 2-byte weights; none so far. small-0.6b's five products at 32
-#: rows through the kernel at 128-wide K tiles and 4 stages made the step replayed as a graph under PDL 6-7 %
-#: shorter in two calls on H100s (benchmarks/projection_tuning.py: 1,153-1,170 µs against 1,243-1,262 through cuBLAS and
-#: the norm, RoPE and SiLU kernels beside it), 1 % in a third (1,236-1,249 against 1,252-1,256), and the engine's
-#: TPOT there 0.6 % longer (1.238-1.239 ms against 1.229-1.232 at bs 32); llama-1b's shapes lost 24 % the same way.
-#: That step kept the norms' weights apart (two norm kernels a layer beside cuBLAS that the engine, folding them,
-#: does not run); folded as the engine folds them, the step took 1,142-1,149 µs with the five entries against
-#: 1,136-1,150 without.
+#: weight rows N, K, K tile, pipeline stages), for 2-byte weights. None kept: small-0.6b's five products at 32 rows
+#: (128-wide K tiles, 4 stages) gained nothing in the engine's TPOT nor, with the norms folded as the engine folds
+#: them, in the step (BENCHMARKS.md, 2026-12-06, after the hop change).
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
