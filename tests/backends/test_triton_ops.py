@@ -40,6 +40,7 @@ from corelib.models.base import StepBatch
 from corelib.models.hybrid import HybridState
 from corelib.models.llama import KVCache, LlamaModel
 from corelib.models.registry import architecture as architecture_of
+from corelib.models.registry import model_shape
 from corelib.models.shape import ModelShape
 from corelib.ops import OP_NAMES, PagedAttention
 from corelib.ops.reference import reference_ops
@@ -221,6 +222,31 @@ def test_the_measured_gemv_tiles_name_each_shape_once() -> None:
     for m, n, k, sets, tile, per_sm in projections.GEMV_SHAPE_TILES:
         assert min(m, n, k, per_sm) >= 1 and sets in (1, 2) and tile >= 1024 and tile & (tile - 1) == 0
         assert projections.kernel_for(m, n * sets, k, 2) is projections.Kernel.GEMV, "an entry the GEMV never sees"
+
+
+def _decoder_products(model: str) -> dict[str, tuple[int, int]]:
+    """(weight rows N, K) of each product a decode step of ``model`` runs (q, k and v as one; gate and up as one)."""
+    cfg = OmegaConf.to_object(compose_config([f"model={model}"]).model)
+    assert isinstance(cfg, ModelConfig)
+    shape = model_shape(cfg)
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    return {"qkv": (shape.q_rows + 2 * shape.kv_rows, hidden), "o": (hidden, shape.q_rows),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (shape.vocab_size, hidden)}
+
+
+def test_the_measured_tensor_core_tiles_are_small_06bs_layer_products_up_to_32_rows() -> None:
+    # Each entry must be a product the model runs: an entry of another shape is never used (two were, unseen).
+    products = _decoder_products("small-0.6b")
+    layer = {name: nk for name, nk in products.items() if name != "lm_head"}
+    entries = {(n, k): rows for rows, n, k, _block_k, _stages in projections.GEMM_SHAPE_TILES}
+    assert set(entries) == set(layer.values()), f"entries {sorted(entries)}; small-0.6b's layer {layer}"
+    for name, (n, k) in layer.items():
+        assert projections.kernel_for(32, n, k, 2) is projections.Kernel.GEMM, name
+        assert projections.kernel_for(64, n, k, 2) is projections.Kernel.CUBLAS, name  # lost at 64 rows
+    n, k = products["lm_head"]
+    assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS  # no gain through the kernel
+    for name, (n, k) in _decoder_products("llama-1b").items():  # K = 2048: cuBLAS past the GEMV's rows
+        assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS, name
 
 
 def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_its_own_tile(

@@ -19,7 +19,8 @@ decode step replayed as a graph, per model and batch size, chose between what it
   and 12 rows); the 1 B shape (K = 2048) gained nothing at 6-16 rows, and both models lost
   11-62 % at 32-64 rows;
 - the tensor-core kernel also past ``gemm_max_m``, up to a row count of their own, for the product shapes
-  ``gemm_shape_tiles`` names, with their own K tile and pipeline depth (``GEMM_SHAPE_TILES``: none kept yet);
+  ``gemm_shape_tiles`` names, with their own K tile and pipeline depth (``GEMM_SHAPE_TILES``: small-0.6b's four
+  decoder-layer products up to 32 rows);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
@@ -70,10 +71,17 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 )
 
 #: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
-#: weight rows N, K, K tile, pipeline stages), for 2-byte weights. None kept: small-0.6b's five products at 32 rows
-#: (128-wide K tiles, 4 stages) gained nothing in the engine's TPOT nor, with the norms folded as the engine folds
-#: them, in the step (BENCHMARKS.md, 2026-12-06, after the hop change).
-GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = ()
+#: weight rows N, K, K tile, pipeline stages), for 2-byte weights. small-0.6b's four decoder-layer products at up to
+#: 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and SiLU leave 6 kernels a layer where cuBLAS needs 9,
+#: and the engine's TPOT at bs 32 took 4.8 % less (H100, three alternations; BENCHMARKS.md, 2026-12-06, the
+#: tensor-core kernel at 32 rows). Its LM head stays with cuBLAS (through this kernel the bs-32 TPOT gained nothing),
+#: so do llama-1b's products (K = 2048: its step took 18 % longer) and every product at 64 rows.
+GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
+    (32, 2048, 1024, 128, 4),  # small-0.6b qkv (RoPE, KV cache write)
+    (32, 1024, 1024, 128, 4),  # small-0.6b o (+ residual)
+    (32, 6144, 1024, 128, 4),  # small-0.6b gate_up (SiLU-mul)
+    (32, 1024, 3072, 128, 4),  # small-0.6b down (+ residual)
+)
 
 
 @dataclasses.dataclass(frozen=True)
