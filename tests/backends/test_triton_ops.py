@@ -25,11 +25,13 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'corelib-cuda[triton]')")
 
+import triton
 from corelib_cpu.device import CpuBackend
 from corelib_cuda.backend import CUDABackend
 from corelib_cuda.triton_ops import TritonOps, decode_attention
 from corelib_cuda.triton_ops import linear as projections
 from corelib_cuda.triton_ops import paged_attention as attention
+from corelib_cuda.triton_ops import projection as projection_kernels
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import DecodeConfig, decode_config
 from omegaconf import OmegaConf
@@ -293,6 +295,59 @@ def test_the_gemv_epilogue_reads_the_same_inputs_early_or_late(
     for a, e in zip(actual, expected, strict=True):
         assert_matches(a, e, f"{op} on the GEMV, epilogue loads {'early' if early else 'late'}",
                        getattr(case, "tolerance_dtype", None))
+
+
+class _SmallSharedMemory:
+    """The tensor-core kernel on a GPU whose shared memory holds only the fallback tile: Triton refuses a larger
+    one at its launch, as a GPU smaller than the one the tiles were measured on does."""
+
+    def __init__(self, kernel: Any, fits: tuple[int, int]) -> None:
+        self.kernel, self.fits = kernel, fits
+        self.refused: list[tuple[int, int]] = []
+        self.launched: list[tuple[int, int]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            tile = (kwargs["BLOCK_K"], kwargs["num_stages"])
+            if tile[0] * tile[1] > self.fits[0] * self.fits[1]:
+                self.refused.append(tile)
+                raise triton.runtime.errors.OutOfResources(tile[0] * tile[1] * 1024, 232448, "shared memory")
+            self.launched.append(tile)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_a_tile_too_large_for_the_gpus_shared_memory_falls_back_to_the_small_tile_once(
+    op_target: OpTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tuning = dataclasses.replace(projections.TUNING, gemm_block_k=128, gemm_stages=5, gemm_fallback_tile=(64, 3))
+    monkeypatch.setattr(projections, "TUNING", tuning)
+    monkeypatch.setattr(projections, "_TOO_LARGE", set())
+    small = _SmallSharedMemory(projection_kernels.gemm_kernel, tuning.gemm_fallback_tile)
+    monkeypatch.setattr(projection_kernels, "gemm_kernel", small)
+    case = NormGateUpCase(BF16, 8, 48, 256)  # 8 rows: the tensor-core kernel
+    assert projections.kernel_for(8, 96, 256, 2) is projections.Kernel.GEMM
+    expected = CALLS["norm_gate_up_silu_mul"](reference_ops(), case.build(0, torch.device("cpu")))
+    for _ in range(2):
+        actual = CALLS["norm_gate_up_silu_mul"](op_target.ops, case.build(0, torch.device("cpu")))
+        for a, e in zip(actual, expected, strict=True):
+            assert_matches(a, e, "norm_gate_up_silu_mul on the fallback tile")
+    assert small.refused == [(128, 5)], "the large tile is tried once, then the product remembers it does not fit"
+    assert small.launched == [(64, 3), (64, 3)]
+
+
+def test_a_tile_refused_with_nothing_smaller_to_fall_back_to_is_the_error(
+    op_target: OpTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tuning = dataclasses.replace(projections.TUNING, gemm_block_k=64, gemm_stages=3, gemm_fallback_tile=(64, 3),
+                                 gemm_shape_tiles=())
+    monkeypatch.setattr(projections, "TUNING", tuning)
+    monkeypatch.setattr(projections, "_TOO_LARGE", set())
+    monkeypatch.setattr(projection_kernels, "gemm_kernel", _SmallSharedMemory(projection_kernels.gemm_kernel, (32, 2)))
+    args = NormGateUpCase(BF16, 8, 48, 256).build(0, torch.device("cpu"))
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        CALLS["norm_gate_up_silu_mul"](op_target.ops, args)
 
 
 def test_on_cublas_linear_residual_adds_into_the_residual_without_copying_it() -> None:

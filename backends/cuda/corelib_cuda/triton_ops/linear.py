@@ -23,6 +23,10 @@ decode step replayed as a graph, per model and batch size, chose between what it
   decoder-layer products up to 32 rows);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
+The tensor-core kernel's tiles were measured on Hopper (227 KB of shared memory a multiprocessor); where one
+overflows a smaller GPU's, Triton refuses it at its first launch and that product takes ``gemm_fallback_tile``
+(64-wide K tiles, 3 stages: about a quarter of it) from then on.
+
 Tile sizes follow from static sizes only (M, N, K, the dtype, the multiprocessor count), so a
 captured graph replays the launch it captured.
 """
@@ -100,8 +104,12 @@ class Tuning:
     gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
     gemm_block_n: int = 64
-    gemm_block_k: int = 64
-    gemm_stages: int = 3
+    #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
+    #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
+    #: ``gemm_fallback_tile``
+    gemm_block_k: int = 128
+    gemm_stages: int = 5
+    gemm_fallback_tile: tuple[int, int] = (64, 3)  # (K tile, stages) where a tile does not fit the shared memory
     gemm_warps: int = 4
     #: (rows up to, weight rows N, K, K tile, stages): shapes past ``gemm_max_m`` rows that the tensor-core
     #: kernel takes with their own tile (2-byte weights)
@@ -219,6 +227,17 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
                     swap)
 
 
+@functools.lru_cache(maxsize=8)
+def _fitting(tuning: Tuning) -> Tuning:
+    """``tuning`` with the fallback tile for every product: for a GPU whose shared memory a measured tile overflows."""
+    block_k, stages = tuning.gemm_fallback_tile
+    return dataclasses.replace(tuning, gemm_block_k=block_k, gemm_stages=stages, gemm_shape_tiles=())
+
+
+#: (device index, M, N, K, paired) of the products whose tile overflowed the GPU's shared memory: they take the
+#: fallback tile from then on, without compiling the larger one again
+_TOO_LARGE: set[tuple[int, int, int, int, bool]] = set()
+
 _COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
 
@@ -291,7 +310,24 @@ class Projection:
                 EARLY=TUNING.gemv_early_epilogue_loads, **flags, **launch,
             )  # fmt: skip
             return self.out
-        g = gemm_plan(m, self.n_out, k, self.paired, w.element_size(), sms, TUNING)
+        key = (device.index or 0, m, self.n_out, k, self.paired)
+        tuning = _fitting(TUNING) if key in _TOO_LARGE else TUNING
+        try:
+            return self._gemm(gemm_plan(m, self.n_out, k, self.paired, w.element_size(), sms, tuning), common, flags,
+                              launch, norm_weight)
+        except triton.runtime.errors.OutOfResources:
+            if tuning is not TUNING or _fitting(TUNING) == TUNING:
+                raise
+            _TOO_LARGE.add(key)  # a smaller GPU than the tile was measured on: the fallback tile, from now on
+            return self._gemm(gemm_plan(m, self.n_out, k, self.paired, w.element_size(), sms, _fitting(TUNING)),
+                              common, flags, launch, norm_weight)
+
+    def _gemm(self, g: GemmPlan, common: list[Any], flags: dict[str, Any], launch: dict[str, Any],
+              norm_weight: torch.Tensor) -> torch.Tensor:
+        """Launch the tensor-core kernel with plan ``g``."""
+        x, w = self.x, self.weight
+        m, k = x.shape
+        device = x.device
         grid = (triton.cdiv(m, g.block_m), triton.cdiv(self.n_out, g.block_n), g.split_k)
         part, count = self._workspace(g.split_k, m, grid[0] * grid[1])
         stats = x  # unused without a norm or a split
