@@ -127,7 +127,7 @@ def thresholds(budget: float) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"model": model, "shape": which, "m": m,
                                    "cublas_us": timed([cublas(x, w) for w in ws])}
             if m <= 16:
-                with_tuning(gemv_max_m=1024, gemv_max_m_large=1024)
+                with_tuning(gemv_max_m=1024, gemv_max_m_large=1024, gemv_max_m_tensor_core=1024)
                 row["gemv_us"] = timed([ours(x, w) for w in ws])
             with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096)
             row["gemm_us"] = timed([ours(x, w) for w in ws])
@@ -187,7 +187,7 @@ def small_m(budget: float, models: tuple[str, ...] = ("small-0.6b", "llama-1b", 
                 row: dict[str, Any] = {"model": model, "shape": name, "m": m, "floor_us": n * k * 2 / 4.25e12 * 1e6,
                                        "cublas_us": timed([cublas(x, w) for w in ws])}
                 if m <= 8:
-                    with_tuning(gemv_max_m=1024, gemv_max_m_large=1024)
+                    with_tuning(gemv_max_m=1024, gemv_max_m_large=1024, gemv_max_m_tensor_core=1024)
                     row["gemv_us"] = timed([ours(x, w) for w in ws])
                 for bn, bk, pps, tiles_, stages in SMALL_M_VARIANTS:
                     with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096, gemm_block_n=bn, gemm_block_k=bk,

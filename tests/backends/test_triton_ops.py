@@ -251,6 +251,23 @@ def test_the_measured_tensor_core_tiles_are_small_06bs_layer_products_up_to_32_r
         assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS, name
 
 
+def test_from_three_rows_the_tensor_core_kernel_takes_the_products_it_can() -> None:
+    # K <= gemm_max_k: the GEMV only to gemv_max_m_tensor_core rows; longer K keeps the GEMV to gemv_max_m rows.
+    tuning = projections.TUNING
+    assert tuning.gemv_max_m_tensor_core < tuning.gemv_max_m
+    small = _decoder_products("small-0.6b")
+    for name in ("qkv", "o", "gate_up"):
+        n, k = small[name]
+        assert projections.kernel_for(2, n, k, 2) is projections.Kernel.GEMV, name
+        assert projections.kernel_for(3, n, k, 2) is projections.Kernel.GEMM, name
+        assert projections.kernel_for(4, n, k, 2) is projections.Kernel.GEMM, name
+    n, k = small["down"]  # K = 3072
+    assert projections.kernel_for(4, n, k, 2) is projections.Kernel.GEMV
+    for name, (n, k) in _decoder_products("llama-1b").items():  # K = 2048: as before
+        expected = projections.Kernel.GEMV if n * k * 2 <= tuning.gemv_small_bytes else projections.Kernel.CUBLAS
+        assert projections.kernel_for(4, n, k, 2) is expected, name
+
+
 def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_its_own_tile(
     op_target: OpTarget, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -287,8 +304,8 @@ def test_the_gemv_epilogue_reads_the_same_inputs_early_or_late(
     op_target: OpTarget, op: str, case: Case, early: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The residual, bias, cos/sin and slots may be read before the reduction: the same results either way.
-    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING,
-                                                                   gemv_early_epilogue_loads=early))
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(  # the GEMV at every row of these cases
+        projections.TUNING, gemv_early_epilogue_loads=early, gemv_max_m_tensor_core=projections.TUNING.gemv_max_m))
     call = CALLS[op]
     actual = call(op_target.ops, case.build(0, torch.device("cpu")))
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))

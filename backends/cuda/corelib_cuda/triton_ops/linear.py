@@ -9,7 +9,9 @@ decode step replayed as a graph, per model and batch size, chose between what it
   that, every extra row costs it more than cuBLAS takes for the whole product. Its tiles of
   32 KB, two programs per multiprocessor wanted, took 2.5 % (small-0.6b), 3.6 % (1 B) and 16 %
   (8 B; its down projection no longer splits K) off a bs-1 step against 16 KB and four; from
-  two rows the large weights went faster through cuBLAS (bs 2: 4 %, 14 %, 27 % off the step);
+  two rows the large weights went faster through cuBLAS (bs 2: 4 %, 14 %, 27 % off the step).
+  Where the tensor-core kernel takes the product (K <= ``gemm_max_k``) the GEMV runs only up to
+  ``gemv_max_m_tensor_core`` rows (2: from 3 rows that kernel is faster);
 - the tensor-core kernel (split over K; up to 64 rows the weight tile is the MMA's row side) past
   the GEMV up to ``gemm_max_m`` rows where K is at most ``gemm_max_k``. Alone it loses to cuBLAS
   at nearly every decode shape (M = 8-256, 0.6-8 B); in the step, its fused norm and epilogues
@@ -92,6 +94,9 @@ GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
 class Tuning:
     gemv_max_m: int = 4  # rows of x up to which the GEMV runs (weights up to gemv_small_bytes)
     gemv_max_m_large: int = 1  # the same for larger weights
+    #: the same where the tensor-core kernel takes the product (K <= gemm_max_k): small-0.6b's engine TPOT at bs 4 took
+    #: 14 % less with its qkv, o and gate_up there than on the GEMV, at bs 2 20 % more (H100, BENCHMARKS.md 2026-12-06)
+    gemv_max_m_tensor_core: int = 2
     gemv_small_bytes: int = 16 << 20
     gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
     gemm_max_m: int = 16  # ... up to these ...
@@ -129,6 +134,8 @@ def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
     """Which kernel computes an [m, k] x [n, k]' product (``TUNING``'s thresholds)."""
     tuning = TUNING
     gemv_rows = tuning.gemv_max_m if n * k * itemsize <= tuning.gemv_small_bytes else tuning.gemv_max_m_large
+    if k <= tuning.gemm_max_k:
+        gemv_rows = min(gemv_rows, tuning.gemv_max_m_tensor_core)
     if m <= gemv_rows:
         return Kernel.GEMV
     if tuning.gemm_min_m <= m <= tuning.gemm_max_m and k <= tuning.gemm_max_k:
