@@ -78,7 +78,7 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 
 #: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
 #: weight rows N, K, K tile, pipeline stages), for 2-byte weights. small-0.6b's four decoder-layer products at up to
-#: 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and SiLU leave 6 kernels a layer where cuBLAS needs 9,
+#: 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and SiLU leave 5 kernels a layer where cuBLAS needs 9,
 #: and the engine's TPOT at bs 32 took 4.8 % less (H100, three alternations; BENCHMARKS.md, 2026-12-06, the
 #: tensor-core kernel at 32 rows). Its LM head stays with cuBLAS (through this kernel the bs-32 TPOT gained nothing),
 #: so do llama-1b's products (K = 2048: its step took 18 % longer) and every product at 64 rows.
