@@ -35,12 +35,18 @@ from corelib.ops.reference import reference_ops
 
 
 def _tupled(value: Any) -> Any:
-    """JSON's lists as tuples, so that a ``Tuning`` holding a table stays hashable (its plans are cached by it)."""
     if isinstance(value, dict):
         return {key: _tupled(item) for key, item in value.items()}
     if isinstance(value, list):
         return tuple(_tupled(item) for item in value)
     return value
+
+
+def tuning_changes(text: str) -> dict[str, Any]:
+    """``Tuning`` fields from JSON, its lists as tuples, so that a ``Tuning`` holding a table stays hashable (its
+    plans are cached by it)."""
+    changes: dict[str, Any] = _tupled(json.loads(text))
+    return changes
 
 
 def main() -> None:
@@ -56,7 +62,7 @@ def main() -> None:
                         help="the norms' weights folded into the projections, as the engine folds them (default on)")
     parser.add_argument("--out", default="tuning.json")
     args = parser.parse_args()
-    configs = [(label, _tupled(json.loads(changes)), [int(b) for b in batches])
+    configs = [(label, tuning_changes(changes), [int(b) for b in batches])
                for label, changes, *batches in args.config]
     device = decode_step.open_device()
     ops = reference_ops().with_provider("triton", TritonOps().load(device, pdl=args.pdl == "on"))

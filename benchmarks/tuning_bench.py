@@ -18,17 +18,16 @@ cuBLAS (``gemm_shape_tiles`` empty):
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 from corelib_cuda.triton_ops import linear
-from projection_tuning import _tupled
+from projection_tuning import tuning_changes
 
 
 def main() -> int:
     if len(sys.argv) < 3 or sys.argv[2] != "bench":
         sys.exit("usage: tuning_bench.py JSON bench [overrides...]")
-    changes = _tupled(json.loads(sys.argv.pop(1)))
+    changes = tuning_changes(sys.argv.pop(1))
     linear.TUNING = dataclasses.replace(linear.TUNING, **changes)
     print(f"tuning: {changes or 'as it is'}", flush=True)
     from corelib.__main__ import entry

@@ -132,11 +132,11 @@ LINEAR_SWEEP = [LinearCase(d, m, n, k, bias=m % 2 == 1) for d, m, (n, k) in
 LINEAR_RESIDUAL_CASES = [LinearResidualCase(F32, 1, 97, 300), LinearResidualCase(BF16, 5, 64, 1000),
                          LinearResidualCase(BF16, 32, 96, 200)]
 # A 0.6 B decoder layer's products at 32 rows (16 query and 8 KV heads of 64, hidden 1024, SwiGLU 3072), folded, in
-# bf16: shapes a provider may give tiles of their own (the cuda provider's tensor-core kernel does).
-_LAYER_AT_32 = 32, 1024, 3072
+# bf16: shapes a provider may give tiles of their own.
+_ROWS, _HIDDEN, _INTER = 32, 1024, 3072
 LINEAR_RESIDUAL_SWEEP = [LinearResidualCase(d, m, n, k) for d, m, (n, k) in
                          itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500)))] + [
-    LinearResidualCase(BF16, _LAYER_AT_32[0], _LAYER_AT_32[1], k) for k in (_LAYER_AT_32[1], _LAYER_AT_32[2])]
+    LinearResidualCase(BF16, _ROWS, _HIDDEN, k) for k in (_HIDDEN, _INTER)]
 # With the norm's weight folded into the projection (norm_weight None): one case per kernel a provider may
 # choose by M (a GEMV's few rows, a tensor-core kernel's, a library GEMM's beside the epilogue kernel).
 GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77), NormGateUpCase(BF16, 20, 128, 64),
@@ -144,7 +144,7 @@ GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77
                  NormGateUpCase(BF16, 20, 1500, 64, folded=True)]
 GATE_UP_SWEEP = [NormGateUpCase(d, m, h, i, folded=f) for d, m, (h, i), f in
                  itertools.product((F32, BF16), _M, ((1000, 301), (256, 768)), (False, True))] + [
-    NormGateUpCase(BF16, *_LAYER_AT_32, folded=True)]
+    NormGateUpCase(BF16, _ROWS, _HIDDEN, _INTER, folded=True)]
 LOGITS_CASES = [NormLogitsCase(F32, 1, 96, 1000), NormLogitsCase(BF16, 3, 200, 517), NormLogitsCase(BF16, 33, 64, 300)]
 LOGITS_SWEEP = [NormLogitsCase(d, m, 1024, 5003) for d, m in itertools.product((F32, BF16), _M)]
 QKV_CASES = [
@@ -159,4 +159,4 @@ QKV_CASES = [
 ]
 QKV_SWEEP = [NormQkvCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 0, folded=f) for d, m, g, hd, h, f in
              itertools.product((F32, BF16), _M, (1, 4), (64, 128), (200, 1024), (False, True))] + [
-    NormQkvCase(BF16, _LAYER_AT_32[0], 2, 64, 16, hidden=_LAYER_AT_32[1], kv_heads=8, folded=True)]
+    NormQkvCase(BF16, _ROWS, 2, 64, 16, hidden=_HIDDEN, kv_heads=8, folded=True)]

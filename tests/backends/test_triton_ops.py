@@ -44,6 +44,7 @@ from corelib.models.llama import KVCache, LlamaModel
 from corelib.models.registry import architecture as architecture_of
 from corelib.models.registry import model_shape
 from corelib.models.shape import ModelShape
+from corelib.models.weight_map import weight_map
 from corelib.ops import OP_NAMES, PagedAttention
 from corelib.ops.reference import reference_ops
 from corelib.platform.backend import DeviceSpec
@@ -227,13 +228,17 @@ def test_the_measured_gemv_tiles_name_each_shape_once() -> None:
 
 
 def _decoder_products(model: str) -> dict[str, tuple[int, int]]:
-    """(weight rows N, K) of each product a decode step of ``model`` runs (q, k and v as one; gate and up as one)."""
+    """(weight rows N, K) of each product a decode step of ``model`` runs, from its weight map (a weight's sources
+    stacked along the rows: q, k and v as one; gate and up as one)."""
     cfg = OmegaConf.to_object(compose_config([f"model={model}"]).model)
     assert isinstance(cfg, ModelConfig)
-    shape = model_shape(cfg)
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    return {"qkv": (shape.q_rows + 2 * shape.kv_rows, hidden), "o": (hidden, shape.q_rows),
-            "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (shape.vocab_size, hidden)}
+    found = weight_map(model_shape(cfg))
+    products = {}
+    for weight in [*found.layer(0), *found.model_weights()]:
+        shapes = [found.sources[source].shape for source in weight.sources]
+        if weight.name != "embed" and len(shapes[0]) == 2:
+            products[weight.name] = (sum(rows for rows, _ in shapes), shapes[0][1])
+    return products
 
 
 def test_the_measured_tensor_core_tiles_are_small_06bs_layer_products_up_to_32_rows() -> None:
