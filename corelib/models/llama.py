@@ -10,9 +10,11 @@ Everything a backend may accelerate goes through ``corelib.ops``: the projection
 RMSNorm with the residual add fused, RoPE with the KV-cache write, paged attention (one query
 per row or many), SiLU-and-multiply. One forward serves every step, decode rows and prompt
 chunks alike: a layer writes the step's keys and values into the paged cache, then each token
-attends over its row's cached keys up to its own position. On one device a layer is five ops,
-each of which a provider may run as one kernel: norm + qkv + RoPE + KV write, the attention,
-o-projection + residual, norm + gate/up + SiLU-and-multiply, down projection + residual; the
+attends over its row's cached keys up to its own position. On one device a layer is four ops:
+norm + qkv + RoPE + KV write + the attention (which a provider may run as two kernels, or as a
+library GEMM and one attention kernel that rotates and writes the keys itself), o-projection +
+residual, norm + gate/up + SiLU-and-multiply, down projection + residual, each of the last three
+one kernel where a provider fuses it; the
 final norm and the LM head (over each row's last token) are one more. Tensor parallelism (an
 all-reduce sits between each projection and its residual add) and per-head q/k norms run the ops
 one by one, the residual stream carried as (pending, h): each layer's output is added by the
@@ -186,11 +188,11 @@ def fused_layer(
     layer: LayerWeights, shape: ModelShape, h: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
     v_cache: torch.Tensor, cos_sin: torch.Tensor, ops: Ops,
 ) -> torch.Tensor:
-    """One decoder layer on one device as five ops: the residual stream h [T, H] in, the next one out."""
+    """One decoder layer on one device as four ops: the residual stream h [T, H] in, the next one out."""
     eps, tokens = shape.rms_norm_eps, h.shape[0]
-    q = ops.norm_qkv_rope_kv_write(h, layer.norm_before_qkv, eps, layer.qkv, layer.qkv_bias, batch.positions,
-                                   cos_sin, k_cache, v_cache, batch.slot_mapping)  # [T, nh, hd]
-    attn = ops.paged_attention(q, k_cache, v_cache, batch.attention, 1.0 / math.sqrt(shape.head_dim))
+    attn = ops.norm_qkv_attention(h, layer.norm_before_qkv, eps, layer.qkv, layer.qkv_bias, batch.positions, cos_sin,
+                                  k_cache, v_cache, batch.slot_mapping, batch.attention,
+                                  1.0 / math.sqrt(shape.head_dim))  # [T, nh, hd]
     h = ops.linear_residual(attn.reshape(tokens, shape.num_heads * shape.head_dim), layer.o, h)
     return ops.linear_residual(ops.norm_gate_up_silu_mul(h, layer.norm_before_gate_up, eps, layer.gate_up),
                                layer.down, h)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from corelib.ops.spec import Ops
+    from corelib.ops.spec import Ops, PagedAttention
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,26 @@ def norm_qkv_rope_kv_write(
     qk = qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd)  # q and k rotated together
     v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
     return ops.rope_kv_write(qk, v, positions, cos_sin, k_cache, v_cache, slot_mapping)[:, :nh]
+
+
+def norm_qkv_attention(
+    ops: Ops,
+    h: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    attn: PagedAttention,
+    scale: float,
+) -> torch.Tensor:
+    q = ops.norm_qkv_rope_kv_write(h, norm_weight, eps, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache,
+                                   slot_mapping)
+    return ops.paged_attention(q, k_cache, v_cache, attn, scale)
 
 
 def norm_gate_up_silu_mul(

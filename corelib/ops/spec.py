@@ -16,7 +16,13 @@ from typing import Protocol, cast
 
 import torch
 
-from corelib.ops.composed import linear_residual, norm_gate_up_silu_mul, norm_logits, norm_qkv_rope_kv_write
+from corelib.ops.composed import (
+    linear_residual,
+    norm_gate_up_silu_mul,
+    norm_logits,
+    norm_qkv_attention,
+    norm_qkv_rope_kv_write,
+)
 from corelib.platform.device import Device
 from corelib.sampling_params import LOGIT_BIAS_WIDTH, MIN_TOKENS_STOP_WIDTH
 from corelib.sampling_params import columns as sampler_columns
@@ -32,6 +38,7 @@ OP_NAMES = (
     "norm_qkv_rope_kv_write",
     "norm_gate_up_silu_mul",
     "norm_logits",
+    "norm_qkv_attention",
 )
 #: the ops that are a composition of others, with their parts: where no provider runs one, the
 #: container composes it from its own ops (corelib.ops.composed), so a provider's rms_norm or
@@ -41,10 +48,13 @@ COMPOSED_PARTS: dict[str, tuple[str, ...]] = {
     "norm_qkv_rope_kv_write": ("rms_norm", "linear", "rope_kv_write"),
     "norm_gate_up_silu_mul": ("rms_norm", "linear", "silu_mul"),
     "norm_logits": ("rms_norm", "linear"),
+    # after norm_qkv_rope_kv_write, whose provider it reads
+    "norm_qkv_attention": ("norm_qkv_rope_kv_write", "paged_attention"),
 }
 COMPOSED_OPS = tuple(COMPOSED_PARTS)
 COMPOSED = "composed"
-_COMPOSERS = {f.__name__: f for f in (linear_residual, norm_qkv_rope_kv_write, norm_gate_up_silu_mul, norm_logits)}
+_COMPOSERS = {f.__name__: f for f in (linear_residual, norm_qkv_rope_kv_write, norm_gate_up_silu_mul, norm_logits,
+                                      norm_qkv_attention)}
 
 
 @dataclass(frozen=True)
@@ -340,6 +350,32 @@ class NormQkvRopeKvWrite(Protocol):
         ...
 
 
+class NormQkvAttention(Protocol):
+    def __call__(
+        self,
+        h: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        attn: PagedAttention,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decoder layer's attention from its residual stream: norm_qkv_rope_kv_write, then paged_attention.
+
+        Takes what the two take (h [T, H] and the step's attn), writes the step's keys and values into
+        the caches as the first does, and returns the attention's output [T, nh, hd]. A provider may run the
+        step in fewer kernels where the rotated queries need not leave them (a decode step beside a
+        library GEMM); its results are those of the two ops one after the other.
+        """
+        ...
+
+
 class NormGateUpSiluMul(Protocol):
     def __call__(
         self, h: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, gate_up_weight: torch.Tensor
@@ -377,6 +413,7 @@ class Ops:
     norm_qkv_rope_kv_write: NormQkvRopeKvWrite = None  # type: ignore[assignment]
     norm_gate_up_silu_mul: NormGateUpSiluMul = None  # type: ignore[assignment]
     norm_logits: NormLogits = None  # type: ignore[assignment]
+    norm_qkv_attention: NormQkvAttention = None  # type: ignore[assignment]
     providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from corelib.testing.op_conformance import (  # noqa: F401
     test_linear_residual_matches_reference,
     test_norm_gate_up_silu_mul_matches_reference,
     test_norm_logits_matches_reference,
+    test_norm_qkv_attention_matches_reference,
     test_norm_qkv_rope_kv_write_matches_reference,
     test_op_replays_in_a_graph_on_new_inputs,
     test_paged_attention_matches_reference,

@@ -60,12 +60,15 @@ from corelib.testing.projection_cases import (
     LINEAR_SWEEP,
     LOGITS_CASES,
     LOGITS_SWEEP,
+    QKV_ATTENTION_CASES,
+    QKV_ATTENTION_SWEEP,
     QKV_CASES,
     QKV_SWEEP,
     LinearCase,
     LinearResidualCase,
     NormGateUpCase,
     NormLogitsCase,
+    NormQkvAttentionCase,
     NormQkvCase,
 )
 
@@ -249,6 +252,10 @@ def _qkv(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return q, args[7], args[8]  # type: ignore[return-value]  # the rotated queries and both caches
 
 
+def _qkv_attention(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:  # the attention's output and both caches
+    return ops.norm_qkv_attention(*args), args[7], args[8]  # type: ignore[arg-type, return-value]
+
+
 CALLS: dict[str, Call] = {
     "rms_norm": _norm,
     "rope_kv_write": _rope,
@@ -260,6 +267,7 @@ CALLS: dict[str, Call] = {
     "norm_qkv_rope_kv_write": _qkv,
     "norm_gate_up_silu_mul": _gate_up,
     "norm_logits": _logits,
+    "norm_qkv_attention": _qkv_attention,
 }
 
 
@@ -321,6 +329,11 @@ def test_norm_qkv_rope_kv_write_matches_reference(op_target: OpTarget, case: Nor
     _check(op_target, "norm_qkv_rope_kv_write", case, _qkv)
 
 
+@pytest.mark.parametrize("case", _params(QKV_ATTENTION_CASES, QKV_ATTENTION_SWEEP))
+def test_norm_qkv_attention_matches_reference(op_target: OpTarget, case: NormQkvAttentionCase) -> None:
+    _check(op_target, "norm_qkv_attention", case, _qkv_attention)
+
+
 GRAPH_CASES: dict[str, Case] = {
     "rms_norm": NormCase(BF16, (3, 1024), residual=True),
     "rope_kv_write": RopeCase(BF16, 3, 2, 128, 16),
@@ -332,6 +345,7 @@ GRAPH_CASES: dict[str, Case] = {
     "norm_qkv_rope_kv_write": NormQkvCase(BF16, 3, 4, 64, 16, hidden=1024),
     "norm_gate_up_silu_mul": NormGateUpCase(BF16, 1, 1024, 768),
     "norm_logits": NormLogitsCase(BF16, 17, 1024, 5003),
+    "norm_qkv_attention": NormQkvAttentionCase(BF16, 20, 2, 64, 16, hidden=1024, folded=True, long=300),
 }
 
 

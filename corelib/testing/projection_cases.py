@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from corelib.ops import fold_norm_weight
-from corelib.testing.op_cases import BF16, F32, Args, randn, rope_kv_inputs
+from corelib.ops import PagedAttention, fold_norm_weight
+from corelib.testing.op_cases import BF16, F32, LONG_CONTEXT, Args, DecodeCase, randn, rope_kv_inputs
 
 
 def weight(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -117,6 +117,44 @@ class NormQkvCase:
                 None if bias is None else bias.to(device), positions, cos_sin, kc, vc, slots)
 
 
+@dataclass(frozen=True)
+class NormQkvAttentionCase:
+    """A decode step's attention from the residual stream: the qkv case's projection over the attention case's
+    paged cache (ragged contexts, a padded row on block 0), each row's query at its newest position
+    and its new key and value written to that position's slot."""
+
+    dtype: torch.dtype
+    batch: int
+    group: int
+    head_dim: int
+    block_size: int
+    hidden: int = 256
+    kv_heads: int = 2
+    bias: bool = False
+    folded: bool = False
+    long: int = LONG_CONTEXT
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        nkv, hd, bs = self.kv_heads, self.head_dim, self.block_size
+        _, kc, vc, attn, scale, _ = DecodeCase(self.dtype, self.batch, self.group, hd, bs, self.long, nkv).build(
+            seed, device)
+        assert isinstance(attn, PagedAttention)
+        gen = torch.Generator().manual_seed(seed + 1)
+        rows = (nkv * self.group + 2 * nkv) * hd
+        h, nw, qkv = normed_product(gen, self.batch, self.hidden, rows, self.dtype)
+        bias = randn(gen, rows, dtype=self.dtype) if self.bias else None
+        if self.folded:
+            qkv = fold_norm_weight(qkv, nw)
+        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype).to(device)
+        newest = attn.seq_lens - 1
+        tables = attn.block_tables.long()
+        blocks = tables.gather(1, (newest // bs)[:, None])[:, 0]
+        slots = blocks * bs + newest % bs  # the padded row's on block 0
+        return (h.to(device), None if self.folded else nw.to(device), 1e-6, qkv.to(device),
+                None if bias is None else bias.to(device), newest, cos_sin, kc, vc, slots, attn, scale)
+
+
 # The projections: K not a multiple of any block (300, 1000, 1500), odd N (97, 33, 1001), every
 # kernel a provider may choose by M (1-128), and a prefill-sized M.
 _M = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128)
@@ -160,3 +198,17 @@ QKV_CASES = [
 QKV_SWEEP = [NormQkvCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 0, folded=f) for d, m, g, hd, h, f in
              itertools.product((F32, BF16), _M, (1, 4), (64, 128), (200, 1024), (False, True))] + [
     NormQkvCase(BF16, _ROWS, 2, 64, 16, hidden=_HIDDEN, kv_heads=8, folded=True)]
+# The qkv projection beside each kernel a provider may choose by M: the attention after a GEMV's or a tensor-core
+# kernel's RoPE epilogue, and after a library GEMM (K > 1024 from 5 rows, any K past 16 rows), with the norm's
+# weight folded or not, with a bias, over short and long contexts.
+QKV_ATTENTION_CASES = [
+    NormQkvAttentionCase(F32, 1, 2, 64, 16, long=70),
+    NormQkvAttentionCase(BF16, 5, 4, 128, 16, hidden=1500, bias=True, folded=True, long=300),
+    NormQkvAttentionCase(F32, 6, 2, 64, 32, hidden=1500, long=300),
+    NormQkvAttentionCase(BF16, 5, 2, 64, 16, hidden=1500, folded=True, long=40),
+    NormQkvAttentionCase(BF16, 20, 8, 64, 16, hidden=1024, kv_heads=1, folded=True, long=100),
+    NormQkvAttentionCase(F32, 17, 2, 64, 16, hidden=300, bias=True, long=40),
+]
+QKV_ATTENTION_SWEEP = [NormQkvAttentionCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 1, folded=f)
+                       for d, m, g, hd, h, f in itertools.product((F32, BF16), (1, 3, 8, 32), (1, 4), (64, 128),
+                                                                  (1024, 1500), (False, True))]

@@ -28,7 +28,7 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'core
 import triton
 from corelib_cpu.device import CpuBackend
 from corelib_cuda.backend import CUDABackend
-from corelib_cuda.triton_ops import TritonOps, decode_attention
+from corelib_cuda.triton_ops import TritonOps, decode_attention, layer_ops
 from corelib_cuda.triton_ops import linear as projections
 from corelib_cuda.triton_ops import paged_attention as attention
 from corelib_cuda.triton_ops import projection as projection_kernels
@@ -50,7 +50,7 @@ from corelib.ops.reference import reference_ops
 from corelib.platform.backend import DeviceSpec
 from corelib.platform.device import Capabilities, Device, Runtime
 from corelib.startup.compose import compose_config
-from corelib.testing.op_cases import BF16, F32, Case, DecodeCase
+from corelib.testing.op_cases import BF16, F32, Case, DecodeCase, case_id
 from corelib.testing.op_conformance import *  # noqa: F403
 from corelib.testing.op_conformance import (
     CALLS,
@@ -60,7 +60,15 @@ from corelib.testing.op_conformance import (
     OpTarget,
     assert_matches,
 )
-from corelib.testing.projection_cases import LinearCase, LinearResidualCase, NormGateUpCase, NormLogitsCase, NormQkvCase
+from corelib.testing.projection_cases import (
+    QKV_ATTENTION_CASES,
+    LinearCase,
+    LinearResidualCase,
+    NormGateUpCase,
+    NormLogitsCase,
+    NormQkvAttentionCase,
+    NormQkvCase,
+)
 
 
 def _cpu() -> Device:
@@ -131,6 +139,56 @@ def test_the_decode_attention_reads_the_same_keys_early_or_late(
         expected = call(reference_ops(), case.build(0, torch.device("cpu")))
         for a, e in zip(actual, expected, strict=True):
             assert_matches(a, e, f"decode attention {case}, old keys {'early' if early else 'late'}")
+
+
+def _qkv_rows(case: NormQkvAttentionCase) -> int:
+    return (case.kv_heads * case.group + 2 * case.kv_heads) * case.head_dim
+
+
+#: the cases whose qkv product goes to cuBLAS: there the attention kernel rotates q and k and writes the cache
+QKV_ON_CUBLAS = [case for case in QKV_ATTENTION_CASES if projections.kernel_for(
+    case.batch, _qkv_rows(case), case.hidden, case.dtype.itemsize) is projections.Kernel.CUBLAS]
+
+
+def test_the_fused_attention_cases_take_every_path_of_the_kernel_beside_cublas() -> None:
+    def config(case: NormQkvAttentionCase) -> DecodeConfig:
+        span = DecodeCase(case.dtype, case.batch, case.group, case.head_dim, case.block_size, case.long).width
+        return decode_config(case.batch, case.kv_heads, case.group, case.head_dim, span * case.block_size,
+                             INTERPRETER_SM_COUNT)
+
+    configs = [config(case) for case in QKV_ON_CUBLAS]
+    assert any(c.splits > 1 for c in configs) and any(c.splits == 1 for c in configs)
+    assert any(c.one_tile for c in configs) and any(not c.one_tile for c in configs)
+    assert any(case.folded and case.bias for case in QKV_ON_CUBLAS) and any(not c.folded for c in QKV_ON_CUBLAS)
+    assert len(QKV_ON_CUBLAS) < len(QKV_ATTENTION_CASES)  # and a case beside the projection kernels
+
+
+@pytest.mark.parametrize("unwritten", [False, True], ids=["every-slot", "padded-row-unwritten"])
+@pytest.mark.parametrize("case", QKV_ON_CUBLAS, ids=case_id)
+def test_beside_cublas_the_attention_kernel_rotates_and_writes_the_keys_as_the_two_ops_do(
+    case: NormQkvAttentionCase, unwritten: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caches bit for bit as the RoPE kernel and the attention one after the other write them, and their output
+    # within the dtype's tolerance (the newest key joins the softmax on its own, after the cache's), without the RoPE
+    # kernel; a negative slot (the padded last row) writes nothing and reads the cache as they do.
+    def build() -> tuple[Any, ...]:
+        args = case.build(0, torch.device("cpu"))
+        if unwritten:
+            args[9][-1] = -1  # type: ignore[index]
+        return args
+
+    two = build()
+    q = layer_ops.norm_qkv_rope_kv_write(*two[:10])
+    expected = attention.paged_attention(q, two[7], two[8], two[10], two[11])
+
+    def no_rope_kernel(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the RoPE kernel ran beside cuBLAS")
+
+    monkeypatch.setattr(layer_ops, "rope_kv_write", no_rope_kernel)
+    fused = build()
+    actual = layer_ops.norm_qkv_attention(*fused)
+    assert_matches(actual, expected, f"the attention beside cuBLAS ({case_id(case)})")
+    assert torch.equal(fused[7], two[7]) and torch.equal(fused[8], two[8])
 
 
 def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[StepBatch, KVCache]:

@@ -15,6 +15,7 @@ an MLU.
 | norm_qkv_rope_kv_write | composed: the ops above            | yes        | no single tmo operator    |
 | norm_gate_up_silu_mul  | composed: fused_rms_norm, matmul, active | yes  |                           |
 | norm_logits            | composed: fused_rms_norm, matmul   | yes        |                           |
+| norm_qkv_attention     | composed: the ops above            | yes        |                           |
 | sample                 | (reference)                        | -          | plain torch already       |
 
 Sources: the Python conventions from Cambricon/vllm-mlu vllm_mlu/_mlu_ops.py and

@@ -15,6 +15,7 @@ follows that documentation (tests/backends/test_vendor_ops.py); it has not run o
 | norm_qkv_rope_kv_write | composed: npu_rms_norm, linear, RoPE+KV | yes        |                            |
 | norm_gate_up_silu_mul  | composed: npu_rms_norm, linear, swiglu  | yes        |                            |
 | norm_logits            | composed: npu_rms_norm, linear          | yes        |                            |
+| norm_qkv_attention     | composed: the row above, then attention | decode     |                            |
 | sample                 | (reference)                             | -          | plain torch already        |
 
 Vendor functions and their conventions (documentation: Ascend/op-plugin docs/context/*.md,

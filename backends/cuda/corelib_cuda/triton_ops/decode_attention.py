@@ -7,6 +7,13 @@ heads of its group. The number of splits comes from static sizes only (batch row
 block-table width), so the grid is fixed for a captured graph; each program finds its share of
 the live context from seq_lens on the device. With one split the first kernel writes the output
 itself; with more, a second kernel merges the partial results by their log-sum-exp.
+
+With ``rope`` the kernel starts from the qkv projection's product instead of rotated queries
+(``ROPE``): each program rotates its query group and its KV head's new key itself (scaled by the
+row's 1/rms first where the norm's weight is folded into the projection), as the RoPE kernel
+rounds them, and the split that holds the newest position writes the new key and value into the
+cache and attends to them from registers. Beside a library GEMM this takes the RoPE kernel out of
+the decoder layer.
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ from corelib_cuda.triton_ops.common import (
     check,
     check_float,
     dot_precision,
+    interpreting,
     last_dim_contiguous,
     next_power_of_2,
     sm_count,
     upcast_in_kernel,
 )
+from corelib_cuda.triton_ops.norm import check_rows, row_chunk, row_rstd
+from corelib_cuda.triton_ops.rope import unnormed
+from corelib_cuda.triton_ops.rounding import rounded
 
 _OP = "paged_attention"  # its decode steps: one query per row
 #: the most splits of one sequence's context; also the partial buffers' static size
@@ -79,14 +90,57 @@ def attend_tile(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):  #
 
 
 @triton.jit
+def _rotated(row_ptr, head, d, partner, mask, rstd, bias_ptr, cos, sin, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+             NORM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
+    """Heads ``head`` [R] of one row of the qkv product, rotated [R, DIM_PAD] in DTYPE, rounded as the RoPE kernel
+    rounds them: x * cos + rotate_half(x) * sin (``sin`` carries rotate_half's sign; ``partner``: d's other half)."""
+    cols = head[:, None] * HEAD_DIM + d[None, :]
+    partner_cols = head[:, None] * HEAD_DIM + partner[None, :]
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + partner_cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_ROWS:
+        x = unnormed(x, rstd, bias_ptr, cols, mask, DTYPE, HAS_BIAS, RNE)
+        xp = unnormed(xp, rstd, bias_ptr, partner_cols, mask, DTYPE, HAS_BIAS, RNE)
+    out = rounded(x * cos, DTYPE, RNE) + rounded(xp * sin, DTYPE, RNE)
+    return rounded(out, DTYPE, RNE).to(DTYPE)
+
+
+@triton.jit
+def _angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HALF: tl.constexpr):
+    """cos and sin [1, DIM_PAD] of ``position``, sin with rotate_half's sign, and each d's other half."""
+    angles = cs_ptr + position * cs_s0 + d
+    cos = tl.load(angles, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = (tl.load(angles + cs_s1, mask=d_ok, other=0.0).to(tl.float32) * tl.where(d < HALF, -1.0, 1.0))[None, :]
+    return cos, sin, tl.where(d < HALF, d + HALF, d - HALF)
+
+
+@triton.jit
+def _attend_one(q, k, v, m, l, acc, scale):  # noqa: E741
+    """One key [1, DIM_PAD] (and its value) into the online softmax of every query row, as ``attend_tile`` takes a
+    tile: the newest key, held in registers."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale  # [rows]
+    m_new = tl.maximum(m, s)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new)
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    return m_new, l * alpha + p, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale, block_size,
     q_s0, q_s1, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, bt_s0,
+    h_ptr, h_s0, hidden, eps, bias_ptr, pos_ptr, cs_ptr, cs_s0, cs_s1, slot_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ONE_TILE: tl.constexpr, EARLY_KV: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, NORM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_CHUNK: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
+    # ROPE: q_ptr is the qkv product [B, (nh + 2 nkv) hd] (q_s0 its row stride), rotated here; the new key and
+    # value go to the cache at slot_ptr[seq] (negative: not written) from the split that holds position
+    # seq_len - 1, which attends to them from registers. NORM_ROWS: the product is of h's rows before their norm
+    # (h_ptr, its weight folded into the projection): scaled by the row's 1/rms and given the bias first.
     if PDL:  # launched early: the next kernel may launch too
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
@@ -117,14 +171,33 @@ def _decode_kernel(
         tl.extra.cuda.gdc_wait()
 
     heads = kv_head * GROUP + g  # the query heads that read this KV head
-    q = tl.load(q_ptr + seq * q_s0 + heads[:, None] * q_s1 + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    key_end = end
+    if ROPE:
+        dtype = kc_ptr.dtype.element_ty
+        rstd = 1.0
+        if NORM_ROWS:
+            rstd = row_rstd(h_ptr + seq * h_s0, hidden, eps, ROW_CHUNK)
+        position = tl.load(pos_ptr + seq)
+        cos, sin, partner = _angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HEAD_DIM // 2)
+        q = _rotated(q_ptr + seq * q_s0, heads, d, partner, q_mask, rstd, bias_ptr, cos, sin, HEAD_DIM, dtype,
+                     NORM_ROWS, HAS_BIAS, RNE)
+        # The split that holds the newest position writes the step's key and value there, after its pass over the
+        # cache, and attends to them from registers: the pass leaves that position out (a padded row's, whose slot
+        # is negative, is not written: the pass reads the cache there, as the attention after the RoPE kernel does).
+        slot = tl.load(slot_ptr + seq)
+        newest_here = (start <= seq_len - 1) & (seq_len - 1 < end) & (slot >= 0)
+        key_end = tl.where(newest_here, seq_len - 1, end)
+    else:
+        q = tl.load(q_ptr + seq * q_s0 + heads[:, None] * q_s1 + d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741 - the flash-attention name
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     if ONE_TILE:
-        if start < end:
+        live = pos < key_end
+        if start < key_end:
             if EARLY_KV:  # the newest key and value, in the split that holds them
                 k_new, v_new = load_kv_blocks(kc_ptr, vc_ptr, blocks, pos, live & newest, d, d_ok, kv_head,
                                               block_size, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
@@ -135,12 +208,30 @@ def _decode_kernel(
                                       kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
             m, l, acc = attend_tile(q, k, v, live[None, :], m, l, acc, scale, PRECISION)  # noqa: E741
     else:
-        for first in range(start, end, BLOCK_N):
+        for first in range(start, key_end, BLOCK_N):
             pos = first + tl.arange(0, BLOCK_N)
-            live = pos < end
+            live = pos < key_end
             k, v = load_kv_tile(kc_ptr, vc_ptr, table, pos, live, d, d_ok, kv_head, block_size,
                                 kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh, UPCAST)
             m, l, acc = attend_tile(q, k, v, live[None, :], m, l, acc, scale, PRECISION)  # noqa: E741
+    if ROPE:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if newest_here:  # the step's key and value: rotated, written, attended to
+            cos, sin, partner = _angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HEAD_DIM // 2)
+            row = q_ptr + seq * q_s0
+            one = tl.zeros([1], tl.int32)
+            new_mask = (one == 0)[:, None] & d_ok[None, :]
+            num_q = tl.num_programs(1) * GROUP
+            key = _rotated(row, num_q + kv_head + one, d, partner, new_mask, rstd, bias_ptr, cos, sin, HEAD_DIM,
+                           dtype, NORM_ROWS, HAS_BIAS, RNE)  # [1, DIM_PAD]
+            v_cols = (num_q + tl.num_programs(1) + kv_head + one)[:, None] * HEAD_DIM + d[None, :]
+            value = tl.load(row + v_cols, mask=new_mask, other=0.0)
+            if NORM_ROWS:
+                value = unnormed(value.to(tl.float32), rstd, bias_ptr, v_cols, new_mask, dtype, HAS_BIAS,
+                                 RNE).to(dtype)
+            block, offset = slot // block_size, slot % block_size
+            tl.store(kc_ptr + block * kc_sb + offset * kc_st + kv_head * kc_sh + d[None, :], key, mask=new_mask)
+            tl.store(vc_ptr + block * vc_sb + offset * vc_st + kv_head * vc_sh + d[None, :], value, mask=new_mask)
+            m, l, acc = _attend_one(q, key, value, m, l, acc, scale)  # noqa: E741
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     out_row = seq * (GROUP * tl.num_programs(1)) + heads  # a row of the output [B * nh, hd]
@@ -207,12 +298,32 @@ def decode_config(batch: int, kv_heads: int, group: int, head_dim: int, span: in
                         one_tile=triton.cdiv(span, splits) <= block_n)
 
 
+class Rope(NamedTuple):
+    """What the kernel needs to start from the qkv projection's product: RoPE's and the KV write's inputs."""
+
+    positions: torch.Tensor  # [B] int64
+    cos_sin: torch.Tensor  # [max_len, 2, hd]
+    slot_mapping: torch.Tensor  # [B] int64 (negative: not written)
+    rows: torch.Tensor | None = None  # h [B, H], whose norm's weight is folded into the projection: scale by 1/rms
+    eps: float = 0.0
+    bias: torch.Tensor | None = None  # [(nh + 2 nkv) hd], added after the scale (with ``rows`` only)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: PagedAttention, scale: float, *,
-    pdl: bool = False,
+    pdl: bool = False, rope: Rope | None = None,
 ) -> torch.Tensor:
     # q [B, nh, hd], k_cache / v_cache [NB, bs, nkv, hd], block_tables [B, W], seq_lens [B] -> [B, nh, hd]
     # pdl: both kernels launched with programmatic dependent launch (each waits for its predecessor first)
+    # rope: q is the qkv product [B, (nh + 2 nkv) hd], rotated in the kernel, its keys and values written to the cache
+    product = q
+    if rope is not None:
+        check(q.dim() == 2 and q.stride(-1) == 1 and k_cache.dim() == 4, _OP,
+              f"with rope, q is the qkv product [B, (nh + 2 nkv) hd]; got {tuple(q.shape)}")
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        check(q.shape[1] % head_dim == 0 and q.shape[1] // head_dim > 2 * kv_heads and head_dim % 2 == 0, _OP,
+              f"the qkv product has {q.shape[1]} columns; expected (nh + 2 * {kv_heads}) * {head_dim}")
+        q = q.view(q.shape[0], q.shape[1] // head_dim, head_dim)[:, : q.shape[1] // head_dim - 2 * kv_heads]
     check_float(_OP, q=q, k_cache=k_cache)
     check(q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, _OP,
           f"expected q [B, nh, hd] and caches [NB, bs, nkv, hd]; got q {tuple(q.shape)}, "
@@ -231,7 +342,24 @@ def paged_decode_attention(
     out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    q = last_dim_contiguous(q)
+    hidden = 1
+    if rope is None:
+        q = last_dim_contiguous(q)
+        extra: list[object] = [q, 0, hidden, 0.0, q, q, q, 0, 0, q]  # unused without ROPE
+    else:
+        positions, cos_sin, slots, rows, eps, bias = rope
+        check(positions.shape == (batch,) and slots.shape == (batch,), _OP,
+              f"positions {tuple(positions.shape)} and slot_mapping {tuple(slots.shape)}; expected ({batch},)")
+        check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, head_dim) and cos_sin.stride(-1) == 1, _OP,
+              f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {head_dim}] with a contiguous last dim")
+        if rows is not None:
+            check_rows(_OP, rows, batch, q.dtype)
+        check(bias is None or (rows is not None and bias.shape == (product.shape[1],)), _OP,
+              f"bias {None if bias is None else tuple(bias.shape)}: ({product.shape[1]},), with rows only")
+        hidden = 1 if rows is None else rows.shape[1]
+        extra = [product if rows is None else rows, 0 if rows is None else rows.stride(0), hidden, eps,
+                 product if bias is None else bias, positions, cos_sin, cos_sin.stride(0), cos_sin.stride(1), slots]
+        q = product
     group = heads // kv_heads
     config = decode_config(batch, kv_heads, group, head_dim, tables.shape[1] * block_size, sm_count(q.device))
     splits = config.splits
@@ -244,11 +372,13 @@ def paged_decode_attention(
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse,
         scale, block_size,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        q.stride(0), q.stride(1) if rope is None else head_dim, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0), *extra,
         GROUP=group, GROUP_PAD=config.group_pad, HEAD_DIM=head_dim, DIM_PAD=config.dim_pad, BLOCK_N=config.block_n,
-        SPLITS=splits, ONE_TILE=config.one_tile, EARLY_KV=config.one_tile and EARLY_KV, UPCAST=upcast_in_kernel(),
-        PRECISION=dot_precision(q.dtype), PDL=pdl,
+        SPLITS=splits, ONE_TILE=config.one_tile, EARLY_KV=config.one_tile and EARLY_KV and rope is None,
+        UPCAST=upcast_in_kernel(), PRECISION=dot_precision(q.dtype), PDL=pdl, ROPE=rope is not None,
+        NORM_ROWS=rope is not None and rope.rows is not None, HAS_BIAS=rope is not None and rope.bias is not None,
+        ROW_CHUNK=row_chunk(hidden), RNE=interpreting(),
         num_warps=config.warps, num_stages=config.stages, **launch,
     )  # fmt: skip
     if splits > 1:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from corelib.ops.spec import PagedAttention
 from corelib_cuda.triton_ops import linear
 from corelib_cuda.triton_ops import projection as proj
 from corelib_cuda.triton_ops.activation import silu_mul
 from corelib_cuda.triton_ops.common import check
+from corelib_cuda.triton_ops.decode_attention import Rope, paged_decode_attention
 from corelib_cuda.triton_ops.linear import Kernel, Projection, kernel_for, rows_of
 from corelib_cuda.triton_ops.norm import rms_norm
+from corelib_cuda.triton_ops.paged_attention import paged_attention
 from corelib_cuda.triton_ops.rope import rope_kv_write
 
 
@@ -81,21 +84,8 @@ def norm_qkv_rope_kv_write(
     op = "norm_qkv_rope_kv_write"
     x = rows_of(op, h, qkv_weight)
     _norm_weight(op, h, norm_weight)
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == h.dtype, op,
-          f"caches {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}; expected "
-          f"two {h.dtype} [NB, bs, nkv, hd]")
-    nkv, hd = k_cache.shape[2], k_cache.shape[3]
-    rows = qkv_weight.shape[0]
-    check(hd % 2 == 0 and rows % hd == 0 and rows // hd > 2 * nkv, op,
-          f"qkv_weight has {rows} rows; expected (nh + 2*{nkv}) * {hd} with nh >= 1 and an even head dim")
-    nh = rows // hd - 2 * nkv
-    batch = x.shape[0]
-    check(positions.shape == (batch,) and slot_mapping.shape == (batch,), op,
-          f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)}; expected ({batch},)")
-    check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, hd) and cos_sin.stride(-1) == 1, op,
-          f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {hd}] with a contiguous last dim")
-    check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, op, "the caches need a contiguous last dim")
-    check(qkv_bias is None or qkv_bias.shape == (rows,), op, f"qkv_bias must be ({rows},)")
+    nh, nkv, hd = _qkv_heads(op, x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    batch, rows = x.shape[0], qkv_weight.shape[0]
     kernel = kernel_for(batch, rows, x.shape[1], qkv_weight.element_size())
     if kernel is Kernel.CUBLAS:
         # Folded (no norm weight): cuBLAS multiplies h's rows themselves, and the RoPE kernel scales the product by
@@ -111,3 +101,60 @@ def norm_qkv_rope_kv_write(
                         norm_weight=norm_weight, unit_norm=norm_weight is None, eps=eps, bias=qkv_bias,
                         rope=(positions, cos_sin, k_cache, v_cache, slot_mapping), heads=(nh, nkv, hd // 2))
     return launch.run(kernel, pdl).view(batch, nh, hd)
+
+
+def _qkv_heads(op: str, x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
+               positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> tuple[int, int, int]:
+    """(nh, nkv, hd) of a qkv projection's inputs, each checked: x [B, H], the caches [NB, bs, nkv, hd]."""
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == x.dtype, op,
+          f"caches {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}; expected "
+          f"two {x.dtype} [NB, bs, nkv, hd]")
+    nkv, hd = k_cache.shape[2], k_cache.shape[3]
+    rows = qkv_weight.shape[0]
+    check(hd % 2 == 0 and rows % hd == 0 and rows // hd > 2 * nkv, op,
+          f"qkv_weight has {rows} rows; expected (nh + 2*{nkv}) * {hd} with nh >= 1 and an even head dim")
+    batch = x.shape[0]
+    check(positions.shape == (batch,) and slot_mapping.shape == (batch,), op,
+          f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)}; expected ({batch},)")
+    check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, hd) and cos_sin.stride(-1) == 1, op,
+          f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {hd}] with a contiguous last dim")
+    check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, op, "the caches need a contiguous last dim")
+    check(qkv_bias is None or qkv_bias.shape == (rows,), op, f"qkv_bias must be ({rows},)")
+    return rows // hd - 2 * nkv, nkv, hd
+
+
+def norm_qkv_attention(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    attn: PagedAttention,
+    scale: float,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    # h [B, H], qkv [(nh + 2 nkv) hd, H], caches [NB, bs, nkv, hd] -> the attention's output [B, nh, hd]
+    # Beside cuBLAS in a decode step, the attention kernel rotates q and k and writes k and v itself: no RoPE
+    # kernel. Elsewhere (the projection kernels, which rotate in their epilogue; prompt chunks) the two ops.
+    op = "norm_qkv_attention"
+    x = rows_of(op, h, qkv_weight)
+    _norm_weight(op, h, norm_weight)
+    _qkv_heads(op, x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    kernel = kernel_for(x.shape[0], qkv_weight.shape[0], x.shape[1], qkv_weight.element_size())
+    if kernel is not Kernel.CUBLAS or not attn.is_decode or attn.captured:
+        q = norm_qkv_rope_kv_write(h, norm_weight, eps, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache,
+                                   slot_mapping, pdl=pdl)
+        return paged_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)
+    folded = norm_weight is None
+    normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)[0]
+    qkv = F.linear(normed, qkv_weight, None if folded else qkv_bias)  # [B, (nh + 2 nkv) hd]
+    rope = Rope(positions, cos_sin, slot_mapping, rows=x if folded else None, eps=eps,
+                bias=qkv_bias if folded else None)
+    return paged_decode_attention(qkv, k_cache, v_cache, attn, scale, pdl=pdl, rope=rope)

@@ -81,7 +81,8 @@ class TritonOps:
             "sample": functools.partial(sample, pdl=pdl),
         }
         for module, names in ((linear, ("linear", "linear_residual")),
-                              (layer_ops, ("norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits"))):
+                              (layer_ops, ("norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits",
+                                          "norm_qkv_attention"))):
             for name in names:
                 ops[name] = functools.partial(getattr(module, name), pdl=pdl)
         return ops

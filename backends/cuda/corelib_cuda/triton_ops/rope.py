@@ -18,7 +18,7 @@ _OP = "rope_kv_write"
 
 
 @triton.jit
-def _unnormed(x, rstd, bias_ptr, cols, ok, DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
+def unnormed(x, rstd, bias_ptr, cols, ok, DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
     """A product of the rows before their norm (its weight folded into the projection's) as the projection of the
     normalized rows gives it: times the row's 1/rms, plus the bias, rounded to the model dtype."""
     x = x * rstd
@@ -53,8 +53,8 @@ def _rope_kv_write_kernel(
     if NORM_ROWS:
         rstd = row_rstd(h_ptr + t * h_s0, hidden, eps, ROW_CHUNK)
         features = heads[:, None] * (2 * HALF) + d[None, :]  # the bias's columns (q and k: the first rows)
-        x1 = _unnormed(x1, rstd, bias_ptr, features, mask, dtype, HAS_BIAS, RNE)
-        x2 = _unnormed(x2, rstd, bias_ptr, features + HALF, mask, dtype, HAS_BIAS, RNE)
+        x1 = unnormed(x1, rstd, bias_ptr, features, mask, dtype, HAS_BIAS, RNE)
+        x2 = unnormed(x2, rstd, bias_ptr, features + HALF, mask, dtype, HAS_BIAS, RNE)
     cos = cs_ptr + pos * cs_s0 + d
     c1 = tl.load(cos, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -85,7 +85,7 @@ def _rope_kv_write_kernel(
     v = tl.load(v_ptr + t * v_s0 + kv[:, None] * v_s1 + full[None, :], mask=v_mask, other=0.0)
     if NORM_ROWS:
         v_cols = (NUM_Q + NUM_KV + kv)[:, None] * (2 * HALF) + full[None, :]
-        v = _unnormed(v.to(tl.float32), rstd, bias_ptr, v_cols, v_mask, dtype, HAS_BIAS, RNE).to(dtype)
+        v = unnormed(v.to(tl.float32), rstd, bias_ptr, v_cols, v_mask, dtype, HAS_BIAS, RNE).to(dtype)
     v_dst = vc_ptr + block * vc_sb + offset * vc_st + kv[:, None] * vc_sh + full[None, :]
     tl.store(v_dst, v, mask=v_mask)
 
