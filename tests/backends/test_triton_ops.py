@@ -34,6 +34,7 @@ from corelib_cuda.triton_ops import paged_attention as attention
 from corelib_cuda.triton_ops import projection as projection_kernels
 from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import DecodeConfig, decode_config
+from corelib_cuda.triton_ops.rope import rope_kv_write
 from omegaconf import OmegaConf
 from support import every
 
@@ -189,6 +190,22 @@ def test_beside_cublas_the_attention_kernel_rotates_and_writes_the_keys_as_the_t
     actual = layer_ops.norm_qkv_attention(*fused)
     assert_matches(actual, expected, f"the attention beside cuBLAS ({case_id(case)})")
     assert torch.equal(fused[7], two[7]) and torch.equal(fused[8], two[8])
+
+
+def test_past_its_rows_the_rope_kernel_runs_beside_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = QKV_ON_CUBLAS[0]
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return rope_kv_write(*args, **kwargs)
+
+    monkeypatch.setattr(layer_ops, "rope_kv_write", counted)
+    for max_m, expected in ((case.batch, 0), (case.batch - 1, 1)):
+        monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING,
+                                                                       rope_in_attention_max_m=max_m))
+        layer_ops.norm_qkv_attention(*case.build(0, torch.device("cpu")))  # type: ignore[arg-type]
+        assert len(calls) == expected, f"rows {case.batch}, rope_in_attention_max_m {max_m}: {len(calls)} RoPE kernels"
 
 
 def _decode_inputs(shape: ModelShape, lengths: list[int], block_size: int) -> tuple[StepBatch, KVCache]:

@@ -141,14 +141,16 @@ def norm_qkv_attention(
     pdl: bool = False,
 ) -> torch.Tensor:
     # h [B, H], qkv [(nh + 2 nkv) hd, H], caches [NB, bs, nkv, hd] -> the attention's output [B, nh, hd]
-    # Beside cuBLAS in a decode step, the attention kernel rotates q and k and writes k and v itself: no RoPE
-    # kernel. Elsewhere (the projection kernels, which rotate in their epilogue; prompt chunks) the two ops.
+    # Beside cuBLAS in a decode step of up to ``rope_in_attention_max_m`` rows, the attention kernel rotates q and k
+    # and writes k and v itself: no RoPE kernel. Elsewhere (the projection kernels, which rotate in their epilogue;
+    # more rows; prompt chunks) the two ops.
     op = "norm_qkv_attention"
     x = rows_of(op, h, qkv_weight)
     _norm_weight(op, h, norm_weight)
     _qkv_heads(op, x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping)
     kernel = kernel_for(x.shape[0], qkv_weight.shape[0], x.shape[1], qkv_weight.element_size())
-    if kernel is not Kernel.CUBLAS or not attn.is_decode or attn.captured:
+    if (kernel is not Kernel.CUBLAS or not attn.is_decode or attn.captured
+            or x.shape[0] > linear.TUNING.rope_in_attention_max_m):
         q = norm_qkv_rope_kv_write(h, norm_weight, eps, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache,
                                    slot_mapping, pdl=pdl)
         return paged_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)

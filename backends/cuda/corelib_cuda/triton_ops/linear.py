@@ -122,6 +122,11 @@ class Tuning:
     gemm_min_k_tiles: int = 4  # K tiles each split keeps at least
     gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
     gemm_float_logits: bool = True  # the LM head's cuBLAS product written as float32 (no widening kernel after it)
+    #: rows up to which, beside a cuBLAS qkv product in a decode step, the attention kernel rotates q and k and writes
+    #: the step's keys itself (no RoPE kernel): llama-1b's step took 1.5-2.2 % less at 8-64 rows and small-0.6b's 2.9 %
+    #: at 64; at 128 rows, where each of its programs holds the newest key, it was 0.1-0.9 % slower in the step and
+    #: 2.3 % in the engine (H100, BENCHMARKS.md 2026-12-06, the RoPE inside the attention)
+    rope_in_attention_max_m: int = 64
 
 
 class Kernel(enum.Enum):
