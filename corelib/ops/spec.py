@@ -371,7 +371,8 @@ class NormQkvAttention(Protocol):
         Takes what the two take (h [T, H] and the step's attn), writes the step's keys and values into
         the caches as the first does, and returns the attention's output [T, nh, hd]. A provider may run the
         step in fewer kernels where the rotated queries need not leave them (a decode step beside a
-        library GEMM); its results are those of the two ops one after the other.
+        library GEMM): the caches as the first op writes them, the output within the dtype's tolerance
+        of the two ops one after the other (its softmax may take the newest key on its own).
         """
         ...
 
