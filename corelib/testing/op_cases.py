@@ -194,13 +194,18 @@ class RopeCase:
         return qk, v, positions, cos_sin, kc, vc, slots
 
 
+def cos_sin_table(gen: torch.Generator, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A RoPE table of 4096 positions [4096, 2, head_dim] (cos, sin) of random angles, on the CPU."""
+    angles = torch.rand(4096, 1, head_dim, generator=gen) * 6.3
+    return torch.cat((angles.cos(), angles.sin()), dim=1).to(dtype)
+
+
 def rope_kv_inputs(gen: torch.Generator, tokens: int, block_size: int, kv_heads: int, head_dim: int,
                    dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """What RoPE and the KV write read beside the projection, for ``tokens`` tokens, on ``device``: positions,
     a cos/sin table of 4096 positions, key and value caches of a few blocks more than the tokens need, and a
     distinct cache slot per token."""
-    angles = torch.rand(4096, 1, head_dim, generator=gen) * 6.3
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(dtype)
+    cos_sin = cos_sin_table(gen, head_dim, dtype)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     num_blocks = -(-tokens // block_size) + 3
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from corelib.ops import PagedAttention, fold_norm_weight
-from corelib.testing.op_cases import BF16, F32, LONG_CONTEXT, Args, DecodeCase, randn, rope_kv_inputs
+from corelib.testing.op_cases import BF16, F32, LONG_CONTEXT, Args, DecodeCase, cos_sin_table, randn, rope_kv_inputs
 
 
 def weight(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -134,19 +134,22 @@ class NormQkvAttentionCase:
     folded: bool = False
     long: int = LONG_CONTEXT
 
+    @property
+    def qkv_rows(self) -> int:
+        """The qkv weight's rows: (nh + 2 nkv) hd."""
+        return (self.kv_heads * self.group + 2 * self.kv_heads) * self.head_dim
+
     def build(self, seed: int, device: torch.device) -> Args:
         nkv, hd, bs = self.kv_heads, self.head_dim, self.block_size
         _, kc, vc, attn, scale, _ = DecodeCase(self.dtype, self.batch, self.group, hd, bs, self.long, nkv).build(
             seed, device)
         assert isinstance(attn, PagedAttention)
         gen = torch.Generator().manual_seed(seed + 1)
-        rows = (nkv * self.group + 2 * nkv) * hd
-        h, nw, qkv = normed_product(gen, self.batch, self.hidden, rows, self.dtype)
-        bias = randn(gen, rows, dtype=self.dtype) if self.bias else None
+        h, nw, qkv = normed_product(gen, self.batch, self.hidden, self.qkv_rows, self.dtype)
+        bias = randn(gen, self.qkv_rows, dtype=self.dtype) if self.bias else None
         if self.folded:
             qkv = fold_norm_weight(qkv, nw)
-        angles = torch.rand(4096, 1, hd, generator=gen) * 6.3
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(self.dtype).to(device)
+        cos_sin = cos_sin_table(gen, hd, self.dtype).to(device)
         newest = attn.seq_lens - 1
         tables = attn.block_tables.long()
         blocks = tables.gather(1, (newest // bs)[:, None])[:, 0]

@@ -142,13 +142,9 @@ def test_the_decode_attention_reads_the_same_keys_early_or_late(
             assert_matches(a, e, f"decode attention {case}, old keys {'early' if early else 'late'}")
 
 
-def _qkv_rows(case: NormQkvAttentionCase) -> int:
-    return (case.kv_heads * case.group + 2 * case.kv_heads) * case.head_dim
-
-
 #: the cases whose qkv product goes to cuBLAS: there the attention kernel rotates q and k and writes the cache
 QKV_ON_CUBLAS = [case for case in QKV_ATTENTION_CASES if projections.kernel_for(
-    case.batch, _qkv_rows(case), case.hidden, case.dtype.itemsize) is projections.Kernel.CUBLAS]
+    case.batch, case.qkv_rows, case.hidden, case.dtype.itemsize) is projections.Kernel.CUBLAS]
 
 
 def test_the_fused_attention_cases_take_every_path_of_the_kernel_beside_cublas() -> None:

@@ -36,9 +36,8 @@ from corelib_cuda.triton_ops.common import (
     sm_count,
     upcast_in_kernel,
 )
-from corelib_cuda.triton_ops.norm import check_rows, row_chunk, row_rstd
-from corelib_cuda.triton_ops.rope import unnormed
-from corelib_cuda.triton_ops.rounding import rounded
+from corelib_cuda.triton_ops.norm import row_chunk, row_rstd
+from corelib_cuda.triton_ops.rope import rope_angles, rotated_heads, unnormed
 
 _OP = "paged_attention"  # its decode steps: one query per row
 #: the most splits of one sequence's context; also the partial buffers' static size
@@ -87,31 +86,6 @@ def attend_tile(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):  #
     l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
-
-
-@triton.jit
-def _rotated(row_ptr, head, d, partner, mask, rstd, bias_ptr, cos, sin, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
-             NORM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
-    """Heads ``head`` [R] of one row of the qkv product, rotated [R, DIM_PAD] in DTYPE, rounded as the RoPE kernel
-    rounds them: x * cos + rotate_half(x) * sin (``sin`` carries rotate_half's sign; ``partner``: d's other half)."""
-    cols = head[:, None] * HEAD_DIM + d[None, :]
-    partner_cols = head[:, None] * HEAD_DIM + partner[None, :]
-    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row_ptr + partner_cols, mask=mask, other=0.0).to(tl.float32)
-    if NORM_ROWS:
-        x = unnormed(x, rstd, bias_ptr, cols, mask, DTYPE, HAS_BIAS, RNE)
-        xp = unnormed(xp, rstd, bias_ptr, partner_cols, mask, DTYPE, HAS_BIAS, RNE)
-    out = rounded(x * cos, DTYPE, RNE) + rounded(xp * sin, DTYPE, RNE)
-    return rounded(out, DTYPE, RNE).to(DTYPE)
-
-
-@triton.jit
-def _angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HALF: tl.constexpr):
-    """cos and sin [1, DIM_PAD] of ``position``, sin with rotate_half's sign, and each d's other half."""
-    angles = cs_ptr + position * cs_s0 + d
-    cos = tl.load(angles, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin = (tl.load(angles + cs_s1, mask=d_ok, other=0.0).to(tl.float32) * tl.where(d < HALF, -1.0, 1.0))[None, :]
-    return cos, sin, tl.where(d < HALF, d + HALF, d - HALF)
 
 
 @triton.jit
@@ -179,8 +153,8 @@ def _decode_kernel(
         if NORM_ROWS:
             rstd = row_rstd(h_ptr + seq * h_s0, hidden, eps, ROW_CHUNK)
         position = tl.load(pos_ptr + seq)
-        cos, sin, partner = _angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HEAD_DIM // 2)
-        q = _rotated(q_ptr + seq * q_s0, heads, d, partner, q_mask, rstd, bias_ptr, cos, sin, HEAD_DIM, dtype,
+        cos, sin, partner = rope_angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HEAD_DIM // 2)
+        q = rotated_heads(q_ptr + seq * q_s0, heads, d, partner, q_mask, rstd, bias_ptr, cos, sin, HEAD_DIM, dtype,
                      NORM_ROWS, HAS_BIAS, RNE)
         # The split that holds the newest position writes the step's key and value there, after its pass over the
         # cache, and attends to them from registers: the pass leaves that position out (a padded row's, whose slot
@@ -216,12 +190,13 @@ def _decode_kernel(
             m, l, acc = attend_tile(q, k, v, live[None, :], m, l, acc, scale, PRECISION)  # noqa: E741
     if ROPE:  # noqa: SIM102 - a compile-time branch around a run-time one
         if newest_here:  # the step's key and value: rotated, written, attended to
-            cos, sin, partner = _angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HEAD_DIM // 2)
+            # (the angles read again rather than held in registers across the pass over the cache)
+            cos, sin, partner = rope_angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HEAD_DIM // 2)
             row = q_ptr + seq * q_s0
             one = tl.zeros([1], tl.int32)
             new_mask = (one == 0)[:, None] & d_ok[None, :]
             num_q = tl.num_programs(1) * GROUP
-            key = _rotated(row, num_q + kv_head + one, d, partner, new_mask, rstd, bias_ptr, cos, sin, HEAD_DIM,
+            key = rotated_heads(row, num_q + kv_head + one, d, partner, new_mask, rstd, bias_ptr, cos, sin, HEAD_DIM,
                            dtype, NORM_ROWS, HAS_BIAS, RNE)  # [1, DIM_PAD]
             v_cols = (num_q + tl.num_programs(1) + kv_head + one)[:, None] * HEAD_DIM + d[None, :]
             value = tl.load(row + v_cols, mask=new_mask, other=0.0)
@@ -347,15 +322,7 @@ def paged_decode_attention(
         q = last_dim_contiguous(q)
         extra: list[object] = [q, 0, hidden, 0.0, q, q, q, 0, 0, q]  # unused without ROPE
     else:
-        positions, cos_sin, slots, rows, eps, bias = rope
-        check(positions.shape == (batch,) and slots.shape == (batch,), _OP,
-              f"positions {tuple(positions.shape)} and slot_mapping {tuple(slots.shape)}; expected ({batch},)")
-        check(cos_sin.dim() == 3 and cos_sin.shape[1:] == (2, head_dim) and cos_sin.stride(-1) == 1, _OP,
-              f"cos_sin {tuple(cos_sin.shape)}; expected [max_len, 2, {head_dim}] with a contiguous last dim")
-        if rows is not None:
-            check_rows(_OP, rows, batch, q.dtype)
-        check(bias is None or (rows is not None and bias.shape == (product.shape[1],)), _OP,
-              f"bias {None if bias is None else tuple(bias.shape)}: ({product.shape[1]},), with rows only")
+        positions, cos_sin, slots, rows, eps, bias = rope  # checked by the caller (norm_qkv_attention)
         hidden = 1 if rows is None else rows.shape[1]
         extra = [product if rows is None else rows, 0 if rows is None else rows.stride(0), hidden, eps,
                  product if bias is None else bias, positions, cos_sin, cos_sin.stride(0), cos_sin.stride(1), slots]

@@ -145,15 +145,16 @@ def norm_qkv_attention(
     # and writes k and v itself: no RoPE kernel. Elsewhere (the projection kernels, which rotate in their epilogue;
     # more rows; prompt chunks) the two ops.
     op = "norm_qkv_attention"
-    x = rows_of(op, h, qkv_weight)
-    _norm_weight(op, h, norm_weight)
-    _qkv_heads(op, x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    kernel = kernel_for(x.shape[0], qkv_weight.shape[0], x.shape[1], qkv_weight.element_size())
-    if (kernel is not Kernel.CUBLAS or not attn.is_decode or attn.captured
-            or x.shape[0] > linear.TUNING.rope_in_attention_max_m):
+    rows = h.numel() // max(h.shape[-1], 1)
+    if (not attn.is_decode or attn.captured or rows > linear.TUNING.rope_in_attention_max_m
+            or kernel_for(rows, qkv_weight.shape[0], qkv_weight.shape[-1], qkv_weight.element_size())
+            is not Kernel.CUBLAS):  # the two ops, which check their own inputs
         q = norm_qkv_rope_kv_write(h, norm_weight, eps, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache,
                                    slot_mapping, pdl=pdl)
         return paged_attention(q, k_cache, v_cache, attn, scale, pdl=pdl)
+    x = rows_of(op, h, qkv_weight)
+    _norm_weight(op, h, norm_weight)
+    _qkv_heads(op, x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping)
     folded = norm_weight is None
     normed = x if norm_weight is None else rms_norm(x, norm_weight, eps)[0]
     qkv = F.linear(normed, qkv_weight, None if folded else qkv_bias)  # [B, (nh + 2 nkv) hd]

@@ -28,6 +28,32 @@ def unnormed(x, rstd, bias_ptr, cols, ok, DTYPE: tl.constexpr, HAS_BIAS: tl.cons
 
 
 @triton.jit
+def rotated_heads(row_ptr, head, d, partner, mask, rstd, bias_ptr, cos, sin, HEAD_DIM: tl.constexpr,
+                  DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE: tl.constexpr):
+    """Heads ``head`` [R] of one row of the qkv product, rotated [R, DIM_PAD] in DTYPE, rounded as the kernel below
+    rounds them: x * cos + rotate_half(x) * sin (``sin`` carries rotate_half's sign; ``partner``: d's other half).
+    For a kernel that rotates one head's whole width at once (the decode attention's); this one rotates halves."""
+    cols = head[:, None] * HEAD_DIM + d[None, :]
+    partner_cols = head[:, None] * HEAD_DIM + partner[None, :]
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + partner_cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_ROWS:
+        x = unnormed(x, rstd, bias_ptr, cols, mask, DTYPE, HAS_BIAS, RNE)
+        xp = unnormed(xp, rstd, bias_ptr, partner_cols, mask, DTYPE, HAS_BIAS, RNE)
+    out = rounded(x * cos, DTYPE, RNE) + rounded(xp * sin, DTYPE, RNE)
+    return rounded(out, DTYPE, RNE).to(DTYPE)
+
+
+@triton.jit
+def rope_angles(cs_ptr, position, cs_s0, cs_s1, d, d_ok, HALF: tl.constexpr):
+    """cos and sin [1, DIM_PAD] of ``position``, sin with rotate_half's sign, and each d's other half."""
+    angles = cs_ptr + position * cs_s0 + d
+    cos = tl.load(angles, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = (tl.load(angles + cs_s1, mask=d_ok, other=0.0).to(tl.float32) * tl.where(d < HALF, -1.0, 1.0))[None, :]
+    return cos, sin, tl.where(d < HALF, d + HALF, d - HALF)
+
+
+@triton.jit
 def _rope_kv_write_kernel(
     qk_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, out_ptr, h_ptr, bias_ptr,
     qk_s0, qk_s1, v_s0, v_s1, cs_s0, cs_s1,
