@@ -22,7 +22,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     [ -d "$dir/corelib_cuda" ] || { echo "step_ab.sh: $dir holds no corelib_cuda" >&2; exit 2; }
     profile=0; [ "$round" = 1 ] && profile=${PROFILE:-0}
     name="$label-$round"
-    PYTHONPATH="$(cd "$dir" && pwd):$repo:$repo/benchmarks" timeout --kill-after=10 "${CAP:-300}" \
+    PYTHONPATH="$(cd "$dir" && pwd):$repo:$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "${CAP:-300}" \
       python3 "$repo/benchmarks/projection_tuning.py" --models "${models[@]}" --profile "$profile" \
       --context "${CTX:-64}" --out "$out/$name.json" --config "$label" '{}' "${batches[@]}" >"$out/$name.txt" 2>&1
     rc=$?
