@@ -1,11 +1,19 @@
 """Kernels per decode step and device time per step by kernel class, reference vs fused ops;
 the bandwidth each of the decode layer's projection kernels achieves.
 
-Runs decode steps eagerly (graphs off, so the profiler sees each launch) under torch.profiler
-and classifies every CUDA kernel of one steady decode step. Kernels per layer are counted as
-the difference between the model and the same model with half its layers, over the layers
-removed: the kernels run once per step (embedding, final norm, LM head, sampling, token
-copies) cancel out.
+Runs decode steps eagerly (graphs off; with ``--engine-graphs``, the engine's own graph of the
+batch size, replayed) under torch.profiler and classifies every CUDA kernel of one steady decode
+step. Kernels per layer are counted as the difference between the model and the same model with
+half its layers, over the layers removed: the kernels run once per step (embedding, final norm, LM
+head, sampling, token copies) cancel out. An eager step's block tables are as wide as its live
+context, so its attention splits that, not the wider table of the graph the engine replays: where
+the graph's attention splits and the eager one does not, the eager count leaves out the merge
+kernel.
+
+With ``--graph`` it also counts the kernels of the step the engine replays: the model's decode
+step captured as a CUDA graph at the engine's table width for a context of ``--context`` tokens
+(``decode_step``: the Triton ops with PDL, the norms folded as the engine folds them), one layer's
+kernels in launch order from the profiled replays (from one decode attention kernel to the next).
 
 With ``--bandwidth`` it also times each fused projection op of the model (the one the engine
 calls, at the batch size given, with PDL) in a CUDA graph of back-to-back calls, each over its
@@ -14,6 +22,7 @@ over the time against the device's copy rate (peers.py's: a device-to-device cop
 bytes read and written over its time).
 
     python3 benchmarks/kernels.py --model small-0.6b --batch 1 32 --out kernels.json
+    python3 benchmarks/kernels.py --model small-0.6b llama-1b --batch 1 32 64 --fused --graph
     python3 benchmarks/kernels.py --model small-0.6b llama-1b --batch 1 --fused --bandwidth --out bw.json
 """
 
@@ -34,6 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from corelib.engine import Engine, SamplingParams
+from corelib.ops.reference import reference_ops
 from corelib.startup.compose import compose_config
 
 CLASSES = (
@@ -55,8 +65,10 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def profile_steps(model: str, fused: str, batch: int, steps: int, layers: int | None = None) -> dict[str, Any]:
-    overrides = ["backend=cuda", "backend.runtime=native", f"model={model}", "engine.graph=off", "model.init=device",
+def profile_steps(model: str, fused: str, batch: int, steps: int, layers: int | None = None,
+                  graphs: bool = False) -> dict[str, Any]:
+    graph = [f"engine.graph_batch_sizes=[{batch}]"] if graphs else ["engine.graph=off"]
+    overrides = ["backend=cuda", "backend.runtime=native", f"model={model}", *graph, "model.init=device",
                  f"engine.fused_ops={fused}", "engine.async_token_handoff=off", f"engine.max_num_seqs={batch}"]
     if layers is not None:
         overrides.append(f"model.num_layers={layers}")
@@ -75,6 +87,7 @@ def profile_steps(model: str, fused: str, batch: int, steps: int, layers: int | 
         for _ in engine.stream():
             pass
     count: Counter[str] = Counter()
+    by_name: Counter[str] = Counter()
     time_us: dict[str, float] = defaultdict(float)
     total = 0
     for event in prof.events():
@@ -82,10 +95,12 @@ def profile_steps(model: str, fused: str, batch: int, steps: int, layers: int | 
             continue
         label = kernel_class(event.name)
         count[label] += 1
+        by_name[_short(event.name)] += 1
         time_us[label] += event.device_time
         total += 1
     return {
-        "model": model, "fused_ops": fused, "batch": batch, "steps": steps, "layers": layers,
+        "model": model, "fused_ops": fused, "batch": batch, "steps": steps, "layers": layers, "graphs": graphs,
+        "by_name": {name: n / steps for name, n in by_name.most_common()},
         "kernels_per_step": total / steps, "kernels_per_layer": total / steps / layers,
         "by_class": {k: {"kernels_per_step": count[k] / steps, "us_per_step": time_us[k] / steps}
                      for k in sorted(count)},
@@ -93,14 +108,39 @@ def profile_steps(model: str, fused: str, batch: int, steps: int, layers: int | 
     }
 
 
-def per_layer(model: str, fused: str, batch: int, steps: int) -> dict[str, Any]:
+def per_layer(model: str, fused: str, batch: int, steps: int, graphs: bool = False) -> dict[str, Any]:
     """The full model's profile, with kernels per layer from the difference to half its layers."""
-    full = profile_steps(model, fused, batch, steps)
-    half = profile_steps(model, fused, batch, steps, layers=full["layers"] // 2)
+    full = profile_steps(model, fused, batch, steps, graphs=graphs)
+    half = profile_steps(model, fused, batch, steps, layers=full["layers"] // 2, graphs=graphs)
     removed = full["layers"] - half["layers"]
     full["kernels_per_layer"] = (full["kernels_per_step"] - half["kernels_per_step"]) / removed
     full["kernels_outside_layers"] = full["kernels_per_step"] - full["kernels_per_layer"] * full["layers"]
     return full
+
+
+def graph_layers(model: str, batches: list[int], context: int, replays: int) -> list[dict[str, Any]]:
+    """Per batch size, one decoder layer's kernels in the decode step the engine replays (see the module's
+    docstring), and the kernels of the step outside its layers (the embedding, the final norm and LM head)."""
+    from corelib_cuda.triton_ops import TritonOps
+
+    device = decode_step.open_device()
+    rows = []
+    try:
+        ops = reference_ops().with_provider("triton", TritonOps().load(device, pdl=True))
+        loaded = decode_step.load(model, "bfloat16", device, fold_norms=True)
+        for batch in batches:
+            inputs, cache = decode_step.step_inputs(loaded, batch, context)
+            result = decode_step.replay(loaded, ops, inputs, cache, 2, replays)
+            layer = [k["kernel"] for k in result["layer"]]
+            per_step = sum(k["calls_per_step"] for k in result["kernels"])
+            rows.append({"model": model, "batch": batch, "context": context, "us_per_step": result["us_per_step"],
+                         "kernels_per_step": per_step, "kernels_per_layer": len(layer),
+                         "kernels_outside_layers": per_step - len(layer) * loaded.shape.num_layers, "layer": layer})
+            del inputs, cache
+        del loaded
+    finally:
+        device.close()
+    return rows
 
 
 def projection_calls(model: str, batch: int) -> list[tuple[str, int, int, Callable[[torch.Tensor], object]]]:
@@ -149,6 +189,11 @@ def bandwidth(model: str, batch: int, rate: float) -> list[dict[str, Any]]:
     return rows
 
 
+def _short(kernel: str) -> str:
+    """A kernel's name without its template arguments and parameter list, at most 28 characters."""
+    return re.split(r"[<(]", kernel, maxsplit=1)[0][:28]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=["small-0.6b"])
@@ -158,7 +203,22 @@ def main() -> None:
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--bandwidth", action="store_true", help="each projection kernel's achieved bandwidth too")
     parser.add_argument("--bandwidth-out", default="bandwidth.json")
+    parser.add_argument("--graph", action="store_true", help="the kernels of the graph-replayed step too")
+    parser.add_argument("--engine-graphs", action="store_true",
+                        help="the engine's steps with its graphs on (a graph of the batch size) instead of eagerly")
+    parser.add_argument("--context", type=int, default=64, help="cached tokens a row, for --graph")
+    parser.add_argument("--graph-out", default="graph_kernels.json")
     args = parser.parse_args()
+    if args.graph:
+        graphs = [row for model in args.model for row in graph_layers(model, args.batch, args.context, args.steps)]
+        with open(args.graph_out, "w") as out:
+            json.dump(graphs, out, indent=2)
+        print(f"the graph-replayed step, context {args.context}:")
+        print(f"{'model':>11} {'bs':>4} {'kernels/layer':>14} {'outside':>8} {'us/step':>8}  one layer")
+        for r in graphs:
+            names = ", ".join(_short(name) for name in r["layer"])
+            print(f"{r['model']:>11} {r['batch']:>4} {r['kernels_per_layer']:>14} {r['kernels_outside_layers']:>8.0f} "
+                  f"{r['us_per_step']:>8.1f}  {names}")
     if args.bandwidth:
         device = decode_step.open_device()
         try:
@@ -176,8 +236,8 @@ def main() -> None:
                   f"{r['us']:>8.2f} {r['tb_per_s']:>6.2f} {100 * r['of_copy_rate']:>7.0f}%")
     if not args.fused:
         return
-    results = [per_layer(model, fused, batch, args.steps) for model in args.model for batch in args.batch
-               for fused in args.fused]
+    results = [per_layer(model, fused, batch, args.steps, args.engine_graphs) for model in args.model
+               for batch in args.batch for fused in args.fused]
     with open(args.out, "w") as out:
         json.dump(results, out, indent=2)
     print(f"{'model':>11} {'ops':>9} {'bs':>4} {'kernels/step':>13} {'kernels/layer':>14} {'outside':>8} "
@@ -188,6 +248,9 @@ def main() -> None:
               f"{r['kernels_per_layer']:>14.1f} {r['kernels_outside_layers']:>8.0f} {r['device_ms_per_step']:>15.3f}")
         print("          " + ", ".join(f"{k} {v['kernels_per_step']:.0f}/{v['us_per_step']:.0f}us"
                                       for k, v in r["by_class"].items()))
+        # the kernels launched a few times a step: the step's own, outside its layers
+        print("          once or twice a step: " + ", ".join(f"{name} x{n:g}" for name, n in r["by_name"].items()
+                                                            if n < r["layers"] / 2))
 
 
 if __name__ == "__main__":

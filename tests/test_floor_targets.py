@@ -60,3 +60,17 @@ def test_each_target_line_says_met_or_missed_with_its_floor_and_device_time_unde
     small = next(i for i, line in enumerate(lines) if line.startswith("small-0.6b bs 1 "))
     assert "not run" in lines[small] and "read floor" in lines[small + 1]
     assert "device per step (triton+pdl, ctx 64)" in lines[small + 2] and "0.560 ms" in lines[small + 2]
+
+
+def test_the_kernels_target_reads_the_graph_replayed_count_over_the_eager_one(tmp_path: Path) -> None:
+    # An eager step's attention splits its live context only: where the replayed graph's splits and adds the merge
+    # kernel, the eager count is one short, so the graph's count is the one held to the bound when it was taken.
+    eager = [{"model": "small-0.6b", "batch": 64, "kernels_per_layer": 6.0}]
+    (tmp_path / "kernels.json").write_text(json.dumps(eager))
+    report = load_benchmark("floor_targets").report
+    [line] = [line for line in report(tmp_path) if line.startswith("kernels per layer")]
+    assert line.startswith("kernels per layer (eager), small-0.6b bs 64") and line.split()[-1] == "met"
+    graph = [{"model": "small-0.6b", "batch": 64, "kernels_per_layer": 8, "layer": ["_decode_kernel", "merge"]}]
+    (tmp_path / "graph_kernels.json").write_text(json.dumps(graph))
+    [line] = [line for line in report(tmp_path) if line.startswith("kernels per layer")]
+    assert line.startswith("kernels per layer (graph), small-0.6b bs 64") and line.split()[-1] == "MISSED"
