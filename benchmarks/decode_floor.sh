@@ -5,14 +5,15 @@
 #     conformance  the op conformance suite on the GPU (the projections and fused ops, graph replay)
 #     checks       greedy tokens: PDL on = off in float32 over >= 2000 steps, 3 times; fused = reference (fp32)
 #     step         one decode step replayed as a graph: device time, PDL vs plain bit for bit, the bf16 bound
-#     kernels      kernels per layer (benchmarks/kernels.py), small-0.6b and llama-1b, bs 1 and 32
+#     kernels      kernels per layer (benchmarks/kernels.py), small-0.6b and llama-1b, bs 1, 32 and 64: eager and in
+#                  the graph-replayed step (--graph)
 #     bandwidth    each projection kernel's achieved bandwidth against the copy rate, the three models at bs 1
 #     bench        python -m corelib bench, async, in process: small-0.6b bs 1/32/128 and llama-1b bs 1/32 with
 #                  PDL off and on (BENCH_PDL), llama-8b bs 1/32, long context (prompt 1900) bs 1/32; occupancy
 #     before       with BEFORE_SITE set (an install of the previous release): the same small-0.6b and 1 B
 #                  benches with it, in this run, for the before/after comparison
 #     projections  the kernels against cuBLAS (the thresholds' sweep)
-# Environment: CHECK_STEPS / CHECK_REPEATS (2000 / 3), KERNEL_BATCHES ("1 32"), BENCH_CAP (600 s per bench run),
+# Environment: CHECK_STEPS / CHECK_REPEATS (2000 / 3), KERNEL_BATCHES ("1 32 64"), BENCH_CAP (600 s per bench run),
 # BEFORE_SITE (see before), SITE (below).
 # Assumes corelib and its backends are installed (pip install --no-deps . backends/...), or SITE=DIR holding
 # them (pip --target), with hydra-core and omegaconf. Runs from OUTDIR: from the repository's root,
@@ -77,8 +78,8 @@ for section in $sections; do
       ;;
     kernels)
       # shellcheck disable=SC2086 # KERNEL_BATCHES is a list of batch sizes
-      part kernels 600 python3 "$repo/benchmarks/kernels.py" --model small-0.6b llama-1b --batch ${KERNEL_BATCHES:-1 32} \
-        --fused on \
+      part kernels 600 python3 "$repo/benchmarks/kernels.py" --model small-0.6b llama-1b --batch ${KERNEL_BATCHES:-1 32 64} \
+        --fused on --graph --graph-out "$out/graph_kernels.json" \
         --out "$out/kernels.json"
       grep -E "fused|reference" "$out/kernels.log" | grep -v "^ " | sed 's/^/   /' | tee -a "$summary"
       ;;

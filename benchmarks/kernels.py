@@ -8,7 +8,9 @@ half its layers, over the layers removed: the kernels run once per step (embeddi
 head, sampling, token copies) cancel out. An eager step's block tables are as wide as its live
 context, so its attention splits that, not the wider table of the graph the engine replays: where
 the graph's attention splits and the eager one does not, the eager count leaves out the merge
-kernel.
+kernel. In a replayed graph the kernels launched early under PDL overlap their predecessors (each
+one's time counts from its launch, its wait included), so there the device time summed over the
+kernels runs past the step's.
 
 With ``--graph`` it also counts the kernels of the step the engine replays: the model's decode
 step captured as a CUDA graph at the engine's table width for a context of ``--context`` tokens
@@ -240,6 +242,8 @@ def main() -> None:
                for batch in args.batch for fused in args.fused]
     with open(args.out, "w") as out:
         json.dump(results, out, indent=2)
+    if args.engine_graphs:
+        print("the engine's graphs replayed: under PDL the kernels' times overlap, device ms/step sums past the step")
     print(f"{'model':>11} {'ops':>9} {'bs':>4} {'kernels/step':>13} {'kernels/layer':>14} {'outside':>8} "
           f"{'device ms/step':>15}")
     for r in results:
