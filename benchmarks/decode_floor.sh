@@ -82,6 +82,7 @@ for section in $sections; do
         --fused on --graph --graph-out "$out/graph_kernels.json" \
         --out "$out/kernels.json"
       grep -E "fused|reference" "$out/kernels.log" | grep -v "^ " | sed 's/^/   /' | tee -a "$summary"
+      grep -A12 "graph-replayed" "$out/kernels.log" | cut -c1-160 | sed 's/^/   /' | tee -a "$summary"
       ;;
     bandwidth)
       part bandwidth 300 python3 "$repo/benchmarks/kernels.py" --model small-0.6b llama-1b llama-8b --batch 1 --fused \
