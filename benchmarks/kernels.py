@@ -133,7 +133,7 @@ def graph_layers(model: str, batches: list[int], context: int, replays: int) -> 
         for batch in batches:
             inputs, cache = decode_step.step_inputs(loaded, batch, context)
             result = decode_step.replay(loaded, ops, inputs, cache, 2, replays)
-            layer = [k["kernel"] for k in result["layer"]]
+            layer = result["layer"]  # each kernel's name, µs (from its launch under PDL) and idle µs after it
             per_step = sum(k["calls_per_step"] for k in result["kernels"])
             rows.append({"model": model, "batch": batch, "context": context, "us_per_step": result["us_per_step"],
                          "kernels_per_step": per_step, "kernels_per_layer": len(layer),
@@ -216,9 +216,9 @@ def main() -> None:
         with open(args.graph_out, "w") as out:
             json.dump(graphs, out, indent=2)
         print(f"the graph-replayed step, context {args.context}:")
-        print(f"{'model':>11} {'bs':>4} {'kernels/layer':>14} {'outside':>8} {'us/step':>8}  one layer")
+        print(f"{'model':>11} {'bs':>4} {'kernels/layer':>14} {'outside':>8} {'us/step':>8}  one layer (kernel µs)")
         for r in graphs:
-            names = ", ".join(_short(name) for name in r["layer"])
+            names = ", ".join(f"{_short(k['kernel'])} {k['us']:.1f}" for k in r["layer"])
             print(f"{r['model']:>11} {r['batch']:>4} {r['kernels_per_layer']:>14} {r['kernels_outside_layers']:>8.0f} "
                   f"{r['us_per_step']:>8.1f}  {names}")
     if args.bandwidth:

@@ -70,7 +70,7 @@ def test_the_kernels_target_reads_the_graph_replayed_count_over_the_eager_one(tm
     report = load_benchmark("floor_targets").report
     [line] = [line for line in report(tmp_path) if line.startswith("kernels per layer")]
     assert line.startswith("kernels per layer (eager), small-0.6b bs 64") and line.split()[-1] == "met"
-    graph = [{"model": "small-0.6b", "batch": 64, "kernels_per_layer": 8, "layer": ["_decode_kernel", "merge"]}]
+    graph = [{"model": "small-0.6b", "batch": 64, "kernels_per_layer": 8, "layer": [{"kernel": "_decode_kernel"}]}]
     (tmp_path / "graph_kernels.json").write_text(json.dumps(graph))
     [line] = [line for line in report(tmp_path) if line.startswith("kernels per layer")]
     assert line.startswith("kernels per layer (graph), small-0.6b bs 64") and line.split()[-1] == "MISSED"
