@@ -38,10 +38,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       name="$label-$model-$round"
       path="$dir"
       for backend in "$dir"/backends/*/; do path="$path:${backend%/}"; done
+      path="$path${PYTHONPATH:+:$PYTHONPATH}"
       # the log's first line names the tree each run imported
-      PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" python3 -c 'import corelib; print("corelib from", corelib.__file__)' \
-        >"$out/$name.log" 2>&1
-      PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "${CAP:-300}" \
+      PYTHONPATH="$path" python3 -c 'import corelib; print("corelib from", corelib.__file__)' >"$out/$name.log" 2>&1
+      PYTHONPATH="$path" timeout --kill-after=10 "${CAP:-300}" \
         python3 -m corelib bench "${device[@]}" bench=h200 "model=$model" model.init=device bench.warmup_steps=8 \
         "bench.transport=[inproc]" "bench.handoff=[on]" "bench.prompt_lens=[]" "bench.batch_sizes=[$sizes]" \
         "${extra[@]}" hydra.run.dir="$out/$name" >>"$out/$name.log" 2>&1
