@@ -6,7 +6,7 @@ an :class:`OpProvider` to the engine; the ``fused_ops`` gate decides whether it 
 ``Ops.with_provider`` swaps in the provider's ops while the rest stay on the reference.
 """
 
-from corelib.ops.composed import fold_norm_weight
+from corelib.ops.composed import NONFINITE, fold_norm_weight
 from corelib.ops.spec import (
     COMPOSED_OPS,
     OP_NAMES,
@@ -23,6 +23,7 @@ from corelib.ops.spec import (
 
 __all__ = [
     "COMPOSED_OPS",
+    "NONFINITE",
     "OP_NAMES",
     "SAMPLING_COLUMNS",
     "SAMPLING_TABLES",

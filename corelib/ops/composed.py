@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from corelib.ops.spec import Ops, PagedAttention
+    from corelib.ops.spec import Ops, PagedAttention, SamplingInputs
+
+#: the id ``sample_publish`` writes for the host where a row's logits were not finite
+NONFINITE = -1
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -87,3 +90,24 @@ def norm_gate_up_silu_mul(
 def norm_logits(ops: Ops, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     x, _ = ops.rms_norm(h, norm_weight, eps)
     return ops.linear(x, weight).float()
+
+
+def relay_inputs(ops: Ops, input_ids: torch.Tensor, relay: torch.Tensor, states: torch.Tensor,
+                 slot_tokens: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    resolved = torch.where(input_ids >= 0, input_ids, relay[states])
+    slot_tokens.index_copy_(0, slot_mapping, resolved)
+    return resolved
+
+
+def sample_publish(ops: Ops, logits: torch.Tensor, sampling: SamplingInputs | None, checked: torch.Tensor,
+                   relay: torch.Tensor, relay_slots: torch.Tensor) -> torch.Tensor:
+    return publish_tokens(logits, ops.sample(logits, sampling), checked, relay, relay_slots)
+
+
+def publish_tokens(logits: torch.Tensor, tokens: torch.Tensor, checked: torch.Tensor, relay: torch.Tensor,
+                   relay_slots: torch.Tensor) -> torch.Tensor:
+    """``sample_publish``'s writes once ``tokens`` are sampled from ``logits``; returns ``tokens``."""
+    # a row holding a NaN or an inf sums to a non-finite value
+    checked.copy_(torch.where(torch.isfinite(logits.sum(dim=-1)), tokens, NONFINITE))
+    relay.index_copy_(0, relay_slots, tokens)
+    return tokens

@@ -22,6 +22,8 @@ from corelib.ops.composed import (
     norm_logits,
     norm_qkv_attention,
     norm_qkv_rope_kv_write,
+    relay_inputs,
+    sample_publish,
 )
 from corelib.platform.device import Device
 from corelib.sampling_params import LOGIT_BIAS_WIDTH, MIN_TOKENS_STOP_WIDTH
@@ -39,6 +41,8 @@ OP_NAMES = (
     "norm_gate_up_silu_mul",
     "norm_logits",
     "norm_qkv_attention",
+    "sample_publish",
+    "relay_inputs",
 )
 #: the ops that are a composition of others, with their parts: where no provider runs one, the
 #: container composes it from its own ops (corelib.ops.composed), so a provider's rms_norm or
@@ -50,11 +54,13 @@ COMPOSED_PARTS: dict[str, tuple[str, ...]] = {
     "norm_logits": ("rms_norm", "linear"),
     # after norm_qkv_rope_kv_write, whose provider it reads
     "norm_qkv_attention": ("norm_qkv_rope_kv_write", "paged_attention"),
+    "sample_publish": ("sample",),
+    "relay_inputs": (),  # plain torch, no op of its own inside
 }
 COMPOSED_OPS = tuple(COMPOSED_PARTS)
 COMPOSED = "composed"
 _COMPOSERS = {f.__name__: f for f in (linear_residual, norm_qkv_rope_kv_write, norm_gate_up_silu_mul, norm_logits,
-                                      norm_qkv_attention)}
+                                      norm_qkv_attention, sample_publish, relay_inputs)}
 
 
 @dataclass(frozen=True)
@@ -302,6 +308,31 @@ class Sample(Protocol):
         ...
 
 
+class SamplePublish(Protocol):
+    def __call__(self, logits: torch.Tensor, sampling: SamplingInputs | None, checked: torch.Tensor,
+                 relay: torch.Tensor, relay_slots: torch.Tensor) -> torch.Tensor:
+        """A step's last op: ``sample``'s token ids [B] int64, returned and published where they go.
+
+        checked [B] int64 (what the host reads): row i's token, or ``NONFINITE`` (-1) where row i's logits
+        hold a NaN or an inf (the composition checks their sum: a row of finite logits whose float32 sum
+        overflows, past 1e33 a logit, reads NONFINITE too); relay [S] int64 (what the next step's inputs
+        read): relay[relay_slots[i]] = row i's token, relay_slots [B] int64 distinct. The same as ``sample``,
+        then those two writes; a provider may make them in its sampling kernel.
+        """
+        ...
+
+
+class RelayInputs(Protocol):
+    def __call__(self, input_ids: torch.Tensor, relay: torch.Tensor, states: torch.Tensor, slot_tokens: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> torch.Tensor:
+        """A step's first op: its input ids [T] int64 with each negative one (a token the host has not seen yet)
+        replaced by relay[states[t]] (relay [S] int64: the latest sample of each state index, as
+        ``sample_publish`` left it; states [T] int64); returns them and writes them to slot_tokens[slot_mapping[t]]
+        too (slot_tokens [NS] int64: the token fed at each KV slot; slot_mapping [T] int64, each a valid slot).
+        """
+        ...
+
+
 class Linear(Protocol):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype; weight [N, K] as the checkpoint holds it.
@@ -415,6 +446,8 @@ class Ops:
     norm_gate_up_silu_mul: NormGateUpSiluMul = None  # type: ignore[assignment]
     norm_logits: NormLogits = None  # type: ignore[assignment]
     norm_qkv_attention: NormQkvAttention = None  # type: ignore[assignment]
+    sample_publish: SamplePublish = None  # type: ignore[assignment]
+    relay_inputs: RelayInputs = None  # type: ignore[assignment]
     providers: Mapping[str, str] = field(default_factory=lambda: dict.fromkeys(OP_NAMES, "reference"))
 
     def __post_init__(self) -> None:

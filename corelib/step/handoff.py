@@ -151,10 +151,6 @@ class TokenHandoff:
         self._make_events()
 
     # ------------------------------------------------------------------ inside the device step
-    def resolve_inputs(self, input_ids: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """Input ids with RELAY tokens replaced by their state index's latest sample, on the device."""
-        return torch.where(input_ids >= 0, input_ids, self.seq_tokens[states])
-
     def publish(self, tokens: torch.Tensor, rows: int, sample_slots: torch.Tensor, for_host: torch.Tensor) -> None:
         """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens).
 
@@ -163,6 +159,11 @@ class TokenHandoff:
         """
         self.next_tokens[:rows].copy_(for_host)
         self.seq_tokens.index_copy_(0, sample_slots, tokens)
+
+    def publish_targets(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``publish`` writes a step of ``rows`` rows: (what the host reads of its tokens, the relay), for
+        an op that writes them itself (``Ops.sample_publish``)."""
+        return self.next_tokens[:rows], self.seq_tokens
 
     def publish_logprobs(self, rows: int, logprobs: torch.Tensor) -> None:
         """Keep a step's logprob rows [rows, LOGPROB_WIDTH] for the host (a step that computes them)."""

@@ -27,7 +27,7 @@ import torch
 
 from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
-from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops import NONFINITE, Ops, PagedAttention, SamplingInputs, TokenHistory
 from corelib.ops.sampling import PENALTY_NEUTRAL, count_fed_tokens, count_history, penalized
 from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
 from corelib.platform.device import Device, Stream
@@ -42,8 +42,6 @@ from corelib.step.layout import EngineLayout
 from corelib.step.vocab_parallel import gather_logits, pick_tokens
 from corelib.support.faults import maybe_fail
 from corelib.support.progress import current as current_progress
-
-NONFINITE = -1  # a token id the host reads as "this row's logits were not finite"
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -481,8 +479,8 @@ class ModelRunner:
         query_start = views["query_start"][: rows + 1]
         token_rows = None if fi.is_decode else _token_rows(views, rows, tokens, self.layout.block_size)
         token_states = states if token_rows is None else states[token_rows]
-        input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
-        self.slot_tokens.index_copy_(0, views["slot_mapping"][:tokens], input_ids)
+        self.ops.relay_inputs(views["input_ids"][:tokens], self.handoff.seq_tokens, token_states, self.slot_tokens,
+                              views["slot_mapping"][:tokens])
         recount = views["recount_rows"][: fi.num_recounts]
         held = views["seq_lens"][recount] - (1 if fi.is_decode else query_start[recount + 1] - query_start[recount])
         history = TokenHistory(self.output_counts, self.prompt_counts, states[recount])
@@ -531,9 +529,9 @@ class ModelRunner:
                                    longest, decode_rows, captured)
         token_rows = None if decode else attention.token_rows(tokens)
         token_states = states if token_rows is None else states[token_rows]
-        input_ids = self.handoff.resolve_inputs(views["input_ids"][:tokens], token_states)
-        slot_mapping = views["slot_mapping"][:tokens]
-        self.slot_tokens.index_copy_(0, slot_mapping, input_ids)  # what a recount reads
+        slot_mapping = views["slot_mapping"][:tokens]  # slot_tokens: what a recount reads
+        input_ids = self.ops.relay_inputs(views["input_ids"][:tokens], self.handoff.seq_tokens, token_states,
+                                          self.slot_tokens, slot_mapping)
         if counted:
             self._count_fed(views, rows, tokens, input_ids, token_states, token_rows)
         last_index = None if query_start is None else query_start[1:] - 1
@@ -578,23 +576,28 @@ class ModelRunner:
             sampling = SamplingInputs.from_views(views, rows, sample_positions, history,
                                                  draws=sampler in (Sampler.draw, Sampler.cut),
                                                  cuts=sampler is Sampler.cut)
-        # A row whose logits hold a NaN or an inf sums to a non-finite value: the host reads NONFINITE
-        # for it and fails that request; the relay keeps the sampled id, a valid index either way.
-        # A sampled step masks what structured output disallows (-inf) before anything else of the sampler;
-        # the finite check and the logprobs read the logits as the model made them.
+        # A row whose logits hold a NaN or an inf: the host reads NONFINITE for it and fails that request;
+        # the relay keeps the sampled id, a valid index either way. A sampled step masks what structured
+        # output disallows (-inf) before anything else of the sampler; the finite check and the logprobs
+        # read the logits as the model made them.
         mask = self.token_mask[:rows] if sampling is not None or masked else None
-        if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
-            if self.vocab_shard.size < self.vocab_shard.per_rank:
-                logits[:, self.vocab_shard.size:] = float("-inf")
-            logits = gather_logits(logits, self.vocab_shard)
-            tokens, finite = self.ops.sample(_masked(logits, mask), sampling), torch.isfinite(logits.sum(dim=-1))
-        elif self.vocab_shard is not None:
-            tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops, mask)
+        slots = views["sample_slots"][:rows]
+        if self.vocab_shard is None and mask is None:  # the sampler reads what the check reads: one op for both
+            checked, relay = self.handoff.publish_targets(rows)
+            tokens = self.ops.sample_publish(logits, sampling, checked, relay, slots)
         else:
-            tokens, finite = self.ops.sample(_masked(logits, mask), sampling), torch.isfinite(logits.sum(dim=-1))
+            if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
+                if self.vocab_shard.size < self.vocab_shard.per_rank:
+                    logits[:, self.vocab_shard.size:] = float("-inf")
+                logits = gather_logits(logits, self.vocab_shard)
+            if self.vocab_shard is not None and not logprobs:
+                tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops, mask)
+            else:
+                tokens = self.ops.sample(_masked(logits, mask), sampling)
+                finite = torch.isfinite(logits.sum(dim=-1))  # a NaN or an inf sums to a non-finite value
+            self.handoff.publish(tokens, rows, slots, torch.where(finite, tokens, NONFINITE))
         if logprobs:
             self.handoff.publish_logprobs(rows, token_logprobs(logits, tokens))
-        self.handoff.publish(tokens, rows, views["sample_slots"][:rows], torch.where(finite, tokens, NONFINITE))
 
     def close(self) -> None:
         self._owed = None

@@ -299,6 +299,56 @@ class SampleCase:
         return logits.to(device), sampling
 
 
+@dataclass(frozen=True)
+class SamplePublishCase:
+    """``sample_publish``'s arguments: a SampleCase's, where the host's copy goes, the relay and its slots.
+
+    ``nonfinite``: row 1 holds a NaN in its last 4,096 ids, row 2 an inf at its largest logit, row 4 one -inf
+    (rows that exist); the outputs are filled with -7 first, so an unwritten entry shows."""
+
+    batch: int
+    vocab: int = VOCAB
+    nonfinite: bool = False
+    sampled: bool = False
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        logits, sampling = SampleCase(self.batch, self.vocab, sampled=self.sampled).build(seed, device)
+        assert isinstance(logits, torch.Tensor)
+        if self.nonfinite:
+            gen = torch.Generator().manual_seed(seed + 1)
+            spots = torch.randint(0, self.vocab, (self.batch,), generator=gen).tolist()
+            for row, value in ((1, float("nan")), (2, float("inf")), (4, float("-inf"))):
+                if row < self.batch:
+                    col = self.vocab - 1 - spots[row] % 4096 if row == 1 else spots[row]
+                    if row == 2:
+                        col = int(logits[row].argmax())
+                    logits[row, col] = value
+        slots = torch.randperm(self.batch + 3, generator=torch.Generator().manual_seed(seed))[: self.batch]
+        checked = torch.full((self.batch,), -7, dtype=torch.int64)
+        relay = torch.full((self.batch + 3,), -7, dtype=torch.int64)
+        return logits, sampling, checked.to(device), relay.to(device), slots.to(device)
+
+
+@dataclass(frozen=True)
+class RelayCase:
+    """``relay_inputs``' arguments: ``tokens`` input ids, every third one relayed (negative) from one of
+    ``states`` state indices, each fed to its own KV slot of ``slots`` (the others hold -7, unwritten)."""
+
+    tokens: int
+    states: int = 9
+    slots: int = 4096
+
+    def build(self, seed: int, device: torch.device) -> Args:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, VOCAB, (self.tokens,), generator=gen)
+        ids[::3] = -1
+        relay = torch.randint(0, VOCAB, (self.states,), generator=gen)
+        states = torch.randint(0, self.states, (self.tokens,), generator=gen)
+        slot_tokens = torch.full((self.slots,), -7, dtype=torch.int64)
+        slot_mapping = torch.randperm(self.slots, generator=gen)[: self.tokens]
+        return tuple(t.to(device) for t in (ids, relay, states, slot_tokens, slot_mapping))
+
+
 def case_id(case: object) -> str:
     """The fields a case sets, e.g. ``bfloat16-batch3-group8-head_dim128-block_size32-long300``."""
     parts = []

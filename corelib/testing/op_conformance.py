@@ -23,6 +23,8 @@ a multiple of any block, odd N, with and without bias:
   on the new inputs (steps with chunks run eagerly: the longest query count is a host int).
 
 The default run takes a few cases per op; the full sweep is marked ``slow``.
+
+Long: every op's cases and checks in one module, beside the contract each one checks (``corelib.ops.spec``).
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ from corelib.testing.op_cases import (
     ChunkCase,
     DecodeCase,
     NormCase,
+    RelayCase,
     RopeCase,
     SampleCase,
+    SamplePublishCase,
     SiluCase,
     case_id,
 )
@@ -171,6 +175,11 @@ SILU_CASES = [SiluCase(F32, 3, 1000), SiluCase(BF16, 1, 3072)]
 SILU_SWEEP = [SiluCase(d, t, i) for d, t, i in itertools.product((F32, BF16), (1, 32, 128), (3072, 1000))]
 SAMPLE_CASES = [SampleCase(1), SampleCase(3, 1000, ties=True), SampleCase(4, 1000, ties=True, sampled=True),
                 SampleCase(4, 1000, uncut=True)]
+SAMPLE_PUBLISH_CASES = [SamplePublishCase(1), SamplePublishCase(5, nonfinite=True),
+                        SamplePublishCase(3, 1000, nonfinite=True, sampled=True)]
+SAMPLE_PUBLISH_SWEEP = [SamplePublishCase(32, nonfinite=True), SamplePublishCase(128, 5000, nonfinite=True)]
+RELAY_CASES = [RelayCase(1), RelayCase(5), RelayCase(1500)]
+RELAY_SWEEP = [RelayCase(4096, states=300)]
 SAMPLE_SWEEP = [SampleCase(32, ties=True), SampleCase(128), SampleCase(32, sampled=True), SampleCase(32, argmax=True),
                 SampleCase(32, uncut=True), SampleCase(128, ties=True, sampled=True)]
 
@@ -227,6 +236,26 @@ def _sample(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return (ops.sample(*args),)  # type: ignore[arg-type]
 
 
+def _sample_publish(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
+    """(checked, tokens, relay), where a row's logits were not finite its token and relay entry read -2 for a
+    valid id, -3 for another: any valid id may stand there (torch's argmax takes a NaN as the largest, a kernel
+    need not). Graph-safe: no host sync."""
+    logits, _, checked, relay, slots = args
+    assert isinstance(logits, torch.Tensor) and isinstance(checked, torch.Tensor)
+    assert isinstance(relay, torch.Tensor) and isinstance(slots, torch.Tensor)
+    tokens = ops.sample_publish(*args)  # type: ignore[arg-type]
+    bad = checked < 0
+    valid = (tokens >= 0) & (tokens < logits.shape[-1])
+    masked = torch.where(bad, torch.where(valid, -2, -3), tokens)
+    relay = relay.clone()
+    relay.index_copy_(0, slots, torch.where(bad, masked, relay.index_select(0, slots)))
+    return checked, masked, relay
+
+
+def _relay(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:  # the fed ids and the tokens at every slot
+    return ops.relay_inputs(*args), args[3]  # type: ignore[arg-type, return-value]
+
+
 def _paged(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:
     return _paged_call(ops, args, ops.providers["paged_attention"] != "reference", "paged_attention")
 
@@ -268,6 +297,8 @@ CALLS: dict[str, Call] = {
     "norm_gate_up_silu_mul": _gate_up,
     "norm_logits": _logits,
     "norm_qkv_attention": _qkv_attention,
+    "sample_publish": _sample_publish,
+    "relay_inputs": _relay,
 }
 
 
@@ -302,6 +333,16 @@ def test_silu_mul_matches_reference(op_target: OpTarget, case: SiluCase) -> None
 @pytest.mark.parametrize("case", _params(SAMPLE_CASES, SAMPLE_SWEEP))
 def test_sample_matches_reference(op_target: OpTarget, case: SampleCase) -> None:
     _check(op_target, "sample", case, _sample)
+
+
+@pytest.mark.parametrize("case", _params(SAMPLE_PUBLISH_CASES, SAMPLE_PUBLISH_SWEEP))
+def test_sample_publish_matches_reference(op_target: OpTarget, case: SamplePublishCase) -> None:
+    _check(op_target, "sample_publish", case, _sample_publish)
+
+
+@pytest.mark.parametrize("case", _params(RELAY_CASES, RELAY_SWEEP))
+def test_relay_inputs_matches_reference(op_target: OpTarget, case: RelayCase) -> None:
+    _check(op_target, "relay_inputs", case, _relay)
 
 
 @pytest.mark.parametrize("case", _params(LINEAR_CASES, LINEAR_SWEEP))
@@ -346,6 +387,8 @@ GRAPH_CASES: dict[str, Case] = {
     "norm_gate_up_silu_mul": NormGateUpCase(BF16, 1, 1024, 768),
     "norm_logits": NormLogitsCase(BF16, 17, 1024, 5003),
     "norm_qkv_attention": NormQkvAttentionCase(BF16, 20, 2, 64, 16, hidden=1024, folded=True, long=300),
+    "sample_publish": SamplePublishCase(5, 5000, nonfinite=True),
+    "relay_inputs": RelayCase(7),
 }
 
 

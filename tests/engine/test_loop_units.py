@@ -14,6 +14,7 @@ import torch
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence
+from corelib.ops.reference import reference_ops
 from corelib.ops.spec import SAMPLING_COLUMNS
 from corelib.platform.backend import DeviceSpec
 from corelib.platform.device import Capabilities, Runtime
@@ -242,15 +243,21 @@ def test_the_handoff_gives_each_step_its_tokens_and_keeps_the_latest_per_slot(de
     second = _step(handoff, 1, [21], [3])
     assert handoff.read(first, 5.0).tokens == [11, 12]
     assert handoff.read(second, 5.0).tokens == [21]
-    host_inputs, host_slots = torch.tensor([RELAY, 7, RELAY]), torch.tensor([3, 1, 0])
+    host_inputs, host_slots, host_kv_slots = torch.tensor([RELAY, 7, RELAY]), torch.tensor([3, 1, 0]), torch.tensor(
+        [5, 0, 2])
     inputs = device.empty((3,), torch.int64)
     slots = device.empty((3,), torch.int64)
     handoff.compute.copy(inputs, host_inputs)
     handoff.compute.copy(slots, host_slots)
     resolved = device.empty((3,), torch.int64)
-    handoff.compute.launch(lambda: resolved.copy_(handoff.resolve_inputs(inputs, slots)))
+    fed = device.zeros((8,), torch.int64)  # the tokens fed at each KV slot
+    kv_slots = device.empty((3,), torch.int64)
+    handoff.compute.copy(kv_slots, host_kv_slots)
+    relay_inputs = reference_ops().relay_inputs
+    handoff.compute.launch(lambda: resolved.copy_(relay_inputs(inputs, handoff.seq_tokens, slots, fed, kv_slots)))
     handoff.compute.synchronize()
     assert resolved.tolist() == [21, 7, 11], "relay rows read their slot's latest sample, the others their id"
+    assert fed.tolist() == [7, 0, 11, 0, 0, 21, 0, 0], "each fed token lands at its KV slot"
 
 
 def test_a_token_buffer_is_not_reused_before_its_tokens_are_read(device: EmulatedDevice) -> None:

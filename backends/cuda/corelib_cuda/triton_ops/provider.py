@@ -64,8 +64,9 @@ class TritonOps:
         from corelib_cuda.triton_ops.activation import silu_mul
         from corelib_cuda.triton_ops.norm import rms_norm
         from corelib_cuda.triton_ops.paged_attention import paged_attention
+        from corelib_cuda.triton_ops.relay import relay_inputs
         from corelib_cuda.triton_ops.rope import rope_kv_write
-        from corelib_cuda.triton_ops.sampling import sample
+        from corelib_cuda.triton_ops.sampling import sample, sample_publish
 
         expected = "cpu" if interpreting() else "cuda"
         if device.torch_device.type != expected:
@@ -79,6 +80,8 @@ class TritonOps:
             "paged_attention": functools.partial(paged_attention, pdl=pdl),
             "silu_mul": silu_mul,
             "sample": functools.partial(sample, pdl=pdl),
+            "sample_publish": functools.partial(sample_publish, pdl=pdl),
+            "relay_inputs": relay_inputs,
         }
         for module, names in ((linear, ("linear", "linear_residual")),
                               (layer_ops, ("norm_qkv_rope_kv_write", "norm_gate_up_silu_mul", "norm_logits",

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from corelib.ops import NONFINITE as _NONFINITE
+from corelib.ops.composed import publish_tokens
 from corelib.ops.sampling import NOISE_CONSTANTS, add_token_bias_, cut_thresholds, scaled_logits
 from corelib.ops.spec import SamplingInputs
 from corelib_cuda.triton_ops.common import check, next_power_of_2
@@ -30,27 +32,32 @@ _OP = "sample"
 _CHUNK = 4096
 # the reference's hash constants (signed int64), as compile-time constants of the kernel
 _GOLDEN, _MIX1, _MIX2, _POSITION_KEY = (tl.constexpr(value) for value in NOISE_CONSTANTS)
+NONFINITE = tl.constexpr(_NONFINITE)
 
 
 @triton.jit
-def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, vocab, row_stride, CHUNK: tl.constexpr,
-                         PDL: tl.constexpr):
+def _chunk_argmax_kernel(logits_ptr, best_ptr, where_ptr, bad_ptr, vocab, row_stride, CHUNK: tl.constexpr,
+                         CHECK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early: wait for the kernel before this one before touching anything
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row * row_stride + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    inside = cols < vocab
+    x = tl.load(logits_ptr + row * row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
     best = tl.max(x, axis=0)
     where = tl.min(tl.where(x == best, cols, vocab), axis=0)  # the first maximum
     out = row * tl.num_programs(1) + chunk
     tl.store(best_ptr + out, best)
     tl.store(where_ptr + out, where)
+    if CHECK:  # the chunk's NaNs and infs (|NaN| < inf is false)
+        tl.store(bad_ptr + out, tl.sum(tl.where(inside & ~(tl.abs(x) < float("inf")), 1, 0), axis=0))
 
 
 @triton.jit
-def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, chunks, vocab, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
+def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, bad_ptr, checked_ptr, relay_ptr, slots_ptr, chunks, vocab,
+                       CHUNKS_PAD: tl.constexpr, PUBLISH: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -63,7 +70,12 @@ def _row_argmax_kernel(best_ptr, where_ptr, tokens_ptr, chunks, vocab, CHUNKS_PA
     token = tl.min(tl.where(ok & (best == top), where, vocab), axis=0)
     # A row holding NaN equals no maximum: it still gets a valid id (the finite check fails its request; the id
     # may be fed to the next step before the host has read that).
-    tl.store(tokens_ptr + row, tl.minimum(token, vocab - 1).to(tl.int64))
+    token = tl.minimum(token, vocab - 1).to(tl.int64)
+    tl.store(tokens_ptr + row, token)
+    if PUBLISH:  # sample_publish: the host's copy (NONFINITE where a chunk held a NaN or an inf) and the relay's
+        bad = tl.sum(tl.load(bad_ptr + row * chunks + c, mask=ok, other=0), axis=0)
+        tl.store(checked_ptr + row, tl.where(bad == 0, token, NONFINITE))
+        tl.store(relay_ptr + tl.load(slots_ptr + row), token)
 
 
 @triton.jit
@@ -164,16 +176,21 @@ def _scratch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return tokens, best, where, chunks, chunks_pad
 
 
-def argmax(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    # logits [B, V] -> [B] int64; pdl: both kernels launched with programmatic dependent launch
+def argmax(logits: torch.Tensor, pdl: bool = False,
+           publish: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    # logits [B, V] -> [B] int64; pdl: both kernels launched with programmatic dependent launch;
+    # publish: (checked, relay, relay_slots) of sample_publish, written by the second kernel
     rows, vocab = logits.shape
     tokens, best, where, chunks, chunks_pad = _scratch(logits)
     if rows == 0:
         return tokens
     launch = {"launch_pdl": True} if pdl else {}
-    _chunk_argmax_kernel[(rows, chunks)](logits, best, where, vocab, logits.stride(0), CHUNK=_CHUNK, PDL=pdl,
-                                         num_warps=8, **launch)
-    _row_argmax_kernel[(rows,)](best, where, tokens, chunks, vocab, CHUNKS_PAD=chunks_pad, PDL=pdl, **launch)
+    bad = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device) if publish else where  # unused: where
+    checked, relay, slots = publish or (tokens, tokens, tokens)  # unused without publish
+    _chunk_argmax_kernel[(rows, chunks)](logits, best, where, bad, vocab, logits.stride(0), CHUNK=_CHUNK,
+                                         CHECK=publish is not None, PDL=pdl, num_warps=8, **launch)
+    _row_argmax_kernel[(rows,)](best, where, tokens, bad, checked, relay, slots, chunks, vocab, CHUNKS_PAD=chunks_pad,
+                                PUBLISH=publish is not None, PDL=pdl, **launch)
     return tokens
 
 
@@ -191,7 +208,8 @@ def draw(logits: torch.Tensor, sampling: SamplingInputs, pdl: bool = False) -> t
     _chunk_draw_kernel[(rows, chunks)](
         logits, temperature, seeds, positions, cut_value, cut_id, best, where, vocab, logits.stride(0),
         CUTS=sampling.cuts, CHUNK=_CHUNK, LIBDEVICE=logits.is_cuda, PDL=pdl, num_warps=8, **launch)
-    _row_argmax_kernel[(rows,)](best, where, tokens, chunks, vocab, CHUNKS_PAD=chunks_pad, PDL=pdl, **launch)
+    _row_argmax_kernel[(rows,)](best, where, tokens, where, tokens, tokens, tokens, chunks, vocab,
+                                CHUNKS_PAD=chunks_pad, PUBLISH=False, PDL=pdl, **launch)
     return tokens
 
 
@@ -207,3 +225,22 @@ def sample(logits: torch.Tensor, sampling: SamplingInputs | None, *, pdl: bool =
     if not sampling.draws:  # every row greedy: the argmax of the processed logits, as the reference takes it
         return argmax(logits, pdl)
     return draw(logits, sampling, pdl)
+
+
+def sample_publish(logits: torch.Tensor, sampling: SamplingInputs | None, checked: torch.Tensor, relay: torch.Tensor,
+                   relay_slots: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    # sample, with the host's copy and the relay written by the argmax's second kernel where no row is processed
+    # (the check reads the logits the argmax reads); else sample, then the composition's check and writes
+    if sampling is not None:
+        return publish_tokens(logits, sample(logits, sampling, pdl=pdl), checked, relay, relay_slots)
+    check(logits.dim() == 2 and logits.dtype == torch.float32, _OP,
+          f"expected float32 logits [B, V]; got {logits.dtype} {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    check(checked.shape == (rows,) and checked.dtype == torch.int64 and checked.is_contiguous()
+          and relay.dtype == torch.int64 and relay.dim() == 1 and relay.is_contiguous()
+          and relay_slots.shape == (rows,) and relay_slots.dtype == torch.int64, "sample_publish",
+          f"expected checked [{rows}], relay [S] and relay_slots [{rows}] int64; got {tuple(checked.shape)} "
+          f"{checked.dtype}, {tuple(relay.shape)} {relay.dtype}, {tuple(relay_slots.shape)} {relay_slots.dtype}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return argmax(logits, pdl, (checked, relay, relay_slots.contiguous()))
