@@ -327,6 +327,21 @@ def test_the_measured_tensor_core_tiles_are_small_06bs_layer_products_up_to_32_r
         assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS, name
 
 
+def test_small_06bs_down_projection_takes_the_tensor_core_kernel_from_past_the_gemv_with_the_general_tile() -> None:
+    # K = 3072 is past gemm_max_k: its entry routes it to the kernel from the GEMV's last row on, not only past
+    # gemm_max_m (cuBLAS ran it with a split-K reduction kernel); its own tile holds only past gemm_max_m.
+    tuning = projections.TUNING
+    n, k = _decoder_products("small-0.6b")["down"]
+    assert k > tuning.gemm_max_k
+    assert projections.kernel_for(tuning.gemv_max_m, n, k, 2) is projections.Kernel.GEMV
+    for rows in (tuning.gemv_max_m + 1, 8, tuning.gemm_max_m, 32):
+        assert projections.kernel_for(rows, n, k, 2) is projections.Kernel.GEMM, rows
+    general = projections.gemm_plan(8, n, k, False, 2, INTERPRETER_SM_COUNT, tuning)
+    assert (general.block_k, general.stages) == (tuning.gemm_block_k, tuning.gemm_stages)
+    own = projections.gemm_plan(32, n, k, False, 2, INTERPRETER_SM_COUNT, tuning)
+    assert (own.block_k, own.stages) == (128, 4)
+
+
 def test_from_three_rows_the_tensor_core_kernel_takes_the_products_it_can() -> None:
     # K <= gemm_max_k: the GEMV only to gemv_max_m_tensor_core rows; longer K keeps the GEMV to gemv_max_m rows.
     tuning = projections.TUNING
@@ -347,7 +362,7 @@ def test_from_three_rows_the_tensor_core_kernel_takes_the_products_it_can() -> N
 def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_its_own_tile(
     op_target: OpTarget, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # An entry (rows up to, N, K, K tile, stages) routes its 2-byte product past gemm_max_m, and only there.
+    # An entry (rows up to, N, K, K tile, stages) routes its 2-byte product up to its rows (its tile past gemm_max_m).
     own = ((32, 96, 256, 128, 4),)
     tuning = dataclasses.replace(projections.TUNING, gemm_shape_tiles=own)
     monkeypatch.setattr(projections, "TUNING", tuning)

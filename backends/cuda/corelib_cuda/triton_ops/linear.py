@@ -20,9 +20,11 @@ decode step replayed as a graph, per model and batch size, chose between what it
   6-16 rows with it for K <= 1024 (the down projection through it cost more than it saved at 6
   and 12 rows); the 1 B shape (K = 2048) gained nothing at 6-16 rows, and both models lost
   11-62 % at 32-64 rows;
-- the tensor-core kernel also past ``gemm_max_m``, up to a row count of their own, for the product shapes
-  ``gemm_shape_tiles`` names, with their own K tile and pipeline depth (``GEMM_SHAPE_TILES``: small-0.6b's four
-  decoder-layer products up to 32 rows);
+- the tensor-core kernel also, past the GEMV up to a row count of their own, for the product shapes
+  ``gemm_shape_tiles`` names, past ``gemm_max_m`` rows with their own K tile and pipeline depth
+  (``GEMM_SHAPE_TILES``: small-0.6b's four decoder-layer products up to 32 rows; its down projection, K = 3072,
+  from 5 rows: its TPOT took 9.8 % less at bs 8 and 9.0 % at bs 16 than with cuBLAS's product and split-K
+  reduction, H100, BENCHMARKS.md 2026-12-06, the down projection from 5 rows);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 The tensor-core kernel's tiles were measured on Hopper (227 KB of shared memory a multiprocessor); where one
@@ -76,12 +78,14 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 4096, 14336, 1, 65536, 4),  # llama-8b down
 )
 
-#: Products the tensor-core kernel takes past ``Tuning.gemm_max_m`` rows, and its tile there: (rows of x up to,
-#: weight rows N, K, K tile, pipeline stages), for 2-byte weights. small-0.6b's four decoder-layer products at up to
-#: 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and SiLU leave 5 kernels a layer where cuBLAS needs 9,
-#: and the engine's TPOT at bs 32 took 4.8 % less (H100, three alternations; BENCHMARKS.md, 2026-12-06, the
-#: tensor-core kernel at 32 rows). Its LM head stays with cuBLAS (through this kernel the bs-32 TPOT gained nothing),
-#: so do llama-1b's products (K = 2048: its step took 18 % longer) and every product at 64 rows.
+#: Products the tensor-core kernel takes wherever the GEMV does not, up to a row count, and its tile past
+#: ``Tuning.gemm_max_m`` rows: (rows of x up to, weight rows N, K, K tile, pipeline stages), for 2-byte weights.
+#: small-0.6b's four decoder-layer products at up to 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and
+#: SiLU leave 5 kernels a layer where cuBLAS needs 9, and the engine's TPOT at bs 32 took 4.8 % less (H100, three
+#: alternations; BENCHMARKS.md, 2026-12-06, the tensor-core kernel at 32 rows); its down projection (K = 3072, past
+#: ``gemm_max_k``) from 5 rows too, where cuBLAS ran it with a split-K reduction (bs 8 and 16: 9-10 % less TPOT).
+#: Its LM head stays with cuBLAS (through this kernel the bs-32 TPOT gained nothing), so do llama-1b's products
+#: (K = 2048: its step took 18 % longer) and every product at 64 rows.
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 2048, 1024, 128, 4),  # small-0.6b qkv (RoPE, KV cache write)
     (32, 1024, 1024, 128, 4),  # small-0.6b o (+ residual)
@@ -145,20 +149,26 @@ def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
         return Kernel.GEMV
     if tuning.gemm_min_m <= m <= tuning.gemm_max_m and k <= tuning.gemm_max_k:
         return Kernel.GEMM
-    if gemm_shape_tile(m, n, k, itemsize, tuning) is not None:
+    if _listed(m, n, k, itemsize, tuning) is not None:
         return Kernel.GEMM
     return Kernel.CUBLAS
 
 
-def gemm_shape_tile(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> tuple[int, int] | None:
-    """(K tile, stages) of the tensor-core kernel for an [m, k] x [n, k]' product that ``gemm_shape_tiles``
-    names past ``gemm_max_m`` rows (n: the weight's rows, both halves of a paired product); None elsewhere."""
-    if itemsize != 2 or m <= tuning.gemm_max_m:
+def _listed(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> tuple[int, int] | None:
+    """The (K tile, stages) ``gemm_shape_tiles`` gives an [m, k] x [n, k]' product of up to its rows (n: the
+    weight's rows, both halves of a paired product); None where it names no such product."""
+    if itemsize != 2:
         return None
     for max_m, shape_n, shape_k, block_k, stages in tuning.gemm_shape_tiles:
         if m <= max_m and (shape_n, shape_k) == (n, k):
             return block_k, stages
     return None
+
+
+def gemm_shape_tile(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> tuple[int, int] | None:
+    """(K tile, stages) of the tensor-core kernel for a product ``gemm_shape_tiles`` names, past ``gemm_max_m``
+    rows; None elsewhere (up to ``gemm_max_m`` rows a named product takes the kernel's general tile)."""
+    return None if m <= tuning.gemm_max_m else _listed(m, n, k, itemsize, tuning)
 
 
 #: the thresholds in use; a benchmark may replace it to sweep them
