@@ -23,7 +23,7 @@ decode step replayed as a graph, per model and batch size, chose between what it
 - the tensor-core kernel also, past the GEMV up to a row count of their own, for the product shapes
   ``gemm_shape_tiles`` names, past ``gemm_max_m`` rows with their own K tile and pipeline depth
   (``GEMM_SHAPE_TILES``: small-0.6b's four decoder-layer products up to 32 rows; its down projection, K = 3072,
-  from 5 rows: its TPOT took 9.8 % less at bs 8 and 9.0 % at bs 16 than with cuBLAS's product and split-K
+  from 5 rows: its TPOT took 9.7 % less at bs 8 and 9.1 % at bs 16 than with cuBLAS's product and split-K
   reduction, H100, BENCHMARKS.md 2026-12-06, the down projection from 5 rows);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
