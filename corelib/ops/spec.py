@@ -315,9 +315,10 @@ class SamplePublish(Protocol):
 
         checked [B] int64 (what the host reads): row i's token, or ``NONFINITE`` (-1) where row i's logits
         hold a NaN or an inf (the composition checks their sum: a row of finite logits whose float32 sum
-        overflows, past 1e33 a logit, reads NONFINITE too); relay [S] int64 (what the next step's inputs
-        read): relay[relay_slots[i]] = row i's token, relay_slots [B] int64 distinct. The same as ``sample``,
-        then those two writes; a provider may make them in its sampling kernel.
+        overflows, past about 3.4e38 / V a logit, reads NONFINITE too); relay [S] int64 (what the next step's
+        inputs read): relay[relay_slots[i]] = row i's token, relay_slots [B] int64 (rows that name one slot,
+        the padding rows' own, leave any one of their tokens there). The same as ``sample``, then those two
+        writes; a provider may make them in its sampling kernel.
         """
         ...
 
