@@ -28,6 +28,7 @@ import torch
 from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
 from corelib.ops import NONFINITE, Ops, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops.composed import publish_tokens
 from corelib.ops.sampling import PENALTY_NEUTRAL, count_fed_tokens, count_history, penalized
 from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
 from corelib.platform.device import Device, Stream
@@ -582,20 +583,18 @@ class ModelRunner:
         # read the logits as the model made them.
         mask = self.token_mask[:rows] if sampling is not None or masked else None
         slots = views["sample_slots"][:rows]
+        checked, relay = self.handoff.publish_targets(rows)
         if self.vocab_shard is None and mask is None:  # the sampler reads what the check reads: one op for both
-            checked, relay = self.handoff.publish_targets(rows)
             tokens = self.ops.sample_publish(logits, sampling, checked, relay, slots)
+        elif self.vocab_shard is not None and not logprobs:  # the check's verdict from every rank's block
+            tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops, mask)
+            self.handoff.publish(tokens, rows, slots, torch.where(finite, tokens, NONFINITE))
         else:
-            if self.vocab_shard is not None and logprobs:  # logprobs need the whole vocabulary on every rank
+            if self.vocab_shard is not None:  # logprobs need the whole vocabulary on every rank
                 if self.vocab_shard.size < self.vocab_shard.per_rank:
                     logits[:, self.vocab_shard.size:] = float("-inf")
                 logits = gather_logits(logits, self.vocab_shard)
-            if self.vocab_shard is not None and not logprobs:
-                tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops, mask)
-            else:
-                tokens = self.ops.sample(_masked(logits, mask), sampling)
-                finite = torch.isfinite(logits.sum(dim=-1))  # a NaN or an inf sums to a non-finite value
-            self.handoff.publish(tokens, rows, slots, torch.where(finite, tokens, NONFINITE))
+            tokens = publish_tokens(logits, self.ops.sample(_masked(logits, mask), sampling), checked, relay, slots)
         if logprobs:
             self.handoff.publish_logprobs(rows, token_logprobs(logits, tokens))
 
