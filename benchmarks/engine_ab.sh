@@ -2,9 +2,11 @@
 # The engine's TPOT under several trees of corelib and its backends, alternating in one run, ROUNDS rounds (default 2):
 # `python -m corelib bench`, async, in process, greedy, each tree first on PYTHONPATH; then a table of each label's
 # median TPOT per model and batch size, against the first label's.
-# Usage: benchmarks/engine_ab.sh OUTDIR LABEL=DIR [LABEL=DIR ...]
+# Usage: benchmarks/engine_ab.sh OUTDIR LABEL=DIR[@JSON] [LABEL=DIR[@JSON] ...]
 #   DIR: a tree holding corelib/ (with its conf link), conf/ and backends/; "." for this checkout. Make one of another
 #   revision with: mkdir -p DIR && git archive REV corelib backends conf | tar -x -C DIR
+#   @JSON: that run goes through benchmarks/tuning_bench.py with the CUDA projections' Tuning fields changed (a kernel
+#   choice A/B within one tree), e.g. base=. 'tc=.@{"gemm_max_k": 2048}'
 # Environment: MODELS ("small-0.6b"), BATCH ("1 32"), DEVICE ("backend=cuda backend.runtime=native"), EXTRA (more
 # overrides, space-separated), CAP (seconds a run, 300). corelib's dependencies must be importable; runs from OUTDIR,
 # as `python -m corelib` from the repository's root would import the checkout's corelib whatever PYTHONPATH says.
@@ -22,27 +24,30 @@ read -r -a extra <<<"${EXTRA:-}"
 sizes=$(IFS=,; echo "${batches[*]}")
 trees=()
 for side in "$@"; do
-  label=${side%%=*}; dir=${side#*=}
+  label=${side%%=*}; dir=${side#*=}; tuning=
+  [[ "$dir" == *@* ]] && { tuning=${dir#*@}; dir=${dir%%@*}; }
   [[ "$label" =~ ^[A-Za-z0-9_.]+$ ]] || { echo "engine_ab.sh: label '$label' (letters, digits, _ and . only)" >&2; exit 2; }
   [ "$dir" = . ] && dir=$repo
   [ -d "$dir/corelib" ] && [ -d "$dir/backends" ] || { echo "engine_ab.sh: $dir holds no corelib/ and backends/" >&2; exit 2; }
   dir=$(cd "$dir" && pwd)
-  trees+=("$label=$dir")
+  trees+=("$label=$dir@$tuning")
 done
 cd "$out" || exit 1
 status=0
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for model in "${models[@]}"; do
     for side in "${trees[@]}"; do
-      label=${side%%=*}; dir=${side#*=}
+      label=${side%%=*}; dir=${side#*=}; tuning=${dir#*@}; dir=${dir%%@*}
       name="$label-$model-$round"
+      bench=(-m corelib bench)
+      [ -n "$tuning" ] && bench=("$repo/benchmarks/tuning_bench.py" "$tuning" bench)
       path="$dir"
       for backend in "$dir"/backends/*/; do path="$path:${backend%/}"; done
       path="$path${PYTHONPATH:+:$PYTHONPATH}"
       # the log's first line names the tree each run imported
       PYTHONPATH="$path" python3 -c 'import corelib; print("corelib from", corelib.__file__)' >"$out/$name.log" 2>&1
       PYTHONPATH="$path" timeout --kill-after=10 "${CAP:-300}" \
-        python3 -m corelib bench "${device[@]}" bench=h200 "model=$model" model.init=device bench.warmup_steps=8 \
+        python3 "${bench[@]}" "${device[@]}" bench=h200 "model=$model" model.init=device bench.warmup_steps=8 \
         "bench.transport=[inproc]" "bench.handoff=[on]" "bench.prompt_lens=[]" "bench.batch_sizes=[$sizes]" \
         "${extra[@]}" hydra.run.dir="$out/$name" >>"$out/$name.log" 2>&1
       rc=$?

@@ -13,6 +13,10 @@ cuBLAS (``gemm_shape_tiles`` empty):
         bench.warmup_steps=8 "bench.transport=[inproc]" "bench.handoff=[on]" "bench.prompt_lens=[]" \\
         model=small-0.6b model.init=device "bench.batch_sizes=[16,32,64]"
     done
+
+or let benchmarks/engine_ab.sh alternate them and print the table, a label's tree followed by ``@JSON``:
+
+    MODELS=small-0.6b BATCH="16 32 64" benchmarks/engine_ab.sh OUT base=. 'cublas=.@{"gemm_shape_tiles": []}'
 """
 
 from __future__ import annotations

@@ -85,7 +85,9 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 #: alternations; BENCHMARKS.md, 2026-12-06, the tensor-core kernel at 32 rows); its down projection (K = 3072, past
 #: ``gemm_max_k``) from 5 rows too, where cuBLAS ran it with a split-K reduction (bs 8 and 16: 9-10 % less TPOT).
 #: Its LM head stays with cuBLAS (through this kernel the bs-32 TPOT gained nothing), so do llama-1b's products
-#: (K = 2048: its step took 18 % longer) and every product at 64 rows.
+#: (K = 2048 and 8192: its TPOT took 10-22 % longer at 2-32 rows through this kernel, 36-41 % at 64; cuBLAS reads
+#: gate_up and down at 77-82 % of the copy rate, this kernel at 39-57 %, whatever its tile) and every product at 64
+#: rows (small-0.6b's: 15 % longer), H100, BENCHMARKS.md 2026-12-06, night.
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 2048, 1024, 128, 4),  # small-0.6b qkv (RoPE, KV cache write)
     (32, 1024, 1024, 128, 4),  # small-0.6b o (+ residual)
