@@ -5,7 +5,8 @@
 #   AFTER_SITE / BEFORE_SITE: directories holding corelib, its backends and the serve extra (pip install --no-deps
 #   --target), or PYTHONPATH lists of them, each version's own; the load generator is AFTER_SITE's bench-serve
 #   (server.bench.temperature). ROUNDS (default 1): round 1 serves before then after, round 2 after then before,
-#   and so on: the server run second has been the slower at 64 clients, whichever it was, so compare rounds.
+#   and so on: at 64 clients runs have differed by up to 24 % (the second server slower in two runs, not in a third
+#   that served one tree twice), so compare rounds.
 # For a dry run elsewhere: MODEL=tiny DEVICE="backend=npu" benchmarks/serve_sampling.sh ...
 set -uo pipefail
 out=${1:?usage: serve_sampling.sh OUTDIR AFTER_SITE BEFORE_SITE}

@@ -108,6 +108,13 @@ def publish_tokens(logits: torch.Tensor, tokens: torch.Tensor, checked: torch.Te
                    relay_slots: torch.Tensor) -> torch.Tensor:
     """``sample_publish``'s writes once ``tokens`` are sampled from ``logits``; returns ``tokens``."""
     # a row holding a NaN or an inf sums to a non-finite value
-    checked.copy_(torch.where(torch.isfinite(logits.sum(dim=-1)), tokens, NONFINITE))
+    return publish_checked(tokens, torch.isfinite(logits.sum(dim=-1)), checked, relay, relay_slots)
+
+
+def publish_checked(tokens: torch.Tensor, finite: torch.Tensor, checked: torch.Tensor, relay: torch.Tensor,
+                    relay_slots: torch.Tensor) -> torch.Tensor:
+    """``sample_publish``'s writes with the finite check's verdict given (``finite`` [B] bool: the rows whose
+    logits were finite): ``tokens``, or NONFINITE where a row was not, for the host; ``tokens`` to the relay."""
+    checked.copy_(torch.where(finite, tokens, NONFINITE))
     relay.index_copy_(0, relay_slots, tokens)
     return tokens

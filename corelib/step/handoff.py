@@ -151,18 +151,11 @@ class TokenHandoff:
         self._make_events()
 
     # ------------------------------------------------------------------ inside the device step
-    def publish(self, tokens: torch.Tensor, rows: int, sample_slots: torch.Tensor, for_host: torch.Tensor) -> None:
-        """Keep a step's samples for the next step (relay) and what the host reads of them (next_tokens).
-
-        ``sample_slots``: each row's relay slot, its state index; a row that sampled nothing (a chunk
-        short of its prompt's end) names the padding slot, so its token never reaches the relay.
-        """
-        self.next_tokens[:rows].copy_(for_host)
-        self.seq_tokens.index_copy_(0, sample_slots, tokens)
-
     def publish_targets(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where ``publish`` writes a step of ``rows`` rows: (what the host reads of its tokens, the relay), for
-        an op that writes them itself (``Ops.sample_publish``)."""
+        """Where a step of ``rows`` rows publishes its samples (``Ops.sample_publish``, or
+        ``corelib.ops.composed.publish_checked``): what the host reads of them (next_tokens), and the relay the
+        next step's inputs read (seq_tokens, by state index; a row that sampled nothing, a chunk short of its
+        prompt's end, names the padding slot, so its token never reaches the relay)."""
         return self.next_tokens[:rows], self.seq_tokens
 
     def publish_logprobs(self, rows: int, logprobs: torch.Tensor) -> None:

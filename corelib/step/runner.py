@@ -27,8 +27,8 @@ import torch
 
 from corelib.models.base import Model, StepBatch
 from corelib.models.sharding import VocabShard
-from corelib.ops import NONFINITE, Ops, PagedAttention, SamplingInputs, TokenHistory
-from corelib.ops.composed import publish_tokens
+from corelib.ops import Ops, PagedAttention, SamplingInputs, TokenHistory
+from corelib.ops.composed import publish_checked, publish_tokens
 from corelib.ops.sampling import PENALTY_NEUTRAL, count_fed_tokens, count_history, penalized
 from corelib.ops.token_mask import ALL_ALLOWED, apply_token_bitmask
 from corelib.platform.device import Device, Stream
@@ -588,7 +588,7 @@ class ModelRunner:
             tokens = self.ops.sample_publish(logits, sampling, checked, relay, slots)
         elif self.vocab_shard is not None and not logprobs:  # the check's verdict from every rank's block
             tokens, finite = pick_tokens(logits, sampling, self.vocab_shard, self.ops, mask)
-            self.handoff.publish(tokens, rows, slots, torch.where(finite, tokens, NONFINITE))
+            publish_checked(tokens, finite, checked, relay, slots)
         else:
             if self.vocab_shard is not None:  # logprobs need the whole vocabulary on every rank
                 if self.vocab_shard.size < self.vocab_shard.per_rank:

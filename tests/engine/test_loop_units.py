@@ -14,6 +14,7 @@ import torch
 from corelib.engine.packing import InputBuilder
 from corelib.engine.scheduler import ScheduledStep
 from corelib.engine.sequence import FinishReason, SamplingParams, Sequence
+from corelib.ops.composed import publish_checked
 from corelib.ops.reference import reference_ops
 from corelib.ops.spec import SAMPLING_COLUMNS
 from corelib.platform.backend import DeviceSpec
@@ -231,7 +232,8 @@ def _step(handoff: TokenHandoff, step_id: int, tokens: list[int], slots: list[in
     slot_ids = handoff.device.empty((len(slots),), torch.int64)
     handoff.compute.copy(sampled, sources[0])
     handoff.compute.copy(slot_ids, sources[1])
-    handoff.compute.launch(lambda: handoff.publish(sampled, len(tokens), slot_ids, sampled))
+    handoff.compute.launch(lambda: publish_checked(sampled, sampled >= 0, *handoff.publish_targets(len(tokens)),
+                                                   slot_ids))
     event = handoff.emit(buffer, len(tokens), timing)
     return StepHandle(step_id, StepKind.decode, len(tokens), buffer, event, timing, False,
                       (sampled, slot_ids, *sources))
