@@ -127,8 +127,9 @@ def test_a_corrupt_frame_stops_the_engine_naming_the_frame() -> None:
 def test_segments_of_a_crashed_run_are_removed_and_reported() -> None:
     # Any engine starting meanwhile (another test process) sweeps the same directory and may
     # take the leftover first; then this one has nothing to report, and the test tries again.
+    # The name is this process's own: another suite running this test at once writes its own.
     for attempt in range(5):
-        leftover = SHM_DIR / f"{PREFIX}-{2**22 + 777}-cafe000{attempt}-in"
+        leftover = SHM_DIR / f"{PREFIX}-{2**22 + 777}-cafe{os.getpid():x}0{attempt}-in"
         leftover.write_bytes(b"\0" * 4096)
         with Engine.from_overrides(["backend=cpu", "engine.transport=shm"]) as engine:
             reported = any(leftover.name in notice for notice in engine.notices)
