@@ -21,7 +21,7 @@ def test_each_tree_runs_the_bench_from_its_own_code_and_the_table_names_both(tmp
         (tree / name).symlink_to(REPO / name)
     env = {**os.environ, "DEVICE": "backend=npu", "MODELS": "tiny", "BATCH": "1", "ROUNDS": "1", "CAP": "240"}
     out = tmp_path / "out"
-    tuned = f'{tree}@{{"gemv_max_m": 3, "gemm_shape_tiles": [[8, 64, 64, 64, 2]]}}'
+    tuned = f'{tree}@{{"gemv_max_m": 3, "gemm_shape_tiles": [[8, 64, 64, 64, 2, 4]]}}'
     done = subprocess.run(["bash", str(BENCHMARKS / "engine_ab.sh"), str(out), "here=.", f"there={tree}",
                            f"tuned={tuned}"], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -32,7 +32,7 @@ def test_each_tree_runs_the_bench_from_its_own_code_and_the_table_names_both(tmp
     assert (out / "there-tiny-1.log").read_text().splitlines()[0] == f"corelib from {tree}/corelib/__init__.py"
     tuned_log = (out / "tuned-tiny-1.log").read_text().splitlines()
     assert tuned_log[0] == f"corelib from {tree}/corelib/__init__.py"
-    assert "tuning: {'gemv_max_m': 3, 'gemm_shape_tiles': ((8, 64, 64, 64, 2),)}" in tuned_log
+    assert "tuning: {'gemv_max_m': 3, 'gemm_shape_tiles': ((8, 64, 64, 64, 2, 4),)}" in tuned_log
     assert "tuning:" not in (out / "there-tiny-1.log").read_text()
 
 

@@ -312,19 +312,42 @@ def _decoder_products(model: str) -> dict[str, tuple[int, int]]:
     return products
 
 
-def test_the_measured_tensor_core_tiles_are_small_06bs_layer_products_up_to_32_rows() -> None:
+def test_the_measured_tensor_core_tiles_are_products_the_models_run_up_to_their_rows() -> None:
     # Each entry must be a product the model runs: an entry of another shape is never used (two were, unseen).
     products = _decoder_products("small-0.6b")
     layer = {name: nk for name, nk in products.items() if name != "lm_head"}
-    entries = {(n, k): rows for rows, n, k, _block_k, _stages in projections.GEMM_SHAPE_TILES}
-    assert set(entries) == set(layer.values()), f"entries {sorted(entries)}; small-0.6b's layer {layer}"
+    llama = _decoder_products("llama-1b")
+    llama_mlp = {name: llama[name] for name in ("gate_up", "down")}
+    entries = {(n, k): rows for rows, n, k, _block_k, _stages, _min_k_tiles in projections.GEMM_SHAPE_TILES}
+    assert set(entries) == {*layer.values(), *llama_mlp.values()}, f"entries {sorted(entries)}"
     for name, (n, k) in layer.items():
         assert projections.kernel_for(32, n, k, 2) is projections.Kernel.GEMM, name
         assert projections.kernel_for(64, n, k, 2) is projections.Kernel.CUBLAS, name  # lost at 64 rows
     n, k = products["lm_head"]
     assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS  # no gain through the kernel
-    for name, (n, k) in _decoder_products("llama-1b").items():  # K = 2048: cuBLAS past the GEMV's rows
+    for name, (n, k) in llama_mlp.items():  # from the GEMV's last row (its weights are large: 1) to 64
+        assert projections.kernel_for(1, n, k, 2) is projections.Kernel.GEMV, name
+        for rows in (2, 8, 32, 64):
+            assert projections.kernel_for(rows, n, k, 2) is projections.Kernel.GEMM, (name, rows)
+        assert projections.kernel_for(65, n, k, 2) is projections.Kernel.CUBLAS, name
+    for name in ("qkv", "o", "lm_head"):  # K = 2048: cuBLAS past the GEMV's rows (the kernel was slower)
+        n, k = llama[name]
         assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS, name
+
+
+def test_llama_1bs_mlp_products_split_k_no_finer_than_their_entry_says() -> None:
+    # Split to 4 K tiles a program (the general floor), gate_up and down lost to cuBLAS; 16 a program won.
+    tuning = projections.TUNING
+    sms = 132  # an H100's multiprocessors: the split the measurement ran
+    for name in ("gate_up", "down"):
+        n, k = _decoder_products("llama-1b")[name]
+        paired = name == "gate_up"
+        for rows in (2, 16, 32, 64):
+            plan = projections.gemm_plan(rows, n // 2 if paired else n, k, paired, 2, sms, tuning)
+            assert plan.k_per_split >= 16 * plan.block_k, (name, rows, plan)
+            general = projections.gemm_plan(rows, n // 2 if paired else n, k, paired, 2, sms,
+                                            dataclasses.replace(tuning, gemm_shape_tiles=()))
+            assert general.k_per_split < plan.k_per_split, (name, rows)  # the general floor splits finer
 
 
 def test_small_06bs_down_projection_takes_the_tensor_core_kernel_from_past_the_gemv_with_the_general_tile() -> None:
@@ -354,16 +377,18 @@ def test_from_three_rows_the_tensor_core_kernel_takes_the_products_it_can() -> N
         assert projections.kernel_for(4, n, k, 2) is projections.Kernel.GEMM, name
     n, k = small["down"]  # K = 3072
     assert projections.kernel_for(4, n, k, 2) is projections.Kernel.GEMV
-    for name, (n, k) in _decoder_products("llama-1b").items():  # K = 2048: as before
-        expected = projections.Kernel.GEMV if n * k * 2 <= tuning.gemv_small_bytes else projections.Kernel.CUBLAS
+    for name, (n, k) in _decoder_products("llama-1b").items():  # K = 2048: as before, but the listed gate_up, down
+        expected = (projections.Kernel.GEMV if n * k * 2 <= tuning.gemv_small_bytes
+                    else projections.Kernel.GEMM if name in ("gate_up", "down") else projections.Kernel.CUBLAS)
         assert projections.kernel_for(4, n, k, 2) is expected, name
 
 
 def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_its_own_tile(
     op_target: OpTarget, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # An entry (rows up to, N, K, K tile, stages) routes its 2-byte product up to its rows (its tile past gemm_max_m).
-    own = ((32, 96, 256, 128, 4),)
+    # An entry (rows up to, N, K, K tile, stages, K tiles a split keeps) routes its 2-byte product up to its rows (its
+    # tile past gemm_max_m, its split at every row).
+    own = ((32, 96, 256, 128, 4, 2),)
     tuning = dataclasses.replace(projections.TUNING, gemm_shape_tiles=own)
     monkeypatch.setattr(projections, "TUNING", tuning)
     assert projections.kernel_for(32, 96, 256, 2) is projections.Kernel.GEMM
@@ -375,6 +400,10 @@ def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_i
     assert (plan.block_k, plan.stages) == (128, 4)
     general = projections.gemm_plan(16, 48, 256, True, 2, INTERPRETER_SM_COUNT, tuning)  # gemm_max_m's own rows
     assert (general.block_k, general.stages) == (tuning.gemm_block_k, tuning.gemm_stages)
+    assert general.k_per_split == 256  # its split at these rows too: 2 K tiles of 128 do not split
+    unlisted = projections.gemm_plan(16, 48, 256, True, 2, INTERPRETER_SM_COUNT,
+                                     dataclasses.replace(tuning, gemm_shape_tiles=(), gemm_min_k_tiles=1))
+    assert unlisted.k_per_split < 256
     case = NormGateUpCase(BF16, 20, 48, 256)  # gate and up: 96 weight rows of K = 256
     actual = CALLS["norm_gate_up_silu_mul"](op_target.ops, case.build(0, torch.device("cpu")))
     expected = CALLS["norm_gate_up_silu_mul"](reference_ops(), case.build(0, torch.device("cpu")))

@@ -21,10 +21,11 @@ decode step replayed as a graph, per model and batch size, chose between what it
   and 12 rows); the 1 B shape (K = 2048) gained nothing at 6-16 rows, and both models lost
   11-62 % at 32-64 rows;
 - the tensor-core kernel also, past the GEMV up to a row count of their own, for the product shapes
-  ``gemm_shape_tiles`` names, past ``gemm_max_m`` rows with their own K tile and pipeline depth
-  (``GEMM_SHAPE_TILES``: small-0.6b's four decoder-layer products up to 32 rows; its down projection, K = 3072,
-  from 5 rows: its TPOT took 9.7 % less at bs 8 and 9.1 % at bs 16 than with cuBLAS's product and split-K
-  reduction, H100, BENCHMARKS.md 2026-12-06, the down projection from 5 rows);
+  ``gemm_shape_tiles`` names, past ``gemm_max_m`` rows with their own K tile and pipeline depth, and at every
+  row with their own split of K (``GEMM_SHAPE_TILES``: small-0.6b's four decoder-layer products up to 32 rows;
+  its down projection, K = 3072, from 5 rows: its TPOT took 9.7 % less at bs 8 and 9.1 % at bs 16 than with
+  cuBLAS's product and split-K reduction, H100, BENCHMARKS.md 2026-12-06, the down projection from 5 rows;
+  llama-1b's gate_up and down from 2 rows to 64, split no finer than 16 K tiles a program);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
 The tensor-core kernel's tiles were measured on Hopper (227 KB of shared memory a multiprocessor); where one
@@ -78,21 +79,27 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 4096, 14336, 1, 65536, 4),  # llama-8b down
 )
 
-#: Products the tensor-core kernel takes wherever the GEMV does not, up to a row count, and its tile past
-#: ``Tuning.gemm_max_m`` rows: (rows of x up to, weight rows N, K, K tile, pipeline stages), for 2-byte weights.
+#: Products the tensor-core kernel takes wherever the GEMV does not, up to a row count, its tile past
+#: ``Tuning.gemm_max_m`` rows and how far it splits K: (rows of x up to, weight rows N, K, K tile, pipeline stages, K
+#: tiles each split keeps at least), for 2-byte weights.
 #: small-0.6b's four decoder-layer products at up to 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and
 #: SiLU leave 5 kernels a layer where cuBLAS needs 9, and the engine's TPOT at bs 32 took 4.8 % less (H100, three
 #: alternations; BENCHMARKS.md, 2026-12-06, the tensor-core kernel at 32 rows); its down projection (K = 3072, past
 #: ``gemm_max_k``) from 5 rows too, where cuBLAS ran it with a split-K reduction (bs 8 and 16: 9-10 % less TPOT).
-#: Its LM head stays with cuBLAS (through this kernel the bs-32 TPOT gained nothing), so do llama-1b's products
-#: (K = 2048 and 8192: its TPOT took 10-22 % longer at 2-32 rows through this kernel, 36-41 % at 64; cuBLAS reads
-#: gate_up and down at 77-82 % of the copy rate, this kernel at 39-57 %, whatever its tile) and every product at 64
-#: rows (small-0.6b's: 15 % longer), H100, BENCHMARKS.md 2026-12-06, night.
-GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 2048, 1024, 128, 4),  # small-0.6b qkv (RoPE, KV cache write)
-    (32, 1024, 1024, 128, 4),  # small-0.6b o (+ residual)
-    (32, 6144, 1024, 128, 4),  # small-0.6b gate_up (SiLU-mul)
-    (32, 1024, 3072, 128, 4),  # small-0.6b down (+ residual)
+#: llama-1b's gate_up and down (K = 2048 and 8192) from 2 rows to 64, each split keeping 16 K tiles: the SiLU kernel
+#: and cuBLAS's split-K reduction go (6 kernels a layer where cuBLAS needs 8), and the graph-replayed step took 3-4 %
+#: less at 2-32 rows, the same at 64 (H100, BENCHMARKS.md 2026-12-06, late night). Split down to 4 K tiles a program
+#: as the others are, the same two lost 4-10 % (512 programs of a pipeline that is all fill, down's partials a quarter
+#: of its weight's bytes); llama-1b's qkv and o stay with cuBLAS (its qkv through this kernel took 12.3 µs against 7.6,
+#: o 7.8 against 6.3), so do small-0.6b's LM head (through this kernel the bs-32 TPOT gained nothing) and small-0.6b's
+#: products at 64 rows (15 % longer), H100, BENCHMARKS.md 2026-12-06, night.
+GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (32, 2048, 1024, 128, 4, 4),  # small-0.6b qkv (RoPE, KV cache write)
+    (32, 1024, 1024, 128, 4, 4),  # small-0.6b o (+ residual)
+    (32, 6144, 1024, 128, 4, 4),  # small-0.6b gate_up (SiLU-mul)
+    (32, 1024, 3072, 128, 4, 4),  # small-0.6b down (+ residual)
+    (64, 16384, 2048, 128, 4, 16),  # llama-1b gate_up (SiLU-mul)
+    (64, 2048, 8192, 128, 4, 16),  # llama-1b down (+ residual)
 )
 
 
@@ -122,10 +129,10 @@ class Tuning:
     gemm_stages: int = 5
     gemm_fallback_tile: tuple[int, int] = (64, 3)  # (K tile, stages) where a tile does not fit the shared memory
     gemm_warps: int = 4
-    #: (rows up to, weight rows N, K, K tile, stages): shapes past ``gemm_max_m`` rows that the tensor-core
-    #: kernel takes with their own tile (2-byte weights)
-    gemm_shape_tiles: tuple[tuple[int, int, int, int, int], ...] = GEMM_SHAPE_TILES
-    gemm_min_k_tiles: int = 4  # K tiles each split keeps at least
+    #: (rows up to, weight rows N, K, K tile, stages, K tiles a split keeps): product shapes the tensor-core kernel
+    #: takes up to their rows, with their own tile past ``gemm_max_m`` rows and their own split (2-byte weights)
+    gemm_shape_tiles: tuple[tuple[int, int, int, int, int, int], ...] = GEMM_SHAPE_TILES
+    gemm_min_k_tiles: int = 4  # K tiles each split keeps at least (a product gemm_shape_tiles names: its own)
     gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
     gemm_float_logits: bool = True  # the LM head's cuBLAS product written as float32 (no widening kernel after it)
     #: rows up to which, beside a cuBLAS qkv product in a decode step, the attention kernel rotates q and k and writes
@@ -156,21 +163,23 @@ def kernel_for(m: int, n: int, k: int, itemsize: int) -> Kernel:
     return Kernel.CUBLAS
 
 
-def _listed(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> tuple[int, int] | None:
-    """The (K tile, stages) ``gemm_shape_tiles`` gives an [m, k] x [n, k]' product of up to its rows (n: the
-    weight's rows, both halves of a paired product); None where it names no such product."""
+class ShapeTile(NamedTuple):
+    """What ``gemm_shape_tiles`` measured for one product shape."""
+
+    block_k: int
+    stages: int
+    min_k_tiles: int  # K tiles each split keeps at least
+
+
+def _listed(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> ShapeTile | None:
+    """The entry of ``gemm_shape_tiles`` for an [m, k] x [n, k]' product of up to its rows (n: the weight's rows,
+    both halves of a paired product); None where it names no such product."""
     if itemsize != 2:
         return None
-    for max_m, shape_n, shape_k, block_k, stages in tuning.gemm_shape_tiles:
+    for max_m, shape_n, shape_k, block_k, stages, min_k_tiles in tuning.gemm_shape_tiles:
         if m <= max_m and (shape_n, shape_k) == (n, k):
-            return block_k, stages
+            return ShapeTile(block_k, stages, min_k_tiles)
     return None
-
-
-def gemm_shape_tile(m: int, n: int, k: int, itemsize: int, tuning: Tuning) -> tuple[int, int] | None:
-    """(K tile, stages) of the tensor-core kernel for a product ``gemm_shape_tiles`` names, past ``gemm_max_m``
-    rows; None elsewhere (up to ``gemm_max_m`` rows a named product takes the kernel's general tile)."""
-    return None if m <= tuning.gemm_max_m else _listed(m, n, k, itemsize, tuning)
 
 
 #: the thresholds in use; a benchmark may replace it to sweep them
@@ -238,13 +247,16 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
         block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
     block_k = tuning.gemm_block_k if itemsize <= 2 else 32
     stages = tuning.gemm_stages if itemsize <= 2 else 2
-    measured = gemm_shape_tile(m, n_out * (2 if paired else 1), k, itemsize, tuning)
-    if measured is not None:
-        block_k, stages = measured
+    # A named product keeps its own split at every row it covers, and its own tile past gemm_max_m rows (up to
+    # them, the general tile).
+    measured = _listed(m, n_out * (2 if paired else 1), k, itemsize, tuning)
+    if measured is not None and m > tuning.gemm_max_m:
+        block_k, stages = measured.block_k, measured.stages
+    min_k_tiles = tuning.gemm_min_k_tiles if measured is None else measured.min_k_tiles
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
     split = 1
     while (tiles * split < tuning.gemm_programs_per_sm * sms
-           and k // (2 * split) >= tuning.gemm_min_k_tiles * block_k):
+           and k // (2 * split) >= min_k_tiles * block_k):
         split *= 2
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, tuning.gemm_warps, stages,
