@@ -175,9 +175,13 @@ LINEAR_RESIDUAL_CASES = [LinearResidualCase(F32, 1, 97, 300), LinearResidualCase
 # A 0.6 B decoder layer's products at 32 rows (16 query and 8 KV heads of 64, hidden 1024, SwiGLU 3072), folded, in
 # bf16: shapes a provider may give tiles of their own.
 _ROWS, _HIDDEN, _INTER = 32, 1024, 3072
+# A 1 B decoder layer's MLP (hidden 2048, SwiGLU 8192) in bf16: its own split of K, at the general tile's rows (8) and
+# past them (64).
+_HIDDEN_1B, _INTER_1B = 2048, 8192
 LINEAR_RESIDUAL_SWEEP = [LinearResidualCase(d, m, n, k) for d, m, (n, k) in
                          itertools.product((F32, BF16), _M, ((1001, 300), (256, 1500)))] + [
-    LinearResidualCase(BF16, _ROWS, _HIDDEN, k) for k in (_HIDDEN, _INTER)]
+    LinearResidualCase(BF16, _ROWS, _HIDDEN, k) for k in (_HIDDEN, _INTER)] + [
+    LinearResidualCase(BF16, 64, _HIDDEN_1B, _INTER_1B)]
 # With the norm's weight folded into the projection (norm_weight None): one case per kernel a provider may
 # choose by M (a GEMV's few rows, a tensor-core kernel's, a library GEMM's beside the epilogue kernel).
 GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77), NormGateUpCase(BF16, 20, 128, 64),
@@ -185,7 +189,8 @@ GATE_UP_CASES = [NormGateUpCase(F32, 1, 96, 80), NormGateUpCase(BF16, 3, 200, 77
                  NormGateUpCase(BF16, 20, 1500, 64, folded=True)]
 GATE_UP_SWEEP = [NormGateUpCase(d, m, h, i, folded=f) for d, m, (h, i), f in
                  itertools.product((F32, BF16), _M, ((1000, 301), (256, 768)), (False, True))] + [
-    NormGateUpCase(BF16, _ROWS, _HIDDEN, _INTER, folded=True)]
+    NormGateUpCase(BF16, _ROWS, _HIDDEN, _INTER, folded=True),
+    NormGateUpCase(BF16, 8, _HIDDEN_1B, _INTER_1B, folded=True)]
 LOGITS_CASES = [NormLogitsCase(F32, 1, 96, 1000), NormLogitsCase(BF16, 3, 200, 517), NormLogitsCase(BF16, 33, 64, 300)]
 LOGITS_SWEEP = [NormLogitsCase(d, m, 1024, 5003) for d, m in itertools.product((F32, BF16), _M)]
 QKV_CASES = [
