@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from corelib.models.sharding import TensorShard, VocabShard
-from corelib.ops import SamplingInputs
+from corelib.ops import NONFINITE, SamplingInputs
 from corelib.ops.reference import reference_ops
 from corelib.ops.sampling import sample_rows
+from corelib.step.runner import ModelRunner, Sampler
 from corelib.step.vocab_parallel import pick_tokens
 
 
@@ -115,3 +117,44 @@ def test_a_ranks_lm_head_rows_are_its_block_padded_to_equal_size() -> None:
     assert torch.equal(torch.cat([b[: s.size] for b, s in zip(blocks, shards, strict=True)]), lm_head)
     assert not blocks[2][3:].any(), "the last block's padding rows are zero"
     assert blocks[0].data_ptr() != lm_head.data_ptr(), "a block owns its memory: the full head can go"
+
+
+def test_the_runner_publishes_the_ranks_finite_verdict_for_the_host() -> None:
+    # A greedy step over a vocabulary-parallel head: each rank's runner hands the verdict of every rank's block to the
+    # host's copy (NONFINITE for a row whose logits hold a NaN or an inf in any block), and the picked id to the relay.
+    rows, vocab, world = 6, 16, 2
+    full = logits(rows, vocab, seed=vocab)  # rows 2 and 3: a NaN and an inf in rank 0's block
+    full[4, 12] = float("nan")  # rank 1's
+    reduce = ThreadAllReduce(world)
+    shards = [TensorShard(rank, world, reduce.for_rank(rank)).vocab(vocab) for rank in range(world)]
+    slots = torch.tensor([5, 0, 3, 1, 4, 2])
+    published: list[tuple[torch.Tensor, torch.Tensor]] = []
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        shard = shards[rank]
+        checked, relay = torch.zeros(rows, dtype=torch.int64), torch.full((rows,), -7, dtype=torch.int64)
+        runner = SimpleNamespace(vocab_shard=shard, ops=reference_ops(), token_mask=torch.zeros(rows, 1),
+                                 handoff=SimpleNamespace(publish_targets=lambda n: (checked[:n], relay)))
+        block = full[:, shard.start : shard.start + shard.per_rank].clone()
+        try:
+            ModelRunner._emit(runner, block, rows, {"sample_slots": slots}, None,  # type: ignore[arg-type]
+                              torch.arange(rows), Sampler.argmax, logprobs=False)
+        except BaseException as error:  # noqa: BLE001 - raised below
+            errors.append(error)
+        published.append((checked, relay))
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    if errors:
+        raise errors[0]
+    finite = torch.isfinite(full.sum(dim=-1))
+    assert finite.tolist() == [True, True, False, False, False, True]
+    expected = torch.where(finite, full.argmax(dim=-1), NONFINITE)
+    for checked, relay in published:
+        assert torch.equal(checked, expected), (checked, expected)
+        assert torch.equal(relay[slots][finite], full.argmax(dim=-1)[finite])
+        assert bool((relay >= 0).all()), "the relay keeps a valid id for every row, finite or not"
