@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import TypeVar
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from corelib.ops.reference import reference_ops
 from corelib.ops.sampling import sample_rows
 from corelib.step.runner import ModelRunner, Sampler
 from corelib.step.vocab_parallel import pick_tokens
+
+T = TypeVar("T")
 
 
 class ThreadAllReduce:
@@ -45,19 +48,17 @@ class ThreadAllReduce:
         return all_reduce
 
 
-def picks(full: torch.Tensor, world: int, sampling: SamplingInputs | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's (tokens, finite) for the full logits [B, V] split into ``world`` blocks."""
+def on_ranks(world: int, vocab: int, step: Callable[[VocabShard, int], T]) -> list[T]:
+    """``step(shard, rank)`` on ``world`` threads at once, their shards' all-reduce summing across them: each rank's
+    result, in rank order (one all-reduce per step)."""
     reduce = ThreadAllReduce(world)
-    shards = [TensorShard(rank, world, reduce.for_rank(rank)).vocab(full.shape[1]) for rank in range(world)]
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * world
+    shards = [TensorShard(rank, world, reduce.for_rank(rank)).vocab(vocab) for rank in range(world)]
+    out: dict[int, T] = {}
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
-        shard = shards[rank]
-        block = full.new_zeros((full.shape[0], shard.per_rank))
-        block[:, : shard.size] = full[:, shard.start : shard.start + shard.size]  # the padding rows: logit 0
         try:
-            out[rank] = pick_tokens(block, sampling, shard, reference_ops())
+            out[rank] = step(shards[rank], rank)
         except BaseException as error:  # noqa: BLE001 - raised below
             errors.append(error)
 
@@ -69,7 +70,18 @@ def picks(full: torch.Tensor, world: int, sampling: SamplingInputs | None) -> li
     if errors:
         raise errors[0]
     assert reduce.calls == 1, "one all-reduce per step"
-    return [result for result in out if result is not None]
+    return [out[rank] for rank in range(world)]
+
+
+def picks(full: torch.Tensor, world: int, sampling: SamplingInputs | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's (tokens, finite) for the full logits [B, V] split into ``world`` blocks."""
+
+    def pick(shard: VocabShard, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block = full.new_zeros((full.shape[0], shard.per_rank))
+        block[:, : shard.size] = full[:, shard.start : shard.start + shard.size]  # the padding rows: logit 0
+        return pick_tokens(block, sampling, shard, reference_ops())
+
+    return on_ranks(world, full.shape[1], pick)
 
 
 def logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -125,32 +137,18 @@ def test_the_runner_publishes_the_ranks_finite_verdict_for_the_host() -> None:
     rows, vocab, world = 6, 16, 2
     full = logits(rows, vocab, seed=vocab)  # rows 2 and 3: a NaN and an inf in rank 0's block
     full[4, 12] = float("nan")  # rank 1's
-    reduce = ThreadAllReduce(world)
-    shards = [TensorShard(rank, world, reduce.for_rank(rank)).vocab(vocab) for rank in range(world)]
     slots = torch.tensor([5, 0, 3, 1, 4, 2])
-    published: list[tuple[torch.Tensor, torch.Tensor]] = []
-    errors: list[BaseException] = []
 
-    def run(rank: int) -> None:
-        shard = shards[rank]
+    def emit(shard: VocabShard, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         checked, relay = torch.zeros(rows, dtype=torch.int64), torch.full((rows,), -7, dtype=torch.int64)
         runner = SimpleNamespace(vocab_shard=shard, ops=reference_ops(), token_mask=torch.zeros(rows, 1),
                                  handoff=SimpleNamespace(publish_targets=lambda n: (checked[:n], relay)))
         block = full[:, shard.start : shard.start + shard.per_rank].clone()
-        try:
-            ModelRunner._emit(runner, block, rows, {"sample_slots": slots}, None,  # type: ignore[arg-type]
-                              torch.arange(rows), Sampler.argmax, logprobs=False)
-        except BaseException as error:  # noqa: BLE001 - raised below
-            errors.append(error)
-        published.append((checked, relay))
+        ModelRunner._emit(runner, block, rows, {"sample_slots": slots}, None,  # type: ignore[arg-type]
+                          torch.arange(rows), Sampler.argmax, logprobs=False)
+        return checked, relay
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    if errors:
-        raise errors[0]
+    published = on_ranks(world, vocab, emit)
     finite = torch.isfinite(full.sum(dim=-1))
     assert finite.tolist() == [True, True, False, False, False, True]
     expected = torch.where(finite, full.argmax(dim=-1), NONFINITE)
