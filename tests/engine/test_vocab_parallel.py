@@ -48,8 +48,8 @@ class ThreadAllReduce:
         return all_reduce
 
 
-def on_ranks(world: int, vocab: int, step: Callable[[VocabShard, int], T]) -> list[T]:
-    """``step(shard, rank)`` on ``world`` threads at once, their shards' all-reduce summing across them: each rank's
+def on_ranks(world: int, vocab: int, step: Callable[[VocabShard], T]) -> list[T]:
+    """``step(shard)`` on ``world`` threads at once, their shards' all-reduce summing across them: each rank's
     result, in rank order (one all-reduce per step)."""
     reduce = ThreadAllReduce(world)
     shards = [TensorShard(rank, world, reduce.for_rank(rank)).vocab(vocab) for rank in range(world)]
@@ -58,7 +58,7 @@ def on_ranks(world: int, vocab: int, step: Callable[[VocabShard, int], T]) -> li
 
     def run(rank: int) -> None:
         try:
-            out[rank] = step(shards[rank], rank)
+            out[rank] = step(shards[rank])
         except BaseException as error:  # noqa: BLE001 - raised below
             errors.append(error)
 
@@ -76,7 +76,7 @@ def on_ranks(world: int, vocab: int, step: Callable[[VocabShard, int], T]) -> li
 def picks(full: torch.Tensor, world: int, sampling: SamplingInputs | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every rank's (tokens, finite) for the full logits [B, V] split into ``world`` blocks."""
 
-    def pick(shard: VocabShard, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pick(shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
         block = full.new_zeros((full.shape[0], shard.per_rank))
         block[:, : shard.size] = full[:, shard.start : shard.start + shard.size]  # the padding rows: logit 0
         return pick_tokens(block, sampling, shard, reference_ops())
@@ -139,7 +139,7 @@ def test_the_runner_publishes_the_ranks_finite_verdict_for_the_host() -> None:
     full[4, 12] = float("nan")  # rank 1's
     slots = torch.tensor([5, 0, 3, 1, 4, 2])
 
-    def emit(shard: VocabShard, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def emit(shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
         checked, relay = torch.zeros(rows, dtype=torch.int64), torch.full((rows,), -7, dtype=torch.int64)
         runner = SimpleNamespace(vocab_shard=shard, ops=reference_ops(), token_mask=torch.zeros(rows, 1),
                                  handoff=SimpleNamespace(publish_targets=lambda n: (checked[:n], relay)))
