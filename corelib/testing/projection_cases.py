@@ -207,7 +207,7 @@ QKV_SWEEP = [NormQkvCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 0, folded=f) f
              itertools.product((F32, BF16), _M, (1, 4), (64, 128), (200, 1024), (False, True))] + [
     NormQkvCase(BF16, _ROWS, 2, 64, 16, hidden=_HIDDEN, kv_heads=8, folded=True)]
 # The qkv projection beside each kernel a provider may choose by M: the attention after a GEMV's or a tensor-core
-# kernel's RoPE epilogue, and after a library GEMM (K > 1024 from 5 rows, any K past 16 rows), with the norm's
+# kernel's RoPE epilogue, and after a library GEMM (K > 1024 from 3 rows, any K past 16 rows), with the norm's
 # weight folded or not, with a bias, over short and long contexts.
 QKV_ATTENTION_CASES = [
     NormQkvAttentionCase(F32, 1, 2, 64, 16, long=70),

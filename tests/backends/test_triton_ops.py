@@ -365,22 +365,24 @@ def test_small_06bs_down_projection_takes_the_tensor_core_kernel_from_past_the_g
     assert (own.block_k, own.stages) == (128, 4)
 
 
-def test_from_three_rows_the_tensor_core_kernel_takes_the_products_it_can() -> None:
-    # K <= gemm_max_k: the GEMV only to gemv_max_m_tensor_core rows; longer K keeps the GEMV to gemv_max_m rows.
+def test_from_three_rows_no_decoder_product_of_either_small_model_runs_on_the_gemv() -> None:
+    # The GEMV to 2 rows: from 3, small-0.6b's products take the tensor-core kernel (K <= gemm_max_k, and its listed
+    # down projection), llama-1b's qkv and o cuBLAS and its listed gate_up and down the tensor-core kernel.
     tuning = projections.TUNING
-    assert tuning.gemv_max_m_tensor_core < tuning.gemv_max_m
-    small = _decoder_products("small-0.6b")
-    for name in ("qkv", "o", "gate_up"):
-        n, k = small[name]
+    assert tuning.gemv_max_m == tuning.gemv_max_m_tensor_core == 2
+    for name, (n, k) in _decoder_products("small-0.6b").items():
+        if name == "lm_head":  # large: the GEMV to 1 row, then cuBLAS
+            continue
         assert projections.kernel_for(2, n, k, 2) is projections.Kernel.GEMV, name
-        assert projections.kernel_for(3, n, k, 2) is projections.Kernel.GEMM, name
-        assert projections.kernel_for(4, n, k, 2) is projections.Kernel.GEMM, name
-    n, k = small["down"]  # K = 3072
-    assert projections.kernel_for(4, n, k, 2) is projections.Kernel.GEMV
-    for name, (n, k) in _decoder_products("llama-1b").items():  # K = 2048: as before, but the listed gate_up, down
-        expected = (projections.Kernel.GEMV if n * k * 2 <= tuning.gemv_small_bytes
-                    else projections.Kernel.GEMM if name in ("gate_up", "down") else projections.Kernel.CUBLAS)
-        assert projections.kernel_for(4, n, k, 2) is expected, name
+        for rows in (3, 4):
+            assert projections.kernel_for(rows, n, k, 2) is projections.Kernel.GEMM, (name, rows)
+    for name, (n, k) in _decoder_products("llama-1b").items():
+        past_gemv = projections.Kernel.GEMM if name in ("gate_up", "down") else projections.Kernel.CUBLAS
+        small = n * k * 2 <= tuning.gemv_small_bytes  # qkv and o: the GEMV to 2 rows; the others to 1
+        assert small == (name in ("qkv", "o")), name
+        assert projections.kernel_for(2, n, k, 2) is (projections.Kernel.GEMV if small else past_gemv), name
+        for rows in (3, 4):
+            assert projections.kernel_for(rows, n, k, 2) is past_gemv, (name, rows)
 
 
 def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_its_own_tile(
@@ -425,7 +427,7 @@ def test_the_gemv_epilogue_reads_the_same_inputs_early_or_late(
 ) -> None:
     # The residual, bias, cos/sin and slots may be read before the reduction: the same results either way.
     monkeypatch.setattr(projections, "TUNING", dataclasses.replace(  # the GEMV at every row of these cases
-        projections.TUNING, gemv_early_epilogue_loads=early, gemv_max_m_tensor_core=projections.TUNING.gemv_max_m))
+        projections.TUNING, gemv_early_epilogue_loads=early, gemv_max_m=4, gemv_max_m_tensor_core=4))
     call = CALLS[op]
     actual = call(op_target.ops, case.build(0, torch.device("cpu")))
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))

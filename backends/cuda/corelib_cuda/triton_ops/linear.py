@@ -9,7 +9,8 @@ decode step replayed as a graph, per model and batch size, chose between what it
   that, every extra row costs it more than cuBLAS takes for the whole product. Its tiles of
   32 KB, two programs per multiprocessor wanted, took 2.5 % (small-0.6b), 3.6 % (1 B) and 16 %
   (8 B; its down projection no longer splits K) off a bs-1 step against 16 KB and four; from
-  two rows the large weights went faster through cuBLAS (bs 2: 4 %, 14 %, 27 % off the step).
+  two rows the large weights went faster through cuBLAS (bs 2: 4 %, 14 %, 27 % off the step), and
+  from three rows llama-1b's qkv and o (K = 2048, 8-13 MB) did too (bs 4: 6 % off the engine's TPOT).
   Where the tensor-core kernel takes the product (K <= ``gemm_max_k``) the GEMV runs only up to
   ``gemv_max_m_tensor_core`` rows (2: from 3 rows that kernel is faster);
 - the tensor-core kernel (split over K; up to 64 rows the weight tile is the MMA's row side) past
@@ -23,8 +24,8 @@ decode step replayed as a graph, per model and batch size, chose between what it
 - the tensor-core kernel also, past the GEMV up to a row count of their own, for the product shapes
   ``gemm_shape_tiles`` names, past ``gemm_max_m`` rows with their own K tile and pipeline depth, and at every
   row with their own split of K (``GEMM_SHAPE_TILES``: small-0.6b's four decoder-layer products up to 32 rows;
-  its down projection, K = 3072, from 5 rows: its TPOT took 9.7 % less at bs 8 and 9.1 % at bs 16 than with
-  cuBLAS's product and split-K reduction, H100, BENCHMARKS.md 2026-12-06, the down projection from 5 rows;
+  its down projection, K = 3072, from the GEMV's last row on: its TPOT took 9.7 % less at bs 8 and 9.1 % at bs 16
+  than with cuBLAS's product and split-K reduction, H100, BENCHMARKS.md 2026-12-06, the down projection from 5 rows;
   llama-1b's gate_up and down from 2 rows to 64, split no finer than 16 K tiles a program);
 - cuBLAS otherwise (``F.linear``; ``linear_residual``: ``addmm_`` on the residual, added in its epilogue).
 
@@ -85,7 +86,8 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 #: small-0.6b's four decoder-layer products at up to 32 rows, 128-wide K tiles and 4 stages: its fused norms, RoPE and
 #: SiLU leave 5 kernels a layer where cuBLAS needs 9, and the engine's TPOT at bs 32 took 4.8 % less (H100, three
 #: alternations; BENCHMARKS.md, 2026-12-06, the tensor-core kernel at 32 rows); its down projection (K = 3072, past
-#: ``gemm_max_k``) from 5 rows too, where cuBLAS ran it with a split-K reduction (bs 8 and 16: 9-10 % less TPOT).
+#: ``gemm_max_k``) from the GEMV's last row on too, where cuBLAS ran it with a split-K reduction (bs 8 and 16: 9-10 %
+#: less TPOT).
 #: llama-1b's gate_up and down (K = 2048 and 8192) from 2 rows to 64, each split keeping 16 K tiles: the SiLU kernel
 #: and cuBLAS's split-K reduction go (6 kernels a layer where cuBLAS needs 8), and the graph-replayed step took 3-4 %
 #: less at 2-32 rows, the same at 64 (H100, BENCHMARKS.md 2026-12-06, late night). Split down to 4 K tiles a program
@@ -105,7 +107,10 @@ GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    gemv_max_m: int = 4  # rows of x up to which the GEMV runs (weights up to gemv_small_bytes)
+    #: rows of x up to which the GEMV runs (weights up to gemv_small_bytes): llama-1b's engine TPOT took 6.3 % less at
+    #: bs 4 and 1.2 % at bs 3 with its qkv and o on cuBLAS from 3 rows than on the GEMV to 4, the same at bs 2 (1 row:
+    #: 3.8 % more at bs 2), H100, BENCHMARKS.md 2026-12-07
+    gemv_max_m: int = 2
     gemv_max_m_large: int = 1  # the same for larger weights
     #: the same where the tensor-core kernel takes the product (K <= gemm_max_k): small-0.6b's engine TPOT at bs 4 took
     #: 20 % less with its qkv, o and gate_up there than on the GEMV, at bs 2 20 % more (H100, BENCHMARKS.md 2026-12-06)
