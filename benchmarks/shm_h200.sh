@@ -5,7 +5,8 @@
 # then last, so drift over the minutes does not favour one; each run builds its engines once and
 # decodes bs 1, 8, 32 and 128 (prompt 32, TOKENS new tokens, default 512: a p99 over about 500 hops, not the second
 # slowest of 128). Prints per point: TPOT (median of the two runs),
-# transport latency p50/p99 (producer commit to inputs staged in the worker; the worse run), device
+# transport latency p50/p99 (producer commit to inputs staged in the worker; the worse run) and its wake-up part
+# (until the frame was read there), device
 # occupancy (the worse run), and the targets (ordered at bs 1 and 32: hop p50 <= 30 and p99 <= 100 µs), then
 # where each run's slowest ordered hops fell, and what the early H2D costs on arrival (benchmarks/early_h2d.py).
 # Bounded: each run is stopped after RUN_LIMIT_S seconds.
@@ -60,7 +61,7 @@ def tpot(key):
     return statistics.median(p["tpot_ms"] for p in runs) if runs else None
 
 rows, failed = [], []
-print(f"{'path':<12} {'bs':>4} {'TPOT ms':>8} {'xport p50/p99 us':>17} {'occupancy':>9}  targets")
+print(f"{'path':<12} {'bs':>4} {'TPOT ms':>8} {'xport p50/p99 us':>17} {'wake-up p50/p99':>16} {'occupancy':>9}  targets")
 for (transport, materialization, bs), runs in sorted(points.items(), key=lambda kv: (kv[0][2], kv[0][:2])):
     label = transport if transport == "inproc" else f"shm {materialization}"
     t = tpot((transport, materialization, bs))
@@ -72,6 +73,9 @@ for (transport, materialization, bs), runs in sorted(points.items(), key=lambda 
         p50 = max((p["transport_us_p50"] or 0.0) for p in runs)
         p99 = max((p["transport_us_p99"] or 0.0) for p in runs)
         xport = f"{p50:.0f}/{p99:.0f}"
+        wakes = [p for p in runs if p.get("transport_wake_us_p50") is not None]  # the hop until the frame was read
+        wake = (f"{max(p['transport_wake_us_p50'] for p in wakes):.0f}/"
+                f"{max(p['transport_wake_us_p99'] or 0.0 for p in wakes):.0f}") if wakes else "-"
         checks += [("p50<=50us", p50 <= 50), ("p99<=300us", p99 <= 300)]
         if materialization == "ordered" and bs in (1, 32):  # the ordered hop's own targets
             checks += [("p50<=30us", p50 <= 30), ("p99<=100us", p99 <= 100)]
@@ -84,18 +88,19 @@ for (transport, materialization, bs), runs in sorted(points.items(), key=lambda 
         if materialization == "ordered" and early:
             checks.append((f"ordered/early={t / early:.3f}<=1.02", t / early <= 1.02))
     else:
-        xport = "-"
+        xport = wake = "-"
     verdict = " ".join(f"{name}:{'ok' if good else 'MISS'}" for name, good in checks)
     failed += [name.split("=")[0] if "/" in name else name for name, good in checks if not good]
     occ = "-" if occupancy is None else f"{100 * occupancy:.1f} %"
-    print(f"{label:<12} {bs:>4} {t:>8.3f} {xport:>17} {occ:>9}  {verdict}")
+    print(f"{label:<12} {bs:>4} {t:>8.3f} {xport:>17} {wake:>16} {occ:>9}  {verdict}")
 print(f"== targets missed: {len(failed)}" + (f" ({', '.join(sorted(set(failed)))})" if failed else ""))
 # Where each run's slowest ordered hops fell (the step's place after the warm-up: µs), for a tail to be told
 # apart: the first steps of a batch, or spread over it.
 for (transport, materialization, bs), runs in sorted(points.items(), key=lambda kv: kv[0][2]):
     if transport == "shm" and materialization == "ordered":
         for p in runs:
-            hops = ", ".join(f"{at}: {us:.0f}" for at, us in p.get("transport_us_slowest", []))
+            hops = ", ".join(f"{hop[0]}: {hop[1]:.0f}" + (f" (wake-up {hop[2]:.0f})" if len(hop) > 2 and hop[2] >= 0
+                                                         else "") for hop in p.get("transport_us_slowest", []))
             print(f"slowest ordered hops, bs {bs}, run {p['run']}: {hops}")
 EOF
 [ -f "$out/early_h2d.log" ] && grep -E "bs " "$out/early_h2d.log"

@@ -228,11 +228,13 @@ def test_bench_serves_the_workload_beside_its_sweep(tmp_path: Path, monkeypatch:
     assert len(served) == 2  # one per engine of the sweep: inproc and shm
     slowest = {p["transport"]: p["transport_us_slowest"] for p in report["points"]}
     assert slowest["inproc"] == []
-    steps = [at for at, _ in slowest["shm"]]
-    hops = [us for _, us in slowest["shm"]]
+    steps = [at for at, _, _ in slowest["shm"]]
+    hops = [us for _, us, _ in slowest["shm"]]
     assert 0 < len(hops) <= 5 and hops == sorted(hops, reverse=True) and len(set(steps)) == len(steps)
+    assert all(0 <= wake <= us for _, us, wake in slowest["shm"])  # the wake-up is a part of the hop
     [shm] = [p for p in report["points"] if p["transport"] == "shm"]
     assert hops[0] >= shm["transport_us_p99"] >= shm["transport_us_p50"]
+    assert shm["transport_wake_us_p99"] is not None and shm["transport_wake_us_p99"] <= shm["transport_us_p99"]
     for entry in served:
         assert (entry["requests"], entry["requests_failed"], entry["max_concurrency"]) == (5, 0, 2)
         assert entry["ttft_ms_p50"] > 0 and entry["tokens_per_s"] > 0

@@ -71,8 +71,13 @@ class BenchPoint:
     # the inputs ready there
     transport_us_p50: float | None = None
     transport_us_p99: float | None = None
+    # Of each hop, the part until the frame was in the worker's hands (the producer's commit, the doorbell, the
+    # worker's wake-up and the ring's read: "wake-up" for short); the rest is the worker's parse and staging
+    transport_wake_us_p50: float | None = None
+    transport_wake_us_p99: float | None = None
     # The point's slowest hops, slowest first: [the step's place among the point's steps (0: the first after the
-    # warm-up), µs]; whether a tail is the first steps of a batch or spread over the run.
+    # warm-up), µs, its wake-up part µs (-1: not known)]; whether a tail is the first steps of a batch or spread over
+    # the run, and whether it was the wake-up or the staging.
     transport_us_slowest: list[list[float]] = field(default_factory=list)
     # The scheduler side's own work per decode step (median µs): schedule + pack + post-process, and each part.
     host_us: float | None = None
@@ -251,8 +256,10 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                            for r in range(spec.repeats)]
                 stats = engine.stats(since_step=first_step)
                 device, steps = stats.device, stats.steps
-                hops = [(at, s.transport_us) for at, s in enumerate(steps) if s.transport_us is not None]
-                transport_us = [us for _, us in hops]
+                hops = [(at, s.transport_us, -1.0 if s.wake_us is None else s.wake_us)
+                        for at, s in enumerate(steps) if s.transport_us is not None]
+                transport_us = [us for _, us, _ in hops]
+                wake_us = [wake for _, _, wake in hops if wake >= 0]
                 host = [s.host for s in steps if s.host is not None and s.kind.value == "decode"]
                 tpot = statistics.median(r[0] for r in repeats)
                 point = BenchPoint(
@@ -274,7 +281,10 @@ def bench(cfg: DictConfig, registry: PluginRegistry, run_dir: RunDir, console: C
                     repeats_tpot_ms=[r[0] for r in repeats],
                     transport_us_p50=percentile(transport_us, 50),
                     transport_us_p99=percentile(transport_us, 99),
-                    transport_us_slowest=[[at, us] for at, us in sorted(hops, key=lambda hop: -hop[1])[:SLOWEST_HOPS]],
+                    transport_wake_us_p50=percentile(wake_us, 50),
+                    transport_wake_us_p99=percentile(wake_us, 99),
+                    transport_us_slowest=[[at, us, wake] for at, us, wake in
+                                          sorted(hops, key=lambda hop: -hop[1])[:SLOWEST_HOPS]],
                     host_us=percentile([h.total_us for h in host], 50),
                     host_schedule_us=percentile([h.schedule_us for h in host], 50),
                     host_pack_us=percentile([h.pack_us for h in host], 50),
@@ -326,7 +336,9 @@ def _transport_note(point: BenchPoint) -> str:
     """The SHM hop (producer commit to inputs staged in the worker), where there is one."""
     if point.transport_us_p50 is None:
         return ""
-    return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs"
+    wake = ("" if point.transport_wake_us_p50 is None else
+            f" (wake-up p50 {point.transport_wake_us_p50:.0f} p99 {point.transport_wake_us_p99 or 0:.0f})")
+    return f", transport p50 {point.transport_us_p50:.0f} µs p99 {point.transport_us_p99 or 0:.0f} µs{wake}"
 
 
 def _allreduce_note(startup: Startup) -> str:

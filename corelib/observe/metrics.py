@@ -47,23 +47,24 @@ class StepRecord:
     transport_us: float | None
     host: HostTime | None = None  # schedule + pack + post-process of this step on the scheduler side
     num_tokens: int = 0  # tokens the step fed (its rows' queries, before any padding)
+    wake_us: float | None = None  # SHM: of transport_us, the part until the frame was in the worker's hands
 
 
 WINDOW = 10_000  # requests and steps kept for percentiles and device spans
 
 # A step as the window keeps it: (step_id, kind's value, path, num_seqs, busy_ms, gap_ms, graph, transport_us,
-# (schedule_us, pack_us, postprocess_us) or None, num_tokens). Plain tuples of numbers and strings leave the
+# (schedule_us, pack_us, postprocess_us) or None, num_tokens, wake_us). Plain tuples of numbers and strings leave the
 # garbage collector's lists once they survive a pass; 10-20 k StepRecords (and their HostTimes) would stay on
 # them, and every pass of the generation they sit in would walk them between two steps (passes of 4-12.5 ms on
 # the H200's host, in a mixed-traffic run).
 _Row = tuple[int, str, str, int, float | None, float | None, bool, float | None, tuple[float, float, float] | None,
-             int]
+             int, float | None]
 
 
 def _record(row: _Row) -> StepRecord:
     host = row[8]
     return StepRecord(row[0], StepKind(row[1]), row[2], row[3], row[4], row[5], row[6], row[7],
-                      None if host is None else HostTime(*host), row[9])
+                      None if host is None else HostTime(*host), row[9], row[10])
 
 
 class MetricsCollector:
@@ -101,7 +102,7 @@ class MetricsCollector:
         kind = result.kind.value
         times = None if host is None else (host.schedule_us, host.pack_us, host.postprocess_us)
         self._rows.append((result.step_id, kind, path, len(result.tokens), result.busy_ms, result.gap_ms,
-                           result.graph, result.transport_us, times, num_tokens))
+                           result.graph, result.transport_us, times, num_tokens, result.wake_us))
         if len(self._rows) >= 2 * self.window:
             del self._rows[: self.window]  # in halves: amortized O(1) per step, and slices stay cheap
             self.steps_dropped += self.window
@@ -166,6 +167,7 @@ class MetricsCollector:
             prompt_tokens += len(seq.prompt_token_ids)
             output_tokens += len(seq.output_token_ids)
         transport = [row[7] for row in self._rows if row[7] is not None]
+        wake = [row[10] for row in self._rows if row[10] is not None]
         return {
             "requests": sum(reasons.values()),
             "requests_failed": reasons.get(FinishReason.error.value, 0),
@@ -187,6 +189,8 @@ class MetricsCollector:
             "eager_steps": self._eager_steps,
             "transport_us_p50": percentile(transport, 50),
             "transport_us_p99": percentile(transport, 99),
+            "transport_wake_us_p50": percentile(wake, 50),  # of the hop, until the frame was in the worker's hands
+            "transport_wake_us_p99": percentile(wake, 99),
             "sync_step_reasons": dict(self.sync_reasons),
             **self.device_summary(self.steps_dropped),
         }

@@ -39,6 +39,7 @@ class StepResult:
     handle: StepHandle | None = None  # in-process steps: the handle, whose events a tracer reads
     logprobs: list[list[float]] | None = None  # per row: LOGPROB_WIDTH floats (see corelib.step.fields)
     prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed: LOGPROB_WIDTH floats
+    wake_us: float | None = None  # SHM: of transport_us, the part until the frame was in the worker's hands
 
 
 @dataclass

@@ -320,7 +320,8 @@ class ShmExecutor(Executor):
             wire = decode_result(frame.header, frame.data)
             kind = StepKind.decode if wire.decode else StepKind.prefill
             return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
-                              wire.transport_us, logprobs=wire.logprobs, prompt_logprobs=wire.prompt_logprobs)
+                              wire.transport_us, logprobs=wire.logprobs, prompt_logprobs=wire.prompt_logprobs,
+                              wake_us=wire.wake_us)
         finally:
             self.consumer.release(frame)
 

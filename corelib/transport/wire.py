@@ -294,7 +294,7 @@ _SAMPLE, _LOGPROBS, _PADDED, _PROMPT_LOGPROBS, _ARGMAX, _UNCUT = (int(flag) for 
 
 
 # ---------------------------------------------------------------------------------------- results
-RESULT_TAIL = struct.Struct("<ddd")  # busy ms, gap ms (-1: none), transport µs
+RESULT_TAIL = struct.Struct("<dddd")  # busy ms, gap ms (-1: none), transport µs, its wake-up part µs (-1: none)
 
 
 @dataclass(frozen=True)
@@ -310,6 +310,7 @@ class WireResult:
     transport_us: float
     logprobs: list[list[float]] | None = None  # per row, LOGPROB_WIDTH floats
     prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed, LOGPROB_WIDTH floats
+    wake_us: float | None = None  # of transport_us, the part until the frame was in the worker's hands
 
 
 def result_bytes(max_rows: int, max_prompt_positions: int = 0) -> int:
@@ -330,7 +331,8 @@ def result_header(result: WireResult, sent_at: float) -> FrameHeader:
 def encode_result(result: WireResult) -> bytes:
     tokens = struct.pack(f"<{len(result.tokens)}q", *result.tokens)
     gap = -1.0 if result.gap_ms is None else result.gap_ms
-    tail = RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us)
+    wake = -1.0 if result.wake_us is None else result.wake_us
+    tail = RESULT_TAIL.pack(result.busy_ms or 0.0, gap, result.transport_us, wake)
     parts = [tokens, tail]
     for rows in (result.logprobs, result.prompt_logprobs):
         if rows is not None:
@@ -344,7 +346,7 @@ def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResul
     if len(payload) < 8 * n + RESULT_TAIL.size:
         raise TransportError(f"result frame for step {header.step_id}: {len(payload)} bytes cannot hold {n} tokens")
     tokens = list(struct.unpack_from(f"<{n}q", payload, 0))
-    busy, gap, transport = RESULT_TAIL.unpack_from(payload, 8 * n)
+    busy, gap, transport, wake = RESULT_TAIL.unpack_from(payload, 8 * n)
     flags = ResultFlags(header.flags)
     at = 8 * n + RESULT_TAIL.size
     logprobs = prompt_logprobs = None
@@ -354,7 +356,8 @@ def decode_result(header: FrameHeader, payload: bytes | memoryview) -> WireResul
     if ResultFlags.PROMPT_LOGPROBS in flags:
         prompt_logprobs = _logprob_rows(header, payload, at, header.num_tokens, "its prompt logprobs")
     return WireResult(header.step_id, ResultFlags.DECODE in flags, ResultFlags.GRAPH in flags, tokens,
-                      busy or None, None if gap < 0 else gap, transport, logprobs, prompt_logprobs)
+                      busy or None, None if gap < 0 else gap, transport, logprobs, prompt_logprobs,
+                      None if wake < 0 else wake)
 
 
 def _logprob_rows(header: FrameHeader, payload: bytes | memoryview, at: int, count: int,

@@ -89,6 +89,7 @@ class _Submitted:
     # From the later of the producer's stamp (taken before it builds the frame's header) and this worker's readiness
     # for the frame, to its inputs staged
     transport_us: float
+    wake_us: float  # the part of it until the frame was in this thread's hands (the doorbell and the ring's read)
 
 
 class StepLoop:
@@ -143,6 +144,7 @@ class StepLoop:
             if self._inline and self._submitted and not consumer.available():
                 ready_at = self._await_frame()
             frame = consumer.read(IDLE_S, who="the next step")  # spins on the doorbell, then sleeps on it
+            read_at = time.perf_counter()
             kind = frame.header.kind
             if kind is FrameKind.stop:
                 consumer.release(frame)
@@ -162,11 +164,13 @@ class StepLoop:
             except TransportError as error:
                 raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: {error}") from None
             staged = self.steps.stager.receive(fi, functools.partial(consumer.release, frame))
-            transport_us = (time.perf_counter() - max(frame.header.sent_at, ready_at)) * 1e6
+            hop_from = max(frame.header.sent_at, ready_at)
+            transport_us = (time.perf_counter() - hop_from) * 1e6
+            wake_us = max(0.0, read_at - hop_from) * 1e6
             if not self._free.acquire(timeout=self.timeout):
                 raise TransportError(f"{consumer.where(frame.header.seq, frame.slot)}: no token buffer came free "
                                      f"within {self.timeout:g} s: the tokens of step {self._oldest_step()} never came")
-            self._hand_over(_Submitted(self.steps.submit(staged), transport_us))
+            self._hand_over(_Submitted(self.steps.submit(staged), transport_us, wake_us))
 
     def _await_frame(self) -> float:
         """Spin for the next frame and, in the same turns, for the oldest step's tokens, answered here as they
@@ -256,7 +260,7 @@ class StepLoop:
             if self.results is not None and not self._stopping:
                 wire = WireResult(result.step_id, result.kind is StepKind.decode, result.graph, result.tokens,
                                   result.busy_ms, result.gap_ms, head.transport_us, result.logprobs,
-                                  result.prompt_logprobs)
+                                  result.prompt_logprobs, wake_us=head.wake_us)
                 self.results.write(result_header(wire, time.perf_counter()), encode_result(wire))
 
 

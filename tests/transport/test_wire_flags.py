@@ -33,6 +33,13 @@ def test_a_result_says_whether_it_replayed_a_graph_and_whether_it_decoded(graph:
     assert got == sent
 
 
+@pytest.mark.parametrize("wake_us", [None, 0.0, 12.5])
+def test_a_result_carries_the_hops_wake_up_part_or_says_it_has_none(wake_us: float | None) -> None:
+    sent = WireResult(7, True, True, [3], 1.5, 0.25, 20.0, wake_us=wake_us)
+    got = decode_result(through_the_wire(result_header(sent, sent_at=1.0)), encode_result(sent))
+    assert got.wake_us == wake_us and got.transport_us == 20.0 and got == sent
+
+
 def test_each_flag_is_a_bit_of_its_own() -> None:
     for flags in (ResultFlags, InputFlags):
         bits = [int(flag) for flag in flags if flag]
