@@ -108,7 +108,7 @@ GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     #: rows of x up to which the GEMV runs (weights up to gemv_small_bytes): llama-1b's engine TPOT took 6.3 % less at
-    #: bs 4 and 1.2 % at bs 3 with its qkv and o on cuBLAS from 3 rows than on the GEMV to 4, the same at bs 2 (1 row:
+    #: bs 4 and 1.1 % at bs 3 with its qkv and o on cuBLAS from 3 rows than on the GEMV to 4, the same at bs 2 (1 row:
     #: 3.8 % more at bs 2), H100, BENCHMARKS.md 2026-12-07
     gemv_max_m: int = 2
     gemv_max_m_large: int = 1  # the same for larger weights
