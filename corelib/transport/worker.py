@@ -89,7 +89,7 @@ class _Submitted:
     # From the later of the producer's stamp (taken before it builds the frame's header) and this worker's readiness
     # for the frame, to its inputs staged
     transport_us: float
-    wake_us: float  # the part of it until the frame was in this thread's hands (the doorbell and the ring's read)
+    wake_us: float  # the part of it until the frame was in this thread's hands (commit, doorbell, the ring's read)
 
 
 class StepLoop:
