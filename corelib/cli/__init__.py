@@ -5,8 +5,8 @@
   ``COMMAND --help``;
 - :mod:`~corelib.cli.habits`: the command-line habits a vLLM user brings (shared with ``corelib.LLM``);
 - :mod:`~corelib.cli.commands`: the bodies of the commands;
-- :mod:`~corelib.cli.run`, :mod:`~corelib.cli.bench`, :mod:`~corelib.cli.bench_prompts` and
-  :mod:`~corelib.cli.trace_plot`: ``run``, ``bench`` and ``trace-plot``.
+- :mod:`~corelib.cli.run`, :mod:`~corelib.cli.bench` (with :mod:`~corelib.cli.bench_prompts` and
+  :mod:`~corelib.cli.bench_serving`) and :mod:`~corelib.cli.trace_plot`: ``run``, ``bench`` and ``trace-plot``.
 
 The top of the house: a command may use every layer, and no layer imports a command.
 """

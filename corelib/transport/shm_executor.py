@@ -28,7 +28,7 @@ from corelib.config.options import EngineOptions
 from corelib.errors import ConfigError, CorelibError, TransportError, WorkerDied
 from corelib.platform.device import MemoryStats
 from corelib.startup.start import Startup
-from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.step.forward_input import ForwardInput
 from corelib.step.handoff import StepResult
 from corelib.step.layout import EngineLayout
 from corelib.transport.doorbell import new_eventfd, spin_for
@@ -317,11 +317,7 @@ class ShmExecutor(Executor):
             if frame.header.kind is not FrameKind.result or frame.header.step_id != step_id:
                 raise self._failed(TransportError(f"result ring: expected the tokens of step {step_id}, got "
                                                   f"{frame.header.kind.name} frame for step {frame.header.step_id}"))
-            wire = decode_result(frame.header, frame.data)
-            kind = StepKind.decode if wire.decode else StepKind.prefill
-            return StepResult(wire.step_id, kind, wire.tokens, wire.busy_ms, wire.gap_ms, wire.graph,
-                              wire.transport_us, logprobs=wire.logprobs, prompt_logprobs=wire.prompt_logprobs,
-                              wake_us=wire.wake_us)
+            return decode_result(frame.header, frame.data).step_result()
         finally:
             self.consumer.release(frame)
 

@@ -25,7 +25,8 @@ import torch
 from corelib.errors import TransportError
 from corelib.step.arena import ArenaLayout
 from corelib.step.fields import LOGPROB_WIDTH, PROMPT_LOGPROBS, STEP_FIELD_NAMES, TOKEN_MASK
-from corelib.step.forward_input import ForwardInput
+from corelib.step.forward_input import ForwardInput, StepKind
+from corelib.step.handoff import StepResult
 
 
 # ---------------------------------------------------------------------------------------- frames
@@ -311,6 +312,12 @@ class WireResult:
     logprobs: list[list[float]] | None = None  # per row, LOGPROB_WIDTH floats
     prompt_logprobs: list[list[float]] | None = None  # per prompt position the step computed, LOGPROB_WIDTH floats
     wake_us: float | None = None  # of transport_us, the part until the frame was in the worker's hands
+
+    def step_result(self) -> StepResult:
+        """The step's result as the engine takes it."""
+        kind = StepKind.decode if self.decode else StepKind.prefill
+        return StepResult(self.step_id, kind, self.tokens, self.busy_ms, self.gap_ms, self.graph, self.transport_us,
+                          logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, wake_us=self.wake_us)
 
 
 def result_bytes(max_rows: int, max_prompt_positions: int = 0) -> int:
