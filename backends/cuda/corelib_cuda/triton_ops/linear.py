@@ -113,7 +113,8 @@ class Tuning:
     gemv_max_m: int = 2
     gemv_max_m_large: int = 1  # the same for larger weights
     #: the same where the tensor-core kernel takes the product (K <= gemm_max_k): small-0.6b's engine TPOT at bs 4 took
-    #: 20 % less with its qkv, o and gate_up there than on the GEMV, at bs 2 20 % more (H100, BENCHMARKS.md 2026-12-06)
+    #: 20 % less with its qkv, o and gate_up there than on the GEMV, at bs 2 20 % more (H100, BENCHMARKS.md 2026-12-06).
+    #: As many rows as gemv_max_m now, a bound of its own all the same: a sweep of gemv_max_m leaves these at theirs
     gemv_max_m_tensor_core: int = 2
     gemv_small_bytes: int = 16 << 20
     gemm_min_m: int = 1  # rows from which the tensor-core kernel runs, where the GEMV does not ...
