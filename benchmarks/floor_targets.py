@@ -109,12 +109,14 @@ def report(out: Path) -> list[str]:
     benches = {p.parent.name.removeprefix("bench-"): _load(p)["points"] for p in sorted(out.glob("bench-*/bench.json"))}
     bandwidth = _load(out / "bandwidth.json")
     rate = bandwidth["copy_rate_tb_per_s"] if bandwidth else DEFAULT_COPY_RATE
+    # Without bandwidth.json the floors use the H200's rate, whatever the card: marked, and said once below them
+    rate_shown = f"{rate:.2f} TB/s" + ("" if bandwidth else "*")
     step = _load(out / "step.json")
     for run, batch, bound, what in TPOT_TARGETS:
         model, prompt = RUNS[run]
         floor = read_floor(model, batch, prompt, rate)
         read = f"weights {floor.weight_bytes / 1e9:.2f} GB + KV {floor.kv_bytes / 1e9:.2f} GB"
-        below = [_line(f"  read floor: {read}", f"{floor.ms:.3f} ms", f"{rate:.2f} TB/s", None)]
+        below = [_line(f"  read floor: {read}", f"{floor.ms:.3f} ms", rate_shown, None)]
         device = _device_time(step["steps"] if step else [], model, batch, prompt)
         if device is not None:
             below.append(device)
@@ -131,6 +133,8 @@ def report(out: Path) -> list[str]:
         plain = [p for p in benches.get(run, []) if p["batch_size"] == batch and not p.get("pdl")]
         if point.get("pdl") and plain:
             lines.append(_line("  the same with PDL off", f"{plain[0]['tpot_ms']:.3f} ms", "", None))
+    if not bandwidth:
+        lines.append("* the H200's copy rate, not this card's: no bandwidth.json (decode_floor.sh's bandwidth section)")
     occupancies = [(run, p["batch_size"], p["occupancy"]) for run, points in benches.items() for p in points
                    if p["batch_size"] <= 64 and p.get("occupancy") is not None and not run.endswith("-before")]
     if occupancies:

@@ -60,6 +60,17 @@ def test_each_target_line_says_met_or_missed_with_its_floor_and_device_time_unde
     small = next(i for i, line in enumerate(lines) if line.startswith("small-0.6b bs 1 "))
     assert "not run" in lines[small] and "read floor" in lines[small + 1]
     assert "device per step (triton+pdl, ctx 64)" in lines[small + 2] and "0.560 ms" in lines[small + 2]
+    assert not any(line.startswith("*") for line in lines)  # the rate was measured
+
+
+def test_a_copy_rate_that_was_not_measured_is_marked_as_the_h200s(tmp_path: Path) -> None:
+    (tmp_path / "bench-small").mkdir()
+    (tmp_path / "bench-small" / "bench.json").write_text(json.dumps({"points": [{"batch_size": 1, "tpot_ms": 0.6}]}))
+    lines = load_benchmark("floor_targets").report(tmp_path)
+    floors = [line for line in lines if "read floor" in line]
+    assert floors and all("4.24 TB/s*" in line for line in floors)
+    assert [line for line in lines if line.startswith("*")] == [
+        "* the H200's copy rate, not this card's: no bandwidth.json (decode_floor.sh's bandwidth section)"]
 
 
 def test_the_kernels_target_reads_the_graph_replayed_count_over_the_eager_one(tmp_path: Path) -> None:
