@@ -6,10 +6,11 @@ At 32-64 rows the decode layer's products go to cuBLAS, because the tensor-core 
 ``projection.py`` (pointer loads) reads their weights at 39-57 % of the copy rate where cuBLAS
 reads at 77-82 %. This measures a bare kernel of the same shape (the weight tile as the MMA's
 row side, the rows of x its narrow side; split-K with the last program of a column block summing
-the float32 partials) whose tiles come through TMA descriptors, against cuBLAS and against the
-engine's own choice (``linear``), at the decode layer's shapes: no prologue or epilogue, so it is
-the most such a kernel could gain. Timing as ``projections.py``: a graph of back-to-back calls
-over weight copies that together exceed the L2, µs per call, best of five rounds.
+the float32 partials) whose tiles come through TMA descriptors, against cuBLAS, the engine's own
+choice (``linear``) and the pointer-loading kernel at its default tile, at the decode layer's
+shapes: no prologue or epilogue, so it is the most such a kernel could gain. Timing as
+``projections.py``: a graph of back-to-back calls over weight copies that together exceed the
+L2, µs per call, best of five rounds.
 
     python3 benchmarks/tma_projection.py --models small-0.6b llama-1b --m 32 64 --out tma.json
 """
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from projections import SHAPES, cublas, ours, timed, weights
+from projections import SHAPES, cublas, ours, timed, weights, with_tuning
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 TILES = [(64, 128, 4), (128, 128, 3), (128, 64, 4), (64, 64, 6)]  # (block_n, block_k, stages)
@@ -104,6 +105,10 @@ def sweep(models: list[str], ms: list[int], budget: float) -> list[dict[str, Any
                 row: dict[str, Any] = {"model": model, "shape": name, "m": m, "bytes": n * k * 2,
                                        "cublas_us": timed([cublas(x, w) for w in ws]),
                                        "engine_us": timed([ours(x, w) for w in ws])}
+                # the pointer-loading kernel at its default tile, wherever the engine's choice is
+                with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096, gemm_max_k=1 << 20, gemm_shape_tiles=())
+                row["pointer_us"] = timed([ours(x, w) for w in ws])
+                with_tuning()
                 for (block_n, block_k, stages), split in itertools.product(TILES, SPLITS):
                     if triton.cdiv(k, block_k) < 2 * split:
                         continue
@@ -135,11 +140,12 @@ def main() -> None:
         json.dump(rows, out, indent=2)
     for row in rows:
         timings = {key[:-3]: value for key, value in row.items() if key.endswith("_us")}
-        tmas = {key: value for key, value in timings.items() if key not in ("cublas", "engine")}
+        tmas = {key: value for key, value in timings.items() if key not in ("cublas", "engine", "pointer")}
         best = min(tmas, key=tmas.__getitem__) if tmas else "-"
         gbs = {key: row["bytes"] / value / 1e3 for key, value in timings.items()}  # GB/s
         print(f"M={row['m']:<3} {row['model']:>10} {row['shape']:>8}: cuBLAS {row['cublas_us']:.2f} µs"
-              f" ({gbs['cublas']:.0f} GB/s), engine {row['engine_us']:.2f} ({gbs['engine']:.0f}), best TMA {best}"
+              f" ({gbs['cublas']:.0f} GB/s), engine {row['engine_us']:.2f} ({gbs['engine']:.0f}),"
+              f" pointer {row['pointer_us']:.2f} ({gbs['pointer']:.0f}), best TMA {best}"
               + (f" {tmas[best]:.2f} ({gbs[best]:.0f})" if tmas else ""))
 
 
