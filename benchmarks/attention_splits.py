@@ -4,7 +4,7 @@
 
 VARIANT:
   base        the kernels as they are (a 256-token graph width at bs 1 on an H200: four splits of 64 keys and a
-              merge kernel; two splits at bs 32)
+              merge kernel; four splits at bs 32; one at bs 64, whose grid fills the multiprocessors)
   early       base, with a one-tile split reading the keys of earlier steps before the PDL wait (EARLY_KV)
   wide        a span of at most 256 keys as one split and one tile (8 warps at 256 keys), no merge kernel;
               wider spans as in base

@@ -7,8 +7,8 @@ At 32-64 rows the decode layer's products go to cuBLAS, because the tensor-core 
 reads at 77-82 %. This measures a bare kernel of the same shape (the weight tile as the MMA's
 row side, the rows of x its narrow side; split-K with the last program of a column block summing
 the float32 partials) whose tiles come through TMA descriptors, against cuBLAS, the engine's own
-choice (``linear``) and the pointer-loading kernel at its default tile, at the decode layer's
-shapes: no prologue or epilogue, so it is the most such a kernel could gain. Timing as
+choice (``linear``) and the pointer-loading kernel at its default tile and unsplit, at the decode
+layer's shapes: no prologue or epilogue, so it is the most such a kernel could gain. Timing as
 ``projections.py``: a graph of back-to-back calls over weight copies that together exceed the
 L2, µs per call, best of five rounds.
 
@@ -108,6 +108,10 @@ def sweep(models: list[str], ms: list[int], budget: float) -> list[dict[str, Any
                 # the pointer-loading kernel at its default tile, wherever the engine's choice is
                 with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096, gemm_max_k=1 << 20, gemm_shape_tiles=())
                 row["pointer_us"] = timed([ours(x, w) for w in ws])
+                # ... and unsplit, as the TMA-fed kernel runs best at K = 1024
+                with_tuning(gemv_max_m=0, gemv_max_m_large=0, gemm_max_m=4096, gemm_max_k=1 << 20,
+                            gemm_shape_tiles=((128, n, k, 128, 4, 1 << 16),))
+                row["pointer1_us"] = timed([ours(x, w) for w in ws])
                 with_tuning()
                 for (block_n, block_k, stages), split in itertools.product(TILES, SPLITS):
                     if triton.cdiv(k, block_k) < 2 * split:
@@ -140,12 +144,13 @@ def main() -> None:
         json.dump(rows, out, indent=2)
     for row in rows:
         timings = {key[:-3]: value for key, value in row.items() if key.endswith("_us")}
-        tmas = {key: value for key, value in timings.items() if key not in ("cublas", "engine", "pointer")}
+        tmas = {key: value for key, value in timings.items() if key not in ("cublas", "engine", "pointer", "pointer1")}
         best = min(tmas, key=tmas.__getitem__) if tmas else "-"
         gbs = {key: row["bytes"] / value / 1e3 for key, value in timings.items()}  # GB/s
         print(f"M={row['m']:<3} {row['model']:>10} {row['shape']:>8}: cuBLAS {row['cublas_us']:.2f} µs"
               f" ({gbs['cublas']:.0f} GB/s), engine {row['engine_us']:.2f} ({gbs['engine']:.0f}),"
-              f" pointer {row['pointer_us']:.2f} ({gbs['pointer']:.0f}), best TMA {best}"
+              f" pointer {row['pointer_us']:.2f} ({gbs['pointer']:.0f}), unsplit {row['pointer1_us']:.2f},"
+              f" best TMA {best}"
               + (f" {tmas[best]:.2f} ({gbs[best]:.0f})" if tmas else ""))
 
 

@@ -213,7 +213,7 @@ QKV_ATTENTION_CASES = [
     NormQkvAttentionCase(F32, 1, 2, 64, 16, long=70),
     NormQkvAttentionCase(BF16, 5, 4, 128, 16, hidden=1500, bias=True, folded=True, long=300),
     NormQkvAttentionCase(F32, 6, 2, 64, 32, hidden=1500, long=300),
-    NormQkvAttentionCase(BF16, 5, 2, 64, 16, hidden=1500, folded=True, long=40),
+    NormQkvAttentionCase(BF16, 3, 2, 64, 16, hidden=1500, folded=True, long=40),
     NormQkvAttentionCase(BF16, 20, 8, 64, 16, hidden=1024, kv_heads=1, folded=True, long=100),
     NormQkvAttentionCase(F32, 17, 2, 64, 16, hidden=300, bias=True, long=40),
 ]

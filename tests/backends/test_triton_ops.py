@@ -127,6 +127,14 @@ def test_a_split_reads_its_cache_blocks_before_the_wait_only_when_it_holds_one_t
     assert decode_config(8, 8, 2, 64, 256, 132).one_tile is True  # a narrow graph: 4 splits of 64 keys
 
 
+def test_a_short_span_is_not_split_where_the_grid_already_fills_the_multiprocessors() -> None:
+    # small-0.6b's 256-token decode graph on 132 multiprocessors: bs 64 (512 programs) one split, no merge
+    # kernel; bs 32 (256 programs) still splits, and so does bs 64 over a long span
+    assert decode_config(64, 8, 2, 64, 256, 132) == DecodeConfig(1, 16, 64, 64, 4, 2, one_tile=False)
+    assert decode_config(32, 8, 2, 64, 256, 132).splits > 1
+    assert decode_config(64, 8, 2, 64, 2048, 132).splits > 1
+
+
 @pytest.mark.parametrize("early", [True, False], ids=["old-keys-early", "every-key-late"])
 def test_the_decode_attention_reads_the_same_keys_early_or_late(
     op_target: OpTarget, early: bool, monkeypatch: pytest.MonkeyPatch

@@ -44,6 +44,10 @@ _OP = "paged_attention"  # its decode steps: one query per row
 MAX_SPLITS = 32
 #: fewer keys than this per split cost more in merging than they gain in parallelism
 MIN_SPLIT_KEYS = 64
+#: a span of at most SHORT_SPAN keys (the default decode graph's width) is not split where the grid already has
+#: UNSPLIT_PROGRAMS_PER_SM programs a multiprocessor: there the merge kernel costs more than the parallelism gains
+SHORT_SPAN = 256
+UNSPLIT_PROGRAMS_PER_SM = 2
 #: a split of one key tile reads the keys and values of earlier steps before the PDL wait, and only the
 #: step's own (the newest position, which the kernel before writes) after it
 EARLY_KV = False
@@ -260,10 +264,18 @@ def decode_config(batch: int, kv_heads: int, group: int, head_dim: int, span: in
     heads, graph-replayed), heads of 64, four against two: bs 32 at 1,900 tokens 38.8 against 53.6
     (3.2 against 2.3 TB/s of KV), bs 64 67.9 against 95.7, bs 8 11.5 against 17.0, bs 1 and 128
     the same; at heads of 128 four per multiprocessor was 3-18 % slower.
+
+    A span of at most SHORT_SPAN keys takes one split where the grid has UNSPLIT_PROGRAMS_PER_SM programs a
+    multiprocessor without splitting: small-0.6b at bs 64 (512 programs) in its 256-token decode graph took a TPOT
+    of 1.273 ms against 1.294-1.297 with two splits and the merge kernel (H100, two alternations), one kernel
+    fewer a layer. At bs 32 (256 programs) one split measured the same, at bs 1 and 8 slower (H200), so
+    those keep their splits (BENCHMARKS.md, 2026-12-05 and 2026-12-07, evening).
     """
     programs = batch * kv_heads
     per_sm = 4 if head_dim <= 64 else 2
     wanted = min(triton.cdiv(per_sm * sms, programs), triton.cdiv(span, MIN_SPLIT_KEYS), MAX_SPLITS)
+    if span <= SHORT_SPAN and programs >= UNSPLIT_PROGRAMS_PER_SM * sms:
+        wanted = 1
     splits = 1 if wanted <= 1 else min(next_power_of_2(wanted), MAX_SPLITS)
     group_pad = max(16, next_power_of_2(group))  # tl.dot takes at least 16 rows
     # 64-key tiles, 4 warps, 2 stages: the best or within 3 % of it over bs 1-128, context 96-1900,
