@@ -17,8 +17,12 @@ import forkrun
 import pytest
 
 if TYPE_CHECKING:
+    import torch
+
     from corelib.engine import Engine, SamplingParams
     from corelib.models.llama import ModelWeights
+    from corelib.ops import Ops
+    from corelib.testing.op_cases import Case
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PLUGIN_FIXTURES = FIXTURES / "plugins"
@@ -256,3 +260,33 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def assert_weights_through_descriptors(ops: Ops, op: str, case: Case, device: torch.device,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``op`` on ``case`` with the tensor-core kernel at every row past the GEMV's and its weight tiles through TMA
+    descriptors (``Tuning.gemm_tma``): the reference's results, and a descriptor made for every product but ROPE's."""
+    import dataclasses
+
+    from corelib_cuda.triton_ops import linear as projections
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from corelib.ops.reference import reference_ops
+    from corelib.testing.op_conformance import CALLS, assert_matches
+
+    made: list[list[int]] = []
+
+    class Spy(TensorDescriptor):  # type: ignore[misc]
+        @staticmethod
+        def from_tensor(tensor: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+            made.append(block_shape)
+            return TensorDescriptor.from_tensor(tensor, block_shape)
+
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024, gemm_tma=True))
+    monkeypatch.setattr(projections, "TensorDescriptor", Spy)
+    call = CALLS[op]
+    actual = call(ops, case.build(0, device))
+    expected = call(reference_ops(), case.build(0, device))
+    for a, e in zip(actual, expected, strict=True):
+        assert_matches(a, e, f"{op} with its weight through a descriptor", getattr(case, "tolerance_dtype", None))
+    assert bool(made) is (op != "norm_qkv_rope_kv_write"), made

@@ -220,3 +220,15 @@ QKV_ATTENTION_CASES = [
 QKV_ATTENTION_SWEEP = [NormQkvAttentionCase(d, m, g, hd, 16, hidden=h, bias=m % 2 == 1, folded=f)
                        for d, m, g, hd, h, f in itertools.product((F32, BF16), (1, 3, 8, 32), (1, 4), (64, 128),
                                                                   (1024, 1500), (False, True))]
+# The tensor-core kernel with its weight tiles through a TMA descriptor: 2-byte weights whose rows are 16-byte
+# multiples, split over K and not, and ROPE's rows (a feature and its partner, not one run of rows), which keep
+# pointer loads.
+DESCRIPTOR_GEMM = [
+    ("linear", LinearCase(BF16, 20, 97, 256, bias=True)),
+    ("linear_residual", LinearResidualCase(BF16, 33, 64, 512)),
+    ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 20, 96, 40)),
+    ("norm_gate_up_silu_mul", NormGateUpCase(BF16, 20, 1024, 24)),
+    ("norm_logits", NormLogitsCase(BF16, 17, 64, 304)),
+    ("norm_qkv_rope_kv_write", NormQkvCase(BF16, 20, 2, 64, 16, hidden=128, bias=True)),
+]
+DESCRIPTOR_GEMM_IDS = [f"{op}-{i}" for i, (op, _) in enumerate(DESCRIPTOR_GEMM)]

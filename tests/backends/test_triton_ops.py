@@ -36,7 +36,7 @@ from corelib_cuda.triton_ops.common import INTERPRETER_SM_COUNT
 from corelib_cuda.triton_ops.decode_attention import DecodeConfig, decode_config
 from corelib_cuda.triton_ops.rope import rope_kv_write
 from omegaconf import OmegaConf
-from support import every
+from support import assert_weights_through_descriptors, every
 
 from corelib.config.schema import ModelConfig
 from corelib.models.base import StepBatch
@@ -62,6 +62,8 @@ from corelib.testing.op_conformance import (
     assert_matches,
 )
 from corelib.testing.projection_cases import (
+    DESCRIPTOR_GEMM,
+    DESCRIPTOR_GEMM_IDS,
     QKV_ATTENTION_CASES,
     LinearCase,
     LinearResidualCase,
@@ -539,6 +541,21 @@ def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))
     for a, e in zip(actual, expected, strict=True):
         assert_matches(a, e, f"{op} on the tensor-core kernel", getattr(case, "tolerance_dtype", None))
+
+
+@pytest.mark.parametrize(("op", "case"), DESCRIPTOR_GEMM, ids=DESCRIPTOR_GEMM_IDS)
+def test_weight_tiles_through_a_descriptor_give_the_pointer_loads_results(
+    op_target: OpTarget, op: str, case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Off by default (not yet measured in the step); tests/backends/test_triton_descriptors.py runs these on a GPU
+    assert_weights_through_descriptors(op_target.ops, op, case, op_target.torch_device, monkeypatch)
+
+
+def test_the_descriptor_cases_take_split_and_unsplit_products() -> None:
+    tuning = dataclasses.replace(projections.TUNING, gemm_max_m=1024, gemm_tma=True)
+    splits = {projections.gemm_plan(20, 2 * 24, 1024, True, 2, INTERPRETER_SM_COUNT, tuning).split_k,
+              projections.gemm_plan(20, 97, 256, False, 2, INTERPRETER_SM_COUNT, tuning).split_k}
+    assert 1 in splits and max(splits) > 1
 
 
 @pytest.mark.parametrize("splits", every(2, [2, 4]))

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from corelib_cuda.triton_ops import projection as proj
 from corelib_cuda.triton_ops.common import (
@@ -140,6 +141,11 @@ class Tuning:
     gemm_shape_tiles: tuple[tuple[int, int, int, int, int, int], ...] = GEMM_SHAPE_TILES
     gemm_min_k_tiles: int = 4  # K tiles each split keeps at least (a product gemm_shape_tiles names: its own)
     gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
+    #: the tensor-core kernel's weight tiles through TMA descriptors (compute capability 9.0 on; not ROPE's rows, and
+    #: only where each split's K range is whole K tiles). A bare kernel so fed read small-0.6b's K = 1024 weights,
+    #: unsplit, about as fast as cuBLAS at 32 and 64 rows (H100, BENCHMARKS.md 2026-12-07, evening); off until
+    #: measured in the step
+    gemm_tma: bool = False
     gemm_float_logits: bool = True  # the LM head's cuBLAS product written as float32 (no widening kernel after it)
     #: rows up to which, beside a cuBLAS qkv product in a decode step, the attention kernel rotates q and k and writes
     #: the step's keys itself (no RoPE kernel): llama-1b's step took 1.5-2.2 % less at 8-64 rows and small-0.6b's 2.9 %
@@ -375,15 +381,32 @@ class Projection:
         stats = x  # unused without a norm or a split
         if flags["NORM"] and g.split_k > 1:  # each split's squares of the rows, [blocks, split, M]
             stats = torch.empty((grid[0] * grid[1], g.split_k, m), dtype=torch.float32, device=device)
+        tma = self._tma(g)
+        # a descriptor per launch (a graph keeps the one it captured)
+        weight: Any = TensorDescriptor.from_tensor(w, [g.block_n, g.block_k]) if tma else w
         proj.gemm_kernel[grid](
-            x, w, norm_weight, part, count, stats, *common,
+            x, weight, norm_weight, part, count, stats, *common,
             m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps, g.k_per_split,
             SPLIT_K=g.split_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
-            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), SWAP=g.swap, num_warps=g.warps,
+            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), SWAP=g.swap, TMA=tma, num_warps=g.warps,
             num_stages=g.stages,
             **flags, **launch,
         )  # fmt: skip
         return self.out
+
+    def _tma(self, g: GemmPlan) -> bool:
+        """Whether plan ``g`` reads the weight through a TMA descriptor (``Tuning.gemm_tma``): 2-byte contiguous
+        weights, whole K tiles a split (or one split), rows in one run (not ROPE's pairs), a GPU with TMA, not
+        under torch.compile."""
+        w = self.weight
+        if not (TUNING.gemm_tma and self.mode != proj.ROPE and w.element_size() == 2 and w.is_contiguous()):
+            return False
+        if (g.split_k > 1 and g.k_per_split % g.block_k) or (w.shape[1] * w.element_size()) % 16 or w.data_ptr() % 16:
+            return False
+        if interpreting():
+            return True
+        return (w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] >= 9
+                and not torch.compiler.is_compiling())
 
     def _workspace(self, split: int, m: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         if split == 1:

@@ -30,6 +30,9 @@ Split-K: programs of one column block each store a float32 partial; an atomic co
 block elects the last one to finish, which sums the partials in split order (deterministic,
 whatever order they finished in), runs the epilogue and resets the counter for the next launch.
 
+TMA (the tensor-core kernel, off unless ``Tuning.gemm_tma``): the weight tiles come through a tensor descriptor
+(Hopper's tensor memory accelerator) instead of pointer loads; every split's K range must be whole K tiles (the
+descriptor's zeros end the last), and ROPE's paired rows (not one run of rows) keep pointer loads.
 PDL: with PDL set each kernel lets its dependents launch at once, loads only weights (which no
 kernel writes) before ``gdc_wait``, and reads or writes activations, caches, partials and
 counters only after it, so it is safe to launch with ``launch_pdl``.
@@ -296,6 +299,16 @@ def _scaled(acc_a, acc_b, squares, K, eps, NORM: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptr, rows, ks, mask, w_s0, first_row, k0, TMA: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] of rows ``rows`` (from ``first_row`` on, in order) at columns ``ks`` (from
+    ``k0``): with TMA ``w_ptr`` is a tensor descriptor of the weight, whose loads past its edges are zeros."""
+    if TMA:
+        return w_ptr.load([first_row, k0])
+    else:
+        return tl.load(w_ptr + rows[:, None] * w_s0 + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _dot(acc, w, x, SWAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """acc + x @ w.T: [BLOCK_M, BLOCK_N], or its transpose [BLOCK_N, BLOCK_M] with SWAP (the weight tile
     as the MMA's row side, so a few rows of x fill the narrow side of a Hopper tensor-core tile)."""
@@ -318,7 +331,7 @@ def gemm_kernel(
     MODE: tl.constexpr, PAIRED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -336,9 +349,10 @@ def gemm_kernel(
     ks = k_start + tl.arange(0, BLOCK_K)
     k_ok = ks < k_end
     w_mask = c_ok[:, None] & k_ok[None, :]
-    w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+    first_a = pid_n * BLOCK_N  # TMA: the first weight row of the tile (rows run on from it: not ROPE's pairs)
+    w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k_start, TMA)
     if PAIRED:
-        w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+        w_b = _w_tile(w_ptr, row_b, ks, w_mask, w_s0, first_a + pair_offset, k_start, TMA)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if SWAP:
@@ -355,12 +369,12 @@ def gemm_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
         w_mask = c_ok[:, None] & k_ok[None, :]
-        w_a = tl.load(w_ptr + row_a[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+        w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k0, TMA)
         x, more = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, NORM_WEIGHT, dtype, RNE)
         squares += more
         acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
         if PAIRED:
-            w_b = tl.load(w_ptr + row_b[:, None] * w_s0 + ks[None, :], mask=w_mask, other=0.0)
+            w_b = _w_tile(w_ptr, row_b, ks, w_mask, w_s0, first_a + pair_offset, k0, TMA)
             acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
     if SWAP:
         acc_a = tl.trans(acc_a)
