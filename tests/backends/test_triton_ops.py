@@ -544,7 +544,7 @@ def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
 
 
 @pytest.mark.parametrize(("op", "case"), DESCRIPTOR_GEMM, ids=DESCRIPTOR_GEMM_IDS)
-def test_weight_tiles_through_a_descriptor_give_the_pointer_loads_results(
+def test_weight_tiles_through_a_descriptor_give_the_reference_results(
     op_target: OpTarget, op: str, case: Case, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Off by default (not yet measured in the step); tests/backends/test_triton_descriptors.py runs these on a GPU
