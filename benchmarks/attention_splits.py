@@ -24,7 +24,7 @@ from corelib_cuda.triton_ops.common import next_power_of_2
 
 VARIANTS = ("base", "early", "wide", "early-wide", "one-split")
 ConfigFn = Callable[[int, int, int, int, int, int], attention.DecodeConfig]
-SHORT_SPAN = 256  # keys: the default decode graph's width
+SHORT_SPAN = attention.SHORT_SPAN  # keys: the default decode graph's width
 
 
 def _one_split_at_short_spans(plain: ConfigFn, one_tile: bool) -> ConfigFn:

@@ -47,7 +47,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HOST_DESCRIPTORS = True
+except ImportError:  # Triton before 3.3 (the extra allows 3.2): no host-side descriptors, so no gemm_tma
+    HOST_DESCRIPTORS = False
 
 from corelib_cuda.triton_ops import projection as proj
 from corelib_cuda.triton_ops.common import (
@@ -399,7 +405,8 @@ class Projection:
         weights, whole K tiles a split (or one split), rows in one run (not ROPE's pairs), a GPU with TMA, not
         under torch.compile."""
         w = self.weight
-        if not (TUNING.gemm_tma and self.mode != proj.ROPE and w.element_size() == 2 and w.is_contiguous()):
+        if not (TUNING.gemm_tma and HOST_DESCRIPTORS and self.mode != proj.ROPE and w.element_size() == 2
+                and w.is_contiguous()):
             return False
         if (g.split_k > 1 and g.k_per_split % g.block_k) or (w.shape[1] * w.element_size()) % 16 or w.data_ptr() % 16:
             return False
