@@ -102,10 +102,13 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 #: of its weight's bytes); llama-1b's qkv and o stay with cuBLAS (its qkv through this kernel took 12.3 µs against 7.6,
 #: o 7.8 against 6.3), so do small-0.6b's LM head (through this kernel the bs-32 TPOT gained nothing) and small-0.6b's
 #: products at 64 rows (15 % longer), H100, BENCHMARKS.md 2026-12-06, night.
+#: small-0.6b's K = 1024 products unsplit (8 K tiles a program, all of K): the engine's TPOT took 1.4 % less at bs 16
+#: and 2.8 % at bs 32 than split to 4 K tiles, the same at bs 1 (H100, BENCHMARKS.md 2026-12-07, late); a bare kernel
+#: so unsplit took gate_up at 32 rows in 7.56 µs against 11.18 split in two.
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
-    (32, 2048, 1024, 128, 4, 4),  # small-0.6b qkv (RoPE, KV cache write)
-    (32, 1024, 1024, 128, 4, 4),  # small-0.6b o (+ residual)
-    (32, 6144, 1024, 128, 4, 4),  # small-0.6b gate_up (SiLU-mul)
+    (32, 2048, 1024, 128, 4, 8),  # small-0.6b qkv (RoPE, KV cache write)
+    (32, 1024, 1024, 128, 4, 8),  # small-0.6b o (+ residual)
+    (32, 6144, 1024, 128, 4, 8),  # small-0.6b gate_up (SiLU-mul)
     (32, 1024, 3072, 128, 4, 4),  # small-0.6b down (+ residual)
     (64, 16384, 2048, 128, 4, 16),  # llama-1b gate_up (SiLU-mul)
     (64, 2048, 8192, 128, 4, 16),  # llama-1b down (+ residual)
