@@ -152,8 +152,9 @@ class Tuning:
     gemm_swap: bool = True  # weight rows as the MMA's row side (up to 64 rows of x)
     #: the tensor-core kernel's weight tiles through TMA descriptors (compute capability 9.0 on; not ROPE's rows, and
     #: only where each split's K range is whole K tiles). A bare kernel so fed read small-0.6b's K = 1024 weights,
-    #: unsplit, about as fast as cuBLAS at 32 and 64 rows (H100, BENCHMARKS.md 2026-12-07, evening); off until
-    #: measured in the step
+    #: unsplit, about as fast as cuBLAS at 32 and 64 rows (H100, BENCHMARKS.md 2026-12-07, evening); off: in the step
+    #: small-0.6b's TPOT at bs 32 was 1.8 % longer with it than with pointer loads, llama-1b's 0-0.9 % at bs 1-64
+    #: (H100, BENCHMARKS.md 2026-12-07, late)
     gemm_tma: bool = False
     gemm_float_logits: bool = True  # the LM head's cuBLAS product written as float32 (no widening kernel after it)
     #: rows up to which, beside a cuBLAS qkv product in a decode step, the attention kernel rotates q and k and writes
