@@ -525,17 +525,21 @@ FORCED_GEMM = [
 ]
 
 
-@pytest.mark.parametrize("swap", [True, False], ids=["weight-rows-as-mma-rows", "x-rows-as-mma-rows"])
+@pytest.mark.parametrize(("swap", "paired_block_n"), [(True, 64), (False, 64), (True, 32)],
+                         ids=["weight-rows-as-mma-rows", "x-rows-as-mma-rows", "paired-halves-of-32-rows"])
 @pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[f"{op}-{i}" for i, (op, _) in enumerate(FORCED_GEMM)])
 def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
-    op_target: OpTarget, op: str, case: Case, swap: bool, monkeypatch: pytest.MonkeyPatch
+    op_target: OpTarget, op: str, case: Case, swap: bool, paired_block_n: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's, both tile orientations.
+    # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's, both tile orientations,
+    # and paired products (SiLU's gate and up, RoPE's halves) in narrower tiles.
     monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024,
-                                                                   gemm_swap=swap))
+                                                                   gemm_swap=swap, gemm_paired_block_n=paired_block_n))
     assert projections.kernel_for(20, 97, 300, 2) is projections.Kernel.GEMM
     assert projections.gemm_plan(20, 97, 300, False, 2, INTERPRETER_SM_COUNT, projections.TUNING).swap is swap
-    assert projections.gemm_plan(20, 24, 1024, True, 2, INTERPRETER_SM_COUNT, projections.TUNING).split_k > 1
+    paired = projections.gemm_plan(20, 24, 1024, True, 2, INTERPRETER_SM_COUNT, projections.TUNING)
+    assert paired.split_k > 1
+    assert paired.block_n == (paired_block_n if swap else projections.TUNING.gemm_block_n // 2)
     call = CALLS[op]
     actual = call(op_target.ops, case.build(0, torch.device("cpu")))
     expected = call(reference_ops(), case.build(0, torch.device("cpu")))

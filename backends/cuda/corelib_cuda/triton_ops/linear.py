@@ -138,6 +138,7 @@ class Tuning:
     gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
     gemm_block_n: int = 64
+    gemm_paired_block_n: int = 64  # the same for each half of a paired product's tile, with the weight as the MMA's rows
     #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
     #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
     #: ``gemm_fallback_tile``
@@ -263,7 +264,7 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
     swap = tuning.gemm_swap and m <= 64
     if swap:
         block_m = max(16, next_power_of_2(m))
-        block_n = tuning.gemm_block_n
+        block_n = tuning.gemm_paired_block_n if paired else tuning.gemm_block_n
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
