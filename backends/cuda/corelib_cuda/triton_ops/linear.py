@@ -138,7 +138,9 @@ class Tuning:
     gemv_early_epilogue_loads: bool = True  # the epilogue's residual, cos/sin and slots read before the reduction
     gemm_programs_per_sm: int = 2  # split K until the tensor-core kernel has this many
     gemm_block_n: int = 64
-    gemm_paired_block_n: int = 64  # the same for each half of a paired product's tile, with the weight as the MMA's rows
+    #: the same for each half of a paired product's tile, with the weight as the MMA's rows: at 32 small-0.6b's step
+    #: took 1.5-1.9x as long at bs 16-32 (H100, BENCHMARKS.md 2026-12-07, late)
+    gemm_paired_block_n: int = 64
     #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
     #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
     #: ``gemm_fallback_tile``
