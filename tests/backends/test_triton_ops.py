@@ -333,6 +333,12 @@ def test_the_measured_tensor_core_tiles_are_products_the_models_run_up_to_their_
     for name, (n, k) in layer.items():
         assert projections.kernel_for(32, n, k, 2) is projections.Kernel.GEMM, name
         assert projections.kernel_for(64, n, k, 2) is projections.Kernel.CUBLAS, name  # lost at 64 rows
+        if k == 1024:  # unsplit at every row (measured shorter at bs 16 and 32), paired or not, on 132 SMs
+            paired = name in ("qkv", "gate_up")
+            n_out = n // 2 if paired else n
+            for rows in (3, 16, 32):
+                plan = projections.gemm_plan(rows, n_out, k, paired, 2, 132, projections.TUNING)
+                assert plan.split_k == 1, (name, rows, plan)
     n, k = products["lm_head"]
     assert projections.kernel_for(32, n, k, 2) is projections.Kernel.CUBLAS  # no gain through the kernel
     for name, (n, k) in llama_mlp.items():  # from the GEMV's last row (its weights are large: 1) to 64

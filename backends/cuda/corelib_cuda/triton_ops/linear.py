@@ -103,7 +103,7 @@ GEMV_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
 #: o 7.8 against 6.3), so do small-0.6b's LM head (through this kernel the bs-32 TPOT gained nothing) and small-0.6b's
 #: products at 64 rows (15 % longer), H100, BENCHMARKS.md 2026-12-06, night.
 #: small-0.6b's K = 1024 products unsplit (8 K tiles a program, all of K): the engine's TPOT took 1.4 % less at bs 16
-#: and 2.8 % at bs 32 than split to 4 K tiles, the same at bs 1 (H100, BENCHMARKS.md 2026-12-07, late); a bare kernel
+#: and 2.6 % at bs 32 than split to 4 K tiles, the same at bs 1-8 (H100, BENCHMARKS.md 2026-12-07, late); a bare kernel
 #: so unsplit took gate_up at 32 rows in 7.56 µs against 11.18 split in two.
 GEMM_SHAPE_TILES: tuple[tuple[int, int, int, int, int, int], ...] = (
     (32, 2048, 1024, 128, 4, 8),  # small-0.6b qkv (RoPE, KV cache write)
