@@ -271,8 +271,7 @@ def assert_weights_through_descriptors(ops: Ops, op: str, case: Case, device: to
     from corelib_cuda.triton_ops import linear as projections
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from corelib.ops.reference import reference_ops
-    from corelib.testing.op_conformance import CALLS, assert_matches
+    from corelib.testing.op_conformance import assert_like_reference
 
     made: list[list[int]] = []
 
@@ -284,9 +283,5 @@ def assert_weights_through_descriptors(ops: Ops, op: str, case: Case, device: to
 
     monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024, gemm_tma=True))
     monkeypatch.setattr(projections, "TensorDescriptor", Spy)
-    call = CALLS[op]
-    actual = call(ops, case.build(0, device))
-    expected = call(reference_ops(), case.build(0, device))
-    for a, e in zip(actual, expected, strict=True):
-        assert_matches(a, e, f"{op} with its weight through a descriptor", getattr(case, "tolerance_dtype", None))
+    assert_like_reference(ops, case, device, f"{op} with its weight through a descriptor", op=op)
     assert bool(made) is (op != "norm_qkv_rope_kv_write"), made

@@ -210,11 +210,18 @@ def _check(target: OpTarget, op: str, case: Case, call: Call) -> None:
     ops = target.require(op)
     if getattr(case, "folded", False) and not target.folded_norms:
         pytest.skip(f"op provider {target.provider!r} takes the norm's weight itself (folded_norms is False)")
-    actual = call(ops, case.build(0, target.torch_device))
-    expected = call(reference_ops(), case.build(0, target.torch_device))
+    assert_like_reference(ops, case, target.torch_device, f"{target.provider}.{op} ({case_id(case)})", call=call)
+
+
+def assert_like_reference(ops: Ops, case: Case, device: torch.device, what: str, *, op: str = "",
+                          call: Call | None = None, seed: int = 0) -> None:
+    """``op`` (or ``call``) on ``case`` built from ``seed``, through ``ops`` and through the reference ops: each
+    output within the tolerance of its dtype (or the case's ``tolerance_dtype``)."""
+    call = call or CALLS[op]
+    actual = call(ops, case.build(seed, device))
+    expected = call(reference_ops(), case.build(seed, device))
     for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        assert_matches(a, e, f"{target.provider}.{op} output {index} ({case_id(case)})",
-                       getattr(case, "tolerance_dtype", None))
+        assert_matches(a, e, f"{what}, output {index}", getattr(case, "tolerance_dtype", None))
 
 
 def _norm(ops: Ops, args: Args) -> tuple[torch.Tensor, ...]:

@@ -59,6 +59,7 @@ from corelib.testing.op_conformance import (
     DECODE_CASES,
     DECODE_SWEEP,
     OpTarget,
+    assert_like_reference,
     assert_matches,
 )
 from corelib.testing.projection_cases import (
@@ -144,12 +145,9 @@ def test_the_decode_attention_reads_the_same_keys_early_or_late(
     # A one-tile split may read the keys of earlier steps before the wait and the newest after it: the same
     # results either way. (That the newest comes after the wait is for the GPU's PDL test to show.)
     monkeypatch.setattr(decode_attention, "EARLY_KV", early)
-    call = CALLS["paged_attention"]
     for case in DECODE_CASES:
-        actual = call(op_target.ops, case.build(0, torch.device("cpu")))
-        expected = call(reference_ops(), case.build(0, torch.device("cpu")))
-        for a, e in zip(actual, expected, strict=True):
-            assert_matches(a, e, f"decode attention {case}, old keys {'early' if early else 'late'}")
+        assert_like_reference(op_target.ops, case, torch.device("cpu"),
+                              f"decode attention {case}, old keys {'early' if early else 'late'}", op="paged_attention")
 
 
 #: the cases whose qkv product goes to cuBLAS: there the attention kernel rotates q and k and writes the cache
@@ -423,10 +421,8 @@ def test_a_shape_measured_past_the_gemm_rows_takes_the_tensor_core_kernel_with_i
                                      dataclasses.replace(tuning, gemm_shape_tiles=(), gemm_min_k_tiles=1))
     assert unlisted.k_per_split < 256
     case = NormGateUpCase(BF16, 20, 48, 256)  # gate and up: 96 weight rows of K = 256
-    actual = CALLS["norm_gate_up_silu_mul"](op_target.ops, case.build(0, torch.device("cpu")))
-    expected = CALLS["norm_gate_up_silu_mul"](reference_ops(), case.build(0, torch.device("cpu")))
-    for a, e in zip(actual, expected, strict=True):
-        assert_matches(a, e, "norm_gate_up_silu_mul on a measured tensor-core tile")
+    assert_like_reference(op_target.ops, case, torch.device("cpu"),
+                          "norm_gate_up_silu_mul on a measured tensor-core tile", op="norm_gate_up_silu_mul")
 
 
 EPILOGUE_CASES = [
@@ -444,12 +440,8 @@ def test_the_gemv_epilogue_reads_the_same_inputs_early_or_late(
     # The residual, bias, cos/sin and slots may be read before the reduction: the same results either way.
     monkeypatch.setattr(projections, "TUNING", dataclasses.replace(  # the GEMV at every row of these cases
         projections.TUNING, gemv_early_epilogue_loads=early, gemv_max_m=4, gemv_max_m_tensor_core=4))
-    call = CALLS[op]
-    actual = call(op_target.ops, case.build(0, torch.device("cpu")))
-    expected = call(reference_ops(), case.build(0, torch.device("cpu")))
-    for a, e in zip(actual, expected, strict=True):
-        assert_matches(a, e, f"{op} on the GEMV, epilogue loads {'early' if early else 'late'}",
-                       getattr(case, "tolerance_dtype", None))
+    assert_like_reference(op_target.ops, case, torch.device("cpu"),
+                          f"{op} on the GEMV, epilogue loads {'early' if early else 'late'}", op=op)
 
 
 class _SmallSharedMemory:
@@ -546,18 +538,14 @@ def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
     paired = projections.gemm_plan(20, 24, 1024, True, 2, INTERPRETER_SM_COUNT, projections.TUNING)
     assert paired.split_k > 1
     assert paired.block_n == (paired_block_n if swap else projections.TUNING.gemm_block_n // 2)
-    call = CALLS[op]
-    actual = call(op_target.ops, case.build(0, torch.device("cpu")))
-    expected = call(reference_ops(), case.build(0, torch.device("cpu")))
-    for a, e in zip(actual, expected, strict=True):
-        assert_matches(a, e, f"{op} on the tensor-core kernel", getattr(case, "tolerance_dtype", None))
+    assert_like_reference(op_target.ops, case, torch.device("cpu"), f"{op} on the tensor-core kernel", op=op)
 
 
 @pytest.mark.parametrize(("op", "case"), DESCRIPTOR_GEMM, ids=DESCRIPTOR_GEMM_IDS)
 def test_weight_tiles_through_a_descriptor_give_the_reference_results(
     op_target: OpTarget, op: str, case: Case, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Off by default (not yet measured in the step); tests/backends/test_triton_descriptors.py runs these on a GPU
+    # Off by default (no faster in the step); tests/backends/test_triton_descriptors.py runs these on a GPU
     assert_weights_through_descriptors(op_target.ops, op, case, op_target.torch_device, monkeypatch)
 
 
@@ -575,13 +563,10 @@ def test_a_captured_step_split_over_its_keys_matches_the_reference(op_target: Op
     # steps whose rows reach past one key tile (contexts of 1,500 and 700 tokens), padding tokens included.
     chosen = attention.captured_config
     monkeypatch.setattr(attention, "captured_config", lambda *shape: chosen(*shape)._replace(splits=splits))
-    call = CALLS["paged_attention"]
     seed = splits // 4  # each case's first step in two splits, its second in four (the interpreter is slow)
     for case in CAPTURED_CASES[2:]:
-        actual = call(op_target.ops, case.build(seed, torch.device("cpu")))
-        expected = call(reference_ops(), case.build(seed, torch.device("cpu")))
-        for a, e in zip(actual, expected, strict=True):
-            assert_matches(a, e, f"a captured step in {splits} key splits, step {seed}")
+        assert_like_reference(op_target.ops, case, torch.device("cpu"),
+                              f"a captured step in {splits} key splits, step {seed}", op="paged_attention", seed=seed)
 
 
 def test_the_sampler_processes_logits_as_the_reference_bit_for_bit() -> None:
