@@ -523,21 +523,27 @@ FORCED_GEMM = [
 ]
 
 
-@pytest.mark.parametrize(("swap", "paired_block_n"), [(True, 64), (False, 64), (True, 32)],
-                         ids=["weight-rows-as-mma-rows", "x-rows-as-mma-rows", "paired-halves-of-32-rows"])
+@pytest.mark.parametrize(("swap", "paired_block_n", "stacked"), [(True, 64, False), (False, 64, False),
+                                                                  (True, 32, False), (True, 64, True)],
+                         ids=["weight-rows-as-mma-rows", "x-rows-as-mma-rows", "paired-halves-of-32-rows",
+                              "paired-halves-stacked-in-one-tile"])
 @pytest.mark.parametrize(("op", "case"), FORCED_GEMM, ids=[f"{op}-{i}" for i, (op, _) in enumerate(FORCED_GEMM)])
 def test_the_tensor_core_kernel_matches_the_reference_where_it_is_chosen(
-    op_target: OpTarget, op: str, case: Case, swap: bool, paired_block_n: int, monkeypatch: pytest.MonkeyPatch
+    op_target: OpTarget, op: str, case: Case, swap: bool, paired_block_n: int, stacked: bool,
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Off by default (cuBLAS measured faster): chosen here for every M above the GEMV's, both tile orientations,
-    # and paired products (SiLU's gate and up, RoPE's halves) in narrower tiles.
-    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024,
-                                                                   gemm_swap=swap, gemm_paired_block_n=paired_block_n))
+    # and paired products (SiLU's gate and up, RoPE's halves) in narrower tiles, or both halves in one tile.
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(
+        projections.TUNING, gemm_max_m=1024, gemm_swap=swap, gemm_paired_block_n=paired_block_n,
+        gemm_paired_stacked=stacked))
     assert projections.kernel_for(20, 97, 300, 2) is projections.Kernel.GEMM
     assert projections.gemm_plan(20, 97, 300, False, 2, INTERPRETER_SM_COUNT, projections.TUNING).swap is swap
     paired = projections.gemm_plan(20, 24, 1024, True, 2, INTERPRETER_SM_COUNT, projections.TUNING)
     assert paired.split_k > 1
-    assert paired.block_n == (paired_block_n if swap else projections.TUNING.gemm_block_n // 2)
+    assert paired.stacked is stacked
+    assert paired.block_n == (paired_block_n // (2 if stacked else 1) if swap
+                              else projections.TUNING.gemm_block_n // 2)
     assert_like_reference(op_target.ops, case, torch.device("cpu"), f"{op} on the tensor-core kernel", op=op)
 
 

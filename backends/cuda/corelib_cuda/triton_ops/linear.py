@@ -141,6 +141,9 @@ class Tuning:
     #: the same for each half of a paired product's tile, with the weight as the MMA's rows: at 32 small-0.6b's step
     #: took 1.5-1.9x as long at bs 16-32 (H100, BENCHMARKS.md 2026-12-07, late)
     gemm_paired_block_n: int = 64
+    #: paired products' halves stacked in one tile of ``gemm_paired_block_n`` weight rows (half a's, half b's: one
+    #: MMA, twice the programs), with the weight as the MMA's rows and pointer loads
+    gemm_paired_stacked: bool = False
     #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
     #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
     #: ``gemm_fallback_tile``
@@ -227,6 +230,7 @@ class GemmPlan(NamedTuple):
     warps: int
     stages: int
     swap: bool
+    stacked: bool = False  # a paired product's halves in one tile of 2 * block_n weight rows
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -264,9 +268,11 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
     padded to 16, its narrow side: one read of each weight tile serves every row.
     """
     swap = tuning.gemm_swap and m <= 64
+    stacked = swap and paired and tuning.gemm_paired_stacked
     if swap:
         block_m = max(16, next_power_of_2(m))
         block_n = tuning.gemm_paired_block_n if paired else tuning.gemm_block_n
+        block_n = block_n // 2 if stacked else block_n
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
@@ -285,7 +291,7 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
         split *= 2
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return GemmPlan(block_m, block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, tuning.gemm_warps, stages,
-                    swap)
+                    swap, stacked)
 
 
 @functools.lru_cache(maxsize=8)
@@ -401,7 +407,8 @@ class Projection:
             x, weight, norm_weight, part, count, stats, *common,
             m, self.n_out, k, x.stride(0), w.stride(0), self.pair_offset, self.eps, g.k_per_split,
             SPLIT_K=g.split_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
-            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), SWAP=g.swap, TMA=tma, num_warps=g.warps,
+            UPCAST=upcast_in_kernel(), PRECISION=dot_precision(x.dtype), SWAP=g.swap, TMA=tma, STACKED=g.stacked,
+            num_warps=g.warps,
             num_stages=g.stages,
             **flags, **launch,
         )  # fmt: skip
@@ -409,11 +416,11 @@ class Projection:
 
     def _tma(self, g: GemmPlan) -> bool:
         """Whether plan ``g`` reads the weight through a TMA descriptor (``Tuning.gemm_tma``): 2-byte contiguous
-        weights, whole K tiles a split (or one split), rows in one run (not ROPE's pairs), a GPU with TMA, not
-        under torch.compile."""
+        weights, whole K tiles a split (or one split), rows in one run (not ROPE's pairs nor stacked halves), a GPU
+        with TMA, not under torch.compile."""
         w = self.weight
         if not (TUNING.gemm_tma and HOST_DESCRIPTORS and self.mode != proj.ROPE and w.element_size() == 2
-                and w.is_contiguous()):
+                and w.is_contiguous() and not g.stacked):
             return False
         if (g.split_k > 1 and g.k_per_split % g.block_k) or (w.shape[1] * w.element_size()) % 16 or w.data_ptr() % 16:
             return False

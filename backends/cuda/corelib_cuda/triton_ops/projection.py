@@ -23,6 +23,10 @@ rows are normalized with a unit weight.
 Paired rows (PAIRED): each output column reads two weight rows, a and b: gate and up for
 SiLU-and-multiply (b = a + I), or a feature and its rotate-half partner for RoPE
 (b = a + hd/2 within a head), so a program always holds both halves it combines.
+Stacked pairs (STACKED, the tensor-core kernel with SWAP): a program's a rows and b rows are one
+weight tile of 2 * BLOCK_N rows, a's then b's, so one MMA of twice the rows replaces two (Hopper's
+MMA takes 64 weight rows at least: 32 output columns a program, twice the programs of two 64-row
+tiles); the accumulator is split into a's and b's after the K loop.
 Epilogues (MODE): STORE (+bias), RESIDUAL (product rounded, then + residual), SILU
 (silu(a) * b), ROPE (rotate q and k, write q out, k and v into the paged cache), LOGITS
 (float32, unrounded).
@@ -52,14 +56,30 @@ STORE, RESIDUAL, SILU, ROPE, LOGITS = 0, 1, 2, 3, 4
 def _columns(pid, n_out, pair_offset, BLOCK: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr):
     """Output columns of column block ``pid`` and the weight rows (a, b) each one reads."""
     cols = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_out
+    row_a, row_b = _rows(cols, pair_offset, MODE, HALF)
+    return cols, cols < n_out, row_a, row_b
+
+
+@triton.jit
+def _rows(cols, pair_offset, MODE: tl.constexpr, HALF: tl.constexpr):
+    """The weight rows (a, b) output columns ``cols`` read."""
     if MODE == 3:  # ROPE: pair (d, d + hd/2) of one head
         row_a = (cols // HALF) * (2 * HALF) + cols % HALF
         row_b = row_a + HALF
     else:  # SILU: gate row p and up row I + p; otherwise one row per column
         row_a = cols
         row_b = cols + pair_offset
-    return cols, ok, row_a.to(tl.int64), row_b.to(tl.int64)
+    return row_a.to(tl.int64), row_b.to(tl.int64)
+
+
+@triton.jit
+def _stacked_rows(pid, n_out, pair_offset, BLOCK: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr):
+    """STACKED: the 2 * BLOCK weight rows of column block ``pid`` as one tile, its a rows then its b rows, and
+    which of them are in range."""
+    at = tl.arange(0, 2 * BLOCK)
+    cols = pid * BLOCK + at % BLOCK
+    row_a, row_b = _rows(cols, pair_offset, MODE, HALF)
+    return tl.where(at < BLOCK, row_a, row_b), cols < n_out
 
 
 @triton.jit
@@ -332,6 +352,7 @@ def gemm_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr, RNE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr = False,
+    STACKED: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -340,6 +361,8 @@ def gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     dtype = x_ptr.dtype.element_ty
     cols, c_ok, row_a, row_b = _columns(pid_n, n_out, pair_offset, BLOCK_N, MODE, HALF)
+    if STACKED:  # paired, SWAP, pointer loads: both halves' rows in one tile (the module docstring)
+        rows_s, ok_s = _stacked_rows(pid_n, n_out, pair_offset, BLOCK_N, MODE, HALF)
     ms = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_ok = ms < M
     k_start = split * k_per_split
@@ -350,12 +373,18 @@ def gemm_kernel(
     k_ok = ks < k_end
     w_mask = c_ok[:, None] & k_ok[None, :]
     first_a = pid_n * BLOCK_N  # TMA: the first weight row of the tile (rows run on from it: not ROPE's pairs)
-    w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k_start, TMA)
-    if PAIRED:
+    if STACKED:
+        w_a = _w_tile(w_ptr, rows_s, ks, ok_s[:, None] & k_ok[None, :], w_s0, first_a, k_start, False)
+    else:
+        w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k_start, TMA)
+    if PAIRED and not STACKED:
         w_b = _w_tile(w_ptr, row_b, ks, w_mask, w_s0, first_a + pair_offset, k_start, TMA)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if SWAP:
+    if STACKED:
+        acc_a = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    elif SWAP:
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -363,19 +392,24 @@ def gemm_kernel(
         acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     x, squares = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, NORM_WEIGHT, dtype, RNE)
     acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
-    if PAIRED:
+    if PAIRED and not STACKED:
         acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):  # the rest, pipelined
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        w_mask = c_ok[:, None] & k_ok[None, :]
-        w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k0, TMA)
+        if STACKED:
+            w_a = _w_tile(w_ptr, rows_s, ks, ok_s[:, None] & k_ok[None, :], w_s0, first_a, k0, False)
+        else:
+            w_mask = c_ok[:, None] & k_ok[None, :]
+            w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k0, TMA)
         x, more = _x_tile(x_ptr, x_s0, nw_ptr, ms, m_ok, ks, k_ok, NORM, NORM_WEIGHT, dtype, RNE)
         squares += more
         acc_a = _dot(acc_a, w_a, x, SWAP, UPCAST, PRECISION)
-        if PAIRED:
+        if PAIRED and not STACKED:
             w_b = _w_tile(w_ptr, row_b, ks, w_mask, w_s0, first_a + pair_offset, k0, TMA)
             acc_b = _dot(acc_b, w_b, x, SWAP, UPCAST, PRECISION)
+    if STACKED:  # [2 * BLOCK_N, BLOCK_M] -> a's [BLOCK_N, BLOCK_M] and b's
+        acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc_a, [2, BLOCK_N, BLOCK_M]), (1, 2, 0)))
     if SWAP:
         acc_a = tl.trans(acc_a)
         acc_b = tl.trans(acc_b)
