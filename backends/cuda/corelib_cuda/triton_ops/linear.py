@@ -142,7 +142,9 @@ class Tuning:
     #: took 1.5-1.9x as long at bs 16-32 (H100, BENCHMARKS.md 2026-12-07, late)
     gemm_paired_block_n: int = 64
     #: paired products' halves stacked in one tile of ``gemm_paired_block_n`` weight rows (half a's, half b's: one
-    #: MMA, twice the programs), with the weight as the MMA's rows and pointer loads
+    #: MMA, twice the programs), with the weight as the MMA's rows and pointer loads. Off: not yet timed on a GPU (the
+    #: commands: docs/decode-kernels.md). Its aim: 32 columns a program, as ``gemm_paired_block_n`` 32 gives, without
+    #: that setting's two 32-row MMAs (which took the step to 1.5-1.9x)
     gemm_paired_stacked: bool = False
     #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
     #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
