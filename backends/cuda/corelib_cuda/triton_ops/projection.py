@@ -371,19 +371,18 @@ def gemm_kernel(
     # previous kernel ends. Activations, partials and counters only after the wait.
     ks = k_start + tl.arange(0, BLOCK_K)
     k_ok = ks < k_end
-    w_mask = c_ok[:, None] & k_ok[None, :]
     first_a = pid_n * BLOCK_N  # TMA: the first weight row of the tile (rows run on from it: not ROPE's pairs)
     if STACKED:
         w_a = _w_tile(w_ptr, rows_s, ks, ok_s[:, None] & k_ok[None, :], w_s0, first_a, k_start, False)
     else:
+        w_mask = c_ok[:, None] & k_ok[None, :]
         w_a = _w_tile(w_ptr, row_a, ks, w_mask, w_s0, first_a, k_start, TMA)
     if PAIRED and not STACKED:
         w_b = _w_tile(w_ptr, row_b, ks, w_mask, w_s0, first_a + pair_offset, k_start, TMA)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if STACKED:
+    if STACKED:  # both halves in one accumulator (acc_b: its second half, after the K loop)
         acc_a = tl.zeros([2 * BLOCK_N, BLOCK_M], tl.float32)
-        acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     elif SWAP:
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
