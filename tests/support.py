@@ -265,7 +265,8 @@ def load_benchmark(name: str) -> ModuleType:
 def assert_weights_through_descriptors(ops: Ops, op: str, case: Case, device: torch.device,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """``op`` on ``case`` with the tensor-core kernel at every row past the GEMV's and its weight tiles through TMA
-    descriptors (``Tuning.gemm_tma``): the reference's results, and a descriptor made for every product but ROPE's."""
+    descriptors (``Tuning.gemm_tma``): the reference's results, and a descriptor made for every product but ROPE's
+    (paired halves unstacked: a stacked tile's rows are not one run)."""
     import dataclasses
 
     from corelib_cuda.triton_ops import linear as projections
@@ -281,7 +282,8 @@ def assert_weights_through_descriptors(ops: Ops, op: str, case: Case, device: to
             made.append(block_shape)
             return TensorDescriptor.from_tensor(tensor, block_shape)
 
-    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024, gemm_tma=True))
+    monkeypatch.setattr(projections, "TUNING", dataclasses.replace(projections.TUNING, gemm_max_m=1024, gemm_tma=True,
+                                                                      gemm_paired_stacked=False))
     monkeypatch.setattr(projections, "TensorDescriptor", Spy)
     assert_like_reference(ops, case, device, f"{op} with its weight through a descriptor", op=op)
     assert bool(made) is (op != "norm_qkv_rope_kv_write"), made

@@ -364,6 +364,26 @@ def test_llama_1bs_mlp_products_split_k_no_finer_than_their_entry_says() -> None
             assert general.k_per_split < plan.k_per_split, (name, rows)  # the general floor splits finer
 
 
+def test_paired_halves_stack_in_one_tile_only_where_twice_the_programs_fit_one_wave() -> None:
+    # small-0.6b's RoPE and SiLU pairs (48 programs for gate_up unstacked, 96 stacked) were faster stacked in the
+    # step; llama-1b's gate_up (128 unstacked, 256 stacked: two waves) slower, so it keeps one half a tile each.
+    tuning, sms = projections.TUNING, 132
+    assert tuning.gemm_paired_stacked
+    for name in ("qkv", "gate_up"):
+        n, k = _decoder_products("small-0.6b")[name]
+        for rows in (3, 8, 16, 32):
+            plan = projections.gemm_plan(rows, n // 2, k, True, 2, sms, tuning)
+            assert plan.stacked and plan.block_n == tuning.gemm_paired_block_n // 2, (name, rows, plan)
+            assert -(-rows // plan.block_m) * -(-(n // 2) // plan.block_n) <= sms, (name, rows)  # one wave
+        assert not projections.gemm_plan(16, n // 2, k, False, 2, sms, tuning).stacked  # not a pair
+    n, k = _decoder_products("llama-1b")["gate_up"]
+    for rows in (2, 16, 32, 64):
+        plan = projections.gemm_plan(rows, n // 2, k, True, 2, sms, tuning)
+        assert not plan.stacked and plan.block_n == tuning.gemm_paired_block_n, (rows, plan)
+    off = dataclasses.replace(tuning, gemm_paired_stacked=False)
+    assert not projections.gemm_plan(16, 3072, 1024, True, 2, sms, off).stacked
+
+
 def test_small_06bs_down_projection_takes_the_tensor_core_kernel_from_past_the_gemv_with_the_general_tile() -> None:
     # K = 3072 is past gemm_max_k: its entry routes it to the kernel from the GEMV's last row on, not only past
     # gemm_max_m (cuBLAS ran it with a split-K reduction kernel); its own tile holds only past gemm_max_m.

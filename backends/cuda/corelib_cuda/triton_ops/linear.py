@@ -142,10 +142,12 @@ class Tuning:
     #: took 1.5-1.9x as long at bs 16-32 (H100, BENCHMARKS.md 2026-12-07, late)
     gemm_paired_block_n: int = 64
     #: paired products' halves stacked in one tile of ``gemm_paired_block_n`` weight rows (half a's, half b's: one
-    #: MMA, twice the programs), with the weight as the MMA's rows and pointer loads. Off: not yet timed on a GPU (the
-    #: commands: docs/decode-kernels.md). Its aim: 32 columns a program, as ``gemm_paired_block_n`` 32 gives, without
-    #: that setting's two 32-row MMAs (which took the step to 1.5-1.9x)
-    gemm_paired_stacked: bool = False
+    #: MMA, half the columns a program, twice the programs), with the weight as the MMA's rows and pointer loads,
+    #: where the doubled grid still fits one wave of the GPU. small-0.6b's TPOT took 7.6 %, 6.2 % and 6.6 % less at
+    #: bs 8, 16 and 32 (its gate_up: 96 programs for 48; the step's tensor-core kernels 18.9 -> 14.6 µs each at
+    #: bs 32); llama-1b's gate_up (128 programs, 256 stacked) took 2 % longer at bs 8-16 stacked, and is not
+    #: (H100, BENCHMARKS.md 2026-12-07, evening again)
+    gemm_paired_stacked: bool = True
     #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
     #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
     #: ``gemm_fallback_tile``
@@ -270,11 +272,12 @@ def gemm_plan(m: int, n_out: int, k: int, paired: bool, itemsize: int, sms: int,
     padded to 16, its narrow side: one read of each weight tile serves every row.
     """
     swap = tuning.gemm_swap and m <= 64
-    stacked = swap and paired and tuning.gemm_paired_stacked
+    stacked = False
     if swap:
         block_m = max(16, next_power_of_2(m))
         block_n = tuning.gemm_paired_block_n if paired else tuning.gemm_block_n
-        block_n = block_n // 2 if stacked else block_n
+        if paired and tuning.gemm_paired_stacked and triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n // 2) <= sms:
+            stacked, block_n = True, block_n // 2  # twice the programs, still one wave
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n = tuning.gemm_block_n // 2 if paired or itemsize > 2 else tuning.gemm_block_n
