@@ -146,7 +146,7 @@ class Tuning:
     #: where the doubled grid still fits one wave of the GPU. small-0.6b's TPOT took 7.6 %, 6.2 % and 6.6 % less at
     #: bs 8, 16 and 32 (its gate_up: 96 programs for 48; the step's tensor-core kernels 18.9 -> 14.6 µs each at
     #: bs 32); llama-1b's gate_up (128 programs, 256 stacked) took 2 % longer at bs 8-16 stacked, and is not
-    #: (H100, BENCHMARKS.md 2026-12-07, evening again)
+    #: (H100, BENCHMARKS.md 2026-12-07, last)
     gemm_paired_stacked: bool = True
     #: the K tile and pipeline depth of 2-byte weights: 128 and 5 took small-0.6b's TPOT 2 % down at bs 8 and 3 % at
     #: bs 16 against 64 and 3 (H100, BENCHMARKS.md 2026-12-06); a GPU whose shared memory they overflow gets
