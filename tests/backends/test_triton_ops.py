@@ -374,7 +374,7 @@ def test_paired_halves_stack_in_one_tile_only_where_twice_the_programs_fit_one_w
         for rows in (3, 8, 16, 32):
             plan = projections.gemm_plan(rows, n // 2, k, True, 2, sms, tuning)
             assert plan.stacked and plan.block_n == tuning.gemm_paired_block_n // 2, (name, rows, plan)
-            assert -(-rows // plan.block_m) * -(-(n // 2) // plan.block_n) <= sms, (name, rows)  # one wave
+            assert triton.cdiv(rows, plan.block_m) * triton.cdiv(n // 2, plan.block_n) <= sms, (name, rows)  # one wave
         assert not projections.gemm_plan(16, n // 2, k, False, 2, sms, tuning).stacked  # not a pair
     n, k = _decoder_products("llama-1b")["gate_up"]
     for rows in (2, 16, 32, 64):
